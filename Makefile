@@ -1,0 +1,34 @@
+# Two commands: `make demo` and `make test`. Both set up .venv on first use.
+# Override the torch requirement for another build, e.g. `make test TORCH_SPEC="torch==2.5.1"`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?= -n 2
+
+.PHONY: setup demo test lint bench-manual clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev,bench]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m remat.demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check remat tests benchmarks
+	$(PY) -m mypy
+
+bench-manual: setup
+	$(PY) benchmarks/manual/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

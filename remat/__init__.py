@@ -1,0 +1,31 @@
+"""remat: train PyTorch models in less memory by recomputing activations instead of storing them.
+
+Manual forms: ``remat.checkpoint`` (a function or module), ``remat.checkpoint_sequential`` (a chain
+cut into segments) and ``remat.scope`` (a region of code, recorded and replayed). Policies in
+``remat.policy`` choose per op what to keep. ``remat.memory`` measures what it all costs.
+"""
+
+from remat import memory, policy
+from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError
+from remat.checkpoint import checkpoint
+from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
+from remat.sequential import checkpoint_sequential
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Decision",
+    "OpContext",
+    "Policy",
+    "RecomputationError",
+    "RecomputeAll",
+    "RematError",
+    "RematTypeError",
+    "RematValueError",
+    "SaveComputeIntensive",
+    "SaveOps",
+    "checkpoint",
+    "checkpoint_sequential",
+    "memory",
+    "policy",
+]

@@ -1,0 +1,98 @@
+"""Parsing of byte sizes and budgets given by users (``"2GB"``, ``"512MiB"``, ``4096``, ``0.5``)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from remat._errors import RematTypeError, RematValueError, message
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
+    """Return a positive byte count from an int or a string such as ``"2GB"`` (10^9), ``"512MiB"``
+    (2^20) or ``"1.5 GiB"``. Floats are refused: a ratio is not a byte count."""
+    if isinstance(value, (bool, float)):
+        raise RematTypeError(
+            message(
+                api,
+                "a byte count is required, not a ratio or a bool",
+                f"got {value!r}",
+                'pass bytes as an int or a string such as "2GB" or "512MiB"',
+            )
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise RematValueError(
+                message(api, "a byte count must be positive", f"got {value}", "pass a size above 0 bytes")
+            )
+        return value
+    if not isinstance(value, str):
+        raise RematTypeError(
+            message(
+                api,
+                "a byte count must be an int or a string",
+                f"got {type(value).__name__}",
+                'pass e.g. 2_000_000_000 or "2GB"',
+            )
+        )
+    match = _SIZE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise RematValueError(
+            message(
+                api,
+                "cannot parse this byte size",
+                f"got {value!r}",
+                "use a number with an optional unit: B, KB, MB, GB, TB (powers of 1000) "
+                "or KiB, MiB, GiB, TiB (powers of 1024)",
+            )
+        )
+    size = math.floor(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise RematValueError(
+            message(api, "a byte count must be positive", f"got {value!r}", "pass a size above 0 bytes")
+        )
+    return size
+
+
+def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float:
+    """A budget is either bytes (int or size string, see :func:`parse_bytes`) or a ratio: a float in
+    (0, 1] of the unconstrained peak. Returns an int for bytes and a float for a ratio."""
+    if isinstance(value, float):
+        if not (0.0 < value <= 1.0) or math.isnan(value):
+            raise RematValueError(
+                message(
+                    api,
+                    "a ratio budget must lie in (0, 1]",
+                    f"got {value!r}",
+                    'pass a fraction of the unconstrained peak such as 0.5, or bytes such as "2GB"',
+                )
+            )
+        return value
+    return parse_bytes(value, api)
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,292 @@
+"""``remat.checkpoint``: run a function without keeping its insides, recompute them in backward.
+
+Like ``torch.utils.checkpoint(use_reentrant=False)``, the function runs once in forward with
+autograd recording as usual, but every tensor autograd saves for backward is replaced by a small
+handle (a saved-tensors pack hook). When backward first asks for one of them, the function runs
+again from its inputs and the handles are filled in; the original autograd graph then uses the
+recomputed tensors. Differences from torch's version, each a bug report there:
+
+- module buffers (batch-norm running statistics, ``num_batches_tracked``) are updated once, by the
+  forward pass only (see ``remat._buffers``);
+- the RNG of the CPU and of every CUDA device is replayed, and the caller's stream is left where
+  it was; autocast settings are replayed;
+- ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them;
+- ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names
+  the op and module that diverged; shapes and dtypes are always checked.
+
+The recomputation runs once per backward pass (per autograd graph task), however many saved
+tensors are unpacked, and stops as soon as the last saved tensor has been produced again::
+
+    forward:   x ──fn (pack: tensor -> handle i)──> y          frame keeps: inputs, RNG, autocast
+    backward:  node.unpack(handle i) ─> frame.recompute() ─> fn(x') under the same state,
+               pack'(tensor j) stores j ... stops after the last j ─> returns tensor i
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, overload
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from remat import _state
+from remat._buffers import buffers_shielded
+from remat._checks import Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat._errors import RecomputationError, RematTypeError, RematValueError, message
+from remat._selective import Recording, Replaying, SaveCache
+from remat.policy import Policy, RecomputeAll
+
+__all__ = ["checkpoint"]
+
+Check = Literal["shapes", "values"]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _StopRecomputation(Exception):
+    """Raised inside the recomputation once every saved tensor has been produced again."""
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Holds the region's tensor inputs through autograd's saved-tensor machinery, so that an
+    enclosing checkpoint sees them too (nested checkpoints drop and recompute them as well)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*tensors)
+        return anchor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never part of a used graph
+        raise RuntimeError("remat internal: _SaveInputs is an anchor and is never differentiated")
+
+
+class _Handle:
+    """What autograd stores in place of a saved tensor."""
+
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+
+class _Frame:
+    """Everything needed to run one checkpointed call again."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 policy: Policy | None, check: Check) -> None:
+        self.fn = fn
+        self.check = check
+        # Tensors (positional and keyword) go through _SaveInputs; the rest is kept as is.
+        flat = list(args) + list(kwargs.values())
+        self.tensor_slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        self.structure = (len(args), list(kwargs.keys()), flat)
+        tensors = [flat[i] for i in self.tensor_slots]
+        self.requires_grad = [t.requires_grad for t in tensors]
+        anchor = torch.empty((0,), requires_grad=True)
+        self.saver = _SaveInputs.apply(anchor, *tensors) if tensors else None
+        for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
+            flat[i] = None
+        self.rng = _state.capture_rng()
+        self.autocast = _state.capture_autocast()
+        self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
+        self.metas: list[TensorMeta] = []
+        self.prints: list[torch.Tensor] = []
+        self.origins: list[str] = []
+        self.provenance = Provenance() if check == "values" else None
+        self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
+
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        nargs, keys, flat = self.structure
+        flat = list(flat)
+        if self.saver is not None:
+            saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            for slot, t, rg in zip(self.tensor_slots, saved, self.requires_grad, strict=True):
+                flat[slot] = t.detach().requires_grad_(rg)
+        return tuple(flat[:nargs]), dict(zip(keys, flat[nargs:], strict=True))
+
+    # forward side -------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Handle:
+        self.metas.append(TensorMeta.of(t))
+        if self.provenance is not None:
+            with _disable_current_modes():  # our own ops are not the program's
+                self.prints.append(fingerprint(t))
+            self.origins.append(self.provenance.describe(t))
+        return _Handle(self, len(self.metas) - 1)
+
+    # backward side ------------------------------------------------------------------------
+    def unpack(self, handle: _Handle) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        store = self.recomputed.get(task)
+        if store is None or handle.index not in store:
+            store = self.recomputed[task] = {}
+            self.recompute(store)
+        return store.pop(handle.index)
+
+    def recompute(self, store: dict[int, torch.Tensor]) -> None:
+        total = len(self.metas)
+        counter = [0]
+
+        def pack_again(t: torch.Tensor) -> None:
+            i = counter[0]
+            counter[0] += 1
+            if i >= total:
+                raise _StopRecomputation
+            with _disable_current_modes():  # our own ops are not the program's
+                self.verify(i, t)
+                store[i] = t.detach()
+            if i == total - 1:
+                raise _StopRecomputation
+
+        def unpack_again(_: None) -> torch.Tensor:  # pragma: no cover - recompute never runs backward
+            raise RuntimeError("remat internal: a recomputation tried to run backward")
+
+        args, kwargs = self.inputs()
+        replay = Replaying(self.cache, "checkpoint") if self.cache is not None else None
+        try:
+            with (
+                _state.rng_replayed(self.rng),
+                _state.autocast_replayed(self.autocast),
+                buffers_shielded(),
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
+            ):
+                if replay is not None:
+                    with replay:
+                        self.fn(*args, **kwargs)
+                else:
+                    self.fn(*args, **kwargs)
+        except _StopRecomputation:
+            pass
+        if counter[0] < total:
+            raise RecomputationError(
+                message(
+                    "checkpoint",
+                    "the recomputation saved fewer tensors for backward than the forward",
+                    f"{counter[0]} of {total}",
+                    "make the checkpointed function compute the same ops in forward and backward",
+                )
+            )
+
+    def verify(self, i: int, t: torch.Tensor) -> None:
+        meta = TensorMeta.of(t)
+        if meta != self.metas[i]:
+            raise RecomputationError(
+                message(
+                    "checkpoint",
+                    "a recomputed tensor differs from the forward's",
+                    f"saved tensor #{i}: forward {self.metas[i]}, recomputed {meta}",
+                    "the checkpointed function must compute the same shapes in forward and backward "
+                    "(no state that changes between calls)",
+                )
+            )
+        if self.provenance is not None and not same_fingerprint(self.prints[i], fingerprint(t)):
+            raise RecomputationError(
+                message(
+                    "checkpoint",
+                    "a recomputed tensor has other values than the forward's",
+                    f"saved tensor #{i} made by {self.origins[i]}",
+                    "the code is not deterministic or reads state that changed since the forward; "
+                    "fix it or exclude it from the checkpointed region",
+                )
+            )
+
+
+def _unpack(handle: _Handle) -> torch.Tensor:
+    return handle.frame.unpack(handle)
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+         policy: Policy | None, check: Check) -> Any:
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return fn(*args, **kwargs)
+    frame = _Frame(fn, args, kwargs, policy, check)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+        if frame.provenance is not None:
+            with frame.provenance.tracking(fn):
+                if frame.cache is not None:
+                    with Recording(frame.cache):
+                        return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
+        if frame.cache is not None:
+            with Recording(frame.cache):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+def _validate(fn: object, policy: object, check: object) -> None:
+    if not callable(fn):
+        raise RematTypeError(
+            message("checkpoint", "fn must be callable", f"got {type(fn).__name__}",
+                    "pass a function or an nn.Module, then its arguments")
+        )
+    if policy is not None and not hasattr(policy, "decide"):
+        raise RematTypeError(
+            message("checkpoint", "policy must have a decide(ctx) method", f"got {policy!r}",
+                    "use one of remat.policies (RecomputeAll, SaveOps, SaveComputeIntensive)")
+        )
+    if check not in ("shapes", "values"):
+        raise RematValueError(
+            message("checkpoint", "check must be 'shapes' or 'values'", f"got {check!r}",
+                    "use check='values' to compare recomputed values with the forward's")
+        )
+
+
+def _wrap(fn: F, policy: Policy | None, check: Check) -> F:
+    if isinstance(fn, nn.Module):
+        module = fn
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+            return _run(forward, args, kwargs, policy, check)
+
+        module.forward = checkpointed_forward  # type: ignore[method-assign]
+        return fn
+
+    @functools.wraps(fn)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return _run(fn, args, kwargs, policy, check)
+
+    return checkpointed  # type: ignore[return-value]
+
+
+@overload
+def checkpoint(fn: F, /, *, policy: Policy | None = ..., check: Check = ...) -> F: ...
+@overload
+def checkpoint(fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ...) -> Callable[[F], F]: ...
+@overload
+def checkpoint(fn: Callable[..., Any], /, *args: Any, policy: Policy | None = ..., check: Check = ...,
+               **kwargs: Any) -> Any: ...
+
+
+def checkpoint(fn: Any = None, /, *args: Any, policy: Policy | None = None, check: Check = "shapes",
+               **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute its insides in backward.
+
+    Three forms:
+
+    - ``y = remat.checkpoint(fn, x, mask=m)`` runs the call (``policy`` and ``check`` are reserved
+      keywords; everything else goes to ``fn``);
+    - ``@remat.checkpoint`` or ``@remat.checkpoint(policy=...)`` decorates a function;
+    - ``remat.checkpoint(module)`` wraps an ``nn.Module``'s forward in place and returns the module
+      (its ``state_dict`` keys do not change).
+
+    A call with no arguments returns the decorated form: write ``remat.checkpoint(fn)()`` to run a
+    function that takes none. Under ``torch.no_grad()`` or inference mode the function simply runs.
+    """
+    if fn is None:
+        if args or kwargs:
+            raise RematTypeError(
+                message("checkpoint", "fn must be callable", "got None",
+                        "pass a function or an nn.Module, then its arguments")
+            )
+        _validate(lambda: None, policy, check)
+        return lambda f: checkpoint(f, policy=policy, check=check)
+    _validate(fn, policy, check)
+    if not args and not kwargs:
+        return _wrap(fn, policy, check)
+    return _run(fn, args, kwargs, policy, check)

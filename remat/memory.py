@@ -1,0 +1,133 @@
+"""Honest memory measurement: live tensor bytes on CPU (counted) and CUDA (allocator statistics).
+
+PyTorch keeps no allocator statistics on CPU, so ``track`` counts them itself: a dispatch mode sees
+every ATen op run inside the block, and each new storage an op creates is counted once, from its
+creation until the storage itself dies (a finalizer on the storage object, which PyTorch keeps
+alive exactly as long as the memory). Views and in-place results share an existing storage and
+count nothing. This is the number ``torch.cuda.max_memory_allocated`` gives on CUDA, where the
+allocator's own statistics are used instead. Tensors that existed before the block (parameters,
+inputs) are not counted: the figures are what the block added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat._errors import RematValueError, message
+from remat._units import format_bytes, parse_budget, parse_bytes
+
+__all__ = ["MemorySample", "MemoryTracker", "format_bytes", "parse_budget", "parse_bytes", "track"]
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Live bytes right after op number ``step`` (named ``op``) ran."""
+
+    step: int
+    op: str
+    bytes: int
+
+
+@dataclass
+class MemoryTracker:
+    """Figures of one ``track`` block, updated while the block runs."""
+
+    device: torch.device
+    current_bytes: int = 0
+    peak_bytes: int = 0
+    timeline: list[MemorySample] = field(default_factory=list)
+    ops: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"MemoryTracker({self.device}: peak {format_bytes(self.peak_bytes)}, "
+            f"current {format_bytes(self.current_bytes)}, {self.ops} ops)"
+        )
+
+
+def _alias_returns(func: Any) -> tuple[bool, ...]:
+    return tuple(ret.alias_info is not None for ret in func._schema.returns)
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Counts each new storage on ``device`` once, until it dies."""
+
+    def __init__(self, tracker: MemoryTracker, timeline: bool) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.keep_timeline = timeline
+        self.live: dict[int, int] = {}
+        self.alias_cache: dict[Any, tuple[bool, ...]] = {}
+        self.on_cuda = tracker.device.type == "cuda"
+        if self.on_cuda:
+            torch.cuda.synchronize(tracker.device)
+            torch.cuda.reset_peak_memory_stats(tracker.device)
+            self.base = torch.cuda.memory_allocated(tracker.device)
+
+    def _release(self, key: int) -> None:
+        self.tracker.current_bytes -= self.live.pop(key, 0)
+
+    def _count(self, out: torch.Tensor) -> None:
+        if out.device != self.tracker.device or out.is_meta:
+            return
+        storage = out.untyped_storage()
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        if nbytes == 0 or key in self.live:
+            return
+        self.live[key] = nbytes
+        self.tracker.current_bytes += nbytes
+        weakref.finalize(storage, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        tracker = self.tracker
+        tracker.ops += 1
+        if self.on_cuda:
+            tracker.current_bytes = torch.cuda.memory_allocated(tracker.device) - self.base
+            tracker.peak_bytes = torch.cuda.max_memory_allocated(tracker.device) - self.base
+        else:
+            aliases = self.alias_cache.get(func)
+            if aliases is None:
+                aliases = self.alias_cache[func] = _alias_returns(func)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for i, o in enumerate(outs):
+                if isinstance(o, torch.Tensor) and not (i < len(aliases) and aliases[i]):
+                    self._count(o)
+            tracker.peak_bytes = max(tracker.peak_bytes, tracker.current_bytes)
+        if self.keep_timeline:
+            tracker.timeline.append(MemorySample(tracker.ops, str(func), tracker.current_bytes))
+        return out
+
+
+@contextlib.contextmanager
+def track(device: torch.device | str = "cpu", timeline: bool = True) -> Iterator[MemoryTracker]:
+    """Measure the tensor memory a block of code adds on ``device``.
+
+    ``with remat.memory.track() as m: loss = model(x).sum(); loss.backward()`` then ``m.peak_bytes``
+    is the highest number of live tensor bytes during the block, ``m.current_bytes`` those still
+    live, and ``m.timeline`` one sample per op (``timeline=False`` skips it for long runs).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise RematValueError(
+            message("memory.track", "only cpu and cuda devices can be measured", f"got {dev}",
+                    "pass 'cpu' or 'cuda'")
+        )
+    tracker = MemoryTracker(device=dev)
+    counter = _StorageCounter(tracker, timeline)
+    with counter:
+        yield tracker
+    if counter.on_cuda:
+        torch.cuda.synchronize(dev)
+        tracker.peak_bytes = torch.cuda.max_memory_allocated(dev) - counter.base
+        tracker.current_bytes = torch.cuda.memory_allocated(dev) - counter.base

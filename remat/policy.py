@@ -1,0 +1,98 @@
+"""Per-op save-or-recompute policies shared by ``remat.checkpoint`` and ``remat.scope``.
+
+A policy answers one question for each ATen op run inside a recomputed region: keep its output for
+backward (SAVE) or drop it and compute it again (RECOMPUTE). Policies are small frozen dataclasses,
+so they are hashable, comparable and print as what they are.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class Decision(enum.Enum):
+    """What to do with the output of one op inside a recomputed region."""
+
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """What a policy may look at: the ATen op (``aten.mm.default``), its packet (``aten.mm``),
+    the module path that issued it, the bytes of its outputs and whether it draws random numbers."""
+
+    op: str
+    packet: str
+    module: str = ""
+    out_bytes: int = 0
+    random: bool = False
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Anything with ``decide(ctx) -> Decision`` is a policy."""
+
+    def decide(self, ctx: OpContext) -> Decision: ...
+
+
+@dataclass(frozen=True)
+class RecomputeAll:
+    """Keep nothing of the region but its inputs (Chen et al.; the default)."""
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class SaveOps:
+    """Save the outputs of the named ops (packets such as ``"aten.mm"`` or full overload names),
+    recompute the rest."""
+
+    ops: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", frozenset(self.ops))
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.SAVE if ctx.op in self.ops or ctx.packet in self.ops else Decision.RECOMPUTE
+
+
+COMPUTE_INTENSIVE_OPS: frozenset[str] = frozenset(
+    {
+        "aten.mm",
+        "aten.bmm",
+        "aten.addmm",
+        "aten.baddbmm",
+        "aten.matmul",
+        "aten.linear",
+        "aten.convolution",
+        "aten._convolution",
+        "aten.cudnn_convolution",
+        "aten.mkldnn_convolution",
+        "aten._scaled_dot_product_attention_math",
+        "aten._scaled_dot_product_flash_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_efficient_attention",
+        "aten._scaled_dot_product_cudnn_attention",
+        "aten._flash_attention_forward",
+        "aten._efficient_attention_forward",
+    }
+)
+
+
+@dataclass(frozen=True)
+class SaveComputeIntensive:
+    """Save matmul, convolution and attention outputs; recompute cheap pointwise and normalization
+    ops. The selective policy most transformer users want: little extra compute, most of the memory
+    of the pointwise intermediates back."""
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.SAVE if ctx.packet in COMPUTE_INTENSIVE_OPS else Decision.RECOMPUTE
+
+
+def describe(policy: Policy) -> str:
+    """A short human-readable name for tables and errors."""
+    return type(policy).__name__

@@ -1,0 +1,76 @@
+"""``remat.checkpoint_sequential``: cut a chain of modules into segments, keep only their borders.
+
+Chen et al.'s sublinear-memory recipe: with n layers in k segments, forward keeps the k segment
+inputs and backward recomputes one segment at a time, so activation memory is about
+``k + n/k`` layers' worth — least at ``k = sqrt(n)`` (``segments="sqrt"``), for one extra forward.
+The last segment is not checkpointed: backward needs its activations at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from torch import nn
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat.checkpoint import Check, checkpoint
+from remat.policy import Policy
+
+__all__ = ["checkpoint_sequential", "segment_bounds"]
+
+
+def segment_bounds(n: int, segments: int | Literal["sqrt"]) -> list[tuple[int, int]]:
+    """Split ``n`` modules into ``segments`` contiguous, near-equal ``[start, stop)`` ranges."""
+    if segments == "sqrt":
+        count = max(1, round(math.sqrt(n)))
+    elif isinstance(segments, int) and not isinstance(segments, bool):
+        count = segments
+    else:
+        raise RematTypeError(
+            message("checkpoint_sequential", "segments must be a positive int or 'sqrt'",
+                    f"got {segments!r}", "pass e.g. segments=4 or segments='sqrt'")
+        )
+    if not 1 <= count <= n:
+        raise RematValueError(
+            message("checkpoint_sequential", "segments must lie between 1 and the number of modules",
+                    f"got {count} for {n} modules", f"pass 1 <= segments <= {n}, or 'sqrt'")
+        )
+    base, extra = divmod(n, count)
+    bounds, start = [], 0
+    for k in range(count):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _run_segment(modules: list[nn.Module], x: Any) -> Any:
+    for module in modules:
+        x = module(x)
+    return x
+
+
+def checkpoint_sequential(
+    modules: nn.Sequential | Iterable[nn.Module],
+    segments: int | Literal["sqrt"],
+    x: Any,
+    *,
+    policy: Policy | None = None,
+    check: Check = "shapes",
+) -> Any:
+    """Run ``x`` through ``modules`` in order, checkpointing every segment but the last."""
+    layers = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
+    if not layers or not all(callable(m) for m in layers):
+        raise RematTypeError(
+            message("checkpoint_sequential", "modules must be a non-empty sequence of callables",
+                    f"got {len(layers)} items", "pass an nn.Sequential or a list of modules")
+        )
+    bounds = segment_bounds(len(layers), segments)
+    for start, stop in bounds[:-1]:
+        x = checkpoint(_run_segment, layers[start:stop], x, policy=policy, check=check)
+    start, stop = bounds[-1]
+    return _run_segment(layers[start:stop], x)
+
+

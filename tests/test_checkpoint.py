@@ -1,0 +1,295 @@
+"""remat.checkpoint and remat.checkpoint_sequential compute exactly what the plain model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from models import assert_same, build, train, twin
+
+POLICIES = [None, remat.SaveComputeIntensive(), remat.SaveOps(frozenset({"aten.mm", "aten.addmm"}))]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "bert"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoint_per_block_matches_plain(name: str, autocast: torch.dtype | None) -> None:
+    model, batch, blocks = build(name)
+    wrapped = twin(model)
+    for block in blocks(wrapped):
+        remat.checkpoint(block)
+    assert_same(train(model, batch, autocast=autocast), train(wrapped, batch, autocast=autocast))
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:], ids=["compute-intensive", "save-mm"])
+@pytest.mark.parametrize("name", ["gpt2", "cnn"])
+def test_checkpoint_with_policy_matches_plain(name: str, policy: remat.Policy) -> None:
+    model, batch, blocks = build(name)
+    wrapped = twin(model)
+    for block in blocks(wrapped):
+        remat.checkpoint(block, policy=policy)
+    assert_same(train(model, batch), train(wrapped, batch))
+
+
+def test_batch_norm_statistics_updated_once() -> None:
+    model, batch, blocks = build("cnn")
+    wrapped = twin(model)
+    for block in blocks(wrapped):
+        remat.checkpoint(block)
+    train(wrapped, batch, steps=4)
+    bn = wrapped.layers[0].bn
+    assert bn.num_batches_tracked.item() == 4
+    train(model, batch, steps=4)
+    assert torch.equal(model.layers[0].bn.running_var, bn.running_var)
+
+
+def _deep_mlp() -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(9)])
+    return layers, torch.randn(32, 64, requires_grad=True)
+
+
+def _peak(fn) -> int:  # type: ignore[no-untyped-def]
+    with remat.memory.track(timeline=False) as m:
+        fn().sum().backward()
+    return m.peak_bytes
+
+
+def test_checkpoint_lowers_counted_peak() -> None:
+    layers, x = _deep_mlp()
+    plain = _peak(lambda: layers(x))
+    per_layer = _peak(lambda: _chain([lambda h, m=m: remat.checkpoint(m, h) for m in layers], x))
+    seq = _peak(lambda: remat.checkpoint_sequential(layers, "sqrt", x))
+    assert per_layer < plain
+    assert seq < plain
+
+
+def _chain(fns, x):  # type: ignore[no-untyped-def]
+    for f in fns:
+        x = f(x)
+    return x
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, "sqrt", 9])
+def test_checkpoint_sequential_matches_plain(segments: int | str) -> None:
+    layers, x = _deep_mlp()
+    expected = torch.autograd.grad(layers(x).sum(), [x, *layers.parameters()])
+    got = torch.autograd.grad(remat.checkpoint_sequential(layers, segments, x).sum(), [x, *layers.parameters()])
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+def test_segment_bounds() -> None:
+    from remat.sequential import segment_bounds
+
+    assert segment_bounds(9, "sqrt") == [(0, 3), (3, 6), (6, 9)]
+    assert segment_bounds(5, 2) == [(0, 3), (3, 5)]
+
+
+def test_kwargs_none_and_non_tensor_values() -> None:
+    lin = nn.Linear(4, 4)
+
+    def fn(x: torch.Tensor, scale: float, bias: torch.Tensor | None = None, *, mode: str = "a") -> dict:
+        y = lin(x) * scale
+        if bias is not None:
+            y = y + bias
+        return {"y": y.sin(), "mode": mode, "none": None}
+
+    x = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    out = remat.checkpoint(fn, x, 2.0, bias=b, mode="z")
+    assert out["mode"] == "z" and out["none"] is None
+    grads = torch.autograd.grad(out["y"].sum(), [x, b, lin.weight])
+    expected = torch.autograd.grad(fn(x, 2.0, bias=b)["y"].sum(), [x, b, lin.weight])
+    for e, g in zip(expected, grads, strict=True):
+        assert torch.equal(e, g)
+
+
+def test_nested_checkpoints() -> None:
+    inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    outer_lin = nn.Linear(8, 8)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        h = outer_lin(x).relu()
+        return remat.checkpoint(inner, h).exp()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *inner.parameters(), *outer_lin.parameters()]
+    expected = torch.autograd.grad(outer(x).sum(), params)
+    got = torch.autograd.grad(remat.checkpoint(outer, x).sum(), params)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+def test_backward_inputs_and_frozen_inputs() -> None:
+    lin = nn.Linear(6, 6)
+    x = torch.randn(5, 6)  # frozen input: only the parameters require grad (as with LoRA)
+    remat.checkpoint(lin, x).tanh().sum().backward(inputs=[lin.weight])
+    assert lin.weight.grad is not None and lin.bias.grad is None
+    expected = torch.autograd.grad(lin(x).tanh().sum(), [lin.weight])[0]
+    assert torch.equal(expected, lin.weight.grad)
+
+
+def test_recomputes_once_per_backward_and_stops_early() -> None:
+    calls = {"fn": 0, "tail": 0}
+    lin = nn.Linear(4, 4)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls["fn"] += 1
+        y = lin(x).sigmoid().exp()
+        calls["tail"] += 1
+        return y + 1  # add saves nothing: nothing after exp is needed for backward
+
+    x = torch.randn(3, 4, requires_grad=True)
+    y = remat.checkpoint(fn, x)
+    assert calls == {"fn": 1, "tail": 1}
+    y.sum().backward(retain_graph=True)
+    assert calls == {"fn": 2, "tail": 1}, "one recomputation for all saved tensors, stopped after exp"
+    first = x.grad.clone()
+    y.sum().backward()
+    assert calls["fn"] == 3, "a second backward over a retained graph recomputes again"
+    assert torch.equal(x.grad, 2 * first)
+
+
+def test_rng_replayed_and_caller_stream_untouched() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, training=True) * 3
+
+    x = torch.randn(64, requires_grad=True)
+    torch.manual_seed(7)
+    expected = torch.autograd.grad(fn(x).pow(2).sum(), x)[0]
+    after_plain = torch.rand(3)
+    torch.manual_seed(7)
+    got = torch.autograd.grad(remat.checkpoint(fn, x).pow(2).sum(), x)[0]
+    assert torch.equal(expected, got)
+    assert torch.equal(after_plain, torch.rand(3))
+
+
+def test_no_grad_and_inference_mode_just_run() -> None:
+    calls = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.autograd.graph.saved_tensors_hooks)
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(remat.checkpoint(fn, x), x * 2)
+    with torch.inference_mode():
+        y = remat.checkpoint(fn, torch.ones(2))
+    assert y.is_inference() and len(calls) == 2
+
+
+def test_decorator_forms() -> None:
+    lin = nn.Linear(3, 3)
+
+    @remat.checkpoint
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin(x).exp()
+
+    @remat.checkpoint(policy=remat.SaveComputeIntensive())
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return lin(x).exp()
+
+    x = torch.randn(2, 3, requires_grad=True)
+    expected = torch.autograd.grad(lin(x).exp().sum(), x)[0]
+    assert torch.equal(torch.autograd.grad(f(x).sum(), x)[0], expected)
+    assert torch.equal(torch.autograd.grad(g(x).sum(), x)[0], expected)
+    assert f.__name__ == "f"
+
+
+def test_shape_divergence_is_reported() -> None:
+    state = {"n": 4}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        state["n"] -= 1
+        return x[: state["n"]].exp()
+
+    y = remat.checkpoint(fn, torch.randn(5, requires_grad=True))
+    with pytest.raises(remat.RecomputationError, match=r"remat\.checkpoint: a recomputed tensor differs"):
+        y.sum().backward()
+
+
+def test_value_check_names_the_op_and_module() -> None:
+    class Drifting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return (self.lin(x) + self.calls).exp()
+
+    m = Drifting()
+    x = torch.randn(2, 4, requires_grad=True)
+    y = remat.checkpoint(m, x, check="values")
+    # add saves nothing for backward; exp saves its output, the first saved tensor that diverges
+    with pytest.raises(remat.RecomputationError, match=r"remat\.checkpoint: .*other values.*aten\.exp\.default in module Drifting"):
+        y.sum().backward()
+    # the same check passes on deterministic code
+    m2 = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    remat.checkpoint(m2, x, check="values").sum().backward()
+
+
+def test_value_check_names_module_path() -> None:
+    class Stateful(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count += 1
+            return (x * self.count).exp()
+
+    block = nn.Sequential(nn.Linear(4, 4), Stateful())
+    y = remat.checkpoint(block, torch.randn(2, 4), check="values")
+    with pytest.raises(remat.RecomputationError, match=r"in module 1\b"):
+        y.sum().backward()
+
+
+def test_bad_input_errors() -> None:
+    with pytest.raises(remat.RematTypeError, match=r"remat\.checkpoint: fn must be callable \(got int\)"):
+        remat.checkpoint(3, torch.ones(1))
+    with pytest.raises(remat.RematValueError, match=r"remat\.checkpoint: check must be"):
+        remat.checkpoint(torch.sin, torch.ones(1), check="bits")
+    with pytest.raises(remat.RematTypeError, match=r"remat\.checkpoint: policy must have a decide"):
+        remat.checkpoint(torch.sin, torch.ones(1), policy="save-all")
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(remat.RematValueError, match=r"remat\.checkpoint_sequential: segments must lie .*3 for 2"):
+        remat.checkpoint_sequential(layers, 3, torch.ones(1, 2))
+    with pytest.raises(remat.RematValueError, match=r"got 0 for 2"):
+        remat.checkpoint_sequential(layers, 0, torch.ones(1, 2))
+    with pytest.raises(remat.RematTypeError, match=r"segments must be a positive int or 'sqrt'"):
+        remat.checkpoint_sequential(layers, "half", torch.ones(1, 2))
+
+
+def test_autocast_replayed_when_backward_runs_outside() -> None:
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_out = lin(x).relu()
+    expected = torch.autograd.grad(expected_out.float().sum(), [x, lin.weight])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = remat.checkpoint(lambda t: lin(t).relu(), x)
+    assert out.dtype == torch.bfloat16
+    got = torch.autograd.grad(out.float().sum(), [x, lin.weight])
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+@pytest.mark.cuda
+def test_cuda_rng_replayed(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("needs CUDA")
+    x = torch.randn(256, device=device, requires_grad=True)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(t, 0.5) * 2
+
+    torch.manual_seed(3)
+    expected = torch.autograd.grad(fn(x).sum(), x)[0]
+    torch.manual_seed(3)
+    got = torch.autograd.grad(remat.checkpoint(fn, x).sum(), x)[0]
+    assert torch.equal(expected, got)
