@@ -199,8 +199,9 @@ def _unpack(handle: _Handle) -> torch.Tensor:
     return handle.frame.unpack(handle)
 
 
-def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-         policy: Policy | None, check: Check) -> Any:
+def run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+        policy: Policy | None, check: Check) -> Any:
+    """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
     frame = _Frame(fn, args, kwargs, policy, check)
@@ -242,14 +243,14 @@ def _wrap(fn: F, policy: Policy | None, check: Check) -> F:
 
         @functools.wraps(forward)
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            return _run(forward, args, kwargs, policy, check)
+            return run(forward, args, kwargs, policy, check)
 
         module.forward = checkpointed_forward  # type: ignore[method-assign]
         return fn
 
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return _run(fn, args, kwargs, policy, check)
+        return run(fn, args, kwargs, policy, check)
 
     return checkpointed  # type: ignore[return-value]
 
@@ -289,4 +290,4 @@ def checkpoint(fn: Any = None, /, *args: Any, policy: Policy | None = None, chec
     _validate(fn, policy, check)
     if not args and not kwargs:
         return _wrap(fn, policy, check)
-    return _run(fn, args, kwargs, policy, check)
+    return run(fn, args, kwargs, policy, check)

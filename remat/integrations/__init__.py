@@ -1,0 +1,1 @@
+"""Integrations of remat with other libraries (imported on demand)."""

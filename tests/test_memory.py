@@ -1,0 +1,100 @@
+"""remat.memory: counted live bytes and budget parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat.memory import format_bytes, parse_budget, parse_bytes
+
+
+def test_counts_each_storage_once_until_it_dies() -> None:
+    with remat.memory.track() as m:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        v = a.view(10, 100)  # a view counts nothing
+        a.add_(1)  # in place counts nothing
+        assert m.current_bytes == 4000
+        b = torch.empty(250, dtype=torch.float64)  # 2000 bytes
+        assert m.current_bytes == 6000
+        del a
+        assert m.current_bytes == 6000, "the view still holds the storage"
+        del v
+        assert m.current_bytes == 2000
+        del b
+    assert m.current_bytes == 0
+    assert m.peak_bytes == 6000
+    assert [s.bytes for s in m.timeline][:2] == [4000, 4000]
+
+
+def test_pre_existing_tensors_are_not_counted() -> None:
+    x = torch.ones(100)
+    with remat.memory.track() as m:
+        y = x * 2
+        del x
+    assert m.peak_bytes == 400
+    assert y.shape == (100,)
+
+
+def test_saved_tensors_counted_until_backward_frees_them() -> None:
+    x = torch.randn(256, requires_grad=True)
+    with remat.memory.track() as m:
+        y = x.exp()  # exp saves its output
+        z = y.sum()
+        del y
+        assert m.current_bytes == 1024 + 4, "autograd still holds exp's output; z is 4 bytes"
+        z.backward()
+        del z
+    assert m.current_bytes == 1024, "what is left is x.grad"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 3 * 2**29), ("100", 100), ("64kb", 64_000),
+     ("3K", 3072), (4096, 4096)],
+)
+def test_parse_bytes(text: object, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["two GB", "5 parsecs", "", "-3GB", "0", "1e9"])
+def test_parse_bytes_rejects_unparsable(bad: str) -> None:
+    with pytest.raises(remat.RematValueError, match=r"remat\.memory\.parse_bytes: "):
+        parse_bytes(bad)
+
+
+def test_parse_bytes_rejects_ratios_and_wrong_types() -> None:
+    with pytest.raises(remat.RematTypeError, match=r"a byte count is required, not a ratio .*got 0\.5"):
+        parse_bytes(0.5)
+    with pytest.raises(remat.RematTypeError, match=r"must be an int or a string \(got list\)"):
+        parse_bytes([1])
+    with pytest.raises(remat.RematValueError, match=r"must be positive \(got -1\)"):
+        parse_bytes(-1)
+
+
+def test_parse_budget_accepts_ratio_or_bytes() -> None:
+    assert parse_budget(0.25) == 0.25
+    assert parse_budget("1MiB") == 2**20
+    with pytest.raises(remat.RematValueError, match=r"remat\.memory\.parse_budget: a ratio budget must lie in \(0, 1\]"):
+        parse_budget(1.5)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(12) == "12 B"
+
+
+def test_track_rejects_unknown_device() -> None:
+    with pytest.raises(remat.RematValueError, match=r"remat\.memory\.track: only cpu and cuda"), \
+            remat.memory.track("meta"):
+        pass
+
+
+@pytest.mark.cuda
+def test_cuda_uses_allocator_statistics(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("needs CUDA")
+    with remat.memory.track(device) as m:
+        a = torch.empty(2**20, device=device)
+        del a
+    assert m.peak_bytes >= 4 * 2**20
