@@ -293,3 +293,46 @@ def test_cuda_rng_replayed(device: torch.device) -> None:
     torch.manual_seed(3)
     got = torch.autograd.grad(remat.checkpoint(fn, x).sum(), x)[0]
     assert torch.equal(expected, got)
+
+
+def _compose(name: str, model: nn.Module, run_blocks) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The model's loss with its blocks run by ``run_blocks(blocks, h)``."""
+    if name == "gpt2":
+        ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
+        tr = model.transformer
+        h = tr.drop(tr.wte(ids) + tr.wpe(torch.arange(16)))
+        logits = model.lm_head(tr.ln_f(run_blocks(list(tr.h), h)))
+    elif name == "bert":
+        ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+        h = model.bert.embeddings(input_ids=ids)
+        logits = model.cls(run_blocks(list(model.bert.encoder.layer), h))
+    else:
+        x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+        ids = torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(6))
+        h = run_blocks(list(model.layers), model.stem(x))
+        logits = model.head(h.mean((2, 3)))
+    return nn.functional.cross_entropy(logits.flatten(0, -2), ids.flatten())
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2", "bert"])
+def test_checkpoint_sequential_on_real_blocks(name: str) -> None:
+    model, _, _ = build(name)
+    wrapped = twin(model)
+
+    def train_steps(m: nn.Module, run_blocks) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.manual_seed(11)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = _compose(name, m, run_blocks)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    plain = train_steps(model, lambda blocks, h: _chain(blocks, h))
+    ours = train_steps(wrapped, lambda blocks, h: remat.checkpoint_sequential(blocks, 2, h))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    for (n, a), b in zip(model.state_dict().items(), wrapped.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
