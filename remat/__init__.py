@@ -9,6 +9,7 @@ from remat import memory, policy
 from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError
 from remat.checkpoint import checkpoint
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
+from remat.scope import scope
 from remat.sequential import checkpoint_sequential
 
 __version__ = "0.1.0"
@@ -28,4 +29,5 @@ __all__ = [
     "checkpoint_sequential",
     "memory",
     "policy",
+    "scope",
 ]

@@ -1,0 +1,207 @@
+"""``remat.scope``: checkpoint a block of code, with no function to re-run, by replaying its ops.
+
+``torch.utils.checkpoint`` needs a callable to run again in backward. A region such as
+``h = h + attn(norm(h))`` in the middle of a forward has none, so the scope records the ATen ops the
+block runs (``remat._replay``) and, in backward, replays the ones that lead to what autograd saved.
+This is OneFlow's checkpointing scope done eagerly: its "fake subgraph" is the replayed slice of the
+tape, and it runs just before the first backward op that needs it::
+
+    forward                                   backward
+    inputs --[op]--[op]--[op]--> outputs      first unpack of the region, per backward:
+              |     |     |                     replay the slice of the tape -> every saved
+             pack  pack  pack                   tensor of the region at once; each unpack
+              v     v     v                     takes its own and drops it from the cache
+           handles (value id, shape, dtype)
+
+What autograd saves inside the block goes through ``saved_tensors_hooks``: an internal tensor the
+policy recomputes is swapped for a small handle, anything else (an input, a parameter, a SAVE output)
+is kept as is, with its version counter checked at unpack as autograd would without hooks.
+
+Replay is exact: the recorded ops are already past autocast, random ops restore the generator state
+they drew from, and in-place writes to tensors from outside the block (batch-norm running statistics,
+``num_batches_tracked``) replay into copies, so those buffers are updated once, in forward.
+
+A scope inside a scope joins the outer region: the outer policy decides, and the inner one is
+ignored. With grad disabled or in inference mode, the block simply runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from remat._errors import RecomputationError, RematTypeError, message
+from remat._replay import EXTERNAL, Plan, Recorder, Tape, describe, replay, stale_view_error
+from remat.policy import Policy, RecomputeAll
+
+__all__ = ["scope"]
+
+
+class _Kept(NamedTuple):
+    """A saved tensor the region keeps as is, and its version when autograd saved it."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+class _Handle(NamedTuple):
+    """A saved tensor the region recomputes: its value id, the in-place writer of its storage group
+    when it was saved (NOTE [aliasing] in ``remat._replay``) and what it looked like."""
+
+    vid: int
+    group: int
+    writer: int | None
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class _Region:
+    """One ``with remat.scope()`` block: its tape while it records, then the plan that recomputes
+    every tensor it handed to autograd as a handle."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape: Tape | None = tape
+        self.plan: Plan | None = None
+        self.writers: dict[int, int] = {}  # the tape's final writers, for the check at unpack
+        self.handles: dict[int, int] = {}  # value id -> handles packed for it
+        self.writers_needed: set[int] = set()
+        # graph task -> value id -> (recomputed tensor, unpacks left)
+        self.cache: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
+        self.lock = threading.Lock()
+
+    def pack(self, t: torch.Tensor) -> _Kept | _Handle:
+        tape = self.tape
+        assert tape is not None, "pack hooks only run while the region records"
+        vid = tape.lookup(t)
+        if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
+            return _Kept(t, t._version)
+        group = tape.group[vid]
+        writer = tape.writers.get(group)
+        if writer is not None:
+            if writer < 0:
+                raise stale_view_error(t)
+            self.writers_needed.add(writer)
+        self.handles[vid] = self.handles.get(vid, 0) + 1
+        return _Handle(vid, group, writer, t.shape, t.dtype)
+
+    def finish(self) -> None:
+        """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
+        tape, self.tape = self.tape, None
+        if tape is not None and self.handles:
+            self.plan = tape.plan(self.handles, self.writers_needed)
+            self.writers = tape.writers
+
+    def unpack(self, packed: _Kept | _Handle) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                raise RecomputationError(
+                    message(
+                        "scope",
+                        "a tensor saved for backward was modified in place after it was saved",
+                        f"{describe(packed.tensor.dtype, packed.tensor.shape)} at version "
+                        f"{packed.tensor._version}, saved at version {packed.version}",
+                        "clone it before modifying it, or use the out-of-place op",
+                    )
+                )
+            return packed.tensor
+        if self.writers.get(packed.group) != packed.writer:
+            raise RecomputationError(
+                message(
+                    "scope",
+                    "a tensor saved for backward was modified by an in-place op later in the region",
+                    describe(packed.dtype, packed.shape),
+                    "clone it before modifying it, or use the out-of-place op",
+                )
+            )
+        t = self._recomputed(packed.vid)
+        if t.shape != packed.shape or t.dtype != packed.dtype:
+            raise RecomputationError(
+                message(
+                    "scope",
+                    "recomputed tensor differs from the forward",
+                    f"{describe(t.dtype, t.shape)}, forward saved {describe(packed.dtype, packed.shape)}",
+                    "make sure nothing the region read changed between forward and backward",
+                )
+            )
+        return t
+
+    def _recomputed(self, vid: int) -> torch.Tensor:
+        """The tensor with value id ``vid``. The first unpack of a backward replays the plan for
+        every handle at once; each unpack then takes its tensor out of the cache, so the memory goes
+        as backward consumes it. The cache of a backward is dropped when that backward ends."""
+        plan = self.plan
+        if plan is None:
+            raise RecomputationError(
+                message(
+                    "scope",
+                    "backward reached a tensor saved by a region that is still recording",
+                    "backward inside the `with remat.scope()` block",
+                    "run backward after the block ends",
+                )
+            )
+        graph_task = torch._C._current_graph_task_id()
+        with self.lock:
+            results = self.cache.get(graph_task) if graph_task >= 0 else None
+            if results is None:
+                results = {v: (t, self.handles[v]) for v, t in replay(plan).items()}
+                if graph_task >= 0:
+                    self.cache[graph_task] = results
+                    torch.autograd.Variable._execution_engine.queue_callback(
+                        functools.partial(self._forget, graph_task)
+                    )
+            entry = results.get(vid)
+            if entry is None:  # already handed out in this backward: a tensor unpacked twice
+                return replay(plan)[vid]
+            tensor, left = entry
+            if left == 1:
+                del results[vid]
+            else:
+                results[vid] = (tensor, left - 1)
+            return tensor
+
+    def _forget(self, graph_task: int) -> None:
+        with self.lock:
+            self.cache.pop(graph_task, None)
+
+
+def _recording() -> bool:
+    return any(isinstance(mode, Recorder) for mode in _get_current_dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def scope(policy: Policy | None = None) -> Iterator[None]:
+    """Recompute in backward what the block saves for backward, instead of keeping it.
+
+    ``policy`` (default ``RecomputeAll()``) is asked once per op whether to keep its outputs
+    (``Decision.SAVE``) or to drop them and recompute them from the region's inputs. The block's
+    inputs and parameters are kept; everything the block computes is replayed at most once per
+    backward, just before the first backward op that needs it.
+
+    A nested scope joins the outer region (the outer policy decides). With grad disabled or in
+    inference mode the block runs as is. Usable as a decorator too.
+    """
+    if policy is not None and not isinstance(policy, Policy):
+        raise RematTypeError(
+            message(
+                "scope",
+                "policy must have a decide(ctx) -> Decision method",
+                f"{type(policy).__name__}",
+                "pass a remat.policy object such as SaveComputeIntensive(), or None",
+            )
+        )
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _recording():
+        yield
+        return
+    tape = Tape(RecomputeAll() if policy is None else policy)
+    region = _Region(tape)
+    try:
+        with Recorder(tape), torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+            yield
+    finally:
+        region.finish()

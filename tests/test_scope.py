@@ -1,0 +1,564 @@
+"""``remat.scope``: a wrapped model computes exactly what the plain one does, in less memory.
+
+Every equivalence test runs the same model twice from the same seed, once plain and once with
+regions wrapped in ``scope``, and asserts bitwise-equal outputs, gradients and buffers: replay runs
+the same kernels on the same inputs, so nothing looser is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import importlib
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from remat._errors import RecomputationError, RematTypeError
+from remat.policy import Policy, RecomputeAll, SaveComputeIntensive, SaveOps
+from remat.scope import scope
+
+transformers.logging.set_verbosity_error()
+
+POLICIES = [
+    pytest.param(None, id="default"),
+    pytest.param(SaveComputeIntensive(), id="save_compute_intensive"),
+    pytest.param(
+        SaveOps(frozenset({"aten.native_layer_norm", "aten.gelu", "aten.convolution"})), id="save_ops"
+    ),
+]
+PRECISIONS = ["fp32", "bf16"]
+
+
+def _autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+
+def _in_scope(module: nn.Module, policy: Policy | None) -> None:
+    """Run ``module.forward`` inside ``scope(policy)`` from now on (parameter names unchanged)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        with scope(policy):
+            return forward(*args, **kwargs)
+
+    module.forward = scoped  # type: ignore[method-assign]
+
+
+def _assert_same_state(plain: nn.Module, scoped: nn.Module) -> None:
+    for (name, p), (_, q) in zip(plain.named_parameters(), scoped.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None and q.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"grad of {name}"
+    for (name, b), (_, c) in zip(plain.named_buffers(), scoped.named_buffers(), strict=True):
+        assert torch.equal(b, c), f"buffer {name}"
+
+
+def _train_twins(
+    plain: nn.Module,
+    wrap: Callable[[nn.Module], None],
+    batches: list[tuple[torch.Tensor, ...]],
+    loss_fn: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor],
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> None:
+    """SGD steps on a plain model and on a wrapped copy from the same seeds: equal losses every step
+    and equal parameters, gradients and buffers at the end."""
+    scoped = copy.deepcopy(plain)
+    wrap(scoped)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, scoped)]
+    for step, batch in enumerate(batches):
+        losses = []
+        for model, optimizer in zip((plain, scoped), optimizers, strict=True):
+            torch.manual_seed(step)
+            optimizer.zero_grad()
+            with autocast():
+                loss = loss_fn(model, batch)
+            loss.backward()
+            losses.append(loss.detach())
+            if step < len(batches) - 1:
+                optimizer.step()
+        assert torch.equal(losses[0], losses[1]), f"step {step}: {losses}"
+    _assert_same_state(plain, scoped)
+
+
+# -- equivalence with the plain model --------------------------------------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Dropout(0.3),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+        )
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def _cross_entropy(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_mlp_matches_plain(device: torch.device, policy: Policy | None, precision: str) -> None:
+    torch.manual_seed(0)
+    model = _MLP().to(device)
+    batches = [
+        (torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)) for _ in range(3)
+    ]
+    _train_twins(
+        model,
+        lambda m: _in_scope(m, policy),
+        batches,
+        _cross_entropy,
+        lambda: _autocast(device, precision),
+    )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cnn_with_batchnorm_and_dropout_matches_plain(
+    device: torch.device, policy: Policy | None, precision: str
+) -> None:
+    torch.manual_seed(0)
+    model = _CNN().to(device).train()
+    batches = [
+        (torch.randn(4, 3, 8, 8, device=device), torch.randint(0, 5, (4,), device=device)) for _ in range(3)
+    ]
+    _train_twins(
+        model,
+        lambda m: _in_scope(m.features, policy),
+        batches,
+        _cross_entropy,
+        lambda: _autocast(device, precision),
+    )
+    bn = model.features[1]
+    assert isinstance(bn, nn.BatchNorm2d)
+    assert bn.num_batches_tracked.item() == 3  # the twin's buffers equal these: updated once a step
+
+
+def _gpt2(device: torch.device) -> nn.Module:
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).to(device).train()
+
+
+def _bert(device: torch.device) -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
+    return transformers.BertForMaskedLM(config).to(device).train()
+
+
+def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    (ids,) = batch
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gpt2_blocks_match_plain(device: torch.device, policy: Policy | None, precision: str) -> None:
+    torch.manual_seed(0)
+    model = _gpt2(device)
+    batches = [(torch.randint(0, 128, (2, 16), device=device),) for _ in range(2)]
+
+    def wrap(m: nn.Module) -> None:
+        for block in m.transformer.h:
+            _in_scope(block, policy)
+
+    _train_twins(model, wrap, batches, _lm_loss, lambda: _autocast(device, precision))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bert_layers_match_plain(device: torch.device, policy: Policy | None, precision: str) -> None:
+    torch.manual_seed(0)
+    model = _bert(device)
+    batches = [(torch.randint(0, 128, (2, 16), device=device),) for _ in range(2)]
+
+    def wrap(m: nn.Module) -> None:
+        for layer in m.bert.encoder.layer:
+            _in_scope(layer, policy)
+
+    _train_twins(model, wrap, batches, _lm_loss, lambda: _autocast(device, precision))
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Sees every op output (a scope's own snapshots included) and, later, which of them are still
+    alive. A tensor's Python object lives as long as autograd holds the tensor, so this measures
+    what a step keeps for backward, whatever keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.outputs.append(weakref.ref(o))
+        return out
+
+    def live_bytes(self) -> int:
+        gc.collect()
+        storages = {}
+        for ref in self.outputs:
+            t = ref()
+            if t is not None:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+
+def _saved_bytes(device: torch.device, policy: Policy | None, wrap: bool) -> int:
+    torch.manual_seed(0)
+    model = _gpt2(device)
+    if wrap:
+        for block in model.transformer.h:
+            _in_scope(block, policy)
+    ids = torch.randint(0, 128, (4, 32), device=device)
+    with _LiveStorages() as live:
+        loss = _lm_loss(model, (ids,))
+    held = live.live_bytes()
+    loss.backward()
+    return held
+
+
+def test_scope_keeps_less_for_backward(device: torch.device) -> None:
+    plain = _saved_bytes(device, None, wrap=False)
+    selective = _saved_bytes(device, SaveComputeIntensive(), wrap=True)
+    everything = _saved_bytes(device, RecomputeAll(), wrap=True)
+    assert everything < selective < plain
+    assert everything < plain / 2, (everything, plain)
+    assert everything == _saved_bytes(device, RecomputeAll(), wrap=True)  # deterministic
+
+
+def _counting_hooks() -> tuple[list[torch.Tensor], AbstractContextManager[Any]]:
+    """Saved-tensor hooks that keep tensors as they are and list what they were given."""
+    packs: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packs.append(t)
+        return t
+
+    return packs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+# -- what is refused, and what goes wrong loudly ---------------------------------------------------
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_exception_inside_propagates_and_removes_hooks() -> None:
+    x = torch.randn(3, requires_grad=True)
+    outer_packs, hooks = _counting_hooks()
+    with hooks:
+        with pytest.raises(_Boom) as raised, scope():
+            x.exp()
+            raise _Boom("inside")
+        assert str(raised.value) == "inside"
+        assert _get_current_dispatch_mode_stack() == []
+        y = x.sin()  # sin saves x: the outer hook, not the region's, must see it
+        assert len(outer_packs) == 1 and outer_packs[0] is x
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_in_place_on_view_of_outside_tensor_is_refused() -> None:
+    x = torch.ones(2, 3)
+    w = torch.ones(3, requires_grad=True)
+    with (
+        pytest.raises(
+            RecomputationError, match=r"remat\.scope: an in-place op .* view of a tensor from outside"
+        ),
+        scope(),
+    ):
+        (x * w).sum()
+        x[0].mul_(2)
+    assert torch.equal(x, torch.ones(2, 3))  # refused before it ran
+
+
+def test_view_read_after_its_outside_base_was_written_is_refused() -> None:
+    x = torch.ones(2, 3)
+    w = torch.ones(6, requires_grad=True)
+    with (
+        pytest.raises(
+            RecomputationError, match=r"remat\.scope: a view of a tensor from outside the region was used"
+        ),
+        scope(),
+    ):
+        v = x.view(-1)
+        x.add_(1)
+        (v * w).sum()
+
+
+def test_outside_tensor_modified_after_scope_is_caught_in_backward() -> None:
+    x = torch.randn(4)
+    w = torch.randn(4, requires_grad=True)
+    with scope():
+        y = (x * w).exp().sin()  # sin saves exp(x * w): recomputed from x
+    x.add_(1)
+    with pytest.raises(
+        RecomputationError, match=r"remat\.scope: a tensor the region read was modified in place"
+    ):
+        y.sum().backward()
+
+
+def test_saved_tensor_modified_later_in_region_is_caught() -> None:
+    w = torch.randn(4, requires_grad=True)
+    with scope():
+        a = w * 2
+        b = a.sin()  # saves a
+        a.mul_(3)  # plain autograd would refuse this in backward too
+    with pytest.raises(RecomputationError, match=r"remat\.scope: a tensor saved for backward was modified"):
+        (a + b).sum().backward()
+
+
+def test_recomputation_that_differs_from_forward_is_caught() -> None:
+    x = torch.tensor([1.0, 2.0, -1.0])
+    w = torch.randn(3, 2, requires_grad=True)
+    with scope():
+        rows = (x > 0).nonzero()[:, 0]  # data-dependent shape
+        y = (w[rows] * 2).sin()  # saves a [2, 2] tensor
+    x.data.neg_()  # .data writes without bumping x's version counter
+    with pytest.raises(RecomputationError, match=r"remat\.scope: recomputed tensor differs from the forward"):
+        y.sum().backward()
+
+
+def test_backward_inside_the_block_is_refused() -> None:
+    w = torch.randn(4, requires_grad=True)
+    with (
+        pytest.raises(RecomputationError, match=r"remat\.scope: backward reached .* still recording"),
+        scope(),
+    ):
+        w.exp().sin().sum().backward()
+
+
+def test_policy_must_be_a_policy() -> None:
+    with pytest.raises(RematTypeError, match=r"remat\.scope: policy must have a decide"), scope(42):  # type: ignore[arg-type]
+        pass
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_without_grad_the_block_just_runs(context: Callable[[], AbstractContextManager[Any]]) -> None:
+    x = torch.randn(4, 4)
+    with context(), scope():
+        assert _get_current_dispatch_mode_stack() == []
+        y = (x @ x).relu()
+    assert torch.equal(y, (x @ x).relu())
+
+
+# -- autograd APIs, aliasing, RNG ------------------------------------------------------------------
+
+
+def _twin_linear(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    scoped = copy.deepcopy(plain)
+    _in_scope(scoped, None)
+    return plain, scoped
+
+
+def test_autograd_grad_and_backward_inputs() -> None:
+    plain, scoped = _twin_linear()
+    x = torch.randn(5, 6)
+    params = [list(m.parameters()) for m in (plain, scoped)]
+    grads = [
+        torch.autograd.grad(m(x).square().sum(), p) for m, p in zip((plain, scoped), params, strict=True)
+    ]
+    for g, h in zip(*grads, strict=True):
+        assert torch.equal(g, h)
+    for m, p in zip((plain, scoped), params, strict=True):
+        m(x).square().sum().backward(inputs=[p[0]])
+    for p, q in zip(*params, strict=True):
+        assert (p.grad is None) == (q.grad is None)
+    assert params[1][0].grad is not None and torch.equal(params[0][0].grad, params[1][0].grad)
+
+
+def test_frozen_parameters_and_input() -> None:
+    plain, scoped = _twin_linear()
+    for m in (plain, scoped):
+        m[0].requires_grad_(False)  # like LoRA: the first layer frozen, the input needs no grad
+    x = torch.randn(5, 6)
+    for m in (plain, scoped):
+        m(x).square().sum().backward()
+    _assert_same_state(plain, scoped)
+
+
+def test_backward_twice_with_retain_graph_replays_once_per_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = importlib.import_module("remat.scope")
+    replays = []
+    real = module.replay
+    monkeypatch.setattr(module, "replay", lambda plan: replays.append(plan) or real(plan))
+    plain, scoped = _twin_linear()
+    x = torch.randn(5, 6, requires_grad=True)
+    grads = []
+    for m in (plain, scoped):
+        loss = m(x).square().sum()
+        first = torch.autograd.grad(loss, [x, *m.parameters()], retain_graph=True)
+        second = torch.autograd.grad(loss, [x, *m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+        grads.append(first)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert len(replays) == 2  # several tensors recomputed, one replay per backward
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(None, id="default"),
+        pytest.param(SaveOps(frozenset({"aten.mul"})), id="save_mul"),  # keeps a, then a is written
+    ],
+)
+def test_in_place_ops_on_region_tensors_and_views(policy: Policy | None) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = x * w
+        early = a.exp()  # reads a before the write below
+        a[:, 0].mul_(3)  # writes a through a view: later reads of a must see it
+        b = a.exp()  # saves its result only, so replay reaches a through the write above
+        c = b.sin()
+        c.add_(1)
+        return (c * b).tanh() + early
+
+    x = torch.randn(4, 3)
+    w = torch.randn(4, 3, requires_grad=True)
+    y = f(x, w)
+    (g,) = torch.autograd.grad(y.sum(), w)
+    with scope(policy):
+        z = f(x, w)
+    (h,) = torch.autograd.grad(z.sum(), w)
+    assert torch.equal(y, z) and torch.equal(g, h)
+
+
+def test_in_place_on_region_input_happens_once() -> None:
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3)
+    y = x.clone()
+    with scope():
+        y.add_(1)  # the region's input, modified inside it: replay works on a copy
+        out = (y * w).sin()
+    expected = ((x + 1) * w).cos().detach() * (x + 1)
+    for retain in (True, False):  # the second replay starts from the same snapshot
+        (g,) = torch.autograd.grad(out.sum(), w, retain_graph=retain)
+        assert torch.equal(g, expected)
+    assert torch.equal(y, x + 1)
+
+
+def test_create_graph_matches_plain_and_replay_builds_no_graph() -> None:
+    results = []
+    for wrap in (False, True):
+        w = torch.linspace(-1, 1, 4, requires_grad=True)
+        with scope() if wrap else nullcontext():
+            y = w.exp().sin()
+        packs, hooks = _counting_hooks()
+        with hooks:
+            (g,) = torch.autograd.grad(y.sum(), w, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), w)  # second order through the recomputed tensors
+        results.append((g.detach(), gg, len(packs)))
+    (g0, gg0, packs0), (g1, gg1, packs1) = results
+    assert torch.equal(g0, g1) and torch.equal(gg0, gg1)
+    assert packs0 == packs1  # a replay that recorded a graph would save more through the hook
+
+
+def test_saved_tensors_can_be_inspected_outside_backward() -> None:
+    w = torch.randn(4, requires_grad=True)
+    with scope():
+        y = w.exp().sin()
+    assert y.grad_fn is not None and torch.equal(y.grad_fn._saved_self, w.exp().detach())
+    y.sum().backward()  # inspecting replayed outside any backward; backward still works
+    assert w.grad is not None and torch.equal(w.grad, (w.exp().cos() * w.exp()).detach())
+
+
+def test_region_inputs_are_released_with_the_graph() -> None:
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
+    kept = weakref.ref(x)
+    with scope():
+        y = (x * w).exp().sin()
+    del x
+    gc.collect()
+    assert kept() is not None  # the region keeps its input for the recomputation
+    y.sum().backward()
+    gc.collect()
+    assert kept() is None
+
+
+def test_outer_random_stream_is_not_perturbed() -> None:
+    draws = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        w = torch.randn(16, requires_grad=True)
+        with scope() if wrap else nullcontext():
+            y = nn.functional.dropout(w.exp(), 0.5).sin()
+        torch.rand(3)  # the caller's stream moves on before backward
+        y.sum().backward()
+        draws.append((w.grad, torch.rand(8)))
+    assert torch.equal(draws[0][0], draws[1][0])  # same dropout mask in replay
+    assert torch.equal(draws[0][1], draws[1][1])  # and the stream continues where the caller left it
+
+
+def test_nested_scope_joins_the_outer_region() -> None:
+    w = torch.randn(4, requires_grad=True)
+
+    def recorders() -> int:
+        return sum(type(m).__name__ == "Recorder" for m in _get_current_dispatch_mode_stack())
+
+    seen = []
+    with scope():
+        seen.append(recorders())
+        with scope(SaveComputeIntensive()):
+            seen.append(recorders())
+            y = w.exp().sin()
+    assert seen == [1, 1]
+    y.sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, (w.exp().cos() * w.exp()).detach())
+
+
+def test_usable_as_a_decorator() -> None:
+    w = torch.randn(4, requires_grad=True)
+
+    @scope()
+    def f(v: torch.Tensor) -> torch.Tensor:
+        assert _get_current_dispatch_mode_stack() != []
+        return v.exp().sin()
+
+    f(w).sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, (w.exp().cos() * w.exp()).detach())
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_modes() -> Iterator[None]:
+    yield
+    assert _get_current_dispatch_mode_stack() == []
