@@ -5,7 +5,7 @@ cut into segments) and ``remat.scope`` (a region of code, recorded and replayed)
 ``remat.policy`` choose per op what to keep. ``remat.memory`` measures what it all costs.
 """
 
-from remat import memory, policy
+from remat import memory, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError
 from remat.checkpoint import checkpoint
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
@@ -30,4 +30,6 @@ __all__ = [
     "memory",
     "policy",
     "scope",
+    "trace",
+    "zoo",
 ]

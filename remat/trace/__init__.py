@@ -1,5 +1,31 @@
-"""Trace capture, the trace file format, importers and the cost model."""
+"""Trace capture, the trace file format, importers and the cost model.
 
+``capture(step)`` records one training step as a ``Trace`` (plain data: tensors, ops, releases);
+``save``/``load`` write and read it as versioned JSON Lines (``load`` also reads DTR op logs);
+``validate`` checks a trace is a possible program; ``remat.trace.cost`` estimates op times and
+``remat.trace.replay`` replays a trace with no budget (``Trace.peak_bytes``).
+"""
+
+from remat.trace import cost, replay
+from remat.trace.capture import capture
+from remat.trace.cost import DeviceProfile
+from remat.trace.format import load, save, validate
+from remat.trace.replay import Replay
 from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
 
-__all__ = ["Event", "Op", "Phase", "Release", "TensorInfo", "Trace"]
+__all__ = [
+    "DeviceProfile",
+    "Event",
+    "Op",
+    "Phase",
+    "Release",
+    "Replay",
+    "TensorInfo",
+    "Trace",
+    "capture",
+    "cost",
+    "load",
+    "replay",
+    "save",
+    "validate",
+]

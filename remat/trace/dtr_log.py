@@ -1,0 +1,289 @@
+"""Importer for the op logs of the Dynamic Tensor Rematerialization artifact (Kirisame et al., 2021).
+
+The logs are real workloads that nobody here wrote, with op times measured on a GPU, so they are the
+yardstick for the simulator (``remat.sim``): the DTR authors published what their own simulator makes
+of them. This module turns one log into a :class:`~remat.trace.types.Trace`, keeping the program as
+it was written and leaving every runtime decision (how a mutation is served, when a dead constant may
+go) to the replaying runtime.
+
+The format is one JSON object per line, ``INSTRUCTION`` saying which:
+
+- ``CONSTANT x`` then ``MEMORY x n``: a tensor from outside the step (parameter, input, scalar).
+  Following the Trace convention, constants exist before the first event.
+- ``CALL name ARGS RESULT TIME`` then, per result, ``MEMORY r n`` and ``ALIAS r k``: an op; ``k`` is
+  -1 for a fresh storage, else the index of the argument whose storage the result shares.
+- ``MUTATE name ARGS MUTATE TIME``: an in-place op writing the arguments at positions ``MUTATE``.
+- ``COPY SRC DST``: a second handle to the same tensor. It becomes a zero-cost op named ``"alias"``
+  whose output aliases ``SRC``.
+- ``RELEASE x``: the program dropped handle ``x``.
+- ``ANNOTATE START|BACKWARD``: phase marks (``Op.phase`` is FORWARD after START, BACKWARD after
+  BACKWARD, UNKNOWN before START).
+
+TIME is in nanoseconds and becomes ``Op.cost`` in seconds. ``alias_of`` points at the argument an
+output aliases (the immediate source, which is alive when the op runs); follow the chain to reach
+the tensor that owns the storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from remat._errors import RematValueError, message
+from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
+
+_API = "trace.load_dtr_log"
+_INSTRUCTIONS = frozenset({"CONSTANT", "MEMORY", "CALL", "MUTATE", "COPY", "RELEASE", "ANNOTATE", "ALIAS"})
+_NS = 1e-9
+
+
+def looks_like_dtr_log(path: str | os.PathLike[str]) -> bool:
+    """True when the first non-empty line of ``path`` is a DTR log instruction. Never raises."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            for line in file:
+                if line.strip():
+                    record = json.loads(line)
+                    return isinstance(record, dict) and record.get("INSTRUCTION") in _INSTRUCTIONS
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return False
+
+
+def load_dtr_log(path: str | os.PathLike[str]) -> Trace:
+    """Read a DTR op log into a Trace (see the module docstring for the mapping)."""
+    builder = _Builder()
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                builder.feed(number, _parse(number, line))
+    builder.finish()
+    return Trace(
+        tensors=tuple(builder.tensors),
+        events=tuple(builder.events),
+        name=Path(path).stem,
+        device="cuda",
+        source="dtr",
+    )
+
+
+def _parse(number: int, line: str) -> dict[str, object]:
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        raise _error(number, f"not valid JSON ({error})") from None
+    if not isinstance(record, dict) or record.get("INSTRUCTION") not in _INSTRUCTIONS:
+        raise _error(number, f"not a DTR instruction: {line.strip()[:80]!r}")
+    return record
+
+
+def _error(number: int, reason: str) -> RematValueError:
+    return RematValueError(
+        message(_API, "malformed DTR log line", f"line {number}: {reason}", "check the file is a DTR op log")
+    )
+
+
+@dataclass
+class _PendingCall:
+    """A CALL whose results still wait for their MEMORY and ALIAS lines."""
+
+    line: int
+    name: str
+    args: tuple[int, ...]
+    results: tuple[str, ...]
+    cost: float
+    memory: dict[str, int] = field(default_factory=dict)
+    alias: dict[str, int] = field(default_factory=dict)
+
+    def complete(self) -> bool:
+        return len(self.memory) == len(self.alias) == len(self.results)
+
+
+class _Builder:
+    """Accumulates tensors and events while walking the log line by line."""
+
+    def __init__(self) -> None:
+        self.tensors: list[TensorInfo] = []
+        self.events: list[Event] = []
+        self.ops = 0  # Op.index counts ops only
+        self.ids: dict[str, int] = {}
+        self.phase = Phase.UNKNOWN
+        self.constant: tuple[int, str] | None = None  # a CONSTANT waiting for its MEMORY line
+        self.call: _PendingCall | None = None
+
+    def feed(self, number: int, record: dict[str, object]) -> None:
+        kind = record["INSTRUCTION"]
+        if self.call is not None and kind not in ("MEMORY", "ALIAS"):
+            raise _error(self.call.line, f"CALL {self.call.name} lacks MEMORY/ALIAS lines for its results")
+        if self.constant is not None and kind != "MEMORY":
+            raise _error(self.constant[0], f"CONSTANT {self.constant[1]} is not followed by its MEMORY line")
+        if kind == "CONSTANT":
+            name = _string(number, record, "NAME")
+            self._check_new(number, name)
+            self.constant = (number, name)
+        elif kind == "MEMORY":
+            self._memory(number, record)
+        elif kind == "ALIAS":
+            self._alias(number, record)
+        elif kind == "CALL":
+            self.call = _PendingCall(
+                line=number,
+                name=_string(number, record, "NAME"),
+                args=self._handles(number, record, "ARGS"),
+                results=tuple(_strings(number, record, "RESULT")),
+                cost=_time(number, record),
+            )
+            for name in self.call.results:
+                self._check_new(number, name)
+            if len(set(self.call.results)) != len(self.call.results):
+                raise _error(number, "a result name repeats")
+            if not self.call.results:
+                self._emit_call()
+        elif kind == "MUTATE":
+            self._mutate(number, record)
+        elif kind == "COPY":
+            source = self._lookup(number, _string(number, record, "SRC"))
+            dst = _string(number, record, "DST")
+            self._check_new(number, dst)
+            copy = self._new(dst, 0, alias_of=source)
+            self._op("alias", (source,), (copy,), 0.0)
+        elif kind == "RELEASE":
+            self.events.append(Release(self._lookup(number, _string(number, record, "NAME"))))
+        else:  # ANNOTATE
+            annotation = _string(number, record, "ANNOTATION")
+            if annotation == "START":
+                self.phase = Phase.FORWARD
+            elif annotation == "BACKWARD":
+                self.phase = Phase.BACKWARD
+            else:
+                raise _error(number, f"unknown annotation {annotation!r} (START or BACKWARD expected)")
+
+    def finish(self) -> None:
+        if self.call is not None:
+            raise _error(self.call.line, f"CALL {self.call.name} lacks MEMORY/ALIAS lines at the end of file")
+        if self.constant is not None:
+            raise _error(self.constant[0], f"CONSTANT {self.constant[1]} lacks its MEMORY line")
+
+    def _memory(self, number: int, record: dict[str, object]) -> None:
+        name = _string(number, record, "NAME")
+        size = _integer(number, record, "MEMORY")
+        if size < 0:
+            raise _error(number, f"negative MEMORY {size}")
+        if self.constant is not None:
+            if name != self.constant[1]:
+                raise _error(number, f"MEMORY for {name!r} where CONSTANT {self.constant[1]!r} needs one")
+            self._new(name, size, constant=True)
+            self.constant = None
+            return
+        pending = self._pending(number, name, "MEMORY")
+        pending.memory[name] = size
+        if pending.complete():
+            self._emit_call()
+
+    def _alias(self, number: int, record: dict[str, object]) -> None:
+        name = _string(number, record, "NAME")
+        index = _integer(number, record, "ALIAS")
+        pending = self._pending(number, name, "ALIAS")
+        if not -1 <= index < len(pending.args):
+            raise _error(number, f"ALIAS {index} is not -1 nor an argument index of {pending.name}")
+        pending.alias[name] = index
+        if pending.complete():
+            self._emit_call()
+
+    def _pending(self, number: int, name: str, kind: str) -> _PendingCall:
+        pending = self.call
+        if pending is None or name not in pending.results:
+            raise _error(number, f"{kind} for {name!r}, which is not a result of the CALL just before")
+        if name in (pending.memory if kind == "MEMORY" else pending.alias):
+            raise _error(number, f"a second {kind} line for {name!r}")
+        return pending
+
+    def _emit_call(self) -> None:
+        call = self.call
+        assert call is not None
+        outputs = []
+        for name in call.results:
+            index = call.alias[name]
+            if index == -1:
+                outputs.append(self._new(name, call.memory[name]))
+            else:
+                outputs.append(self._new(name, 0, alias_of=call.args[index]))
+        self._op(call.name, call.args, tuple(outputs), call.cost)
+        self.call = None
+
+    def _mutate(self, number: int, record: dict[str, object]) -> None:
+        args = self._handles(number, record, "ARGS")
+        positions = record.get("MUTATE")
+        if not isinstance(positions, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(args) for p in positions
+        ):
+            raise _error(number, f"MUTATE must list argument positions of ARGS, got {positions!r}")
+        mutates = tuple(dict.fromkeys(args[p] for p in positions))
+        self._op(_string(number, record, "NAME"), args, (), _time(number, record), mutates)
+
+    def _op(
+        self,
+        name: str,
+        inputs: tuple[int, ...],
+        outputs: tuple[int, ...],
+        cost: float,
+        mutates: tuple[int, ...] = (),
+    ) -> None:
+        self.events.append(Op(self.ops, name, inputs, outputs, mutates, cost=cost, phase=self.phase))
+        self.ops += 1
+
+    def _new(self, name: str, nbytes: int, alias_of: int | None = None, constant: bool = False) -> int:
+        tensor = len(self.tensors)
+        self.tensors.append(TensorInfo(tensor, nbytes, alias_of=alias_of, constant=constant))
+        self.ids[name] = tensor
+        return tensor
+
+    def _check_new(self, number: int, name: str) -> None:
+        if name in self.ids:
+            raise _error(number, f"tensor {name!r} is defined twice")
+
+    def _lookup(self, number: int, name: str) -> int:
+        try:
+            return self.ids[name]
+        except KeyError:
+            raise _error(number, f"tensor {name!r} is used before it is defined") from None
+
+    def _handles(self, number: int, record: dict[str, object], key: str) -> tuple[int, ...]:
+        return tuple(self._lookup(number, name) for name in _strings(number, record, key))
+
+
+def _string(number: int, record: dict[str, object], key: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise _error(number, f"field {key} must be a string, got {value!r}")
+    return value
+
+
+def _strings(number: int, record: dict[str, object], key: str) -> list[str]:
+    value = record.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _error(number, f"field {key} must be a list of names, got {value!r}")
+    return value
+
+
+def _integer(number: int, record: dict[str, object], key: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool):
+        raise _error(number, f"field {key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise _error(number, f"field {key} must be an integer, got {value!r}")
+
+
+def _time(number: int, record: dict[str, object]) -> float:
+    nanoseconds = _integer(number, record, "TIME")
+    if nanoseconds < 0:
+        raise _error(number, f"negative TIME {nanoseconds}")
+    return nanoseconds * _NS

@@ -1,0 +1,107 @@
+"""Replay a Trace with no budget: the live bytes after every op, and their peak.
+
+This is the reference every budgeted simulation is measured against (a budget ratio is a fraction
+of this peak) and the check that a capture is faithful: for a real CPU step, the activation peak
+replayed here equals what ``remat.memory.track`` measured around the same step.
+
+NOTE [replay semantics] Constants are allocated before the first event. An op allocates each
+output that owns a storage; an alias output adds a handle to its storage and allocates nothing.
+A Release drops one handle; a storage is freed when its last handle is released. Live bytes are
+sampled after each op, as ``remat.memory.track`` samples them, so a storage an op makes and the
+next release frees still counts at that op. Two figures come out of one pass: with constants
+(``peak_bytes``, the DTR convention) and without (``activation_peak_bytes``, what the step added,
+which is what ``remat.memory.track`` reports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat._units import format_bytes
+from remat.trace.types import Op, Trace
+
+__all__ = ["Replay", "activation_peak_bytes", "live_bytes", "peak_bytes", "replay"]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Figures of one unconstrained replay. ``peak_op`` is the op at which the activation peak
+    was first reached (-1 for a trace without ops); ``end_bytes`` is live at the end, constants
+    included."""
+
+    peak_bytes: int
+    activation_peak_bytes: int
+    constant_bytes: int
+    end_bytes: int
+    peak_op: int
+
+    def __str__(self) -> str:
+        return (
+            f"Replay(peak {format_bytes(self.peak_bytes)}, "
+            f"activations {format_bytes(self.activation_peak_bytes)} at op {self.peak_op}, "
+            f"constants {format_bytes(self.constant_bytes)}, "
+            f"end {format_bytes(self.end_bytes)})"
+        )
+
+
+def live_bytes(trace: Trace) -> list[tuple[int, int]]:
+    """``(with constants, without constants)`` live bytes after each op, in op order."""
+    return _walk(trace)[0]
+
+
+def replay(trace: Trace) -> Replay:
+    """Replay ``trace`` with no budget; see NOTE [replay semantics]."""
+    samples, constants, end = _walk(trace)
+    peak_op, peak, act_peak = -1, constants, 0
+    for i, (total, made) in enumerate(samples):
+        peak = max(peak, total)
+        if made > act_peak:
+            peak_op, act_peak = i, made
+    return Replay(peak, act_peak, constants, end, peak_op)
+
+
+def peak_bytes(trace: Trace) -> int:
+    """Peak live bytes of the unconstrained replay, constants included."""
+    return trace.replay.peak_bytes
+
+
+def activation_peak_bytes(trace: Trace) -> int:
+    """Peak live bytes of the storages the step made, constants excluded."""
+    return trace.replay.activation_peak_bytes
+
+
+def _walk(trace: Trace) -> tuple[list[tuple[int, int]], int, int]:
+    """The per-op samples, the constants' bytes at the start, and the live bytes at the end."""
+    # alias_of always names an earlier tensor (the validator checks it), so one pass resolves chains.
+    roots = list(range(len(trace.tensors)))
+    for t in trace.tensors:
+        if t.alias_of is not None:
+            roots[t.id] = roots[t.alias_of]
+    handles = [0] * len(trace.tensors)
+    constant = 0
+    for t in trace.tensors:
+        if t.constant:
+            r = roots[t.id]
+            if handles[r] == 0:
+                constant += trace.tensors[r].nbytes
+            handles[r] += 1
+    at_start = constant
+    made = 0  # live bytes of the storages the step made
+    samples: list[tuple[int, int]] = []
+    for event in trace.events:
+        if isinstance(event, Op):
+            for out in event.outputs:
+                r = roots[out]
+                if handles[r] == 0:
+                    made += trace.tensors[r].nbytes
+                handles[r] += 1
+            samples.append((constant + made, made))
+        else:
+            r = roots[event.tensor]
+            handles[r] -= 1
+            if handles[r] == 0:
+                if trace.tensors[r].constant:
+                    constant -= trace.tensors[r].nbytes
+                else:
+                    made -= trace.tensors[r].nbytes
+    return samples, at_start, constant + made

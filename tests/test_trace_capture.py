@@ -1,0 +1,166 @@
+"""remat.trace.capture: what a captured step records (tensors, aliases, mutations, phases, modules,
+saved tensors, releases) and that replaying it gives the memory remat.memory.track measures."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+import remat
+from remat.trace import Op, Phase, Release, Trace, capture
+from remat.trace.replay import live_bytes
+
+
+def _op(trace: Trace, name: str, nth: int = 0) -> Op:
+    return [op for op in trace.ops if op.name == name][nth]
+
+
+def test_views_alias_their_storage_and_in_place_ops_mutate() -> None:
+    x = torch.ones(1000)
+
+    def step() -> None:
+        y = x * 2  # 4000 bytes, a new storage
+        v = y.view(10, 100)  # an alias: no bytes
+        v.add_(1)  # in place: mutates v, makes nothing
+        del y, v
+
+    trace = capture(step, repeats=1)
+    mul, view, add = trace.ops
+    assert mul.name == "aten.mul.Tensor" and trace.tensors[mul.inputs[0]].constant
+    y = trace.tensors[mul.outputs[0]]
+    assert (y.nbytes, y.alias_of, y.shape, y.dtype) == (4000, None, (1000,), "float32")
+    v = trace.tensors[view.outputs[0]]
+    assert (v.nbytes, v.alias_of, v.shape) == (0, y.id, (10, 100))
+    assert add.outputs == () and add.mutates == (v.id,) and add.inputs == (v.id,)
+    # The storage dies when its last handle goes: both handles are released together, after add_.
+    releases = [e for e in trace.events if isinstance(e, Release)]
+    assert {r.tensor for r in releases} == {y.id, v.id}
+    assert trace.events.index(releases[0]) > trace.events.index(add)
+    assert trace.activation_peak_bytes == 4000
+    assert trace.peak_bytes == 4000 + 4000  # with the constant x
+
+
+def test_random_ops_are_marked_and_constants_are_never_made() -> None:
+    x = torch.randn(8, 16)
+    trace = capture(lambda: nn.functional.dropout(x, 0.5, training=True), repeats=1)
+    assert any(op.random for op in trace.ops)
+    assert all(not op.random for op in trace.ops if "bernoulli" not in op.name)
+    made = {t for op in trace.ops for t in op.outputs}
+    assert all(not trace.tensors[t].constant for t in made)
+    assert [t.constant for t in trace.tensors].count(True) == 1
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_phases_and_module_paths() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    opt = torch.optim.Adam(net.parameters())
+    trace = capture(net, (x,), lambda out: nn.functional.cross_entropy(out, y), optimizer=opt, repeats=1)
+    phases = [op.phase for op in trace.ops]
+    first_bwd, first_opt = phases.index(Phase.BACKWARD), phases.index(Phase.OPTIMIZER)
+    assert set(phases[:first_bwd]) == {Phase.FORWARD}
+    assert set(phases[first_bwd:first_opt]) == {Phase.BACKWARD}
+    assert set(phases[first_opt:]) == {Phase.OPTIMIZER}
+    assert _op(trace, "aten.addmm.default").module == "layers.0"
+    assert _op(trace, "aten.relu.default").module == "layers.1"
+    # Backward ops are attributed to the module whose forward op made the node they run.
+    assert _op(trace, "aten.threshold_backward.default").module == "layers.1"
+    assert {op.module for op in trace.ops if op.name == "aten.mm.default"} == {"layers.0", "layers.2"}
+    assert trace.name == "_Net"
+    assert str(trace).startswith("Trace(_Net, capture on cpu:")
+
+
+def test_saved_tensors_and_the_backward_ops_that_read_them() -> None:
+    x = torch.randn(256, requires_grad=True)
+
+    def step() -> None:
+        x.exp().sum().backward()  # exp saves its output for backward
+
+    trace = capture(step, repeats=1)
+    exp = _op(trace, "aten.exp.default")
+    (out,) = exp.outputs
+    assert out in trace.saved
+    reads = trace.saved_reads()[out]
+    assert reads and all(trace.ops[i].phase is Phase.BACKWARD for i in reads)
+    assert any(trace.ops[i].name == "aten.mul.Tensor" for i in reads)
+    assert trace.activation_peak_bytes > 0 and x.grad is not None
+
+
+def test_fake_tensors_have_estimated_costs_only() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        net = _Net()
+        x, y = torch.randn(4096, 16), torch.randint(0, 4, (4096,))
+    trace = capture(net, (x,), lambda out: nn.functional.cross_entropy(out, y))
+    assert trace.source == "capture-fake"
+    assert trace.total_cost == 0.0 and trace.total_est_cost > 0.0
+    assert trace.activation_peak_bytes > 4096 * 32 * 4  # at least the hidden activations
+
+
+def test_measured_costs_are_positive_on_real_tensors() -> None:
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    trace = capture(lambda: a @ b, repeats=3)
+    assert all(op.cost > 0 for op in trace.ops)
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+def test_replay_follows_memory_track_op_by_op(optimizer: str | None) -> None:
+    # remat.memory.track counts the same storages; with the capture's saved-tensor hooks installed
+    # the two see the same ops, so the whole timeline must agree, not only the peak.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if optimizer else None
+
+    def step() -> None:
+        nn.functional.cross_entropy(net(x), y).backward()
+        if opt is not None:
+            opt.step()
+
+    step()
+    net.zero_grad(set_to_none=True)
+    gc.collect()
+    with saved_tensors_hooks(lambda t: t, lambda t: t), remat.memory.track() as m:
+        step()
+    net.zero_grad(set_to_none=True)
+    trace = capture(step, repeats=1)
+    measured = [s.bytes for s in m.timeline if not s.op.startswith("profiler.")]
+    assert [made for _, made in live_bytes(trace)] == measured
+    assert trace.activation_peak_bytes == m.peak_bytes
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(remat.RematValueError, match=r"remat\.trace\.capture: repeats must be a positive"):
+        capture(lambda: None, repeats=0)
+    with pytest.raises(remat.RematTypeError, match=r"remat\.trace\.capture: a model needs inputs and a loss"):
+        capture(nn.Linear(2, 2))
+    with pytest.raises(remat.RematTypeError, match=r"remat\.trace\.capture: the step must be a callable"):
+        capture(42)  # type: ignore[call-overload]
+
+
+def test_hooks_are_removed_even_when_the_step_fails() -> None:
+    hooks = (nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_forward_hooks)
+    before = [len(h) for h in hooks]
+
+    def step() -> None:
+        nn.Linear(2, 2)(torch.ones(2))
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        capture(step)
+    assert [len(h) for h in hooks] == before
+    assert capture(lambda: torch.ones(3) + 1).ops[0].phase is Phase.FORWARD
