@@ -76,8 +76,14 @@ class _Handle:
 class _Frame:
     """Everything needed to run one checkpointed call again."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 policy: Policy | None, check: Check) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        policy: Policy | None,
+        check: Check,
+    ) -> None:
         self.fn = fn
         self.check = check
         # Tensors (positional and keyword) go through _SaveInputs; the rest is kept as is.
@@ -199,8 +205,9 @@ def _unpack(handle: _Handle) -> torch.Tensor:
     return handle.frame.unpack(handle)
 
 
-def run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-        policy: Policy | None, check: Check) -> Any:
+def run(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Policy | None, check: Check
+) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
@@ -221,18 +228,30 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
 def _validate(fn: object, policy: object, check: object) -> None:
     if not callable(fn):
         raise RematTypeError(
-            message("checkpoint", "fn must be callable", f"got {type(fn).__name__}",
-                    "pass a function or an nn.Module, then its arguments")
+            message(
+                "checkpoint",
+                "fn must be callable",
+                f"got {type(fn).__name__}",
+                "pass a function or an nn.Module, then its arguments",
+            )
         )
     if policy is not None and not hasattr(policy, "decide"):
         raise RematTypeError(
-            message("checkpoint", "policy must have a decide(ctx) method", f"got {policy!r}",
-                    "use one of remat.policies (RecomputeAll, SaveOps, SaveComputeIntensive)")
+            message(
+                "checkpoint",
+                "policy must have a decide(ctx) method",
+                f"got {policy!r}",
+                "use one of remat.policies (RecomputeAll, SaveOps, SaveComputeIntensive)",
+            )
         )
     if check not in ("shapes", "values"):
         raise RematValueError(
-            message("checkpoint", "check must be 'shapes' or 'values'", f"got {check!r}",
-                    "use check='values' to compare recomputed values with the forward's")
+            message(
+                "checkpoint",
+                "check must be 'shapes' or 'values'",
+                f"got {check!r}",
+                "use check='values' to compare recomputed values with the forward's",
+            )
         )
 
 
@@ -260,12 +279,14 @@ def checkpoint(fn: F, /, *, policy: Policy | None = ..., check: Check = ...) -> 
 @overload
 def checkpoint(fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ...) -> Callable[[F], F]: ...
 @overload
-def checkpoint(fn: Callable[..., Any], /, *args: Any, policy: Policy | None = ..., check: Check = ...,
-               **kwargs: Any) -> Any: ...
+def checkpoint(
+    fn: Callable[..., Any], /, *args: Any, policy: Policy | None = ..., check: Check = ..., **kwargs: Any
+) -> Any: ...
 
 
-def checkpoint(fn: Any = None, /, *args: Any, policy: Policy | None = None, check: Check = "shapes",
-               **kwargs: Any) -> Any:
+def checkpoint(
+    fn: Any = None, /, *args: Any, policy: Policy | None = None, check: Check = "shapes", **kwargs: Any
+) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute its insides in backward.
 
     Three forms:
@@ -282,8 +303,12 @@ def checkpoint(fn: Any = None, /, *args: Any, policy: Policy | None = None, chec
     if fn is None:
         if args or kwargs:
             raise RematTypeError(
-                message("checkpoint", "fn must be callable", "got None",
-                        "pass a function or an nn.Module, then its arguments")
+                message(
+                    "checkpoint",
+                    "fn must be callable",
+                    "got None",
+                    "pass a function or an nn.Module, then its arguments",
+                )
             )
         _validate(lambda: None, policy, check)
         return lambda f: checkpoint(f, policy=policy, check=check)

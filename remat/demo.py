@@ -32,8 +32,10 @@ STRATEGIES = (
     Strategy("none", lambda m: m),
     Strategy("checkpoint per block", lambda m: huggingface.enable(m, form="checkpoint")),
     Strategy("scope per block", lambda m: huggingface.enable(m, form="scope")),
-    Strategy("checkpoint + SaveComputeIntensive",
-             lambda m: huggingface.enable(m, form="checkpoint", policy=remat.SaveComputeIntensive())),
+    Strategy(
+        "checkpoint + SaveComputeIntensive",
+        lambda m: huggingface.enable(m, form="checkpoint", policy=remat.SaveComputeIntensive()),
+    ),
 )
 
 
@@ -52,8 +54,9 @@ def build_gpt2(layers: int, width: int, seq: int) -> nn.Module:
 
     logging.set_verbosity_error()
 
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=2048,
-                        n_positions=seq)
+    config = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=2048, n_positions=seq
+    )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).train()
 
@@ -69,14 +72,16 @@ def run(layers: int = 6, width: int = 256, seq: int = 256, batch: int = 8, steps
     base = build_gpt2(layers, width, seq)
     models = {s.name: s.apply(copy.deepcopy(base)) for s in STRATEGIES}
     optims = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
-    tokens = [torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    tokens = [
+        torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(i)) for i in range(steps)
+    ]
 
     peaks, grads = {}, {}
     for name, model in models.items():  # untimed: counted peak and first-step gradients
         with remat.memory.track(timeline=False) as m:
             step(model, tokens[0], seed=0)
         peaks[name] = m.peak_bytes
-        grads[name] = [p.grad.clone() for p in model.parameters()]
+        grads[name] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         model.zero_grad(set_to_none=True)
 
     times: dict[str, list[float]] = {name: [] for name in models}
@@ -109,8 +114,15 @@ def show(results: list[Result]) -> None:
 
     plain = results[0]
     table = Table(title="GPT-2 training step on CPU: recomputation vs none")
-    for col in ("strategy", "peak activation memory", "vs none", "step time (median)", "overhead",
-                "max |grad diff|", "losses equal"):
+    for col in (
+        "strategy",
+        "peak activation memory",
+        "vs none",
+        "step time (median)",
+        "overhead",
+        "max |grad diff|",
+        "losses equal",
+    ):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in results:
         table.add_row(
@@ -133,8 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    print(f"GPT-2: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.steps} SGD steps per strategy; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"GPT-2: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens, "
+        f"{args.steps} SGD steps per strategy; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     show(run(args.layers, args.width, args.seq, args.batch, args.steps))
 
 

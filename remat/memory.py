@@ -120,8 +120,12 @@ def track(device: torch.device | str = "cpu", timeline: bool = True) -> Iterator
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cpu", "cuda"):
         raise RematValueError(
-            message("memory.track", "only cpu and cuda devices can be measured", f"got {dev}",
-                    "pass 'cpu' or 'cuda'")
+            message(
+                "memory.track",
+                "only cpu and cuda devices can be measured",
+                f"got {dev}",
+                "pass 'cpu' or 'cuda'",
+            )
         )
     tracker = MemoryTracker(device=dev)
     counter = _StorageCounter(tracker, timeline)

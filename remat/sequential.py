@@ -29,13 +29,21 @@ def segment_bounds(n: int, segments: int | Literal["sqrt"]) -> list[tuple[int, i
         count = segments
     else:
         raise RematTypeError(
-            message("checkpoint_sequential", "segments must be a positive int or 'sqrt'",
-                    f"got {segments!r}", "pass e.g. segments=4 or segments='sqrt'")
+            message(
+                "checkpoint_sequential",
+                "segments must be a positive int or 'sqrt'",
+                f"got {segments!r}",
+                "pass e.g. segments=4 or segments='sqrt'",
+            )
         )
     if not 1 <= count <= n:
         raise RematValueError(
-            message("checkpoint_sequential", "segments must lie between 1 and the number of modules",
-                    f"got {count} for {n} modules", f"pass 1 <= segments <= {n}, or 'sqrt'")
+            message(
+                "checkpoint_sequential",
+                "segments must lie between 1 and the number of modules",
+                f"got {count} for {n} modules",
+                f"pass 1 <= segments <= {n}, or 'sqrt'",
+            )
         )
     base, extra = divmod(n, count)
     bounds, start = [], 0
@@ -64,13 +72,15 @@ def checkpoint_sequential(
     layers = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
     if not layers or not all(callable(m) for m in layers):
         raise RematTypeError(
-            message("checkpoint_sequential", "modules must be a non-empty sequence of callables",
-                    f"got {len(layers)} items", "pass an nn.Sequential or a list of modules")
+            message(
+                "checkpoint_sequential",
+                "modules must be a non-empty sequence of callables",
+                f"got {len(layers)} items",
+                "pass an nn.Sequential or a list of modules",
+            )
         )
     bounds = segment_bounds(len(layers), segments)
     for start, stop in bounds[:-1]:
         x = checkpoint(_run_segment, layers[start:stop], x, policy=policy, check=check)
     start, stop = bounds[-1]
     return _run_segment(layers[start:stop], x)
-
-

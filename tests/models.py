@@ -58,8 +58,16 @@ class CNN(nn.Module):
 def _gpt2() -> tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[nn.Module], list[nn.Module]]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32,
-                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=96,
+        n_positions=32,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     model = GPT2LMHeadModel(config)
 
     def batch(step: int) -> dict[str, Any]:
@@ -73,9 +81,16 @@ def _gpt2() -> tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[nn.Mo
 def _bert() -> tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[nn.Module], list[nn.Module]]]:
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                        vocab_size=96, max_position_embeddings=32, hidden_dropout_prob=0.1,
-                        attention_probs_dropout_prob=0.1)
+    config = BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=96,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     model = BertForMaskedLM(config)
 
     def batch(step: int) -> dict[str, Any]:
@@ -108,8 +123,9 @@ def _cnn() -> tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[nn.Mod
 BUILDERS = {"mlp": _mlp, "cnn": _cnn, "gpt2": _gpt2, "bert": _bert}
 
 
-def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[int], dict[str, Any]],
-                                              Callable[[nn.Module], list[nn.Module]]]:
+def build(
+    name: str, seed: int = 0
+) -> tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[nn.Module], list[nn.Module]]]:
     torch.manual_seed(seed)
     model, batch, blocks = BUILDERS[name]()
     model.train()
@@ -128,9 +144,13 @@ class Run:
     rng_after: torch.Tensor
 
 
-def train(model: nn.Module, batch: Callable[[int], dict[str, Any]], steps: int = 3,
-          autocast: torch.dtype | None = None, region: Callable[[], contextlib.AbstractContextManager[Any]]
-          | None = None) -> Run:
+def train(
+    model: nn.Module,
+    batch: Callable[[int], dict[str, Any]],
+    steps: int = 3,
+    autocast: torch.dtype | None = None,
+    region: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> Run:
     """Train with SGD for ``steps`` steps from seed 1234; keep losses, last grads, final state."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     torch.manual_seed(1234)
@@ -138,7 +158,7 @@ def train(model: nn.Module, batch: Callable[[int], dict[str, Any]], steps: int =
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-        with ctx, (region() if region is not None else contextlib.nullcontext()):
+        with ctx, region() if region is not None else contextlib.nullcontext():
             loss = loss_of(model(**batch(step)))
         loss.backward()
         losses.append(loss.detach().float())

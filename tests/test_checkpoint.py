@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import assert_same, build, train, twin
 from torch import nn
 
 import remat
-from models import assert_same, build, train, twin
 
 POLICIES = [None, remat.SaveComputeIntensive(), remat.SaveOps(frozenset({"aten.mm", "aten.addmm"}))]
 
@@ -75,7 +75,9 @@ def _chain(fns, x):  # type: ignore[no-untyped-def]
 def test_checkpoint_sequential_matches_plain(segments: int | str) -> None:
     layers, x = _deep_mlp()
     expected = torch.autograd.grad(layers(x).sum(), [x, *layers.parameters()])
-    got = torch.autograd.grad(remat.checkpoint_sequential(layers, segments, x).sum(), [x, *layers.parameters()])
+    got = torch.autograd.grad(
+        remat.checkpoint_sequential(layers, segments, x).sum(), [x, *layers.parameters()]
+    )
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
 
@@ -226,7 +228,10 @@ def test_value_check_names_the_op_and_module() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     y = remat.checkpoint(m, x, check="values")
     # add saves nothing for backward; exp saves its output, the first saved tensor that diverges
-    with pytest.raises(remat.RecomputationError, match=r"remat\.checkpoint: .*other values.*aten\.exp\.default in module Drifting"):
+    with pytest.raises(
+        remat.RecomputationError,
+        match=r"remat\.checkpoint: .*other values.*aten\.exp\.default in module Drifting",
+    ):
         y.sum().backward()
     # the same check passes on deterministic code
     m2 = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
@@ -257,7 +262,9 @@ def test_bad_input_errors() -> None:
     with pytest.raises(remat.RematTypeError, match=r"remat\.checkpoint: policy must have a decide"):
         remat.checkpoint(torch.sin, torch.ones(1), policy="save-all")
     layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(remat.RematValueError, match=r"remat\.checkpoint_sequential: segments must lie .*3 for 2"):
+    with pytest.raises(
+        remat.RematValueError, match=r"remat\.checkpoint_sequential: segments must lie .*3 for 2"
+    ):
         remat.checkpoint_sequential(layers, 3, torch.ones(1, 2))
     with pytest.raises(remat.RematValueError, match=r"got 0 for 2"):
         remat.checkpoint_sequential(layers, 0, torch.ones(1, 2))

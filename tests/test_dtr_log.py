@@ -25,12 +25,23 @@ START = {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "START"}
 
 
 def const(name: str, nbytes: int) -> list[dict[str, object]]:
-    return [{"INSTRUCTION": "CONSTANT", "NAME": name}, {"INSTRUCTION": "MEMORY", "NAME": name, "MEMORY": str(nbytes)}]
+    return [
+        {"INSTRUCTION": "CONSTANT", "NAME": name},
+        {"INSTRUCTION": "MEMORY", "NAME": name, "MEMORY": str(nbytes)},
+    ]
 
 
-def call(name: str, args: list[str], results: list[tuple[str, int, int]], time: int = 1000) -> list[dict[str, object]]:
+def call(
+    name: str, args: list[str], results: list[tuple[str, int, int]], time: int = 1000
+) -> list[dict[str, object]]:
     records: list[dict[str, object]] = [
-        {"INSTRUCTION": "CALL", "NAME": name, "ARGS": args, "RESULT": [r[0] for r in results], "TIME": str(time)}
+        {
+            "INSTRUCTION": "CALL",
+            "NAME": name,
+            "ARGS": args,
+            "RESULT": [r[0] for r in results],
+            "TIME": str(time),
+        }
     ]
     for result, nbytes, alias in results:
         records.append({"INSTRUCTION": "MEMORY", "NAME": result, "MEMORY": str(nbytes)})
@@ -78,15 +89,27 @@ def test_small_log_maps_every_instruction(tmp_path: Path) -> None:
         ([START, *const("c", 4), *call("relu", ["c"], [("y", 4, 3)])], 6, "not -1 nor an argument index"),
         ([START, *const("c", 4), *call("relu", ["c"], [("y", -4, -1)])], 5, "negative MEMORY"),
         ([START, *const("c", 4), *call("relu", ["c"], [("y", 4, -1)])[:2], START], 4, "lacks MEMORY/ALIAS"),
-        ([START, *const("c", 4), {"INSTRUCTION": "MUTATE", "NAME": "a_", "ARGS": ["c"], "MUTATE": [5], "TIME": "1"}], 4, "argument positions"),
+        (
+            [
+                START,
+                *const("c", 4),
+                {"INSTRUCTION": "MUTATE", "NAME": "a_", "ARGS": ["c"], "MUTATE": [5], "TIME": "1"},
+            ],
+            4,
+            "argument positions",
+        ),
         ([START, *const("c", 4), *call("relu", ["c"], [("y", 4, -1)], time=-3)], 4, "negative TIME"),
         ([START, {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "MIDDLE"}], 2, "unknown annotation"),
     ],
 )
-def test_malformed_lines_name_line_and_reason(tmp_path: Path, records: list[object], line: int, reason: str) -> None:
+def test_malformed_lines_name_line_and_reason(
+    tmp_path: Path, records: list[object], line: int, reason: str
+) -> None:
     path = tmp_path / "bad.log"
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    with pytest.raises(ValueError, match=rf"remat\.trace\.load_dtr_log: malformed DTR log line \(line {line}: .*{reason}"):
+    with pytest.raises(
+        ValueError, match=rf"remat\.trace\.load_dtr_log: malformed DTR log line \(line {line}: .*{reason}"
+    ):
         load_dtr_log(path)
 
 

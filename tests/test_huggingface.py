@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import assert_same, build, train, twin
 from torch import nn
 
 import remat
-from models import assert_same, build, train, twin
 from remat.integrations import huggingface
 
 FORMS = ["checkpoint", "scope"]

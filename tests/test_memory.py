@@ -50,8 +50,15 @@ def test_saved_tensors_counted_until_backward_frees_them() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 3 * 2**29), ("100", 100), ("64kb", 64_000),
-     ("3K", 3072), (4096, 4096)],
+    [
+        ("2GB", 2 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5 GiB", 3 * 2**29),
+        ("100", 100),
+        ("64kb", 64_000),
+        ("3K", 3072),
+        (4096, 4096),
+    ],
 )
 def test_parse_bytes(text: object, expected: int) -> None:
     assert parse_bytes(text) == expected
@@ -75,7 +82,9 @@ def test_parse_bytes_rejects_ratios_and_wrong_types() -> None:
 def test_parse_budget_accepts_ratio_or_bytes() -> None:
     assert parse_budget(0.25) == 0.25
     assert parse_budget("1MiB") == 2**20
-    with pytest.raises(remat.RematValueError, match=r"remat\.memory\.parse_budget: a ratio budget must lie in \(0, 1\]"):
+    with pytest.raises(
+        remat.RematValueError, match=r"remat\.memory\.parse_budget: a ratio budget must lie in \(0, 1\]"
+    ):
         parse_budget(1.5)
 
 
@@ -85,8 +94,10 @@ def test_format_bytes() -> None:
 
 
 def test_track_rejects_unknown_device() -> None:
-    with pytest.raises(remat.RematValueError, match=r"remat\.memory\.track: only cpu and cuda"), \
-            remat.memory.track("meta"):
+    with (
+        pytest.raises(remat.RematValueError, match=r"remat\.memory\.track: only cpu and cuda"),
+        remat.memory.track("meta"),
+    ):
         pass
 
 

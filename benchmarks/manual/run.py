@@ -85,16 +85,22 @@ def main() -> None:
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads; GPT-2 {args.layers} layers, width {args.width}, "
-          f"batch {args.batch}x{args.seq}, {args.repeats} interleaved repeats\n")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads; GPT-2 {args.layers} layers, width {args.width}, "
+        f"batch {args.batch}x{args.seq}, {args.repeats} interleaved repeats\n"
+    )
     print("| strategy | median step | time vs torch.utils.checkpoint | counted peak | peak vs torch |")
     print("|---|---|---|---|---|")
     for name in models:
-        print(f"| {name} | {statistics.median(times[name]) * 1000:.0f} ms | "
-              f"{ratio(name, 'torch.utils.checkpoint'):.3f}x | {format_bytes(peaks[name])} | "
-              f"{peaks[name] / peaks['torch.utils.checkpoint']:.3f}x |")
-    print(f"\nremat.scope vs remat.checkpoint (same regions): {ratio('remat.scope', 'remat.checkpoint'):.3f}x")
+        print(
+            f"| {name} | {statistics.median(times[name]) * 1000:.0f} ms | "
+            f"{ratio(name, 'torch.utils.checkpoint'):.3f}x | {format_bytes(peaks[name])} | "
+            f"{peaks[name] / peaks['torch.utils.checkpoint']:.3f}x |"
+        )
+    print(
+        f"\nremat.scope vs remat.checkpoint (same regions): {ratio('remat.scope', 'remat.checkpoint'):.3f}x"
+    )
 
 
 if __name__ == "__main__":

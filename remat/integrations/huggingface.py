@@ -40,8 +40,13 @@ def _checkpoint_func(form: Form, policy: Policy | None, check: Check) -> Callabl
     return remat_scope
 
 
-def enable(model: nn.Module, form: Form = "checkpoint", policy: Policy | None = None,
-           check: Check = "shapes", every_n_layers: int = 1) -> nn.Module:
+def enable(
+    model: nn.Module,
+    form: Form = "checkpoint",
+    policy: Policy | None = None,
+    check: Check = "shapes",
+    every_n_layers: int = 1,
+) -> nn.Module:
     """Turn on ``model``'s gradient checkpointing, executed by remat. Returns the model.
 
     ``form="checkpoint"`` re-runs each layer's forward in backward; ``form="scope"`` records the
@@ -49,24 +54,36 @@ def enable(model: nn.Module, form: Form = "checkpoint", policy: Policy | None = 
     ``remat.SaveComputeIntensive()``) keeps chosen op outputs instead of recomputing them.
     """
     setter = getattr(model, "_set_gradient_checkpointing", None)
-    if not isinstance(model, nn.Module) or setter is None or not getattr(
-        model, "supports_gradient_checkpointing", False
+    if (
+        not isinstance(model, nn.Module)
+        or setter is None
+        or not getattr(model, "supports_gradient_checkpointing", False)
     ):
         raise RematTypeError(
-            message("integrations.huggingface.enable",
-                    "the model must be a transformers PreTrainedModel that supports gradient checkpointing",
-                    f"got {type(model).__name__}",
-                    "wrap its blocks with remat.checkpoint(block) instead")
+            message(
+                "integrations.huggingface.enable",
+                "the model must be a transformers PreTrainedModel that supports gradient checkpointing",
+                f"got {type(model).__name__}",
+                "wrap its blocks with remat.checkpoint(block) instead",
+            )
         )
     if form not in ("checkpoint", "scope"):
         raise RematValueError(
-            message("integrations.huggingface.enable", "form must be 'checkpoint' or 'scope'",
-                    f"got {form!r}", "pick the function form or the region form")
+            message(
+                "integrations.huggingface.enable",
+                "form must be 'checkpoint' or 'scope'",
+                f"got {form!r}",
+                "pick the function form or the region form",
+            )
         )
     if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
         raise RematValueError(
-            message("integrations.huggingface.enable", "every_n_layers must be a positive int",
-                    f"got {every_n_layers!r}", "pass 1 to checkpoint every layer")
+            message(
+                "integrations.huggingface.enable",
+                "every_n_layers must be a positive int",
+                f"got {every_n_layers!r}",
+                "pass 1 to checkpoint every layer",
+            )
         )
     func = _checkpoint_func(form, policy, check)
     if "every_n_layers" in inspect.signature(setter).parameters:
@@ -75,7 +92,11 @@ def enable(model: nn.Module, form: Form = "checkpoint", policy: Policy | None = 
         setter(enable=True, gradient_checkpointing_func=func)
     else:
         raise RematValueError(
-            message("integrations.huggingface.enable", "this transformers version has no every_n_layers",
-                    f"got {every_n_layers}", "upgrade transformers or pass every_n_layers=1")
+            message(
+                "integrations.huggingface.enable",
+                "this transformers version has no every_n_layers",
+                f"got {every_n_layers}",
+                "upgrade transformers or pass every_n_layers=1",
+            )
         )
     return model

@@ -1,0 +1,136 @@
+"""Simulated dynamic rematerialization on the DTR logs and on synthetic chains; see README.md.
+
+    .venv/bin/python benchmarks/sim/run.py [--logs DIR] [--out DIR] [--no-100k]
+
+Prints markdown tables and writes ``results.json``, ``sweep.png`` and ``scaling.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from remat.sim import SimResult, simulate, sweep
+from remat.sim.plot import plot_sweep
+from remat.sim.synthetic import training_step
+from remat.trace import load
+
+HERE = Path(__file__).parent
+LOGS = ("resnet32-56", "transformer-10", "lstm-128")
+PAPER = {
+    "resnet32-56": (1.18, 1.11, 1.02),
+    "transformer-10": (1.12, 1.06, 1.02),
+    "lstm-128": (1.30, 1.07, 1.03),
+}
+RATIOS = [round(0.2 + 0.1 * i, 1) for i in range(8)]
+POLICIES = ["dtr", "dte", "coop"]
+ABLATION = ["coop", "coop-no-layout", "coop-no-opguided", "coop-no-inplace", "dtr-eq"]
+
+
+def cell(r: SimResult, field: str) -> str:
+    if r.outcome.value == "oom":
+        return "OOM"
+    if r.outcome.value == "thrashed":
+        return ">2 (thrashed)" if field == "overhead" else "-"
+    return f"{r.overhead:.3f}" if field == "overhead" else f"{100 * r.fragmentation:.1f}%"
+
+
+def table(results: list[SimResult], field: str) -> str:
+    lines = ["| trace | policy | " + " | ".join(f"{x:.1f}" for x in RATIOS) + " |"]
+    lines.append("|---|---|" + "---:|" * len(RATIOS))
+    for trace in LOGS:
+        for policy in POLICIES:
+            row = [r for r in results if r.trace == trace and r.policy == policy]
+            lines.append(f"| {trace} | {policy} | " + " | ".join(cell(r, field) for r in row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--logs", default="/work/shared/traces/dtr")
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument(
+        "--no-100k", action="store_true", help="skip the 100k-tensor chain (minutes per policy)"
+    )
+    args = parser.parse_args()
+    out = Path(args.out)
+    machine = platform.processor() or platform.machine()
+    print(f"python {platform.python_version()}, numpy {np.__version__}, {machine}")
+    traces = [load(Path(args.logs) / f"{name}.log") for name in LOGS]
+    records: dict[str, list[dict[str, object]]] = {}
+
+    print("\n## DTR with byte counting against the DTR paper (ratios 0.3 / 0.5 / 0.8)\n")
+    print("| trace | paper | remat `dtr` (bytes) | remat `dtr` (addresses) |\n|---|---|---|---|")
+    repro = []
+    for trace in traces:
+        counted = [simulate(trace, r, "dtr", layout=False) for r in (0.3, 0.5, 0.8)]
+        addressed = [simulate(trace, r, "dtr", layout=True) for r in (0.3, 0.5, 0.8)]
+        repro += counted + addressed
+        paper = " / ".join(f"{x:.2f}" for x in PAPER[trace.name])
+        ours = " / ".join(f"{r.overhead:.3f}" for r in counted)
+        addr = " / ".join(f"{r.overhead:.3f}" for r in addressed)
+        print(f"| {trace.name} | {paper} | {ours} | {addr} |")
+    records["paper"] = [r.to_dict() for r in repro]
+
+    start = time.perf_counter()
+    results = sweep(traces, POLICIES, RATIOS)
+    elapsed = time.perf_counter() - start
+    records["sweep"] = [r.to_dict() for r in results]
+    print(f"\n## Overhead, address pool (sweep took {elapsed:.0f} s)\n\n{table(results, 'overhead')}")
+    print(
+        f"\n## Fragmentation (mean free bytes / budget when an evicting allocation succeeded)\n\n"
+        f"{table(results, 'fragmentation')}"
+    )
+    plot_sweep(results, out / "sweep.png")
+
+    for trace in traces:
+        start = time.perf_counter()
+        sweep([trace], ["dtr-eq", "dte", "coop"], RATIOS)
+        print(
+            f"\nsweep of {trace.name}, dtr-eq + dte + coop at 8 ratios: {time.perf_counter() - start:.1f} s"
+        )
+
+    print("\n## Coop ablation (overhead; fragmentation)\n")
+    print("| trace | ratio | " + " | ".join(ABLATION) + " |\n|---|---|" + "---|" * len(ABLATION))
+    ablation = []
+    for trace in traces:
+        for ratio in (0.3, 0.5, 0.7):
+            row = [simulate(trace, ratio, policy) for policy in ABLATION]
+            ablation += row
+            cells = " | ".join(f"{cell(r, 'overhead')}; {cell(r, 'fragmentation')}" for r in row)
+            print(f"| {trace.name} | {ratio} | {cells} |")
+    records["ablation"] = [r.to_dict() for r in ablation]
+
+    print("\n## Search time against the number of tensors (synthetic chains, ratio 0.5)\n")
+    print(
+        "| tensors | policy | overhead | evicting allocations | search per allocation | total search | run |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    scaling = []
+    for layers in (170, 1700) if args.no_100k else (170, 1700, 17000):
+        chain = training_step(layers)
+        for policy in ["dtr", "dtr-eq", *POLICIES[1:]]:
+            start = time.perf_counter()
+            r = simulate(chain, 0.5, policy)
+            run = time.perf_counter() - start
+            scaling.append(r)
+            print(
+                f"| {r.tensors} | {policy} | {r.overhead:.3f} | {r.evicting_allocations} | "
+                f"{1e3 * r.search_per_allocation:.3f} ms | {r.search_seconds:.2f} s | {run:.1f} s |",
+                flush=True,
+            )
+    records["scaling"] = [r.to_dict() for r in scaling]
+    plot_sweep(scaling, out / "scaling.png")
+    (out / "results.json").write_text(
+        json.dumps(records, indent=1, default=lambda x: None if math.isnan(x) else x)
+    )
+
+
+if __name__ == "__main__":
+    main()

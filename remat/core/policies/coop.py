@@ -1,0 +1,130 @@
+"""Coop (OneFlow): eviction and allocation designed together, so that evicting makes contiguous room.
+
+DTR evicts the cheapest storage, one at a time, wherever it lies; 60 MB freed here and 40 MB there do
+not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switchable for ablation:
+
+1. Layout-aware eviction (``layout``). List the pool's pieces in address order; a free piece costs
+   0, an evictable storage c'(t) / s(t) (no division by size: the window already accounts for
+   bytes), a locked or constant piece breaks the run. One two-pointer pass finds the contiguous run
+   of pieces covering the request at least total cost: O(n), where DTR's loop is O(n^2). Without it,
+   Coop evicts greedily by h_DTR^eq.
+2. Op-guided allocation (``op_guided``). Outputs of compute-dense ops (convolutions, matrix
+   products, their gradients) go to the high end of the pool, the rest to the low end, so that
+   cheap storages lie next to each other and a cheap window is easy to find.
+3. Recomputable in-place (``inplace``). A mutated storage's new version takes over the old memory
+   instead of a copy, so mutations do not scatter new storages over the pool.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from remat.core.policies.base import TICK, lower_bound
+from remat.core.policies.dtr_eq import choose_by_classes
+from remat.core.policies.registry import register
+from remat.core.pool import FREE, AddressPool, End
+from remat.trace.types import Op
+
+if TYPE_CHECKING:
+    from remat.core.runtime import Runtime
+
+_DENSE = re.compile(r"conv|matmul|linear|einsum|(?<![a-z])(?:add|b|baddb|addb)?mm(?![a-z])")
+
+
+def compute_dense(name: str) -> bool:
+    """True for ops whose cost per output byte is high: convolutions and matrix products, forward
+    or backward (``cudnn_convolution_backward``, ``aten.addmm.default``, ``bmm``...)."""
+    return _DENSE.search(name.lower()) is not None
+
+
+@dataclass(frozen=True)
+class Coop:
+    name: str = "coop"
+    layout: bool = True
+    op_guided: bool = True
+    inplace: bool = True
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({"classes", "layout"}) if self.layout else frozenset({"classes"})
+
+    def end(self, op: Op) -> End:
+        return End.HIGH if self.op_guided and compute_dense(op.name) else End.LOW
+
+    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+        if not self.layout:
+            return choose_by_classes(runtime, adjacent_free=False)
+        return cheapest_window(runtime, nbytes)
+
+
+def cheapest_window(runtime: Runtime, nbytes: int) -> list[int]:
+    """The storages of the least costly contiguous run of pieces holding ``nbytes``; [] if none.
+
+    Because costs are not negative, the best run ending at a given piece is the shortest one that
+    holds ``nbytes``, so there is one candidate run per piece, found from the sizes alone (the two
+    pointers, vectorized). Each run gets a lower bound of its cost from the pieces' own costs; exact
+    costs (with the neighbourhood) are summed only for runs whose bound beats the best run so far."""
+    pool = runtime.pool
+    assert isinstance(pool, AddressPool)
+    sizes, owners = pool.arrays()
+    if len(sizes) == 0:
+        return []
+    graph, resident, classes = runtime.graph, runtime.resident, runtime.classes
+    assert classes is not None
+    evictable = np.append(runtime.evictable.array[: len(graph)], False)
+    real = np.where(owners >= 0, owners, len(graph))  # by-product blocks (negative owners) never move
+    movable = evictable[real]
+    free = owners == FREE
+    barrier = ~(movable | free)
+    own, staleness = np.zeros(len(sizes)), np.ones(len(sizes))
+    staleness[movable] = np.maximum(runtime.clock - runtime.last.array[real[movable]], TICK)
+    own[movable] = lower_bound(runtime, real[movable]) / staleness[movable]
+    # Run ending at piece r: pieces l..r, l the last index with sizes[l..r] >= nbytes, no barrier.
+    bytes_to = np.concatenate(([0], np.cumsum(sizes)))
+    cost_to = np.concatenate(([0.0], np.cumsum(own)))
+    ends = np.arange(len(sizes))
+    lefts = np.searchsorted(bytes_to, bytes_to[1:] - nbytes, side="right") - 1
+    after_barrier = np.maximum.accumulate(np.where(barrier, ends + 1, 0))
+    valid = (lefts >= 0) & (lefts >= after_barrier) & ~barrier
+    lefts, ends = lefts[valid], ends[valid]
+    if len(ends) == 0:
+        return []
+    bounds = cost_to[ends + 1] - cost_to[lefts]
+    exact: dict[int, float] = {}
+
+    def piece_cost(i: int) -> float:
+        if i not in exact:
+            storage = int(owners[i])
+            near = (
+                graph.cost[storage] + classes.neighbour_cost(storage, graph, resident) if movable[i] else 0.0
+            )
+            exact[i] = near / staleness[i]
+        return exact[i]
+
+    best, best_run = math.inf, (0, -1)
+    for k in np.argsort(bounds, kind="stable"):
+        if bounds[k] >= best:
+            break
+        left, right = int(lefts[k]), int(ends[k])
+        total = 0.0
+        for i in range(left, right + 1):
+            total += piece_cost(i)
+            if total >= best:
+                break
+        if total < best:
+            best, best_run = total, (left, right)
+    return [int(owners[i]) for i in range(best_run[0], best_run[1] + 1) if owners[i] != FREE]
+
+
+for _policy in (
+    Coop(),
+    Coop("coop-no-layout", layout=False),
+    Coop("coop-no-opguided", op_guided=False),
+    Coop("coop-no-inplace", inplace=False),
+):
+    register(_policy)

@@ -1,0 +1,253 @@
+"""The memory pool: a fixed range of addresses carved into allocated and free blocks.
+
+DTR counts bytes: an allocation fits when the resident bytes plus the request stay under the budget.
+A real caching allocator needs one *contiguous* free block, and freeing 60 MB here and 40 MB there
+does not make room for 100 MB. :class:`AddressPool` models the addresses, so that fragmentation, and
+the layout-aware eviction that avoids it (Coop), can be simulated; :class:`BytePool` is the byte
+counting model of the DTR simulator, kept to reproduce its numbers. Both answer the same questions
+(:class:`Pool`); only the address pool can list its pieces.
+
+The pieces are kept in address order in flat arrays (numpy reads them without a copy, for the
+vectorized window search of Coop); free pieces are also kept sorted by (size, address) for best fit.
+Placing and freeing are O(log n) searches plus one O(n) memory move, done in C.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from array import array
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+FREE = -1
+"""Owner of a free piece in :meth:`AddressPool.pieces`."""
+
+
+class End(enum.Enum):
+    """Which end of the pool an allocation is placed from."""
+
+    LOW = "low"
+    HIGH = "high"
+
+
+class Fit(enum.StrEnum):
+    """How the free block for an allocation is chosen."""
+
+    BEST = "best"  # the smallest block that fits (ties: nearest to the chosen end)
+    FIRST = "first"  # the first block that fits, scanning from the chosen end
+
+
+class Pool(Protocol):
+    """What the rematerialization core asks of memory."""
+
+    capacity: int
+    layout: bool
+
+    @property
+    def used(self) -> int: ...
+
+    def allocate(self, owner: int, nbytes: int, end: End = End.LOW) -> bool: ...
+
+    def free(self, owner: int) -> None: ...
+
+    def transfer(self, owner: int, new_owner: int) -> None: ...
+
+    def adjacent_free(self, owner: int) -> int: ...
+
+    def largest_free(self) -> int: ...
+
+
+class BytePool:
+    """Byte counting: an allocation fits when ``used + nbytes <= capacity``. No addresses."""
+
+    layout = False
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._sizes: dict[int, int] = {}
+        self._used = 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def allocate(self, owner: int, nbytes: int, end: End = End.LOW) -> bool:
+        if self._used + nbytes > self.capacity:
+            return False
+        self._sizes[owner] = nbytes
+        self._used += nbytes
+        return True
+
+    def free(self, owner: int) -> None:
+        self._used -= self._sizes.pop(owner)
+
+    def transfer(self, owner: int, new_owner: int) -> None:
+        self._sizes[new_owner] = self._sizes.pop(owner)
+
+    def adjacent_free(self, owner: int) -> int:
+        return 0
+
+    def largest_free(self) -> int:
+        return self.capacity - self._used
+
+
+class AddressPool:
+    """``capacity`` bytes of addresses; allocations are placed from either end, best or first fit."""
+
+    layout = True
+
+    def __init__(self, capacity: int, fit: Fit = Fit.BEST) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.fit = Fit(fit)
+        # The pieces, in address order; array('q') so that numpy can view them without a copy.
+        self._starts = array("q", [0])
+        self._sizes = array("q", [capacity])
+        self._owners = array("q", [FREE])
+        self._start_of: dict[int, int] = {}  # owner -> start address
+        self._free_sorted: list[tuple[int, int]] = [(capacity, 0)]  # (size, start) of free pieces
+        self._used = 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self._used
+
+    def address(self, owner: int) -> int:
+        return self._start_of[owner]
+
+    def largest_free(self) -> int:
+        return self._free_sorted[-1][0] if self._free_sorted else 0
+
+    def fragmentation(self) -> float:
+        """1 - largest free block / free bytes: 0 when all free memory is one block."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free() / free
+
+    def allocate(self, owner: int, nbytes: int, end: End = End.LOW) -> bool:
+        """Place ``nbytes`` for ``owner``; False (and no change) when no free block is large enough."""
+        if nbytes <= 0:
+            raise ValueError(f"allocations must be positive, got {nbytes} bytes")
+        if owner in self._start_of:
+            raise ValueError(f"owner {owner} already holds a block")
+        chosen = self._choose(nbytes, end)
+        if chosen is None:
+            return False
+        size, start = chosen
+        self._free_sorted.remove(chosen)
+        i = self._index(start)
+        rest = size - nbytes
+        if rest == 0:
+            self._owners[i] = owner
+            placed = start
+        elif end is End.LOW:
+            self._sizes[i], self._owners[i] = nbytes, owner
+            self._insert(i + 1, start + nbytes, rest, FREE)
+            bisect.insort(self._free_sorted, (rest, start + nbytes))
+            placed = start
+        else:
+            self._sizes[i] = rest
+            bisect.insort(self._free_sorted, (rest, start))
+            placed = start + rest
+            self._insert(i + 1, placed, nbytes, owner)
+        self._start_of[owner] = placed
+        self._used += nbytes
+        return True
+
+    def free(self, owner: int) -> None:
+        """Return ``owner``'s block and merge it with free neighbours."""
+        i = self._index(self._start_of.pop(owner))
+        sizes, owners = self._sizes, self._owners
+        self._used -= sizes[i]
+        owners[i] = FREE
+        if i + 1 < len(sizes) and owners[i + 1] == FREE:
+            self._free_sorted.remove((sizes[i + 1], self._starts[i + 1]))
+            sizes[i] += sizes[i + 1]
+            self._delete(i + 1)
+        if i > 0 and owners[i - 1] == FREE:
+            self._free_sorted.remove((sizes[i - 1], self._starts[i - 1]))
+            sizes[i - 1] += sizes[i]
+            self._delete(i)
+            i -= 1
+        bisect.insort(self._free_sorted, (sizes[i], self._starts[i]))
+
+    def transfer(self, owner: int, new_owner: int) -> None:
+        """Hand ``owner``'s block to ``new_owner`` unchanged (an in-place op's new version)."""
+        start = self._start_of.pop(owner)
+        self._owners[self._index(start)] = new_owner
+        self._start_of[new_owner] = start
+
+    def adjacent_free(self, owner: int) -> int:
+        """Free bytes directly below and above ``owner``'s block (they coalesce if it is freed)."""
+        i = self._index(self._start_of[owner])
+        total = 0
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(self._sizes) and self._owners[j] == FREE:
+                total += self._sizes[j]
+        return total
+
+    def adjacent_free_all(self, owners: int) -> np.ndarray:
+        """:meth:`adjacent_free` of every owner in ``range(owners)`` at once (0 where none)."""
+        sizes, held = self.arrays()
+        free = np.where(held == FREE, sizes, 0)
+        around = np.concatenate(([0], free[:-1])) + np.concatenate((free[1:], [0]))
+        out = np.zeros(owners + 1, dtype=np.int64)
+        out[np.where((held >= 0) & (held < owners), held, owners)] = around
+        return out[:owners]
+
+    def pieces(self) -> Iterator[tuple[int, int, int]]:
+        """``(start, size, owner)`` of every block in address order; free blocks have owner FREE."""
+        return zip(self._starts, self._sizes, self._owners, strict=True)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sizes and owners of the pieces in address order, as numpy views (valid until the pool
+        changes)."""
+        return np.frombuffer(self._sizes, dtype=np.int64), np.frombuffer(self._owners, dtype=np.int64)
+
+    def check(self) -> None:
+        """Assert the invariants (blocks tile the range, free blocks coalesced, counts exact)."""
+        position, used, previous_free = 0, 0, False
+        for start, size, owner in self.pieces():
+            assert start == position and size > 0, (start, position, size)
+            assert not (previous_free and owner == FREE), "adjacent free blocks were not coalesced"
+            assert owner == FREE or self._start_of[owner] == start
+            previous_free = owner == FREE
+            used += 0 if owner == FREE else size
+            position += size
+        assert position == self.capacity and used == self._used
+        free = sorted((size, start) for start, size, owner in self.pieces() if owner == FREE)
+        assert free == self._free_sorted
+
+    def _choose(self, nbytes: int, end: End) -> tuple[int, int] | None:
+        """The (size, start) of the free piece to place ``nbytes`` in."""
+        free = self._free_sorted
+        if self.fit is Fit.BEST:
+            i = bisect.bisect_left(free, (nbytes, -1))
+            if i == len(free):
+                return None
+            if end is End.HIGH:  # the highest-addressed piece among the equally small ones
+                i = bisect.bisect_right(free, (free[i][0], self.capacity)) - 1
+            return free[i]
+        fitting = [(start, size) for size, start in free if size >= nbytes]
+        if not fitting:
+            return None
+        start, size = max(fitting) if end is End.HIGH else min(fitting)
+        return size, start
+
+    def _index(self, start: int) -> int:
+        return bisect.bisect_left(self._starts, start)
+
+    def _insert(self, i: int, start: int, size: int, owner: int) -> None:
+        self._starts.insert(i, start)
+        self._sizes.insert(i, size)
+        self._owners.insert(i, owner)
+
+    def _delete(self, i: int) -> None:
+        del self._starts[i], self._sizes[i], self._owners[i]

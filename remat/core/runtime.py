@@ -1,0 +1,401 @@
+"""The rematerialization runtime: keep tensors within a memory pool by evicting and recomputing.
+
+Device-free on purpose. The runtime decides what is resident, what to evict and what to recompute;
+the work itself goes through a :class:`Backend`: the simulator's backend only adds up recorded op
+times and checks values, an eager runtime runs real ops and frees real tensors. Both thereby share
+every decision this module makes.
+
+The program speaks in *handles* (trace tensor ids): :meth:`Runtime.constant`, :meth:`Runtime.call`,
+:meth:`Runtime.release`, and :meth:`Runtime.finish` at the end. Handles point at storages of the
+:class:`~remat.core.graph.Graph`. The rules:
+
+- The inputs of the running op are locked (pinned); constants are never evicted. A constant whose
+  handles are all gone is kept, because recomputations may still read it.
+- An evicted storage is restored by re-running its producer, whose inputs are gathered first,
+  recursively (``_gather`` -> ``_restore`` -> ``_gather`` ...).
+- A storage whose handles are all released is freed at once but stays in the graph as evicted
+  metadata, for the recomputations that may need it.
+- A mutation moves every handle of the mutated storage to a new version. With ``inplace`` (Coop) the
+  version takes over the old memory; otherwise (DTR) it is copied into new memory.
+
+NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' gathered inputs are
+locked, so it can need more memory than any op of the program. When nothing is left to evict, the
+callers' locks are dropped and each caller gathers again once the restore returns. Hence the
+runtime only fails when a single op's own inputs and outputs, plus the constants, do not fit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from remat._errors import RematValueError, message
+from remat.core.classes import EvictedClasses
+from remat.core.graph import NO_REUSE, Column, Graph, Record
+from remat.core.neighbourhood import Neighbourhoods
+from remat.core.pool import End, Pool
+from remat.core.telemetry import Telemetry
+from remat.trace.types import Op, TensorInfo
+
+if TYPE_CHECKING:
+    from remat.core.policies.base import EvictionPolicy
+
+
+class Backend(Protocol):
+    """The work behind the runtime's decisions."""
+
+    def materialize(self, record: Record, recompute: bool) -> float:
+        """Run ``record`` (its inputs are resident, its outputs have memory) and return the seconds
+        it took."""
+        ...
+
+    def free(self, storage: int) -> None:
+        """The content of ``storage`` is gone (evicted, dead, or overwritten in place)."""
+        ...
+
+
+class OutOfMemory(Exception):
+    """An allocation cannot fit even with every evictable storage evicted."""
+
+    def __init__(self, request: int, pinned: int, capacity: int, layout: bool) -> None:
+        self.request, self.pinned, self.capacity = request, pinned, capacity
+        self.needed = request + pinned
+        where = "contiguous " if layout else ""
+        super().__init__(
+            f"no {where}room for {request} bytes: {pinned} bytes are pinned or constant "
+            f"and the pool holds {capacity}"
+        )
+
+
+@dataclass
+class _Frame:
+    """One op being run or restored: the storages it has locked."""
+
+    locked: list[int] = field(default_factory=list)
+    relaxed: bool = False
+
+
+class Runtime:
+    """Dynamic rematerialization of one program within ``pool``, choosing victims by ``policy``."""
+
+    def __init__(self, pool: Pool, policy: EvictionPolicy, backend: Backend) -> None:
+        missing = set(policy.needs) - ({"layout"} if pool.layout else set())
+        missing -= {"classes", "regions"}  # tracked on demand below
+        if missing:
+            raise RematValueError(
+                message(
+                    "core.Runtime",
+                    "the policy needs state this pool does not track",
+                    f"policy {policy.name!r} needs {sorted(missing)}, pool is a {type(pool).__name__}",
+                    "use an AddressPool",
+                )
+            )
+        self.pool = pool
+        self.policy = policy
+        self.backend = backend
+        self.graph = Graph()
+        self.classes = EvictedClasses() if "classes" in policy.needs else None
+        self.regions = Neighbourhoods() if "regions" in policy.needs else None
+        self.telemetry = Telemetry()
+        self.clock = 0.0
+        self.resident: list[bool] = []
+        self.locks: list[int] = []
+        self.live: list[int] = []  # live handles per storage
+        self.last = Column()  # last access per storage, in op time
+        self.evictable = Column(bool)  # resident, unlocked, not constant, not empty
+        self.evicted_nearby = Column()  # cost of the non-resident neighbours: a bound for policies
+        self._counted: list[bool] = []  # storage adds its cost to its neighbours' evicted_nearby
+        self._members: list[list[int]] = []  # every handle ever pointed at a storage
+        self._storage_of: dict[int, int] = {}
+        self._frames: list[_Frame] = []
+        self._constant_bytes = 0  # constants never leave the pool
+
+    # -- the program's side ---------------------------------------------------------------------
+
+    def storage_of(self, handle: int) -> int:
+        return self._storage_of[handle]
+
+    def constant(self, handle: int, nbytes: int) -> None:
+        """A tensor from outside (parameter, input): resident from now on, never evicted."""
+        storage = self._new_storage(nbytes, -1, True, ())
+        if nbytes > 0:
+            self._frames.append(_Frame())
+            try:
+                self._allocate(storage, nbytes, End.LOW)
+            finally:
+                self._frames.pop()
+        self._arrive(storage)
+        self._bind(handle, storage)
+        self._constant_bytes += nbytes
+
+    def call(self, op: Op, outputs: Sequence[TensorInfo]) -> None:
+        """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order."""
+        inputs = tuple(dict.fromkeys(self._storage_of[h] for h in op.inputs))
+        frame = _Frame()
+        self._frames.append(frame)
+        try:
+            self._gather(frame, inputs)
+            record = self.graph.add_record(op, inputs)
+            fresh = [info for info in outputs if info.alias_of is None]
+            created = [self._new_storage(info.nbytes, record.id, False, inputs) for info in fresh]
+            reuse = [NO_REUSE] * len(created)
+            for old in (self._storage_of[h] for h in op.mutates):  # each gets a new version
+                nbytes, constant = self.graph.nbytes[old], self.graph.constant[old]
+                created.append(self._new_storage(nbytes, record.id, constant, inputs))
+                reuse.append(old)
+            record.outputs, record.reuse = tuple(created), tuple(reuse)
+            if not created:  # only views of inputs: restoring their storage re-runs this op
+                for info in outputs:
+                    if info.alias_of is not None:
+                        self.graph.add_view(self._storage_of[info.alias_of], record)
+                        if len(inputs) > 1 and self.regions is not None:  # new edges
+                            self.regions.clear()
+                        break
+            allocated = self._run(frame, record, recompute=False, keep=record.outputs)
+            read = sum(self.graph.nbytes[s] for s in inputs if not self.graph.constant[s])
+            need = self._constant_bytes + allocated + read
+            self.telemetry.working_set = max(self.telemetry.working_set, need)
+        finally:
+            self._unlock_all(frame)
+            self._frames.pop()
+        made = iter(record.outputs)
+        for handle, info in zip(op.outputs, outputs, strict=True):
+            self._bind(handle, self._storage_of[info.alias_of] if info.alias_of is not None else next(made))
+        for handle, new in zip(op.mutates, made, strict=True):
+            old = self._storage_of[handle]
+            if self.graph.constant[new] and self.resident[old]:  # a copied constant: both stay
+                self._constant_bytes += self.graph.nbytes[new]
+            self._move_handles(old, new)
+
+    def release(self, handle: int) -> None:
+        """The program dropped ``handle``; a storage with no handle left is freed (not forgotten)."""
+        storage = self._storage_of[handle]
+        self.live[storage] -= 1
+        if self.live[storage] == 0:
+            self._dead(storage)
+
+    def finish(self) -> None:
+        """The program ends holding its live handles: restore each storage they point at."""
+        for storage in range(len(self.graph)):
+            if self.live[storage] > 0 and not self.resident[storage]:
+                self._restore(storage)
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def _gather(self, frame: _Frame, storages: Sequence[int]) -> None:
+        """Make every storage of ``storages`` resident at once, locked by ``frame``."""
+        for storage in storages:
+            if self.resident[storage]:
+                self.last.set(storage, self.clock)
+        while True:
+            frame.relaxed = False
+            for storage in storages:
+                if self.resident[storage] and storage not in frame.locked:
+                    self._lock(frame, storage)
+            missing = [s for s in storages if not self.resident[s]]
+            if not missing:
+                return
+            for storage in missing:
+                if not self.resident[storage]:
+                    self._restore(storage)
+                if frame.relaxed:  # NOTE [relaxed locks]: gather again
+                    break
+                self._lock(frame, storage)
+
+    def _restore(self, storage: int) -> None:
+        """Bring back evicted ``storage`` by re-running its producer (and its views)."""
+        graph = self.graph
+        record = graph.records[graph.producer[storage]]
+        frame = _Frame()
+        self._frames.append(frame)
+        try:
+            needed = list(record.inputs)
+            needed += [p for p in graph.parents[storage] if p not in needed]
+            self._gather(frame, needed)
+            keep = tuple(
+                s for s in record.outputs if s == storage or (self.live[s] > 0 and not self.resident[s])
+            )
+            self._run(frame, record, recompute=True, keep=keep)
+            self.telemetry.recomputations += 1
+        finally:
+            self._unlock_all(frame)
+            self._frames.pop()
+
+    def _run(self, frame: _Frame, record: Record, recompute: bool, keep: tuple[int, ...]) -> int:
+        """Give ``record``'s outputs memory, run it, and make ``keep`` resident. Returns the bytes
+        it allocated."""
+        graph = self.graph
+        allocated = 0
+        end = self.policy.end(record.op)
+        takeovers: list[tuple[int, int]] = []
+        transient: list[int] = []
+        for storage, old in zip(record.outputs, record.reuse, strict=True):
+            nbytes = graph.nbytes[storage]
+            if nbytes == 0:
+                continue
+            if storage in keep and old != NO_REUSE and self._may_overwrite(old, frame, record):
+                takeovers.append((storage, old))
+            elif storage in keep:
+                self._allocate(storage, nbytes, end)
+                allocated += nbytes
+            else:  # a by-product: an output already resident or no longer wanted
+                self._allocate(_transient(storage), nbytes, end)
+                transient.append(storage)
+                allocated += nbytes
+        self.clock += self.backend.materialize(record, recompute)
+        for storage, old in takeovers:
+            self.pool.transfer(old, storage)
+            self._depart(old)
+        for storage in transient:
+            self.pool.free(_transient(storage))
+            if not self.resident[storage]:
+                self.backend.free(storage)
+        for storage in keep:
+            self._arrive(storage)
+        if recompute:
+            for storage in keep:
+                for view in graph.views[storage]:
+                    self.clock += self.backend.materialize(graph.records[view], True)
+        return allocated
+
+    def _may_overwrite(self, old: int, frame: _Frame, record: Record) -> bool:
+        """An in-place op may reuse ``old``'s memory when the policy says so, no one else holds a
+        lock on it, and it is not a constant that other ops read (it could not be recomputed)."""
+        graph = self.graph
+        if not self.policy.inplace or not self.resident[old] or self.locks[old] != frame.locked.count(old):
+            return False
+        return not graph.constant[old] or all(graph.producer[c] == record.id for c in graph.children[old])
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def _allocate(self, owner: int, nbytes: int, end: End) -> None:
+        pool, telemetry = self.pool, self.telemetry
+        evicted = False
+        while not pool.allocate(owner, nbytes, end):
+            start = time.perf_counter()
+            victims = self.policy.choose(self, nbytes)
+            telemetry.search_seconds += time.perf_counter() - start
+            telemetry.searches += 1
+            if not victims:
+                if self._relax():
+                    continue
+                movable = self.evictable.array[: len(self.graph)]
+                pinned = pool.used - int(self.graph.nbytes_array[: len(self.graph)][movable].sum())
+                raise OutOfMemory(nbytes, pinned, pool.capacity, pool.layout)
+            for victim in victims:
+                self._evict(victim)
+            evicted = True
+        if evicted:
+            telemetry.evicting_allocations += 1
+            telemetry.free_fraction_sum += (pool.capacity - pool.used) / pool.capacity
+        telemetry.peak_bytes = max(telemetry.peak_bytes, pool.used)
+
+    def _relax(self) -> bool:
+        """NOTE [relaxed locks]: drop the locks of the callers of the running op."""
+        dropped = False
+        for frame in self._frames[:-1]:
+            if frame.locked:
+                self._unlock_all(frame)
+                frame.relaxed = dropped = True
+        return dropped
+
+    def _evict(self, storage: int) -> None:
+        if not self.evictable.values[storage]:
+            raise ValueError(f"policy {self.policy.name!r} chose storage {storage}, which is not evictable")
+        self.telemetry.evictions += 1
+        self.pool.free(storage)
+        self._depart(storage)
+
+    def _dead(self, storage: int) -> None:
+        """No handle is left. Constants stay (recomputations may read them), and so do empty
+        storages (keeping them is free, losing them would cost a recomputation)."""
+        graph = self.graph
+        if (
+            self.resident[storage]
+            and not graph.constant[storage]
+            and graph.nbytes[storage] > 0
+            and self.locks[storage] == 0
+        ):
+            self.pool.free(storage)
+            self._depart(storage)
+
+    def _arrive(self, storage: int) -> None:
+        self.resident[storage] = True
+        self.last.set(storage, self.clock)
+        if self._counted[storage]:
+            self._count_nearby(storage, -1.0)
+        if self.classes is not None:
+            self.classes.restored(storage, self.graph)
+        if self.regions is not None:
+            self.regions.restored(storage)
+        if self.locks[storage] == 0 and self._evictable(storage):
+            self.evictable.set(storage, True)
+
+    def _depart(self, storage: int) -> None:
+        self.resident[storage] = False
+        self.evictable.set(storage, False)
+        self._count_nearby(storage, 1.0)
+        if self.classes is not None:
+            self.classes.evicted(storage, self.graph, self.resident)
+        if self.regions is not None:
+            self.regions.evicted(storage)
+        self.backend.free(storage)
+
+    def _count_nearby(self, storage: int, sign: float) -> None:
+        self._counted[storage] = sign > 0
+        cost, nearby = sign * self.graph.cost[storage], self.evicted_nearby
+        for neighbour in set(self.graph.neighbours(storage)):
+            nearby.set(neighbour, nearby.values[neighbour] + cost)
+
+    def _evictable(self, storage: int) -> bool:
+        return self.resident[storage] and not self.graph.constant[storage] and self.graph.nbytes[storage] > 0
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _new_storage(self, nbytes: int, producer: int, constant: bool, parents: tuple[int, ...]) -> int:
+        storage = self.graph.add_storage(nbytes, producer, constant, parents)
+        if self.regions is not None:
+            self.regions.created(storage, parents)
+        self.resident.append(False)
+        self.locks.append(0)
+        self.live.append(0)
+        self.last.append(self.clock)
+        self.evictable.append(False)
+        self.evicted_nearby.append(0.0)
+        self._counted.append(False)
+        self._members.append([])
+        return storage
+
+    def _bind(self, handle: int, storage: int) -> None:
+        self._storage_of[handle] = storage
+        self._members[storage].append(handle)
+        self.live[storage] += 1
+
+    def _move_handles(self, old: int, new: int) -> None:
+        """A mutation made ``new`` the current version of ``old``: every handle follows."""
+        for handle in self._members[old]:
+            self._storage_of[handle] = new
+        self._members[new].extend(self._members[old])
+        self._members[old] = []
+        self.live[new] += self.live[old]
+        self.live[old] = 0
+        self._dead(old)
+
+    def _lock(self, frame: _Frame, storage: int) -> None:
+        self.locks[storage] += 1
+        frame.locked.append(storage)
+        self.evictable.set(storage, False)
+
+    def _unlock_all(self, frame: _Frame) -> None:
+        for storage in frame.locked:
+            self.locks[storage] -= 1
+            if self.locks[storage] == 0 and self._evictable(storage):
+                self.evictable.set(storage, True)
+        frame.locked = []
+
+
+def _transient(storage: int) -> int:
+    """Pool owner of a by-product copy of ``storage`` (negative, apart from real storages)."""
+    return -2 - storage

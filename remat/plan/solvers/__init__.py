@@ -1,0 +1,31 @@
+"""Plan solvers, one per module, registered by name (:func:`get`, :func:`names`).
+
+Every solver is ``solve(problem, budget_bytes, **options) -> Solution``: ``chain`` (rotor's DP),
+``milp`` (Checkmate), ``sqrt`` (Chen's baseline), ``greedy`` (knapsack baseline) and ``auto`` (picks
+one). Their figures all come from ``remat.plan.solvers.simulate``.
+"""
+
+from remat.plan.problem import Problem, Solution
+from remat.plan.solvers import auto, chain_dp, greedy, milp, sqrt
+from remat.plan.solvers.registry import Solver, get, names, register
+from remat.plan.solvers.simulate import Simulation, simulate
+
+__all__ = [
+    "Simulation",
+    "Solver",
+    "auto",
+    "chain_dp",
+    "get",
+    "greedy",
+    "milp",
+    "names",
+    "register",
+    "simulate",
+    "solve",
+    "sqrt",
+]
+
+
+def solve(problem: Problem, budget_bytes: int | str, solver: str = "auto", **options: object) -> Solution:
+    """Shorthand for ``get(solver).solve(problem, budget_bytes, **options)``."""
+    return get(solver).solve(problem, budget_bytes, **options)

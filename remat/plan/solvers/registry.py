@@ -1,0 +1,118 @@
+"""The registry of plan solvers, by name; the CLI and ``remat.plan`` list it rather than a hand-kept list.
+
+A solver is one function ``solve(problem, budget_bytes, **options) -> Solution`` in its own module.
+The registry does what every solver would otherwise repeat: it parses the budget, refuses a problem
+shape or an option the solver does not take, times the solve, and refuses a plan over the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes, parse_bytes
+from remat.plan.problem import Chain, Graph, Problem, Solution
+
+__all__ = ["Solver", "below_minimum", "get", "names", "register"]
+
+SolveFunction = Callable[..., Solution]
+
+
+@dataclass(frozen=True)
+class Solver:
+    """A registered solver: its name, a one-line summary, the problem types it takes."""
+
+    name: str
+    summary: str
+    problems: tuple[type, ...]
+    function: SolveFunction
+
+    def solve(self, problem: Problem, budget_bytes: int | str, **options: object) -> Solution:
+        """Solve ``problem`` under ``budget_bytes`` (an int or a string such as ``"6GB"``)."""
+        budget = parse_bytes(budget_bytes, api="plan")
+        if not isinstance(problem, self.problems):
+            takes = " or ".join(p.__name__ for p in self.problems)
+            others = ", ".join(n for n in names() if isinstance(problem, _SOLVERS[n].problems))
+            raise RematTypeError(
+                message(
+                    "plan",
+                    f"solver {self.name!r} takes a {takes}",
+                    f"got {type(problem).__name__}",
+                    f"use {others}",
+                )
+            )
+        params = inspect.signature(self.function).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            known = [p for p, v in params.items() if v.kind is v.KEYWORD_ONLY]
+            unknown = sorted(set(options) - set(known))
+            if unknown:
+                raise RematTypeError(
+                    message(
+                        "plan",
+                        f"unknown option for solver {self.name!r}",
+                        f"got {', '.join(unknown)}",
+                        f"use {', '.join(known) or 'no options'}",
+                    )
+                )
+        start = time.perf_counter()
+        result = self.function(problem, budget, **options)
+        if result.predicted_peak_bytes > budget:
+            raise RematValueError(
+                message(
+                    "plan",
+                    f"solver {self.name!r} returned a plan over the budget",
+                    f"peak {result.predicted_peak_bytes} > {budget} bytes",
+                    "report this as a bug and use another solver meanwhile",
+                )
+            )
+        return dataclasses.replace(result, solve_seconds=time.perf_counter() - start)
+
+
+_SOLVERS: dict[str, Solver] = {}
+
+
+def register(
+    name: str, summary: str, problems: tuple[type, ...] = (Chain, Graph)
+) -> Callable[[SolveFunction], SolveFunction]:
+    """Decorator: make the function a solver known as ``name``."""
+
+    def add(function: SolveFunction) -> SolveFunction:
+        if name in _SOLVERS:
+            raise ValueError(f"a plan solver named {name!r} is already registered")
+        _SOLVERS[name] = Solver(name, summary, problems, function)
+        return function
+
+    return add
+
+
+def names() -> tuple[str, ...]:
+    """The registered solver names, sorted."""
+    return tuple(sorted(_SOLVERS))
+
+
+def get(name: str) -> Solver:
+    """The solver registered as ``name``; a RematValueError listing the known names otherwise."""
+    try:
+        return _SOLVERS[name]
+    except (KeyError, TypeError):
+        raise RematValueError(
+            message("plan", "unknown solver", f"got {name!r}", f"use one of {', '.join(names())}")
+        ) from None
+
+
+def below_minimum(budget: int, minimum: int, where: str, exact: bool = True) -> RematValueError:
+    """The error for a budget no plan fits: the smallest feasible peak (or, when only a bound is
+    known, a peak no plan can beat) and the stage or op that needs it."""
+    figure = f"the minimum is {minimum} bytes" if exact else f"the minimum is at least {minimum} bytes"
+    return RematValueError(
+        message(
+            "plan",
+            "budget below the smallest feasible peak",
+            f"budget {budget} < {minimum} bytes, {format_bytes(minimum)}",
+            f"{figure} (needed by {where})",
+        )
+    )

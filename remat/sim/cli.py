@@ -1,0 +1,131 @@
+"""``remat sim``: sweep traces x eviction policies x budget ratios through the simulator.
+
+    remat sim TRACE... --policies dtr,dte,coop --ratios 0.2:0.9:0.1 --json OUT.json --plot OUT.png
+
+TRACE is a file ``remat.trace.load`` reads (a remat trace or a DTR op log). The policy names come
+from the registry (``remat.core.policies.names``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from remat._errors import message
+from remat.core.policies import names
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sim",
+        help="simulate dynamic rematerialization of traces under budgets",
+        description="Replay traces under budget ratios with eviction policies; print, save and plot.",
+    )
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (remat traces or DTR logs)")
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        default=["dtr", "dte", "coop"],
+        help=f"comma-separated, from: {', '.join(names())} (default: dtr,dte,coop)",
+    )
+    parser.add_argument(
+        "--ratios",
+        type=ratio_range,
+        default=ratio_range("0.2:0.9:0.1"),
+        help="budget ratios of the unconstrained peak: START:STOP:STEP or a,b,c (default 0.2:0.9:0.1)",
+    )
+    parser.add_argument(
+        "--memory",
+        choices=("address", "bytes"),
+        default="address",
+        help="address: allocations need a contiguous block (default); bytes: count bytes, as the DTR paper",
+    )
+    parser.add_argument("--thrash-limit", type=float, default=2.0, help="stop a run past this overhead")
+    parser.add_argument("--json", metavar="OUT", help="write every result as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", help="draw overhead, fragmentation and search time")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from remat.sim.simulate import sweep
+    from remat.trace import load
+
+    traces = [load(path) for path in args.traces]
+    total = len(traces) * len(args.policies) * len(args.ratios)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("simulating", total=total)
+        results = sweep(
+            traces,
+            args.policies,
+            args.ratios,
+            args.thrash_limit,
+            layout=args.memory == "address",
+            progress=lambda result: progress.update(
+                task, advance=1, description=f"{result.trace} {result.policy}"
+            ),
+        )
+    table = Table(title=f"remat sim ({args.memory} memory)")
+    for column in ("trace", "policy"):  # names are never cut short
+        table.add_column(column, min_width=max(len(getattr(r, column)) for r in results))
+    table.add_column("outcome")
+    for column in ("ratio", "overhead", "evictions", "frag.", "search ms"):
+        table.add_column(column, justify="right")
+    for r in results:
+        overhead = "" if math.isnan(r.overhead) else f"{r.overhead:.3f}"
+        table.add_row(
+            r.trace,
+            r.policy,
+            str(r.outcome),
+            f"{r.ratio:.2f}",
+            overhead,
+            str(r.evictions),
+            f"{r.fragmentation:.1%}",
+            f"{1e3 * r.search_seconds:.1f}",
+        )
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump([r.to_dict() for r in results], file, indent=1)
+    if args.plot:
+        from remat.sim.plot import plot_sweep
+
+        plot_sweep(results, args.plot)
+    return 0
+
+
+def ratio_range(spec: str) -> list[float]:
+    """``"0.2:0.9:0.1"`` -> [0.2, 0.3, ..., 0.9] (both ends included); ``"0.3,0.5"`` -> [0.3, 0.5]."""
+    try:
+        if ":" in spec:
+            start, stop, step = (float(x) for x in spec.split(":"))
+            if step <= 0 or stop < start:
+                raise ValueError
+            count = math.floor((stop - start) / step + 1e-9) + 1
+            ratios = [round(start + i * step, 10) for i in range(count)]
+        else:
+            ratios = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            message("sim.cli", "cannot read the ratios", f"got {spec!r}", "write START:STOP:STEP or a,b,c")
+        ) from None
+    if not all(0.0 < r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(
+            message("sim.cli", "ratios must lie in (0, 1]", f"got {spec!r}", "pass fractions of the peak")
+        )
+    return ratios
+
+
+def _policies(spec: str) -> list[str]:
+    chosen = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in names()]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            message("sim.cli", "unknown eviction policy", f"got {spec!r}", f"use {', '.join(names())}")
+        )
+    return chosen

@@ -1,0 +1,70 @@
+"""The result of one simulation: a frozen record with a readable ``str`` and a JSON form."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass
+
+from remat._units import format_bytes
+
+
+class Outcome(enum.StrEnum):
+    """How a simulation ended."""
+
+    OK = "ok"
+    OOM = "oom"  # the budget cannot hold what some op needs (``SimResult.needed_bytes``)
+    THRASHED = "thrashed"  # recomputation passed the thrash limit; the run was stopped
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulation did.
+
+    ``overhead`` is total compute, recomputation included, over the compute of running every op
+    once; for a thrashed run it is where the run was stopped, for OOM it is NaN. ``fragmentation``
+    is the mean of free bytes / budget over the allocations that had to evict, taken once each was
+    placed. ``digest`` hashes every value computed at a first run (equal across budgets when the
+    recomputations are right); it is 0 unless the run finished."""
+
+    trace: str
+    policy: str
+    layout: bool
+    budget: int
+    ratio: float  # budget / unconstrained peak
+    outcome: Outcome
+    overhead: float
+    peak_bytes: int
+    unconstrained_peak: int
+    needed_bytes: int  # the least budget under which every op can run (the working set)
+    evictions: int
+    recomputations: int
+    fragmentation: float
+    search_seconds: float  # host time spent choosing victims
+    searches: int  # calls to the policy's search (a greedy policy makes one per victim)
+    evicting_allocations: int  # allocations that had to evict
+    tensors: int
+    digest: int = 0
+    reason: str = ""
+
+    def __str__(self) -> str:
+        head = f"{self.policy} on {self.trace} at {self.ratio:.2f} ({format_bytes(self.budget)})"
+        if self.outcome is Outcome.OOM:
+            return f"{head}: OOM, {self.reason}"
+        state = "ok" if self.outcome is Outcome.OK else "thrashed"
+        return (
+            f"{head}: {state}, overhead {self.overhead:.3f}, {self.evictions} evictions, "
+            f"{self.recomputations} recomputations, fragmentation {self.fragmentation:.1%}, "
+            f"search {self.search_seconds * 1e3:.1f} ms"
+        )
+
+    @property
+    def search_per_allocation(self) -> float:
+        """Seconds spent finding victims per allocation that had to evict (0 when none did)."""
+        return self.search_seconds / self.evicting_allocations if self.evicting_allocations else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (NaN becomes None)."""
+        out = asdict(self)
+        out["outcome"] = str(self.outcome)
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}

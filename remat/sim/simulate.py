@@ -1,0 +1,173 @@
+"""``simulate``: replay one trace under one budget and one eviction policy, and say what it cost.
+
+The simulator is the rematerialization core (:mod:`remat.core`) with a backend that adds up recorded
+op times, so its decisions are the ones an eager runtime would take. Memory is modelled either with
+addresses (``layout=True``: an allocation needs one contiguous free block, so fragmentation counts)
+or by counting bytes (``layout=False``: the model of the DTR paper's simulator).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes, parse_budget
+from remat.core.policies import get
+from remat.core.policies.base import EvictionPolicy
+from remat.core.pool import AddressPool, BytePool, Fit, Pool
+from remat.core.runtime import OutOfMemory, Runtime
+from remat.sim.facts import Facts, facts
+from remat.sim.replay import SimBackend, Thrashed, drive
+from remat.sim.result import Outcome, SimResult
+from remat.trace.types import Trace
+
+_API = "sim.simulate"
+
+
+def simulate(
+    trace: Trace,
+    budget: int | float | str,
+    policy: str | EvictionPolicy = "dtr",
+    thrash_limit: float = 2.0,
+    *,
+    layout: bool = True,
+    fit: str = "best",
+) -> SimResult:
+    """Replay ``trace`` within ``budget`` (bytes, a size string such as ``"6GB"``, or a float ratio
+    in (0, 1] of the unconstrained peak, constants included), evicting by ``policy`` (a registered
+    name, see :func:`remat.core.policies.names`, or a policy object). A run whose overhead passes
+    ``thrash_limit`` is stopped and reported as thrashed. ``fit`` is the address pool's placement,
+    ``"best"`` or ``"first"``."""
+    chosen = _policy(policy, layout)
+    limit = _thrash_limit(thrash_limit)
+    if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
+        raise RematValueError(message(_API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
+    amount = parse_budget(budget, _API)
+    known = facts(trace, chosen.inplace)
+    nbytes = math.floor(amount * known.peak_bytes) if isinstance(amount, float) else amount
+    if nbytes <= 0:
+        raise RematValueError(
+            message(_API, "the budget comes to no bytes", f"{budget!r} of {known.peak_bytes}", "raise it")
+        )
+    if nbytes < known.working_set:
+        reason = f"the budget is below the working set; it needs at least {format_bytes(known.working_set)}"
+        return _result(trace, chosen, layout, nbytes, known, Outcome.OOM, reason=reason)
+    pool: Pool = AddressPool(nbytes, Fit(fit)) if layout else BytePool(nbytes)
+    backend = SimBackend(known.base_compute, known.ops, limit)
+    runtime = Runtime(pool, chosen, backend)
+    try:
+        drive(runtime, trace, backend)
+    except OutOfMemory as error:
+        if error.needed > nbytes:
+            needed = max(error.needed, known.working_set)
+            reason = f"{error}; it needs at least {format_bytes(needed)}"
+        else:  # enough bytes, but pinned pieces split them (address pools only)
+            needed = known.working_set
+            reason = f"{error}: the free memory is fragmented by pinned pieces; try layout=False or 'coop'"
+        return _result(trace, chosen, layout, nbytes, known, Outcome.OOM, runtime, backend, reason, needed)
+    except Thrashed:
+        return _result(trace, chosen, layout, nbytes, known, Outcome.THRASHED, runtime, backend)
+    return _result(trace, chosen, layout, nbytes, known, Outcome.OK, runtime, backend)
+
+
+def sweep(
+    traces: Sequence[Trace],
+    policies: Sequence[str],
+    ratios: Sequence[float],
+    thrash_limit: float = 2.0,
+    *,
+    layout: bool = True,
+    progress: Callable[[SimResult], None] | None = None,
+) -> list[SimResult]:
+    """:func:`simulate` for every trace, policy and ratio, in that nesting order."""
+    for name in policies:
+        _policy(name, layout)
+    results = []
+    for trace in traces:
+        for name in policies:
+            for ratio in ratios:
+                result = simulate(trace, float(ratio), name, thrash_limit, layout=layout)
+                results.append(result)
+                if progress is not None:
+                    progress(result)
+    return results
+
+
+def _policy(policy: object, layout: bool) -> EvictionPolicy:
+    chosen: EvictionPolicy = get(policy, _API) if isinstance(policy, str) else policy  # type: ignore[assignment]
+    if not all(hasattr(chosen, a) for a in ("choose", "end", "needs", "inplace", "name")):
+        raise RematTypeError(
+            message(
+                _API,
+                "policy must be a registered name or an eviction policy",
+                f"got {policy!r}",
+                "pass e.g. 'dtr'",
+            )
+        )
+    if "layout" in chosen.needs and not layout:
+        raise RematValueError(
+            message(
+                _API,
+                "this policy reads addresses, which byte counting does not model",
+                f"policy {chosen.name!r} with layout=False",
+                "pass layout=True or a policy without layout-aware parts (e.g. 'dtr-eq', 'coop-no-layout')",
+            )
+        )
+    return chosen
+
+
+def _thrash_limit(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RematTypeError(
+            message(_API, "thrash_limit must be a number", f"got {value!r}", "pass e.g. 2.0")
+        )
+    if math.isnan(value) or value < 1.0:
+        raise RematValueError(
+            message(
+                _API, "thrash_limit is an overhead and must be at least 1", f"got {value!r}", "pass e.g. 2.0"
+            )
+        )
+    return float(value)
+
+
+def _result(
+    trace: Trace,
+    policy: EvictionPolicy,
+    layout: bool,
+    budget: int,
+    known: Facts,
+    outcome: Outcome,
+    runtime: Runtime | None = None,
+    backend: SimBackend | None = None,
+    reason: str = "",
+    needed: int | None = None,
+) -> SimResult:
+    telemetry = runtime.telemetry if runtime is not None else None
+    if outcome is Outcome.OOM or backend is None:
+        overhead = math.nan
+    elif known.base_compute > 0:
+        overhead = 1.0 + backend.recompute_seconds / known.base_compute
+    else:
+        overhead = 1.0
+    return SimResult(
+        trace=trace.name,
+        policy=policy.name,
+        layout=layout,
+        budget=budget,
+        ratio=budget / known.peak_bytes if known.peak_bytes else math.inf,
+        outcome=outcome,
+        overhead=overhead,
+        peak_bytes=telemetry.peak_bytes if telemetry else 0,
+        unconstrained_peak=known.peak_bytes,
+        needed_bytes=known.working_set if needed is None else needed,
+        evictions=telemetry.evictions if telemetry else 0,
+        recomputations=telemetry.recomputations if telemetry else 0,
+        fragmentation=telemetry.fragmentation if telemetry else 0.0,
+        search_seconds=telemetry.search_seconds if telemetry else 0.0,
+        searches=telemetry.searches if telemetry else 0,
+        evicting_allocations=telemetry.evicting_allocations if telemetry else 0,
+        tensors=len(trace.tensors),
+        digest=backend.digest() if backend is not None and outcome is Outcome.OK else 0,
+        reason=reason,
+    )

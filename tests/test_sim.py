@@ -1,0 +1,152 @@
+"""The simulator: DTR's published figures, budgets and their errors, results, sweeps."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from remat.sim import Outcome, SimResult, facts, simulate, sweep
+from remat.sim.synthetic import training_step
+from remat.trace import Trace, load
+
+LOGS = Path("/work/shared/traces/dtr")
+needs_logs = pytest.mark.skipif(not LOGS.is_dir(), reason="the DTR logs are not on this machine")
+
+
+@functools.cache
+def log(name: str) -> Trace:
+    return load(LOGS / f"{name}.log")
+
+
+@functools.cache
+def chain() -> Trace:
+    return training_step(40)
+
+
+# The DTR authors' simulator with h_DTR (Kirisame et al., ICLR 2021), budget ratio 0.3 / 0.5 / 0.8 of
+# the unconstrained peak, constants included. Their simulator counts bytes: layout=False.
+PAPER = {
+    "resnet32-56": (1.18, 1.11, 1.02),
+    "transformer-10": (1.12, 1.06, 1.02),
+    "lstm-128": (1.30, 1.07, 1.03),
+}
+
+
+@needs_logs
+@pytest.mark.parametrize(
+    ("name", "ratio", "expected"),
+    [(name, ratio, figures[i]) for name, figures in PAPER.items() for i, ratio in enumerate((0.3, 0.5, 0.8))],
+)
+def test_dtr_reproduces_the_papers_simulated_overheads(name: str, ratio: float, expected: float) -> None:
+    result = simulate(log(name), ratio, "dtr", layout=False)
+    assert result.outcome is Outcome.OK
+    assert result.overhead == pytest.approx(expected, rel=0.05)
+    assert result.peak_bytes <= result.budget
+
+
+@needs_logs
+def test_address_memory_fragments_where_byte_counting_does_not() -> None:
+    counted = simulate(log("lstm-128"), 0.9, "dtr-eq", layout=False)
+    addressed = simulate(log("lstm-128"), 0.9, "dtr-eq", layout=True)
+    coop = simulate(log("lstm-128"), 0.9, "coop", layout=True)
+    assert addressed.fragmentation > 5 * counted.fragmentation
+    assert addressed.overhead > counted.overhead + 0.1  # a 35 MB block costs hundreds of evictions
+    assert coop.overhead < addressed.overhead and coop.fragmentation < addressed.fragmentation
+
+
+@pytest.mark.parametrize(
+    ("budget", "error", "match"),
+    [
+        (1.5, ValueError, r"remat\.sim\.simulate: a ratio budget must lie in \(0, 1\] \(got 1\.5\)"),
+        (-0.5, ValueError, r"remat\.sim\.simulate: a ratio budget must lie in \(0, 1\]"),
+        (math.nan, ValueError, r"remat\.sim\.simulate: a ratio budget must lie in \(0, 1\]"),
+        (-100, ValueError, r"remat\.sim\.simulate: a byte count must be positive \(got -100\)"),
+        (0, ValueError, r"remat\.sim\.simulate: a byte count must be positive"),
+        (None, TypeError, r"remat\.sim\.simulate: a byte count must be an int or a string \(got NoneType\)"),
+        ([0.5], TypeError, r"remat\.sim\.simulate: a byte count must be an int or a string"),
+        (True, TypeError, r"remat\.sim\.simulate: a byte count is required, not a ratio or a bool"),
+        ("lots", ValueError, r"remat\.sim\.simulate: cannot parse this byte size \(got 'lots'\)"),
+    ],
+)
+def test_bad_budgets_are_refused(budget: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        simulate(chain(), budget, "dtr")  # type: ignore[arg-type]
+
+
+def test_budget_strings_and_bytes() -> None:
+    assert simulate(chain(), "200MB", "dtr").budget == 200_000_000
+    assert simulate(chain(), 300_000_000, "dtr").budget == 300_000_000
+    assert simulate(chain(), 0.5, "dtr").budget == math.floor(0.5 * chain().peak_bytes)
+
+
+def test_bad_policies_and_options_are_refused() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"remat\.sim\.simulate: unknown eviction policy \(got 'fifo'\); use one of coop, .*lru",
+    ):
+        simulate(chain(), 0.5, "fifo")
+    with pytest.raises(
+        ValueError, match=r"remat\.sim\.simulate: this policy reads addresses.*'dte' with layout=False"
+    ):
+        simulate(chain(), 0.5, "dte", layout=False)
+    with pytest.raises(
+        TypeError, match=r"remat\.sim\.simulate: policy must be a registered name or an eviction policy"
+    ):
+        simulate(chain(), 0.5, 3)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"remat\.sim\.simulate: thrash_limit is an overhead and must be at least 1"
+    ):
+        simulate(chain(), 0.5, "dtr", thrash_limit=0.5)
+    with pytest.raises(TypeError, match=r"remat\.sim\.simulate: thrash_limit must be a number"):
+        simulate(chain(), 0.5, "dtr", thrash_limit="2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"remat\.sim\.simulate: unknown fit \(got 'worst'\)"):
+        simulate(chain(), 0.5, "dtr", fit="worst")
+    with pytest.raises(ValueError, match=r"remat\.sim\.simulate: the budget comes to no bytes"):
+        simulate(chain(), 1e-12, "dtr")
+
+
+def test_out_of_memory_reports_the_figure_needed() -> None:
+    needed = facts(chain(), inplace=False).working_set
+    result = simulate(chain(), needed - 1, "dtr")
+    assert result.outcome is Outcome.OOM and result.needed_bytes == needed
+    assert "below the working set" in result.reason and "needs at least" in result.reason
+    assert math.isnan(result.overhead) and "OOM" in str(result)
+    assert result.to_dict()["overhead"] is None
+    assert simulate(chain(), needed, "dtr", layout=False).outcome is not Outcome.OOM
+
+
+def test_thrashing_stops_the_run() -> None:
+    result = simulate(chain(), 0.3, "lru", thrash_limit=1.2)
+    assert result.outcome is Outcome.THRASHED and result.overhead > 1.2
+    assert "thrashed" in str(result)
+
+
+def test_result_is_frozen_readable_and_serializable() -> None:
+    result = simulate(chain(), 0.5, "coop")
+    assert isinstance(result, SimResult) and result.outcome is Outcome.OK
+    assert result.evictions > 0 and result.recomputations > 0 and result.searches > 0
+    assert 0.0 <= result.fragmentation < 1.0 and result.search_seconds > 0.0
+    assert result.tensors == len(chain().tensors) and result.ratio == pytest.approx(0.5, abs=1e-6)
+    assert str(result).startswith("coop on chain-40 at 0.50") and "overhead 1." in str(result)
+    record = json.loads(json.dumps(result.to_dict()))
+    assert record["outcome"] == "ok" and record["policy"] == "coop"
+    with pytest.raises(AttributeError):
+        result.overhead = 1.0  # type: ignore[misc]
+
+
+def test_sweep_nests_traces_policies_ratios() -> None:
+    seen: list[SimResult] = []
+    results = sweep([chain()], ["dtr-eq", "coop"], [0.4, 0.8], progress=seen.append)
+    assert [(r.policy, round(r.ratio, 2)) for r in results] == [
+        ("dtr-eq", 0.4),
+        ("dtr-eq", 0.8),
+        ("coop", 0.4),
+        ("coop", 0.8),
+    ]
+    assert seen == results
+    with pytest.raises(ValueError, match=r"remat\.sim\.simulate: unknown eviction policy"):
+        sweep([chain()], ["dtr", "nope"], [0.5])

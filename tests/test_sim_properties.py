@@ -1,0 +1,92 @@
+"""Properties of the simulator on random programs (views, copies, mutations, releases in any order)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat.core.policies import get
+from remat.core.pool import AddressPool, End
+from remat.core.runtime import OutOfMemory, Runtime
+from remat.sim import Outcome, facts, simulate
+from remat.sim.replay import SimBackend, Thrashed, drive
+from remat.sim.synthetic import random_program
+
+GREEDY = ["dtr", "dtr-eq", "dtr-local", "lru", "largest"]
+ALL = [*GREEDY, "dte", "coop", "coop-no-layout", "coop-no-opguided", "coop-no-inplace"]
+programs = st.builds(random_program, st.randoms(use_true_random=False), st.integers(1, 25), st.integers(1, 3))
+
+
+def reference_digest(trace: object) -> int:
+    return simulate(trace, 10**12, "lru", layout=False).digest  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(programs, st.sampled_from(ALL), st.floats(0.05, 1.0), st.booleans())
+def test_runs_stay_in_budget_and_recompute_the_same_values(
+    trace: object, policy: str, ratio: float, layout: bool
+) -> None:
+    if "layout" in get(policy).needs:
+        layout = True
+    peak = trace.peak_bytes  # type: ignore[attr-defined]
+    budget = max(1, int(ratio * peak))
+    result = simulate(trace, budget, policy, thrash_limit=10.0, layout=layout)  # type: ignore[arg-type]
+    # Every op ran with its inputs resident and reproduced its first value, or the backend raised.
+    if result.outcome is Outcome.OK:
+        assert result.peak_bytes <= budget
+        assert result.overhead >= 1.0
+        assert result.digest == reference_digest(trace)
+    elif result.outcome is Outcome.THRASHED:
+        assert result.overhead > 10.0 - 1e-9
+    if budget < result.needed_bytes or budget < facts(trace, get(policy).inplace).working_set:  # type: ignore[arg-type]
+        assert result.outcome is Outcome.OOM
+
+
+@settings(max_examples=80, deadline=None)
+@given(programs, st.sampled_from(["dtr", "dtr-eq", "dtr-local", "lru", "largest"]), st.integers(1, 400))
+def test_counting_bytes_runs_out_exactly_below_the_working_set(
+    trace: object, policy: str, budget: int
+) -> None:
+    working_set = facts(trace, inplace=False).working_set  # type: ignore[arg-type]
+    result = simulate(trace, budget, policy, thrash_limit=10.0, layout=False)  # type: ignore[arg-type]
+    assert (result.outcome is Outcome.OOM) == (budget < working_set)
+    if result.outcome is Outcome.OOM:
+        assert result.needed_bytes == working_set and f"{working_set} B" in result.reason
+
+
+class CheckedPool(AddressPool):
+    """An address pool that checks its invariants after every change."""
+
+    def allocate(self, owner: int, nbytes: int, end: End = End.LOW) -> bool:
+        placed = super().allocate(owner, nbytes, end)
+        self.check()
+        return placed
+
+    def free(self, owner: int) -> None:
+        super().free(owner)
+        self.check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(programs, st.sampled_from(["dtr", "dte", "coop", "coop-no-opguided"]), st.floats(0.3, 1.0))
+def test_address_pool_stays_consistent(trace: object, policy: str, fraction: float) -> None:
+    known = facts(trace, get(policy).inplace)  # type: ignore[arg-type]
+    budget = known.working_set + int(fraction * known.peak_bytes)
+    backend = SimBackend(known.base_compute, known.ops, 10.0)
+    runtime = Runtime(CheckedPool(budget), get(policy), backend)
+    # Fragmentation can leave no contiguous room even above the working set: OOM is allowed here.
+    with contextlib.suppress(OutOfMemory, Thrashed):
+        drive(runtime, trace, backend)  # type: ignore[arg-type]
+    assert runtime.telemetry.peak_bytes <= budget
+    assert not any(runtime.locks)  # every lock was released, even by a run that stopped
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unconstrained_run_evicts_nothing(seed: int) -> None:
+    trace = random_program(random.Random(seed), ops=30)
+    result = simulate(trace, 10**9, "dtr", layout=True)
+    assert (result.evictions, result.recomputations, result.overhead) == (0, 0, 1.0)
