@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -152,8 +153,10 @@ class _Region:
                 results = {v: (t, self.handles[v]) for v, t in replay(plan).items()}
                 if graph_task >= 0:
                     self.cache[graph_task] = results
+                    # a weak reference: the callback runs when the whole backward ends, and holding
+                    # the region until then would keep its inputs alive after its own backward
                     torch.autograd.Variable._execution_engine.queue_callback(
-                        functools.partial(self._forget, graph_task)
+                        functools.partial(_forget, weakref.ref(self), graph_task)
                     )
             entry = results.get(vid)
             if entry is None:  # already handed out in this backward: a tensor unpacked twice
@@ -165,9 +168,15 @@ class _Region:
                 results[vid] = (tensor, left - 1)
             return tensor
 
-    def _forget(self, graph_task: int) -> None:
+    def forget(self, graph_task: int) -> None:
         with self.lock:
             self.cache.pop(graph_task, None)
+
+
+def _forget(region: weakref.ref[_Region], graph_task: int) -> None:
+    alive = region()
+    if alive is not None:
+        alive.forget(graph_task)
 
 
 def _recording() -> bool:
