@@ -2,12 +2,17 @@
 
 Manual forms: ``remat.checkpoint`` (a function or module), ``remat.checkpoint_sequential`` (a chain
 cut into segments) and ``remat.scope`` (a region of code, recorded and replayed). Policies in
-``remat.policy`` choose per op what to keep. ``remat.memory`` measures what it all costs.
+``remat.policy`` choose per op what to keep. ``remat.plan`` solves for the cheapest recomputation
+under a byte budget and applies it; ``remat.dynamic`` keeps eager training within a budget by
+evicting and recomputing online. ``remat.memory`` measures what it all costs.
 """
 
 from remat import memory, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError
 from remat.checkpoint import checkpoint
+from remat.dynamic import dynamic
+from remat.planner.api import plan
+from remat.planner.plan import Plan
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
 from remat.scope import scope
 from remat.sequential import checkpoint_sequential
@@ -17,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Decision",
     "OpContext",
+    "Plan",
     "Policy",
     "RecomputationError",
     "RecomputeAll",
@@ -27,7 +33,9 @@ __all__ = [
     "SaveOps",
     "checkpoint",
     "checkpoint_sequential",
+    "dynamic",
     "memory",
+    "plan",
     "policy",
     "scope",
     "trace",

@@ -57,7 +57,7 @@ def staged(pieces: list[tuple[int, float, str]], capacity: int = 100) -> Any:
 
 def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
     assert {"dtr", "dtr-eq", "dtr-local", "dte", "lru", "largest", "coop"} <= set(names())
-    assert {"coop-no-layout", "coop-no-opguided", "coop-no-inplace"} <= set(names())
+    assert {"coop-no-layout", "coop-no-opguided", "coop-no-inplace", "coop-per-byte"} <= set(names())
     assert get("dte").name == "dte"
     with pytest.raises(
         ValueError,
@@ -108,6 +108,22 @@ def test_coop_window_counts_free_pieces_as_free_and_stops_at_locked_ones() -> No
     assert get("coop").choose(runtime, 30) == [0]  # A + the hole: 30 bytes for cost 1
     assert get("coop").choose(runtime, 50) == [0, 2]  # A + hole + C (cost 6) beats C + D (cost 8)
     assert get("coop").choose(runtime, 90) == []  # A..D hold 80 bytes, and E is cut off
+
+
+def test_coop_per_byte_window_weighs_cost_against_the_bytes_freed() -> None:
+    # [A 12 cost 1][locked 1][B 40 cost 2][free 8][locked 39]
+    runtime = staged(
+        [
+            (12, 1.0, "evictable"),
+            (1, 0, "locked"),
+            (40, 2.0, "evictable"),
+            (8, 0, "free"),
+            (39, 0, "locked"),
+        ]
+    )
+    assert get("coop").choose(runtime, 12) == [0]  # least total cost: 1 for 12 bytes
+    assert get("coop-per-byte").choose(runtime, 12) == [2]  # 2 for 48 bytes (B + the hole) is cheaper
+    assert get("coop-per-byte").choose(runtime, 55) == []  # no run holds 55 bytes
 
 
 def test_dte_prefers_the_storage_next_to_free_space() -> None:
@@ -210,3 +226,47 @@ def test_coop_window_is_the_cheapest_contiguous_run(
     for owner in chosen:
         runtime.pool.free(owner)
     assert runtime.pool.allocate(-5, nbytes)  # the run made a contiguous block of nbytes
+
+
+def candidate_runs(runtime: Any, nbytes: int) -> list[tuple[frozenset[int], float, int]]:
+    """(storages, cost, bytes) of the shortest run ending at each piece that holds ``nbytes``
+    without a locked piece, by brute force over the staged pool (staleness 1, no neighbours)."""
+    layout = list(runtime.pool.pieces())
+    runs = []
+    for right in range(len(layout)):
+        held, total, owners = 0, 0.0, set()
+        for _, size, owner in reversed(layout[: right + 1]):
+            if owner != FREE and not runtime.evictable.values[owner]:
+                break
+            held += size
+            if owner != FREE:
+                total += runtime.graph.cost[owner]
+                owners.add(owner)
+            if held >= nbytes:
+                runs.append((frozenset(owners), total, held))
+                break
+    return runs
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 20), st.floats(0.0, 5.0), st.sampled_from(["free", "evictable", "locked"])),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 60),
+)
+def test_coop_per_byte_window_is_the_cheapest_per_byte_candidate(
+    pieces: list[tuple[int, float, str]], nbytes: int
+) -> None:
+    runtime = staged(pieces, capacity=sum(size for size, _, _ in pieces))
+    runs = candidate_runs(runtime, nbytes)
+    chosen = get("coop-per-byte").choose(runtime, nbytes)
+    if not runs:
+        assert chosen == []
+        return
+    best = min(cost / held for _, cost, held in runs)
+    assert any(
+        owners == frozenset(chosen) and cost / held == pytest.approx(best) for owners, cost, held in runs
+    )

@@ -1,6 +1,6 @@
 """remat.plan solvers: the exact ones equal brute force, the baselines never beat them, every plan fits.
 
-Brute force runs through the same simulator as the solvers (``remat.plan.solvers.simulate``):
+Brute force runs through the same simulator as the solvers (``remat.planner.solvers.simulate``):
 - chains: every persistent schedule (NOTE [chain DP]'s grammar, enumerated without memo or
   rounding), and every single-level save/recompute subset (``chain_segments``);
 - graphs: every Checkmate schedule (NOTE [graph MILP]: each stage's computed and kept sets,
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remat import RematTypeError, RematValueError
-from remat.plan import (
+from remat.planner import (
     Action,
     BackwardStep,
     Chain,
@@ -38,8 +38,8 @@ from remat.plan import (
     solvers,
     stage_key,
 )
-from remat.plan.solvers.chain_dp import minimum_peak
-from remat.plan.solvers.simulate import chain_segments, graph_from_saved, graph_stage, simulate
+from remat.planner.solvers.chain_dp import minimum_peak
+from remat.planner.solvers.simulate import chain_segments, graph_from_saved, graph_stage, simulate
 from remat.trace import Op, Phase, Release, TensorInfo, Trace
 
 EXAMPLES = settings(

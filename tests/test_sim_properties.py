@@ -17,7 +17,7 @@ from remat.sim.replay import SimBackend, Thrashed, drive
 from remat.sim.synthetic import random_program
 
 GREEDY = ["dtr", "dtr-eq", "dtr-local", "lru", "largest"]
-ALL = [*GREEDY, "dte", "coop", "coop-no-layout", "coop-no-opguided", "coop-no-inplace"]
+ALL = [*GREEDY, "dte", "coop", "coop-no-layout", "coop-no-opguided", "coop-no-inplace", "coop-per-byte"]
 programs = st.builds(random_program, st.randoms(use_true_random=False), st.integers(1, 25), st.integers(1, 3))
 
 

@@ -29,8 +29,15 @@ PAPER = {
     "lstm-128": (1.30, 1.07, 1.03),
 }
 RATIOS = [round(0.2 + 0.1 * i, 1) for i in range(8)]
-POLICIES = ["dtr", "dte", "coop"]
-ABLATION = ["coop", "coop-no-layout", "coop-no-opguided", "coop-no-inplace", "dtr-eq"]
+POLICIES = ["dtr", "dte", "coop", "coop-per-byte"]
+ABLATION = [
+    "coop",
+    "coop-no-layout",
+    "coop-no-opguided",
+    "coop-no-inplace",
+    "coop-per-byte",
+    "dtr-eq",
+]
 
 
 def cell(r: SimResult, field: str) -> str:
@@ -89,12 +96,27 @@ def main() -> None:
     )
     plot_sweep(results, out / "sweep.png")
 
-    for trace in traces:
-        start = time.perf_counter()
-        sweep([trace], ["dtr-eq", "dte", "coop"], RATIOS)
-        print(
-            f"\nsweep of {trace.name}, dtr-eq + dte + coop at 8 ratios: {time.perf_counter() - start:.1f} s"
-        )
+    # CPU seconds of this process as well as wall seconds: the machine is shared, and CPU time is
+    # what the sweep costs when it has a core to itself.
+    print("\n## One log, eight ratios: seconds, load included, one process (wall / CPU)\n")
+    print("| trace | load | dtr-eq | dte | coop | dtr-eq + dte + coop, with load | exact dtr |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    timing: dict[str, dict[str, float]] = {}
+    for name in LOGS:
+        wall, cpu = time.perf_counter(), time.process_time()
+        fresh = load(Path(args.logs) / f"{name}.log")  # a new object: nothing cached from above
+        seconds = {"load": time.perf_counter() - wall, "load_cpu": time.process_time() - cpu}
+        for policy in ("dtr-eq", "dte", "coop", "dtr"):
+            wall, cpu = time.perf_counter(), time.process_time()
+            sweep([fresh], [policy], RATIOS)
+            seconds[policy], seconds[f"{policy}_cpu"] = time.perf_counter() - wall, time.process_time() - cpu
+        timing[name] = seconds
+        parts = ("load", "dtr-eq", "dte", "coop")
+        shown = [f"{seconds[k]:.1f} / {seconds[k + '_cpu']:.1f}" for k in parts]
+        three = sum(seconds[k] for k in parts), sum(seconds[k + "_cpu"] for k in parts)
+        shown += [f"{three[0]:.1f} / {three[1]:.1f}", f"{seconds['dtr']:.1f} / {seconds['dtr_cpu']:.1f}"]
+        print(f"| {name} | " + " | ".join(shown) + " |", flush=True)
+    records["timing"] = [{"trace": k, **v} for k, v in timing.items()]
 
     print("\n## Coop ablation (overhead; fragmentation)\n")
     print("| trace | ratio | " + " | ".join(ABLATION) + " |\n|---|---|" + "---|" * len(ABLATION))
@@ -115,7 +137,7 @@ def main() -> None:
     scaling = []
     for layers in (170, 1700) if args.no_100k else (170, 1700, 17000):
         chain = training_step(layers)
-        for policy in ["dtr", "dtr-eq", *POLICIES[1:]]:
+        for policy in ["dtr", "dtr-eq", "dte", "coop"]:
             start = time.perf_counter()
             r = simulate(chain, 0.5, policy)
             run = time.perf_counter() - start

@@ -12,7 +12,7 @@ The graph only grows; what is resident, locked or alive is the runtime's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -109,6 +109,14 @@ class Graph:
             if parent != storage and parent not in self.parents[storage]:
                 self.parents[storage].append(parent)
                 self.children[parent].append(storage)
+
+    def set_cost(self, record: Record, cost: float) -> None:
+        """``record``'s op took ``cost`` seconds: an eager runtime learns it only once the op ran,
+        after its outputs were added with the op's provisional cost."""
+        delta = cost - record.op.cost
+        record.op = replace(record.op, cost=cost)
+        for storage in record.outputs:
+            self._cost.set(storage, self.cost[storage] + delta)
 
     def neighbours(self, storage: int) -> list[int]:
         return self.parents[storage] + self.children[storage]

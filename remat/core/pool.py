@@ -59,6 +59,10 @@ class Pool(Protocol):
 
     def largest_free(self) -> int: ...
 
+    def holds(self, owner: int) -> bool: ...
+
+    def grow(self, extra: int) -> None: ...
+
 
 class BytePool:
     """Byte counting: an allocation fits when ``used + nbytes <= capacity``. No addresses."""
@@ -86,6 +90,14 @@ class BytePool:
 
     def transfer(self, owner: int, new_owner: int) -> None:
         self._sizes[new_owner] = self._sizes.pop(owner)
+
+    def holds(self, owner: int) -> bool:
+        """Whether ``owner`` has bytes in the pool."""
+        return owner in self._sizes
+
+    def grow(self, extra: int) -> None:
+        """Raise the capacity by ``extra`` bytes."""
+        self.capacity += extra
 
     def adjacent_free(self, owner: int) -> int:
         return 0
@@ -122,6 +134,24 @@ class AddressPool:
 
     def address(self, owner: int) -> int:
         return self._start_of[owner]
+
+    def holds(self, owner: int) -> bool:
+        """Whether ``owner`` has a block in the pool."""
+        return owner in self._start_of
+
+    def grow(self, extra: int) -> None:
+        """Add ``extra`` free bytes at the high end (merged with a free last block)."""
+        if extra <= 0:
+            raise ValueError(f"a pool grows by a positive number of bytes, got {extra}")
+        last = len(self._sizes) - 1
+        if self._owners[last] == FREE:
+            self._free_sorted.remove((self._sizes[last], self._starts[last]))
+            self._sizes[last] += extra
+            bisect.insort(self._free_sorted, (self._sizes[last], self._starts[last]))
+        else:
+            self._insert(last + 1, self.capacity, extra, FREE)
+            bisect.insort(self._free_sorted, (extra, self.capacity))
+        self.capacity += extra
 
     def largest_free(self) -> int:
         return self._free_sorted[-1][0] if self._free_sorted else 0

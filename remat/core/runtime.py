@@ -130,13 +130,14 @@ class Runtime:
         self._bind(handle, storage)
         self._constant_bytes += nbytes
 
-    def call(self, op: Op, outputs: Sequence[TensorInfo]) -> None:
-        """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order."""
+    def call(self, op: Op, outputs: Sequence[TensorInfo], prepared: bool = False) -> None:
+        """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order. ``prepared``:
+        :meth:`prepare` made the inputs resident just before, and their accesses are counted."""
         inputs = tuple(dict.fromkeys(self._storage_of[h] for h in op.inputs))
         frame = _Frame()
         self._frames.append(frame)
         try:
-            self._gather(frame, inputs)
+            self._gather(frame, inputs, touch=not prepared)
             record = self.graph.add_record(op, inputs)
             fresh = [info for info in outputs if info.alias_of is None]
             created = [self._new_storage(info.nbytes, record.id, False, inputs) for info in fresh]
@@ -169,6 +170,29 @@ class Runtime:
                 self._constant_bytes += self.graph.nbytes[new]
             self._move_handles(old, new)
 
+    def prepare(self, handles: Sequence[int]) -> None:
+        """Make the storages of ``handles`` resident exactly as :meth:`call` does before it runs an op
+        reading them, and leave them unlocked. An eager runtime must run an op to learn the sizes of
+        its outputs, so it restores the inputs first; the :meth:`call` that follows finds them
+        resident and decides everything else as it would have without this step."""
+        inputs = tuple(dict.fromkeys(self._storage_of[h] for h in handles))
+        frame = _Frame()
+        self._frames.append(frame)
+        try:
+            self._gather(frame, inputs)
+        finally:
+            self._unlock_all(frame)
+            self._frames.pop()
+
+    def overwrites(self, handle: int) -> bool:
+        """For a storage that is not a constant: whether the next :meth:`call`, run from the program
+        (not from a recomputation) right after :meth:`prepare` and mutating ``handle``, lets the new
+        version take over the old memory (:meth:`_may_overwrite` for a frame that holds the only
+        lock). An eager runtime that runs the op before :meth:`call` must know whether to keep a
+        copy of the old content."""
+        old = self._storage_of[handle]
+        return self.policy.inplace and self.resident[old] and self.locks[old] == 0
+
     def release(self, handle: int) -> None:
         """The program dropped ``handle``; a storage with no handle left is freed (not forgotten)."""
         storage = self._storage_of[handle]
@@ -184,10 +208,11 @@ class Runtime:
 
     # -- restoring ------------------------------------------------------------------------------
 
-    def _gather(self, frame: _Frame, storages: Sequence[int]) -> None:
-        """Make every storage of ``storages`` resident at once, locked by ``frame``."""
+    def _gather(self, frame: _Frame, storages: Sequence[int], touch: bool = True) -> None:
+        """Make every storage of ``storages`` resident at once, locked by ``frame``; ``touch``: the
+        ones already resident count as used now."""
         for storage in storages:
-            if self.resident[storage]:
+            if touch and self.resident[storage]:
                 self.last.set(storage, self.clock)
         while True:
             frame.relaxed = False
@@ -266,7 +291,11 @@ class Runtime:
         graph = self.graph
         if not self.policy.inplace or not self.resident[old] or self.locks[old] != frame.locked.count(old):
             return False
-        return not graph.constant[old] or all(graph.producer[c] == record.id for c in graph.children[old])
+        # A constant cannot be recomputed: its old content may go only when no op but this one ever
+        # read it and this op makes nothing else that a recomputation of it could be asked for.
+        return not graph.constant[old] or all(
+            graph.producer[c] == record.id and graph.constant[c] for c in graph.children[old]
+        )
 
     # -- memory ---------------------------------------------------------------------------------
 

@@ -13,6 +13,12 @@ not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switc
    cheap storages lie next to each other and a cheap window is easy to find.
 3. Recomputable in-place (``inplace``). A mutated storage's new version takes over the old memory
    instead of a copy, so mutations do not scatter new storages over the pool.
+
+``coop-per-byte`` is not in the Coop design: its window minimizes cost per byte the run frees
+(free pieces included) instead of total cost. For a run of one storage that is h_DTE, so it
+carries DTR's amortization (bytes freed beyond the request serve the next allocations) into the
+window search. It helps where contiguity is rarely the obstacle and hurts under tight budgets,
+where the surplus it evicts is soon recomputed (benchmarks/sim/README.md, "Where Coop loses").
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Coop:
     layout: bool = True
     op_guided: bool = True
     inplace: bool = True
+    per_byte: bool = False  # window score: cost per byte freed instead of total cost
 
     @property
     def needs(self) -> frozenset[str]:
@@ -59,11 +66,12 @@ class Coop:
     def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
         if not self.layout:
             return choose_by_classes(runtime, adjacent_free=False)
-        return cheapest_window(runtime, nbytes)
+        return cheapest_window(runtime, nbytes, self.per_byte)
 
 
-def cheapest_window(runtime: Runtime, nbytes: int) -> list[int]:
+def cheapest_window(runtime: Runtime, nbytes: int, per_byte: bool = False) -> list[int]:
     """The storages of the least costly contiguous run of pieces holding ``nbytes``; [] if none.
+    With ``per_byte``, the run of least cost per byte it holds, among the same candidates.
 
     Because costs are not negative, the best run ending at a given piece is the shortest one that
     holds ``nbytes``, so there is one candidate run per piece, found from the sizes alone (the two
@@ -94,7 +102,8 @@ def cheapest_window(runtime: Runtime, nbytes: int) -> list[int]:
     lefts, ends = lefts[valid], ends[valid]
     if len(ends) == 0:
         return []
-    bounds = cost_to[ends + 1] - cost_to[lefts]
+    held = (bytes_to[ends + 1] - bytes_to[lefts]).astype(float) if per_byte else np.ones(len(ends))
+    bounds = (cost_to[ends + 1] - cost_to[lefts]) / held
     exact: dict[int, float] = {}
 
     def piece_cost(i: int) -> float:
@@ -110,14 +119,14 @@ def cheapest_window(runtime: Runtime, nbytes: int) -> list[int]:
     for k in np.argsort(bounds, kind="stable"):
         if bounds[k] >= best:
             break
-        left, right = int(lefts[k]), int(ends[k])
-        total = 0.0
+        left, right, scale = int(lefts[k]), int(ends[k]), float(held[k])
+        total, stop = 0.0, best * scale
         for i in range(left, right + 1):
             total += piece_cost(i)
-            if total >= best:
+            if total >= stop:
                 break
-        if total < best:
-            best, best_run = total, (left, right)
+        if total < stop:
+            best, best_run = total / scale, (left, right)
     return [int(owners[i]) for i in range(best_run[0], best_run[1] + 1) if owners[i] != FREE]
 
 
@@ -126,5 +135,6 @@ for _policy in (
     Coop("coop-no-layout", layout=False),
     Coop("coop-no-opguided", op_guided=False),
     Coop("coop-no-inplace", inplace=False),
+    Coop("coop-per-byte", per_byte=True),
 ):
     register(_policy)

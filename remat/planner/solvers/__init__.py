@@ -2,13 +2,13 @@
 
 Every solver is ``solve(problem, budget_bytes, **options) -> Solution``: ``chain`` (rotor's DP),
 ``milp`` (Checkmate), ``sqrt`` (Chen's baseline), ``greedy`` (knapsack baseline) and ``auto`` (picks
-one). Their figures all come from ``remat.plan.solvers.simulate``.
+one). Their figures all come from ``remat.planner.solvers.simulate``.
 """
 
-from remat.plan.problem import Problem, Solution
-from remat.plan.solvers import auto, chain_dp, greedy, milp, sqrt
-from remat.plan.solvers.registry import Solver, get, names, register
-from remat.plan.solvers.simulate import Simulation, simulate
+from remat.planner.problem import Problem, Solution
+from remat.planner.solvers import auto, chain_dp, greedy, milp, sqrt
+from remat.planner.solvers.registry import Solver, get, names, register
+from remat.planner.solvers.simulate import Simulation, simulate
 
 __all__ = [
     "Simulation",

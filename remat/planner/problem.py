@@ -6,7 +6,7 @@ chain in one line. There are two shapes because the exact solvers need different
 dynamic program works on a chain of stages (forward cost, backward cost, output bytes, saved bytes),
 Checkmate's MILP on a DAG of forward nodes with the backward pass as a fixed sequence of steps
 that read saved forward values. What a schedule costs and how much memory it holds is defined once,
-by the simulator (NOTE [chain model] and NOTE [graph model] in ``remat.plan.solvers.simulate``),
+by the simulator (NOTE [chain model] and NOTE [graph model] in ``remat.planner.solvers.simulate``),
 so every solver is judged by the same rules.
 
 A Solution answers an executor's one question per stage (chain) or saved forward node (graph):
@@ -447,15 +447,23 @@ def _op_cost(trace: Trace, measured: bool | None) -> Callable[[Op], float]:
     return (lambda op: op.cost) if use else (lambda op: op.est_cost)
 
 
-def chain_from_trace(trace: Trace, *, depth: int | None = None, measured: bool | None = None) -> Chain:
-    """Group the forward ops into stages by ``stage_key(op.module, depth)`` (consecutive ops with the
+def chain_from_trace(
+    trace: Trace,
+    *,
+    depth: int | None = None,
+    measured: bool | None = None,
+    key: Callable[[str], str] | None = None,
+) -> Chain:
+    """Group the forward ops into stages by ``stage_key(op.module, depth)``, or by ``key(op.module)``
+    when given (a caller that knows the model's blocks), (consecutive ops with the
     same key form a stage). A stage's output bytes are the storages made up to it that later stages
     read (skip connections count at every boundary they cross); its saved bytes are the storages it
     makes that autograd saved and that do not cross; its backward cost is that of the backward ops
     attributed to its key (ops of an ambiguous key go with the previous backward op's stage)."""
     ops = _forward_ops(trace)
     cost = _op_cost(trace, measured)
-    keys = [stage_key(op.module, depth) for op in ops]
+    block = key if key is not None else functools.partial(stage_key, depth=depth)
+    keys = [block(op.module) for op in ops]
     stage_of = [0] * len(ops)
     for i in range(1, len(ops)):
         stage_of[i] = stage_of[i - 1] + (keys[i] != keys[i - 1])
@@ -483,14 +491,14 @@ def chain_from_trace(trace: Trace, *, depth: int | None = None, measured: bool |
         if r in made_in and last_read.get(r, made_in[r]) == made_in[r]:
             saved[made_in[r]] += trace.tensors[r].nbytes
     stages_by_key: dict[str, list[int]] = {}
-    for i, key in enumerate(keys):
-        if stage_of[i] not in stages_by_key.setdefault(key, []):
-            stages_by_key[key].append(stage_of[i])
+    for i, name in enumerate(keys):
+        if stage_of[i] not in stages_by_key.setdefault(name, []):
+            stages_by_key[name].append(stage_of[i])
     back = [0.0] * n
     current = n - 1
     for op in trace.ops:
         if op.phase is Phase.BACKWARD:
-            owners = stages_by_key.get(stage_key(op.module, depth), [])
+            owners = stages_by_key.get(block(op.module), [])
             current = owners[0] if len(owners) == 1 else current
             back[current] += cost(op)
     stages = []

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Container, Iterable
 from typing import NamedTuple
 
 from remat._errors import RematValueError, message
-from remat.plan.problem import (
+from remat.planner.problem import (
     Action,
     Chain,
     ChainOp,

@@ -1,4 +1,4 @@
-"""The registry of plan solvers, by name; the CLI and ``remat.plan`` list it rather than a hand-kept list.
+"""The registry of plan solvers, by name; the CLI and ``remat.planner`` list it rather than a hand-kept list.
 
 A solver is one function ``solve(problem, budget_bytes, **options) -> Solution`` in its own module.
 The registry does what every solver would otherwise repeat: it parses the budget, refuses a problem
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
-from remat.plan.problem import Chain, Graph, Problem, Solution
+from remat.planner.problem import Chain, Graph, Problem, Solution
 
 __all__ = ["Solver", "below_minimum", "get", "names", "register"]
 

@@ -31,9 +31,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from remat._errors import RematValueError, message
-from remat.plan.problem import Graph, GraphSchedule, GraphStage, Solution, coarsen
-from remat.plan.solvers.registry import below_minimum, register
-from remat.plan.solvers.simulate import lower_bound, simulate, solution
+from remat.planner.problem import Graph, GraphSchedule, GraphStage, Solution, coarsen
+from remat.planner.solvers.registry import below_minimum, register
+from remat.planner.solvers.simulate import lower_bound, simulate, solution
 
 __all__ = ["solve"]
 

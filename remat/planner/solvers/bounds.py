@@ -8,10 +8,10 @@ its deps, each backward step with its reads; the exact figure needs the MILP).
 
 from __future__ import annotations
 
-from remat.plan.problem import Chain, Problem
-from remat.plan.solvers.chain_dp import minimum_peak
-from remat.plan.solvers.registry import below_minimum
-from remat.plan.solvers.simulate import lower_bound, simulate
+from remat.planner.problem import Chain, Problem
+from remat.planner.solvers.chain_dp import minimum_peak
+from remat.planner.solvers.registry import below_minimum
+from remat.planner.solvers.simulate import lower_bound, simulate
 
 __all__ = ["require"]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 
 from remat._errors import RematValueError, message
-from remat.plan.problem import Chain, Problem, Schedule, Solution
-from remat.plan.solvers.bounds import require
-from remat.plan.solvers.registry import register
-from remat.plan.solvers.simulate import chain_segments, graph_from_saved, solution
+from remat.planner.problem import Chain, Problem, Schedule, Solution
+from remat.planner.solvers.bounds import require
+from remat.planner.solvers.registry import register
+from remat.planner.solvers.simulate import chain_segments, graph_from_saved, solution
 
 __all__ = ["solve", "split"]
 

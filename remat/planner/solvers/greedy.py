@@ -20,10 +20,10 @@ import heapq
 import math
 
 from remat._errors import RematValueError, message
-from remat.plan.problem import Chain, Problem, Schedule, Solution
-from remat.plan.solvers.bounds import require
-from remat.plan.solvers.registry import register
-from remat.plan.solvers.simulate import chain_segments, closure, graph_from_saved, simulate, solution
+from remat.planner.problem import Chain, Problem, Schedule, Solution
+from remat.planner.solvers.bounds import require
+from remat.planner.solvers.registry import register
+from remat.planner.solvers.simulate import chain_segments, closure, graph_from_saved, simulate, solution
 
 __all__ = ["GreedyFailed", "solve"]
 

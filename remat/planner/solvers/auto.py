@@ -3,7 +3,7 @@
 Why a picker: users ask for a plan, not for a solver. A chain gets the exact DP (cubic in stages,
 fast for the few hundred blocks of any network); a graph of at most ``max_milp_nodes`` nodes gets
 the MILP (optimal within its time limit; Checkmate's formulation gets slow beyond a few dozen
-stages, see ``remat.plan.solvers.milp``); a larger graph gets the greedy heuristic, and the MILP
+stages, see ``remat.planner.solvers.milp``); a larger graph gets the greedy heuristic, and the MILP
 (on the graph coarsened to its ``max_nodes``) only when greedy's single-level plans cannot fit.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat.plan.problem import Chain, Problem, Solution
-from remat.plan.solvers.greedy import GreedyFailed
-from remat.plan.solvers.registry import get, register
+from remat.planner.problem import Chain, Problem, Solution
+from remat.planner.solvers.greedy import GreedyFailed
+from remat.planner.solvers.registry import get, register
 
 __all__ = ["solve"]
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import numpy as np
 
 from remat._errors import RematValueError, message
-from remat.plan.problem import Chain, ChainOp, ChainSchedule, ChainStep, Solution
-from remat.plan.solvers.registry import below_minimum, register
-from remat.plan.solvers.simulate import simulate, solution
+from remat.planner.problem import Chain, ChainOp, ChainSchedule, ChainStep, Solution
+from remat.planner.solvers.registry import below_minimum, register
+from remat.planner.solvers.simulate import simulate, solution
 
 __all__ = ["minimum_peak", "solve"]
 

@@ -1,0 +1,193 @@
+"""Overhead of remat.dynamic on CPU: budget ratio against step time, DTR and Coop side by side.
+
+For each workload: the plain step, the step in a region with no budget (the runtime's own cost),
+and the step in regions at fractions of the unconstrained peak, all in one process, interleaved;
+each time is divided by the plain step's time in the same round, and the median of those ratios
+over ``--repeats`` rounds is reported (it cancels most drift of a shared machine). The peak is the
+pool's peak at no budget (constants included, as in the simulator). Each constrained step's own
+trace is replayed by the simulator, whose predicted overhead is set against the measured one.
+
+    .venv/bin/python benchmarks/dynamic/run.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat.demo import build_gpt2
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: str
+    policy: str
+    ratio: float  # budget / unconstrained peak (NaN: no budget)
+    budget: int
+    step_ratio: float  # median over rounds of step time / plain step time in the same round
+    vs_unlimited: float  # the same against the step in a region with no budget
+    predicted: float  # simulator: 1 + recomputed cost / first-run cost, on this step's trace
+    measured: float  # runtime: 1 + recomputation time / first-run time (kernels only)
+    evictions: int
+    recomputations: int
+    fragmentation: float
+    outcome: str
+
+
+def gpt2(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    model = build_gpt2(layers=2 if quick else 4, width=256, seq=128)
+    tokens = torch.randint(0, 2048, (8, 128), generator=torch.Generator().manual_seed(0))
+
+    def loss() -> torch.Tensor:
+        return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+    return model, loss
+
+
+def cnn(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    workload = remat.zoo.build("resnet50", tiny=True, batch=16 if quick else 32, image=64)
+    model, inputs, loss_fn = workload
+
+    def loss() -> torch.Tensor:
+        return loss_fn(model(*inputs))
+
+    return model, loss
+
+
+WORKLOADS = {"gpt2": gpt2, "cnn": cnn}
+
+
+def step(model: nn.Module, loss: Callable[[], torch.Tensor], region: Any) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    with region:
+        loss().backward()
+    return time.perf_counter() - start
+
+
+def run(name: str, ratios: list[float], policies: list[str], repeats: int, quick: bool) -> list[Row]:
+    model, loss = WORKLOADS[name](quick)
+    model.train()
+    free = remat.dynamic(None, "dtr", keep=model)
+    step(model, loss, free)  # warm up (first dispatch imports, allocator)
+    peak = free.stats.peak_bytes
+    configs: list[tuple[str, float]] = [(p, r) for p in policies for r in ratios]
+    times: dict[Any, list[float]] = {"plain": [], "free": [], **{c: [] for c in configs}}
+    stats: dict[Any, Any] = {}
+    failed: dict[Any, str] = {}
+    for _ in range(repeats):  # interleaved: drift of the machine hits every configuration alike
+        times["plain"].append(step(model, loss, _Nothing()))
+        times["free"].append(step(model, loss, free))
+        for policy, ratio in configs:
+            if (policy, ratio) in failed:
+                continue
+            region = remat.dynamic(int(ratio * peak), policy, keep=model)
+            try:
+                times[(policy, ratio)].append(step(model, loss, region))
+                stats[(policy, ratio)] = region.stats
+            except remat.RematError as error:
+                failed[(policy, ratio)] = str(error).split(";")[0]
+
+    def ratio_to(key: Any, base: str) -> float:
+        """Median over rounds of this round's time over the base's time in the same round."""
+        return statistics.median(t / b for t, b in zip(times[key], times[base], strict=True))
+
+    rows = [Row(name, "none", float("nan"), 0, ratio_to("free", "plain"), 1.0, 1.0, 1.0, 0, 0, 0.0, "ok")]
+    for policy, ratio in configs:
+        if (policy, ratio) in failed:
+            rows.append(
+                Row(
+                    name,
+                    policy,
+                    ratio,
+                    int(ratio * peak),
+                    *[float("nan")] * 4,
+                    0,
+                    0,
+                    0.0,
+                    failed[(policy, ratio)],
+                )
+            )
+            continue
+        s = stats[(policy, ratio)]
+        comparison = s.compare()
+        rows.append(
+            Row(
+                name,
+                policy,
+                ratio,
+                s.budget,
+                ratio_to((policy, ratio), "plain"),
+                ratio_to((policy, ratio), "free"),
+                comparison.predicted_overhead,
+                s.overhead,
+                s.evictions,
+                s.recomputations,
+                s.fragmentation,
+                "ok",
+            )
+        )
+    return rows
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| workload | policy | budget ratio | step time / plain | / no budget | predicted | measured "
+        "| evictions | recomputations | fragmentation |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.outcome != "ok":
+            lines.append(f"| {r.workload} | {r.policy} | {r.ratio:.2f} | {r.outcome} | | | | | | |")
+            continue
+        ratio = "none" if r.ratio != r.ratio else f"{r.ratio:.2f}"
+        lines.append(
+            f"| {r.workload} | {r.policy} | {ratio} | {r.step_ratio:.2f} | {r.vs_unlimited:.2f} | "
+            f"{r.predicted:.3f} | {r.measured:.3f} | {r.evictions} | {r.recomputations} | "
+            f"{r.fragmentation:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer ratios")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ratios = [0.8, 0.5] if args.quick else [0.9, 0.7, 0.5, 0.4, 0.3]
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, {args.repeats} repeats"
+    )
+    rows = []
+    for name in WORKLOADS:
+        rows += run(name, ratios, ["dtr", "coop"], args.repeats, args.quick)
+        print(table([r for r in rows if r.workload == name]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

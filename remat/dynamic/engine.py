@@ -1,0 +1,348 @@
+"""One dynamic region at work: a dispatch mode that feeds every ATen op to the rematerialization
+core and hands the core's decisions to a memory backend.
+
+Why a dispatch mode: it sits below autograd, so it sees the forward ops, the backward ops the engine
+runs and the optimizer's in-place updates alike, on plain tensors (no subclass the program or
+autograd could notice), and it runs before the kernel, so an evicted input is restored just in time.
+
+NOTE [identity] The unit of memory is a PyTorch storage. Each storage seen in the region gets one
+handle for the core (:class:`~remat.core.runtime.Runtime`): an op output on a new storage makes a
+fresh handle, a storage that existed before the region becomes a constant the first time an op
+reads it (kept alive until the region ends, since recomputations may read it), views share their
+base's handle, and a mutation moves the handle to a new version inside the core. Ops whose results
+are all views of their inputs (``view``, ``t``, ``expand`` ...) read no data and never reach the
+core: a view of an evicted tensor stays evicted until something reads it.
+
+NOTE [releases] A finalizer on each fresh storage tells when the program (autograd included) drops
+its last tensor on it. The release is queued and given to the core at the next op boundary, never
+in the middle of a decision of the core. The cycle collector is paused for the whole region (the
+region turns it back on at its end): it could free a program storage in the middle of an op, one
+the core may be about to read for a recomputation, and it runs at moments that depend on the
+history of the process, which would make the releases, and hence the decisions, differ from run to
+run. Tensors caught in reference cycles therefore stay until the region ends.
+
+NOTE [hand-over] At the end of the region every storage the program still holds is handed back
+to it: the resident ones first, then the evicted ones, each restored and then taken out of the pool
+(as if released) while the program keeps the content. What the program holds at the end thus need
+not fit in the budget all at once (gradients and parameters together often do not). Rebuilding an
+evicted one can mean recomputing a long chain of dead tensors (a gradient evicted after the
+optimizer read it needs the backward pass that made it), which under the budget can thrash; the
+runtime therefore lifts the budget for the hand-over (the tensors leave it anyway; the arena
+backend places what does not fit in it in ordinary memory) and reports those recomputations apart
+(``exit_recomputations``). The hand-over is recorded as releases.
+
+NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch's CPU allocator
+aligns its blocks: in the arena every block then starts on a 64-byte boundary, which BLAS kernels
+need to round exactly as they do on memory from the allocator.
+
+NOTE [same decisions] Each op is handed to the core as the simulator hands a trace op: ``call``
+with the outputs' sizes and the op's recorded cost. The clock of the core moves by recorded costs,
+in first runs and recomputations alike, so what the core decides depends only on the recorded
+events; ``trace()`` gives them back as a :class:`~remat.trace.types.Trace` for the simulator.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from remat._state import capture_rng
+from remat.core.policies.base import EvictionPolicy
+from remat.core.pool import Pool
+from remat.core.runtime import OutOfMemory, Runtime
+from remat.dynamic.accounting import Backend, Pending, Thrashing
+from remat.dynamic.homes import aligned, swap
+from remat.dynamic.recipe import Recipe, Slot, result_leaves
+from remat.trace.cost import op_cost
+from remat.trace.types import Event, Op, Release, TensorInfo, Trace
+
+_SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
+_DEPTH = 100_000  # recomputation chains recurse once per evicted ancestor
+
+
+@dataclass(frozen=True)
+class _Schema:
+    view_only: bool  # every result is a view of an input and nothing is written
+    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments written in place
+    fresh_returns: tuple[bool, ...]  # per return: a new tensor (not an alias of an argument)
+    random: bool
+
+
+def _schema(func: Any) -> _Schema:
+    schema = func._schema
+    written = tuple(
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    returns = tuple(r.alias_info is None for r in schema.returns)
+    view_only = bool(returns) and not any(returns) and not written
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    return _Schema(view_only, written, returns, random)
+
+
+def _geometry(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    return int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class Engine:
+    """The state of one region: identity of storages, the core runtime, the recorded events."""
+
+    def __init__(
+        self, pool: Pool, policy: EvictionPolicy, backend: Backend, device: torch.device, estimated: bool
+    ) -> None:
+        self.runtime = Runtime(pool, policy, backend)
+        self.backend = backend
+        backend.runtime = self.runtime
+        self.device = device
+        self.handles: dict[int, int] = {}  # storage key -> handle
+        self.tensors: list[TensorInfo] = []
+        self.events: list[Event] = []
+        self.finalizers: list[weakref.finalize] = []
+        self.released: list[int] = []
+        self.schemas: dict[Any, _Schema] = {}
+        self.current: str = ""  # the op being run, for errors
+        self.peak_real_bytes = 0
+        self.ops = 0
+        self.estimated = estimated
+        self.base_seconds = 0.0  # first runs of the ops, measured
+        self.marks = (0, 0)  # evictions and recomputations when the program's last op was done
+        self.peak_in_program = 0
+        self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
+        self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
+        self.previous_depth = sys.getrecursionlimit()
+
+    # -- identity -------------------------------------------------------------------------------
+
+    def managed(self, t: torch.Tensor) -> bool:
+        return t.device == self.device and t.layout == torch.strided and not t.is_meta
+
+    def constant(self, t: torch.Tensor) -> int:
+        """The storage of ``t`` is from outside the region: a constant of the core, kept alive
+        (NOTE [identity])."""
+        storage = t.untyped_storage()
+        handle = len(self.tensors)
+        nbytes = aligned(storage.nbytes())
+        self.tensors.append(TensorInfo(handle, nbytes, None, True, tuple(t.shape), _dtype(t)))
+        self.handles[storage._cdata] = handle
+        self.backend.homes.add_handle(handle, storage, pin=True)
+        self.runtime.constant(handle, nbytes)
+        self.backend.handle_of[self.runtime.storage_of(handle)] = handle
+        self.backend.homes.hold(self.runtime.storage_of(handle), handle)
+        return handle
+
+    def handle(self, t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        handle = self.handles.get(storage._cdata)
+        return self.constant(t) if handle is None else handle
+
+    def new_handle(self, t: torch.Tensor, nbytes: int) -> int:
+        """A handle for a new storage of ``nbytes`` that ``t`` (real or meta) describes."""
+        handle = len(self.tensors)
+        self.tensors.append(TensorInfo(handle, aligned(nbytes), shape=tuple(t.shape), dtype=_dtype(t)))
+        return handle
+
+    def bind(self, handle: int, t: torch.Tensor) -> None:
+        """The new storage of ``handle`` is ``t``'s: follow it until the program drops it."""
+        storage = t.untyped_storage()
+        self.handles[storage._cdata] = handle
+        self.backend.homes.add_handle(handle, storage, pin=False)
+        self.finalizers.append(weakref.finalize(storage, self._died, storage._cdata, handle))
+
+    def fresh(self, t: torch.Tensor) -> int:
+        handle = self.new_handle(t, t.untyped_storage().nbytes())
+        self.bind(handle, t)
+        return handle
+
+    def _died(self, key: int, handle: int) -> None:
+        if self.handles.get(key) == handle:
+            del self.handles[key]
+        self.released.append(handle)
+
+    def flush(self) -> None:
+        """Give queued releases to the core (NOTE [releases])."""
+        while self.released:
+            handle = self.released.pop(0)
+            self.events.append(Release(handle))
+            self.runtime.release(handle)
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def run(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        schema = self.schemas.get(func)
+        if schema is None:
+            schema = self.schemas[func] = _schema(func)
+        if schema.view_only or func.namespace in _SKIPPED_NAMESPACES:
+            return func(*args, **kwargs)
+        try:
+            return self._run(func, schema, args, kwargs)
+        except (OutOfMemory, Thrashing) as failure:
+            raise self.explain(failure) from None
+
+    def _run(self, func: Any, schema: _Schema, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        self.flush()
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and self.managed(x)]
+        if not positions and any(isinstance(x, torch.Tensor) for x in flat):
+            return func(*args, **kwargs)  # only tensors of another device: not the region's memory
+        runtime, backend = self.runtime, self.backend
+        self.current = str(func)
+        handles = [self.handle(flat[i]) for i in positions]
+        inputs = tuple(dict.fromkeys(handles))
+        runtime.prepare(inputs)
+        written = self._written(schema, args, kwargs)
+        metas = backend.plan(func, args, kwargs, schema.fresh_returns)
+        saved: dict[int, torch.UntypedStorage] = {}
+        if metas is None:  # the op runs now: keep the old content where the core may copy
+            for handle in written:
+                storage = runtime.storage_of(handle)
+                if runtime.graph.nbytes[storage] > 0 and (
+                    runtime.graph.constant[storage] or not runtime.overwrites(handle)
+                ):
+                    saved[handle] = backend.copy_of(backend.homes.get(storage))
+        slots = tuple(
+            Slot(i, runtime.storage_of(h), *_geometry(flat[i]))
+            for i, h in zip(positions, handles, strict=True)
+        )
+        rng = capture_rng() if schema.random else None
+        generators = tuple(
+            (i, x.device, x.get_state()) for i, x in enumerate(flat) if isinstance(x, torch.Generator)
+        )
+        leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
+
+        if metas is None:
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            fresh, positions_out = self._fresh(schema, out)
+        else:  # the backend runs it once the core has placed the outputs
+            out, seconds = None, 0.0
+            fresh = [self.new_handle(m, m.untyped_storage().nbytes()) for m in metas]
+            positions_out = list(range(len(metas)))
+        op = Op(self.ops, str(func), inputs, tuple(fresh), tuple(written), cost=seconds, random=schema.random)
+        if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
+            op = replace(op, cost=op_cost(op, self.tensors))
+        pending = Pending(fresh, written, saved)
+        pending.recipe = Recipe(
+            func,
+            schema.fresh_returns,
+            leaves,
+            spec,
+            slots,
+            tuple(positions_out),
+            rng,
+            torch.is_grad_enabled(),
+            generators,
+        )
+        if metas is not None:
+            pending.run = lambda record: backend.first_run(func, args, kwargs, record, pending, self.bind)
+            pending.measure = not self.estimated
+            pending.metas = metas
+        backend.pending = pending
+        runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
+        if metas is not None:
+            out, seconds = pending.out, pending.seconds
+            pending.out = pending.run = None
+        self.base_seconds += seconds
+        self.events.append(runtime.graph.records[-1].op)
+        self.ops += 1
+        self.flush()
+        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.real_bytes)
+        return out
+
+    def _written(self, schema: _Schema, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
+        handles: list[int] = []
+        for i, name in schema.written:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and self.managed(t):
+                    handles.append(self.handle(t))
+        return list(dict.fromkeys(handles))
+
+    def _fresh(self, schema: _Schema, out: Any) -> tuple[list[int], list[int]]:
+        """Handles of the op's new storages, and their positions among :func:`result_leaves`."""
+        fresh: list[int] = []
+        positions: list[int] = []
+        for index, (r, t) in enumerate(result_leaves(schema.fresh_returns, out)):
+            is_fresh = schema.fresh_returns[r] if r < len(schema.fresh_returns) else True
+            known = isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.handles
+            if isinstance(t, torch.Tensor) and is_fresh and self.managed(t) and not known:
+                fresh.append(self.fresh(t))
+                positions.append(index)
+        return fresh, positions
+
+    # -- the region's end -----------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Hand every storage the program still holds back to it, restored (NOTE [hand-over])."""
+        self.flush()
+        telemetry, backend = self.runtime.telemetry, self.backend
+        self.marks = (telemetry.evictions, telemetry.recomputations)
+        self.recompute_marks = (backend.recompute_seconds, backend.recompute_cost)
+        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.peak_real_bytes)
+        runtime, homes = self.runtime, self.backend.homes
+        held = [
+            h
+            for h in sorted(homes.program)
+            if h not in homes.pinned and homes.storage_of_handle(h) is not None
+        ]
+        resident = [h for h in held if runtime.resident[runtime.storage_of(h)]]
+        evicted = [h for h in held if not runtime.resident[runtime.storage_of(h)]]
+        self.peak_in_program = runtime.telemetry.peak_bytes
+        if evicted and self.backend.grows:
+            runtime.pool.grow(sum(runtime.graph.nbytes))
+        for handle in resident + evicted:  # the resident ones first: they make room at no cost
+            runtime.prepare((handle,))
+            self.backend.hand_over(runtime.storage_of(handle))
+            del homes.program[handle]
+            self.events.append(Release(handle))
+            runtime.release(handle)
+        self.flush()
+
+    def abandon(self) -> None:
+        """After an error: give every live program storage that is evicted memory again (its
+        content is lost) so that no tensor of the program is left without memory."""
+        runtime, homes = self.runtime, self.backend.homes
+        for handle in list(homes.program):
+            real = homes.storage_of_handle(handle)
+            try:
+                if real is None or homes.holds(runtime.storage_of(handle)):
+                    continue
+            except KeyError:  # made by the op that failed: never given to the core
+                continue
+            swap(real, torch.UntypedStorage(real.nbytes(), device=real.device))
+
+    def close(self) -> None:
+        self.backend.close()
+        for fin in self.finalizers:
+            fin.detach()
+        self.finalizers.clear()
+        self.backend.homes.clear()
+        self.backend.recipes.clear()
+
+    def trace(self, name: str = "dynamic") -> Trace:
+        """What ran, as the simulator reads it (NOTE [same decisions])."""
+        return Trace(tuple(self.tensors), tuple(self.events), frozenset(), name, self.device.type, "dynamic")
+
+
+class Interceptor(TorchDispatchMode):
+    """Hands every ATen op of the region to its engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return self.engine.run(func, args, kwargs or {})

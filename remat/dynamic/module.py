@@ -1,0 +1,58 @@
+"""``remat.dynamic.DynamicModule``: a module whose every call runs in a dynamic region.
+
+A ``with`` block must span forward, backward and the optimizer step, which a module's ``forward``
+alone does not. So a call opens a region and leaves it open: the loss, ``backward()`` and
+``optimizer.step()`` that follow run in it, and it closes when the module is called again (the
+next step) or on :meth:`DynamicModule.close`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.dynamic.region import Dynamic, dynamic
+from remat.dynamic.stats import DynamicStats
+
+
+class DynamicModule(nn.Module):
+    """Runs ``module`` under ``remat.dynamic(budget, policy, **options)``, one region per call;
+    the module's parameters and buffers, and the state of ``optimizer`` if given, are registered
+    first."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        budget: int | str | None,
+        policy: str = "dtr",
+        optimizer: torch.optim.Optimizer | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self._region: Dynamic = dynamic(budget, policy, keep=(module, optimizer), **options)
+        self._open = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.close()
+        self._region.__enter__()
+        self._open = True
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException as error:
+            self._open = False
+            self._region.__exit__(type(error), error, error.__traceback__)
+            raise
+
+    def close(self) -> None:
+        """End the open region, if any: what the program holds is restored and handed back."""
+        if self._open:
+            self._open = False
+            self._region.__exit__(None, None, None)
+
+    @property
+    def stats(self) -> DynamicStats:
+        """Figures of the last region that closed."""
+        return self._region.stats

@@ -1,0 +1,245 @@
+"""``remat.plan``: trace one training step, solve for the cheapest recomputation under a budget, and
+return a Plan the executor runs.
+
+Why a loop around the solver: a solver optimizes over a coarse model of the step (blocks of a
+chain, nodes of a graph) that leaves out what does not depend on the plan (parameter gradients,
+backward temporaries) and approximates what does. The plan it returns is checked on the captured
+step itself (``remat.planner.predict``, NOTE [region model]); when that peak is over the budget the
+solver runs again with its budget lowered by the excess, a few times, so that what is promised is
+the peak of the step the executor runs, not of the model. The problem a solver gets: a chain of
+blocks (``chain_from_trace``) for ``chain``, ``sqrt``, ``greedy`` and ``auto``; a graph of ops,
+coarsened to blocks (``graph_from_trace``, then ``coarsen`` inside the MILP) for ``milp``. Plans
+are single-level (a region is recomputed once, from its inputs), which is what runs in eager
+PyTorch without re-entering the model's code. The search itself lives in ``remat.planner.search``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes, parse_budget
+from remat.planner.plan import Plan
+from remat.planner.problem import (
+    Chain,
+    chain_from_trace,
+    graph_from_trace,
+    stage_key,
+)
+from remat.planner.search import Candidate, Step, decisions, fail, floor, predicted, search, simple
+from remat.planner.solvers import get
+from remat.trace import capture
+from remat.trace.types import Trace
+
+__all__ = ["BudgetTooSmall", "LossFn", "block_key", "plan", "plan_trace", "trace_step"]
+
+LossFn = Callable[..., torch.Tensor]
+Inputs = torch.Tensor | Sequence[Any] | Mapping[str, Any]
+
+
+class BudgetTooSmall(RematValueError):
+    """No plan fits the budget: ``minimum_bytes`` is the smallest peak a plan reaches, ``where``
+    the op that needs it."""
+
+    def __init__(self, text: str, minimum_bytes: int, where: str) -> None:
+        super().__init__(text)
+        self.minimum_bytes = minimum_bytes
+        self.where = where
+
+
+def _call(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None) -> torch.Tensor:
+    """The step's loss: ``loss_fn(model, *inputs)`` (``**inputs`` for a mapping), or by default the
+    model's output itself or its ``.loss``."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if loss_fn is not None:
+        out = loss_fn(model, **inputs) if isinstance(inputs, Mapping) else loss_fn(model, *inputs)
+    else:
+        out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
+        out = getattr(out, "loss", out)
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
+        given = (
+            type(out).__name__ if not isinstance(out, torch.Tensor) else f"tensor of shape {list(out.shape)}"
+        )
+        raise fail(
+            "the step's loss must be a scalar tensor that requires grad",
+            f"got {given}",
+            "pass loss_fn(model, *inputs) returning the loss",
+        )
+    return out
+
+
+def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
+    """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's
+    buffers, gradients and the RNG as
+    they were (the step's batch-norm updates and dropout draws are undone)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    rng = torch.random.get_rng_state()
+    model.zero_grad(set_to_none=True)
+    try:
+        return capture(
+            lambda: _call(model, inputs, loss_fn).backward(), name=type(model).__name__, repeats=repeats
+        )
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        for p, g in grads:
+            p.grad = g
+        torch.random.set_rng_state(rng)
+
+
+def block_key(model: nn.Module) -> Callable[[str], str]:
+    """The block a module path (as the capture names it) belongs to, from the model's structure:
+    the child of the first container (``nn.ModuleList``, ``nn.ModuleDict``, plain ``nn.Sequential``)
+    on the path, so ``transformer.h.3.attn`` -> ``transformer.h.3``; a subclass of ``nn.Sequential``
+    (a block written as a Sequential, such as a U-Net's double convolution) is a block itself, so
+    ``inc.0`` -> ``inc``. Paths the model does not have fall back to ``stage_key``."""
+    modules = dict(model.named_modules())
+    containers = (nn.ModuleList, nn.ModuleDict)
+
+    def key(path: str) -> str:
+        if not path or path not in modules:
+            return stage_key(path)
+        parts = path.split(".")
+        for i in range(len(parts)):
+            parent = modules[".".join(parts[:i])] if i else model
+            if isinstance(parent, containers) or type(parent) is nn.Sequential:
+                return ".".join(parts[: i + 1]) if i else parts[0]
+            if isinstance(parent, nn.Sequential) and i:
+                return ".".join(parts[:i])
+        return stage_key(path)
+
+    return key
+
+
+def plan_trace(
+    trace: Trace,
+    budget: int | float | str,
+    *,
+    solver: str = "auto",
+    block_key: Callable[[str], str] | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan for a captured step (see ``plan``); ``options`` go to the solver. ``auto`` runs
+    the chain DP and greedy on the chain of blocks and also weighs plain checkpointing (every
+    block, sqrt(n) segments): of the plans that fit, the one with the least predicted overhead.
+    ``block_key`` maps a module path to its block (default ``stage_key``; ``plan`` passes
+    ``block_key(model)``)."""
+    step = Step(trace, block_key)
+    get(solver)
+    baseline = predicted(step, []).peak_bytes
+    limit = parse_budget(budget, api="plan")
+    budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
+    start = time.perf_counter()
+    chain = chain_from_trace(trace, key=block_key)
+    tried: list[Candidate] = []
+    if solver == "auto":
+        tried += search(step, "chain", chain, budget_bytes, baseline, {"single_level": True, **options})
+        tried += search(step, "greedy", chain, budget_bytes, baseline, {})
+        tried += simple(step, chain)
+    elif Chain in get(solver).problems:
+        extra = {"single_level": True} if solver == "chain" else {}
+        tried += search(step, solver, chain, budget_bytes, baseline, {**extra, **options})
+    else:
+        graph = graph_from_trace(trace, max_nodes=None)
+        tried += search(step, solver, graph, budget_bytes, baseline, options)
+    seconds = time.perf_counter() - start
+    fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
+    if not fits and solver == "auto":
+        tried += floor(step, chain)
+        fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
+    if not fits:
+        known = tried + floor(step, chain) if solver != "auto" else tried
+        lowest = min(known, key=lambda c: c.pred.peak_bytes).pred
+        if budget_bytes < lowest.peak_bytes:
+            text = message(
+                "plan",
+                "budget below the smallest feasible peak",
+                f"budget {budget_bytes} < {lowest.peak_bytes} bytes, {format_bytes(lowest.peak_bytes)}",
+                f"the minimum is {lowest.peak_bytes} bytes (needed by {lowest.peak_at}); "
+                f"raise the budget or shrink the batch",
+            )
+            raise BudgetTooSmall(text, lowest.peak_bytes, lowest.peak_at)
+        found = (
+            f"its lowest peak was {min(c.pred.peak_bytes for c in tried)} bytes" if tried else "it found none"
+        )
+        raise fail(
+            f"solver {solver!r} found no plan within the budget",
+            f"budget {budget_bytes} bytes; {found}",
+            f"use solver='auto' (plans from {lowest.peak_bytes} bytes) or raise the budget",
+        )
+    best = min(fits, key=lambda c: (round(c.pred.overhead, 6), c.pred.peak_bytes))
+    notes = best.notes
+    if solver == "auto":
+        picked = best.solver if best.solver != "auto" else best.notes
+        notes = f"auto picked {picked} of {len(tried)} plans; {notes}"
+    return Plan(
+        name=trace.name,
+        solver=best.solver,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=best.pred.peak_bytes,
+        predicted_overhead=best.pred.overhead,
+        baseline_peak_bytes=baseline,
+        peak_at=best.pred.peak_at,
+        solve_seconds=seconds,
+        gap=best.gap,
+        regions=tuple(r for r, _ in best.regions),
+        tensors=decisions(step, best.regions, best.pred, best.solver),
+        ops=tuple(op.name for op in step.forward),
+        modules=tuple(op.module for op in step.forward),
+        notes=notes,
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Inputs,
+    budget: int | float | str,
+    *,
+    loss_fn: LossFn | None = None,
+    solver: str = "auto",
+    repeats: int = 3,
+    **options: Any,
+) -> Plan:
+    """Plan the recomputation of one training step of ``model`` under ``budget``.
+
+    ``budget`` is bytes (an int or a string such as ``"2GB"``) or a ratio (a float in (0, 1]) of
+    the step's peak with no recomputation; the peak counted is that of the tensors the step adds
+    (``remat.memory.track`` around forward and backward). ``loss_fn(model, *example_inputs)``
+    (``**example_inputs`` for a mapping) returns the scalar loss; by default the model's output
+    or its ``.loss``. ``solver`` is a name from ``remat.planner.solvers.names()`` and ``options``
+    go to it (``time_limit`` and ``max_nodes`` for ``milp``, ``slots`` for ``chain``).
+
+    The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
+    parameters, buffers, gradients and the RNG are left as they were. Run the plan with
+    ``with plan.apply(model): ...``.
+    """
+    if not isinstance(model, nn.Module):
+        raise fail(
+            "model must be an nn.Module", f"got {type(model).__name__}", "pass the model", RematTypeError
+        )
+    if not isinstance(example_inputs, (torch.Tensor, Sequence, Mapping)) or isinstance(example_inputs, str):
+        raise fail(
+            "example_inputs must be a tensor, a sequence or a mapping",
+            f"got {type(example_inputs).__name__}",
+            "pass the inputs of one step as a tuple",
+            RematTypeError,
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise fail(
+            "loss_fn must be callable",
+            f"got {type(loss_fn).__name__}",
+            "pass loss_fn(model, *inputs)",
+            RematTypeError,
+        )
+    parse_budget(budget, api="plan")
+    get(solver)
+    trace = trace_step(model, example_inputs, loss_fn, repeats)
+    return plan_trace(trace, budget, solver=solver, block_key=block_key(model), **options)

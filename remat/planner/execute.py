@@ -1,0 +1,189 @@
+"""Run a Plan in eager PyTorch: open a recomputed region at each planned op, check every op.
+
+Why not wrap modules in checkpoints: a plan's regions are runs of ops, and a block boundary in the
+trace (the ops a module issued) need not be a function anyone can call again: the residual add
+between two blocks belongs to their parent. So the executor works at the op level, with the
+machinery of ``remat.scope``: one dispatch mode counts the forward's ops, compares each with the
+traced one, and at a region's first op starts a tape (``remat._replay``) and the saved-tensor hooks
+of a scope region; at the first op past the region it stops them. Inside a region the tape's
+policy is switched per op: SAVE for the op positions the plan keeps, RECOMPUTE for the rest. In
+backward the region replays, as a scope does, just before the first op that needs it, with the
+RNG and batch-norm buffers handled there::
+
+    forward ops:   0 1 2 | 3 4 5 6 | 7 8 | 9 ...     (| = region boundary, from the plan)
+                         [ region A]     [B]
+    dispatch mode: check op i == plan.ops[i]; i == A.first -> start tape + hooks;
+                   i == A.last + 1 -> stop (region A now holds only its replay slice)
+
+Counting starts when the model's own forward starts (a forward pre-hook on the model) and a
+forward must run exactly the traced ops: another op, or fewer or more of them, raises
+RecomputationError with the position, the expected and the executed op and the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat._errors import RecomputationError, RematTypeError, message
+from remat._replay import Tape
+from remat.planner.plan import Plan, Region
+from remat.policy import Decision, OpContext, RecomputeAll
+from remat.scope import _Region
+
+__all__ = ["UNCOUNTED", "apply"]
+
+# Not ops of the program (as in the trace capture): profiler markers and metadata queries.
+_SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
+# NOTE [uncounted ops] Autograd itself issues ``detach`` when it saves an op's output with no
+# saved-tensor hooks installed, so how many there are depends on the hooks around the op (the
+# capture installs one everywhere, the executor only inside regions). They make no memory and are
+# neither counted nor checked, on either side.
+UNCOUNTED = frozenset({"aten.detach.default"})
+
+
+@dataclass(frozen=True)
+class _Keep:
+    """The tape policy for an op whose outputs the plan keeps."""
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.SAVE
+
+
+_KEEP = _Keep()
+_RECOMPUTE = RecomputeAll()
+
+
+class _Runner(TorchDispatchMode):
+    """Counts and checks the forward's ops and runs the plan's regions (see the module doc)."""
+
+    def __init__(self, plan: Plan, model: nn.Module) -> None:
+        super().__init__()
+        self.plan = plan
+        self.starts = {r.first: r for r in plan.regions}
+        self.position = 0
+        self.active = False
+        self.open: Region | None = None
+        self.tape: Tape | None = None
+        self.region: _Region | None = None
+        self.names = {m: name or type(model).__name__ for name, m in model.named_modules()}
+        self.modules: list[str] = []
+
+    # -- regions ---------------------------------------------------------------------------------
+
+    def _start(self, region: Region) -> None:
+        self.tape = Tape(_RECOMPUTE)
+        self.region = _Region(self.tape)
+        self.open = region
+        torch._C._autograd._push_saved_tensors_default_hooks(self.region.pack, self.region.unpack)
+
+    def stop(self) -> None:
+        """End the open region, if any (its tape becomes the replay plan)."""
+        if self.region is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.region.finish()
+        self.open = self.tape = self.region = None
+
+    # -- the forward -------------------------------------------------------------------------------
+
+    def begin(self, module: nn.Module, args: Any) -> None:
+        if not self.active:
+            self.stop()
+            self.position = 0
+            self.active = True
+            self.modules = [self.names.get(module, type(module).__name__)]
+
+    def end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.stop()
+        self.active = False
+        if self.position != len(self.plan.ops):
+            nxt = self.position
+            raise RecomputationError(
+                message(
+                    "plan",
+                    "the model ran fewer ops than the traced step",
+                    f"ran {nxt} of {len(self.plan.ops)}; op #{nxt} would be {self.plan.ops[nxt]} in "
+                    f"{self.plan.modules[nxt]}",
+                    "plan again with inputs that take this path",
+                )
+            )
+
+    def enter_module(self, module: nn.Module, args: Any) -> None:
+        if self.active:
+            self.modules.append(self.names.get(module, type(module).__name__))
+
+    def exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.active and self.modules:
+            self.modules.pop()
+
+    def _diverged(self, position: int, func: Any) -> RecomputationError:
+        self.stop()
+        self.active = False
+        where = self.modules[-1] if self.modules else "(top level)"
+        if position >= len(self.plan.ops):
+            given = f"op #{position} {func} in {where}, after the {len(self.plan.ops)} traced ops"
+            rule = "the model ran more ops than the traced step"
+        else:
+            given = (
+                f"op #{position}: expected {self.plan.ops[position]} in {self.plan.modules[position]}, "
+                f"got {func} in {where}"
+            )
+            rule = "the model's forward diverged from the traced step"
+        return RecomputationError(
+            message("plan", rule, given, "plan again with inputs that take this path (control flow, shapes)")
+        )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if (
+            not self.active
+            or func.namespace in _SKIPPED_NAMESPACES
+            or torch._C._current_autograd_node() is not None
+        ):
+            return func(*args, **kwargs)
+        if str(func) in UNCOUNTED:
+            return self.tape.record(func, args, kwargs) if self.tape is not None else func(*args, **kwargs)
+        i = self.position
+        self.position += 1
+        if i >= len(self.plan.ops) or self.plan.ops[i] != str(func):
+            raise self._diverged(i, func)
+        if self.open is not None and i > self.open.last:
+            self.stop()
+        if self.open is None and i in self.starts and torch.is_grad_enabled():
+            self._start(self.starts[i])
+        if self.tape is not None:
+            assert self.open is not None
+            self.tape.policy = _KEEP if i in self.open.save else _RECOMPUTE
+            return self.tape.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def apply(plan: Plan, model: nn.Module) -> Iterator[None]:
+    """See ``Plan.apply``."""
+    if not isinstance(model, nn.Module):
+        raise RematTypeError(
+            message(
+                "plan", "apply takes the model to run", f"got {type(model).__name__}", "pass an nn.Module"
+            )
+        )
+    runner = _Runner(plan, model)
+    hooks = [
+        model.register_forward_pre_hook(runner.begin),
+        model.register_forward_hook(runner.end),
+        nn.modules.module.register_module_forward_pre_hook(runner.enter_module),
+        nn.modules.module.register_module_forward_hook(runner.exit_module, always_call=True),
+    ]
+    try:
+        with runner:
+            yield
+    finally:
+        runner.stop()
+        for h in hooks:
+            h.remove()

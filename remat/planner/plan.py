@@ -1,0 +1,204 @@
+"""The Plan: what ``remat.plan`` decided for one training step, as plain data that saves and loads.
+
+Why a type apart from the solver's Solution: a Solution speaks of stages and nodes of a problem,
+while a user (and the executor) needs the step itself: which tensors autograd saves are kept or
+recomputed and why, which ops run inside a recomputed region, and the op sequence the plan was
+made for, so that running it on a model that takes another path fails loudly instead of silently
+keeping the wrong tensors. A Plan holds no tensors and no model: it applies to any model that runs
+the same ops (a copy, a reloaded checkpoint), and its JSON form is stable (``FORMAT``).
+
+Positions: ops are numbered by their position among the ops the model's forward runs (``ops``),
+which is what the executor counts; ``TensorDecision.op`` and ``Region`` use those positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from remat._errors import RematValueError, message
+from remat._units import format_bytes
+from remat.planner.problem import Action
+
+__all__ = ["FORMAT", "Plan", "Region", "TensorDecision"]
+
+FORMAT = "remat.plan/1"
+
+
+@dataclass(frozen=True)
+class TensorDecision:
+    """One tensor autograd saves for backward: made by forward op ``op`` (a position in
+    ``Plan.ops``) in ``module``; SAVE (kept from the forward) or RECOMPUTE (made again in
+    backward), and why."""
+
+    op: int
+    op_name: str
+    module: str
+    nbytes: int
+    action: Action
+    reason: str
+
+    def __str__(self) -> str:
+        size = format_bytes(self.nbytes)
+        return f"op {self.op} {self.op_name} ({self.module}), {size}: {self.action} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Region:
+    """Forward ops ``first`` .. ``last`` (positions, inclusive) run as one recomputed region:
+    what autograd saves inside it is dropped after the forward and replayed from the region's
+    inputs at its first use in backward, except the outputs of the ops in ``save``."""
+
+    name: str
+    first: int
+    last: int
+    save: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "save", frozenset(self.save))
+
+    def __contains__(self, position: object) -> bool:
+        return isinstance(position, int) and self.first <= position <= self.last
+
+    def __str__(self) -> str:
+        kept = f", keeps {len(self.save)} op outputs" if self.save else ""
+        return f"{self.name}: ops {self.first}-{self.last}{kept}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recomputation plan for one training step (see ``remat.plan``).
+
+    ``predicted_peak_bytes`` is the peak of the tensor bytes the step adds (what
+    ``remat.memory.track`` measures around forward and backward) when the plan runs, and
+    ``baseline_peak_bytes`` the same with no recomputation; ``predicted_overhead`` is the step's
+    compute with the recomputation ÷ without. ``solver``, ``solve_seconds`` and ``gap`` (the
+    proven optimality gap of the solver's own model, None for a heuristic) say how the plan was
+    found; ``notes`` carries the solver's remarks."""
+
+    name: str
+    solver: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_overhead: float
+    baseline_peak_bytes: int
+    peak_at: str
+    solve_seconds: float
+    gap: float | None
+    regions: tuple[Region, ...]
+    tensors: tuple[TensorDecision, ...]
+    ops: tuple[str, ...]
+    modules: tuple[str, ...]
+    notes: str = ""
+
+    # -- reading it ---------------------------------------------------------------------------
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the saved-for-backward tensors the plan keeps."""
+        return sum(t.nbytes for t in self.tensors if t.action is Action.SAVE)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes of the saved-for-backward tensors the plan recomputes."""
+        return sum(t.nbytes for t in self.tensors if t.action is Action.RECOMPUTE)
+
+    def region_of(self, position: int) -> Region | None:
+        """The region op ``position`` runs in, or None."""
+        for region in self.regions:
+            if position in region:
+                return region
+        return None
+
+    def __str__(self) -> str:
+        gap = "heuristic" if self.gap is None else f"gap {self.gap:.2%}"
+        recomputed = sum(t.action is Action.RECOMPUTE for t in self.tensors)
+        return (
+            f"Plan({self.name or 'model'}, {self.solver}: peak {format_bytes(self.predicted_peak_bytes)} "
+            f"of budget {format_bytes(self.budget_bytes)} (no recomputation: "
+            f"{format_bytes(self.baseline_peak_bytes)}), overhead {self.predicted_overhead:.3f}, "
+            f"{recomputed}/{len(self.tensors)} saved tensors recomputed in {len(self.regions)} regions, "
+            f"{gap}, solved in {self.solve_seconds:.2f} s)"
+        )
+
+    def explain(self, file: Any = None) -> str:
+        """Print (to ``file``, default stdout) and return a per-module table: what each module
+        saves for backward, what the plan keeps and recomputes, and the regions."""
+        from remat.planner.explain import render
+
+        return render(self, file)
+
+    # -- running it ---------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module) -> AbstractContextManager[None]:
+        """``with plan.apply(model): loss = loss_fn(model, *inputs)``: run the model's forward
+        under the plan (backward may run inside or after the block). Each forward is checked op by
+        op against the traced step; a model that takes another path raises RecomputationError
+        naming the op, the expected and the executed op, and the module."""
+        from remat.planner.execute import apply
+
+        return apply(self, model)
+
+    # -- storing it ---------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable serialized form (``FORMAT``)."""
+        body = asdict(self)
+        body["regions"] = [
+            {"name": r.name, "first": r.first, "last": r.last, "save": sorted(r.save)} for r in self.regions
+        ]
+        body["tensors"] = [{**asdict(t), "action": str(t.action)} for t in self.tensors]
+        body["ops"] = list(self.ops)
+        body["modules"] = list(self.modules)
+        if self.gap is not None and not math.isfinite(self.gap):
+            body["gap"] = None
+        return {"format": FORMAT, **body}
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Plan:
+        """The Plan ``to_json`` wrote; a RematValueError for another format."""
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            got = body.get("format") if isinstance(body, dict) else type(body).__name__
+            raise RematValueError(
+                message("plan.load", f"not a {FORMAT} plan", f"format {got!r}", "load a file plan.save wrote")
+            )
+        try:
+            fields = {k: v for k, v in body.items() if k != "format"}
+            fields["regions"] = tuple(
+                Region(r["name"], int(r["first"]), int(r["last"]), frozenset(r["save"]))
+                for r in fields["regions"]
+            )
+            fields["tensors"] = tuple(
+                TensorDecision(**{**t, "action": Action(t["action"])}) for t in fields["tensors"]
+            )
+            fields["ops"] = tuple(fields["ops"])
+            fields["modules"] = tuple(fields["modules"])
+            return cls(**fields)
+        except (KeyError, TypeError, ValueError) as err:
+            raise RematValueError(
+                message("plan.load", "the plan file is incomplete or damaged", err, "save the plan again")
+            ) from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """The plan ``save`` wrote to ``path``."""
+        try:
+            body = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:
+            raise RematValueError(
+                message(
+                    "plan.load", "the plan file is not JSON", f"{path}: {err}", "load a file plan.save wrote"
+                )
+            ) from None
+        return cls.from_json(body)

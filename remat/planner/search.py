@@ -1,0 +1,263 @@
+"""How ``remat.plan`` turns solver answers into regions of the step and picks one: the search.
+
+Why apart from the API: a solver answers over a coarse model of the step (NOTE [chain model],
+NOTE [graph model]), and a Plan must hold for the step itself. This module maps a Solution to
+regions of the model's forward ops, predicts each candidate on the captured step
+(``remat.planner.predict``), corrects the solver's budget while the step's peak is over the
+budget, and finds the smallest peak any plan reaches (the figure a too-small budget is told).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from remat._errors import RematValueError, message
+from remat.planner.execute import UNCOUNTED
+from remat.planner.plan import Region, TensorDecision
+from remat.planner.predict import Prediction, RegionOps, predict
+from remat.planner.problem import (
+    Action,
+    Chain,
+    ChainOp,
+    ChainSchedule,
+    Problem,
+    Solution,
+    stage_key,
+)
+from remat.planner.solvers import get
+from remat.planner.solvers.chain_dp import minimum_peak
+from remat.planner.solvers.simulate import chain_segments, graph_from_saved, simulate
+from remat.planner.solvers.sqrt import split
+from remat.trace.types import Phase, Trace
+
+__all__ = ["Candidate", "Step", "decisions", "fail", "floor", "predicted", "search", "simple"]
+
+_ATTEMPTS = 6
+_FLOOR_STEPS = 12
+
+
+def fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValueError) -> Exception:
+    """A ``remat.plan:`` error."""
+    return kind(message("plan", rule, given, todo))
+
+
+class Step:
+    """The captured step seen by the planner: the model's forward ops, and regions in both
+    numberings (trace op indices for the prediction, forward positions for the Plan)."""
+
+    def __init__(self, trace: Trace, block_key: Callable[[str], str] | None = None) -> None:
+        self.trace = trace
+        self.key = block_key or stage_key
+        self.forward = [
+            op for op in trace.ops if op.phase is Phase.FORWARD and op.module and op.name not in UNCOUNTED
+        ]
+        if not self.forward:
+            raise fail(
+                "the traced step ran no op inside the model",
+                f"{len(trace.ops)} ops in all",
+                "make loss_fn call the model",
+            )
+        self.position = {op.index: p for p, op in enumerate(self.forward)}
+
+    def region(
+        self, name: str, ops: Sequence[int], save: Sequence[int] = ()
+    ) -> tuple[Region, RegionOps] | None:
+        """A region over the model's forward ops among trace ops ``ops`` (contiguous), or None."""
+        spots = sorted(self.position[i] for i in ops if i in self.position)
+        if not spots:
+            return None
+        first, last = spots[0], spots[-1]
+        keep = frozenset(self.position[i] for i in save if i in self.position)
+        members = tuple(self.forward[p].index for p in range(first, last + 1))
+        keep_ops = frozenset(self.forward[p].index for p in keep)
+        return Region(name, first, last, keep), RegionOps(members, keep_ops)
+
+    def blocks(self) -> list[list[int]]:
+        """The model's forward ops in runs of one block each (``stage_key``), as trace indices."""
+        runs: list[list[int]] = []
+        key = None
+        for op in self.forward:
+            k = self.key(op.module)
+            if runs and k == key:
+                runs[-1].append(op.index)
+            else:
+                runs.append([op.index])
+            key = k
+        return runs
+
+
+def chain_regions(step: Step, chain: Chain, schedule: ChainSchedule) -> list[tuple[Region, RegionOps]]:
+    """The checkpointed segments of a single-level chain schedule's forward pass."""
+    segments: list[list[int]] = []
+    for s in schedule.steps:
+        if s.op is ChainOp.BACKWARD:
+            break
+        if s.op is ChainOp.F_CHECK:
+            segments.append([s.stage])
+        elif s.op is ChainOp.F_NOGRAD and segments:
+            segments[-1].append(s.stage)
+    out = []
+    for seg in segments:
+        stages = [chain.stages[k] for k in seg]
+        name = stages[0].name if len(stages) == 1 else f"{stages[0].name}..{stages[-1].name}"
+        made = step.region(name, [i for st in stages for i in st.ops])
+        if made is not None:
+            out.append(made)
+    return out
+
+
+def graph_regions(step: Step, solution: Solution) -> list[tuple[Region, RegionOps]]:
+    """Per block with a recomputed node: one region keeping the outputs of its SAVE nodes."""
+    trace = step.trace
+    recompute = {i for d in solution.decisions if d.action is Action.RECOMPUTE for i in d.ops}
+    # a SAVE block keeps only what autograd saves of it: pinning its other outputs would hold
+    # temporaries the plain step frees
+    saved = {trace.root(t) for t in trace.saved}
+    keep = {
+        i
+        for d in solution.decisions
+        if d.action is Action.SAVE
+        for i in d.ops
+        if any(trace.root(t) in saved for t in trace.ops[i].outputs)
+    }
+    out = []
+    for run in step.blocks():
+        if recompute.intersection(run):
+            made = step.region(step.key(trace.ops[run[0]].module), run, [i for i in run if i in keep])
+            if made is not None:
+                out.append(made)
+    return out
+
+
+def regions_of(step: Step, problem: Problem, solution: Solution) -> list[tuple[Region, RegionOps]]:
+    if isinstance(problem, Chain):
+        assert isinstance(solution.schedule, ChainSchedule)
+        return chain_regions(step, problem, solution.schedule)
+    return graph_regions(step, solution)
+
+
+def predicted(step: Step, regions: list[tuple[Region, RegionOps]]) -> Prediction:
+    return predict(step.trace, [r for _, r in regions], [r.name for r, _ in regions])
+
+
+def model_peak(problem: Problem) -> int:
+    """The solver model's peak with nothing recomputed."""
+    if isinstance(problem, Chain):
+        return simulate(problem, chain_segments(problem, [])).peak_bytes
+    return simulate(problem, graph_from_saved(problem, problem.saved)).peak_bytes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan checked on the step: who made it and what the step then costs."""
+
+    solver: str
+    gap: float | None
+    notes: str
+    regions: list[tuple[Region, RegionOps]]
+    pred: Prediction
+
+
+def checked(step: Step, problem: Problem, solution: Solution) -> Candidate:
+    """A solver's plan as regions of the step, with the step's predicted figures."""
+    regions = regions_of(step, problem, solution)
+    return Candidate(solution.solver, solution.gap, solution.notes, regions, predicted(step, regions))
+
+
+def simple(step: Step, chain: Chain) -> list[Candidate]:
+    """The plans of plain checkpointing: every block its own region (with or without the model's
+    own ops between blocks), and sqrt(n) segments."""
+    last = len(chain) - 1
+    # ops the model's own forward runs between blocks (pooling, concatenation) save little, and
+    # replaying them costs their whole output again: leave them out as well
+    inner = [(k, k + 1) for k in range(last) if chain.stages[k].name not in (step.trace.name, "(top level)")]
+    out = []
+    for what, segments in (
+        ("every block checkpointed", [(k, k + 1) for k in range(last)]),
+        ("every block checkpointed but the model's own ops", inner),
+        ("sqrt(n) segments", split(len(chain))[:-1]),
+    ):
+        regions = chain_regions(step, chain, chain_segments(chain, segments))
+        out.append(Candidate("auto", None, what, regions, predicted(step, regions)))
+    return out
+
+
+def floor(step: Step, chain: Chain) -> list[Candidate]:
+    """Plans near the smallest peak: the chain DP's single-level plans for budgets bisected
+    between its model's minimum and its plain peak (the lowest budget each time that it still
+    solves), and plain checkpointing. Independent of any budget asked for, so that the minimum an
+    error names is the same whatever the budget was, and a budget of that minimum is met."""
+    out = simple(step, chain)
+    solver = get("chain")
+    lo, hi = minimum_peak(chain)[0], model_peak(chain)
+    for _ in range(_FLOOR_STEPS):
+        if lo >= hi:
+            break
+        mid = (lo + hi) // 2
+        try:
+            solution = solver.solve(chain, mid, single_level=True)
+        except RematValueError:
+            lo = mid + 1
+            continue
+        hi = mid
+        out.append(checked(step, chain, solution))
+    return out
+
+
+def search(
+    step: Step, solver: str, problem: Problem, budget: int, baseline: int, options: dict[str, Any]
+) -> list[Candidate]:
+    """The plans ``solver`` returns for ``problem`` as its budget is lowered by what the step's
+    peak was over ``budget`` (see the module doc), until one fits; the last fits, if any does."""
+    chosen = get(solver)
+    target = budget - (baseline - model_peak(problem))
+    out: list[Candidate] = []
+    for _ in range(_ATTEMPTS):
+        if target <= 0:
+            break
+        try:
+            solution = chosen.solve(problem, target, **options)
+        except RematValueError:
+            break
+        regions = regions_of(step, problem, solution)
+        out.append(
+            Candidate(solution.solver, solution.gap, solution.notes, regions, predicted(step, regions))
+        )
+        if out[-1].pred.peak_bytes <= budget:
+            break
+        target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
+    return out
+
+
+def decisions(
+    step: Step, regions: list[tuple[Region, RegionOps]], pred: Prediction, solver: str
+) -> tuple[TensorDecision, ...]:
+    trace = step.trace
+    recomputed = {r: g for g, rs in enumerate(pred.recomputed) for r in rs}
+    region_at = {i: g for g, (_, ops) in enumerate(regions) for i in ops.ops}
+    out = []
+    for r in sorted({trace.root(t) for t in trace.saved}):
+        info = trace.tensors[r]
+        if info.constant:
+            continue
+        maker = next((op for op in step.forward if r in op.outputs), None)
+        if maker is None:
+            continue
+        g = region_at.get(maker.index, -1)
+        if r in recomputed:
+            action, reason = (
+                Action.RECOMPUTE,
+                f"{solver}: dropped, replayed in backward with {regions[g][0].name}",
+            )
+        elif g < 0:
+            action, reason = Action.SAVE, f"{solver}: outside every recomputed region"
+        elif maker.index in regions[g][1].save:
+            action, reason = Action.SAVE, f"{solver}: kept inside {regions[g][0].name}"
+        else:
+            action, reason = Action.SAVE, f"saved by ops after {regions[g][0].name}"
+        out.append(
+            TensorDecision(step.position[maker.index], maker.name, maker.module, info.nbytes, action, reason)
+        )
+    return tuple(out)

@@ -1,0 +1,114 @@
+"""remat.dynamic refuses what it cannot do, with the figures a user needs to fix it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import RematTypeError, RematValueError
+
+
+def _chain(x: torch.Tensor, depth: int = 6) -> torch.Tensor:
+    for _ in range(depth):
+        x = torch.tanh(x * 1.5)
+    return x.sum()
+
+
+def test_budget_below_the_working_set_names_the_op_and_the_figure() -> None:
+    x = torch.randn(64, 64, requires_grad=True)  # 16 KiB, a constant of the region
+    with (
+        pytest.raises(
+            RematValueError,
+            match=r"op \d+ \(aten\.mul\.Tensor\) needs at once: it needs at least (\d+) bytes",
+        ),
+        remat.dynamic(20_000, "dtr"),
+    ):
+        _chain(x).backward()
+    assert x.grad is None
+
+
+def test_raising_the_budget_to_the_figures_named_converges() -> None:
+    """Each figure is what one op needs; a later op may need more, and names its own figure."""
+    x = torch.randn(64, 64)
+    budget = 20_000
+    for _ in range(10):
+        try:
+            with remat.dynamic(budget, "dtr", layout=False) as region:
+                y = _chain(x)
+            break
+        except RematValueError as failure:
+            needed = int(str(failure).split("at least ")[1].split(" bytes")[0])
+            assert needed > budget
+            budget = needed
+    else:
+        raise AssertionError("the figures named never sufficed")
+    assert torch.equal(y, _chain(x))
+    assert region.stats.peak_bytes <= budget
+    assert region.stats.needed_bytes <= budget
+
+
+def test_keep_larger_than_the_budget_fails_before_any_op() -> None:
+    model = nn.Linear(256, 256)  # 257 KiB of parameters
+    calls = []
+    with (
+        pytest.raises(RematValueError, match="cannot even hold the tensors given in keep"),
+        remat.dynamic("100KiB", "coop", keep=model),
+    ):
+        calls.append(1)
+    assert calls == []
+
+
+def test_thrashing_stops_with_an_error() -> None:
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def many_reads() -> torch.Tensor:
+        chain = [x]
+        for _ in range(12):
+            chain.append(torch.sin(chain[-1]))
+        total = chain[-1].sum()
+        for _ in range(6):  # reread the oldest, evicted ones again and again
+            for t in chain[1:4]:
+                total = total + t.sum()
+        return total
+
+    with (
+        pytest.raises(
+            RematValueError, match=r"makes policy 'dtr' thrash: recomputation passed thrash_limit=1\.05"
+        ),
+        remat.dynamic(5 * 4096 + 4096, "dtr", layout=False, thrash_limit=1.05, cost="model"),
+    ):
+        many_reads()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"budget": 0.5}, RematTypeError, r"remat\.dynamic: a byte count is required, not a ratio"),
+        ({"budget": -5}, RematValueError, r"remat\.dynamic: a byte count must be positive"),
+        ({"budget": "lots"}, RematValueError, r"remat\.dynamic: cannot parse this byte size"),
+        ({"policy": "nope"}, RematValueError, r"remat\.dynamic: unknown eviction policy \(got 'nope'\)"),
+        ({"policy": 3}, RematTypeError, r"remat\.dynamic: policy must be a registered name"),
+        ({"backend": "gpu"}, RematValueError, r"remat\.dynamic: unknown memory backend \(got 'gpu'\)"),
+        ({"budget": None, "backend": "arena"}, RematValueError, r"the arena backend needs a budget"),
+        ({"policy": "coop", "layout": False}, RematValueError, r"this policy reads addresses"),
+        ({"fit": "worst"}, RematValueError, r"remat\.dynamic: unknown fit"),
+        ({"thrash_limit": 1.0}, RematValueError, r"thrash_limit is an overhead and must be above 1"),
+        ({"cost": "guess"}, RematValueError, r"remat\.dynamic: unknown cost"),
+        ({"keep": "model"}, RematTypeError, r"keep takes modules, optimizers, tensors"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], pattern: str) -> None:
+    options: dict[str, object] = {"budget": "1MB", "policy": "dtr", **kwargs}
+    budget = options.pop("budget")
+    with pytest.raises(error, match=pattern):
+        remat.dynamic(budget, **options)  # type: ignore[arg-type]
+
+
+def test_regions_do_not_nest_and_stats_wait_for_the_end() -> None:
+    region = remat.dynamic("1MB")
+    with pytest.raises(RematValueError, match="no region has completed yet"):
+        _ = region.stats
+    with region, pytest.raises(RematValueError, match="dynamic regions do not nest"), remat.dynamic("1MB"):
+        pass

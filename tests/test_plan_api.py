@@ -1,0 +1,307 @@
+"""remat.plan on live models: an applied plan computes exactly what the plain model does (losses,
+every gradient, batch-norm buffers, the RNG stream) for every solver, measures what it predicts,
+and refuses clearly what it cannot do."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import pytest
+import torch
+from models import assert_same, build, loss_of, train, twin
+from torch import nn
+
+import remat
+from remat import Plan, RecomputationError, RematTypeError, RematValueError
+from remat.planner import Action, BudgetTooSmall, plan_trace, trace_step
+from remat.planner.api import block_key
+from remat.trace.types import Op, Trace
+
+SOLVERS = ["auto", "chain", "greedy", "milp", "sqrt"]
+MILP = {"time_limit": 10.0, "max_nodes": 12}
+
+
+@functools.cache
+def _traced(name: str) -> tuple[Trace, int, int]:
+    """The step of model ``name`` traced once, its plain peak and the smallest peak of a plan."""
+    model, batch, _ = build(name)
+    measured = trace_step(model, batch(0), repeats=1)
+    # plan on the cost model's estimates, not on op times measured on a busy machine, so that the
+    # plans (and what the tests below check of them) are the same from run to run
+    trace = dataclasses.replace(
+        measured,
+        events=tuple(
+            dataclasses.replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in measured.events
+        ),
+    )
+    base = plan_trace(trace, 1.0).baseline_peak_bytes
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1)
+    match = re.search(r"the minimum is (\d+) bytes", str(info.value))
+    assert match is not None and int(match.group(1)) == info.value.minimum_bytes
+    return trace, base, info.value.minimum_bytes
+
+
+def _plan(name: str, solver: str) -> Plan:
+    trace, base, low = _traced(name)
+    # sqrt ignores the budget: give it room; the others get one between the minimum and the plain peak
+    budget = base if solver == "sqrt" else (low + base) // 2
+    options: dict[str, Any] = MILP if solver == "milp" else {}
+    return plan_trace(trace, budget, solver=solver, **options)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_applied_plan_is_transparent(name: str, solver: str) -> None:
+    plan = _plan(name, solver)
+    assert plan.regions, f"{solver} recomputed nothing: the test would prove nothing"
+    assert any(t.action is Action.RECOMPUTE for t in plan.tensors)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    model, batch, _ = build(name)
+    planned = twin(model)
+    plain = train(model, batch, steps=2)
+    ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
+    assert_same(plain, ran)
+
+
+def _measured_peak(model: nn.Module, inputs: dict[str, Any], plan: Plan | None) -> int:
+    model.zero_grad(set_to_none=True)
+    with remat.memory.track(timeline=False) as tracked:
+        if plan is None:
+            loss = loss_of(model(**inputs))
+        else:
+            with plan.apply(model):
+                loss = loss_of(model(**inputs))
+        loss.backward()
+    return tracked.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+def test_measured_peak_never_exceeds_the_prediction(name: str) -> None:
+    """The chain plan's peak as measured around the step is at most the predicted one, and below
+    the plain step's, which equals the baseline."""
+    plan = _plan(name, "chain")
+    model, batch, _ = build(name)
+    inputs = batch(0)
+    plain = _measured_peak(model, inputs, None)
+    planned = _measured_peak(model, inputs, plan)
+    assert plain == pytest.approx(plan.baseline_peak_bytes, rel=0.02)
+    assert planned <= plan.predicted_peak_bytes
+    assert planned < plain
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt2",
+        "bert",
+        pytest.param(
+            "cnn",
+            marks=pytest.mark.xfail(
+                strict=True, reason="known gap: the prediction overestimates this CNN's peak by 12%"
+            ),
+        ),
+    ],
+)
+def test_measured_peak_is_predicted_within_5_percent(name: str) -> None:
+    plan = _plan(name, "chain")
+    model, batch, _ = build(name)
+    planned = _measured_peak(model, batch(0), plan)
+    assert planned == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
+
+
+def test_remat_plan_end_to_end_leaves_the_model_as_it_was(tmp_path: Any) -> None:
+    model, batch, _ = build("cnn")
+    inputs = batch(0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return m(x, y)
+
+    plan = remat.plan(model, (inputs["x"], inputs["y"]), budget=0.9, loss_fn=loss_fn, repeats=1)
+    assert isinstance(plan, remat.Plan)
+    assert plan.name == "CNN" and plan.solver == "chain" and plan.gap is not None
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), f"planning changed {k}"
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    planned = twin(model)
+    assert_same(
+        train(model, batch, steps=2), train(planned, batch, steps=2, region=lambda: loaded.apply(planned))
+    )
+
+
+def test_explain_lists_blocks_and_regions() -> None:
+    plan = _plan("gpt2", "chain")
+    text = plan.explain(file=open("/dev/null", "w"))  # noqa: SIM115 (closed with the process)
+    for region in plan.regions:
+        assert region.name.split("..")[0] in text
+    assert "transformer.h.0" in text and "recomputed" in text and "total" in text
+    assert str(plan).startswith("Plan(GPT2LMHeadModel, chain: peak")
+    first = plan.regions[0]
+    assert plan.region_of(first.first) == first and plan.region_of(first.last) == first
+    assert plan.region_of(len(plan.ops)) is None
+    assert plan.recomputed_bytes > 0 and plan.saved_bytes > 0
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_budget_below_minimum_names_it_and_the_op() -> None:
+    trace, _, low = _traced("gpt2")
+    with pytest.raises(
+        RematValueError,
+        match=rf"remat.plan: budget below the smallest feasible peak \(budget 1000 < {low} bytes, .*\); "
+        rf"the minimum is {low} bytes \(needed by op \d+ aten\.\w+\.\w+ in [\w.]+",
+    ):
+        plan_trace(trace, 1000)
+    assert plan_trace(trace, low).predicted_peak_bytes <= low
+
+
+class Branchy(nn.Module):
+    """A model whose control flow a flag changes after planning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        self.relu_in = 9
+        self.skip = -1
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i == self.skip:
+                continue
+            x = block(x)
+            if i == self.relu_in:
+                x = torch.relu(x)
+        loss = x.pow(2).mean()
+        return loss * 2 if self.extra else loss
+
+
+@pytest.fixture
+def branchy() -> tuple[Branchy, Plan, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.randn(64, 16)
+    return model, remat.plan(model, (x,), budget=0.8, repeats=1), x
+
+
+def test_divergent_op_is_named_with_position_and_module(branchy: tuple[Branchy, Plan, torch.Tensor]) -> None:
+    model, plan, x = branchy
+    model.relu_in = 1
+    with (
+        pytest.raises(
+            RecomputationError,
+            match=r"remat.plan: the model's forward diverged from the traced step \(op #\d+: expected "
+            r"aten\.t\.default in blocks\.2\.0, got aten\.relu\.default in Branchy\)",
+        ),
+        plan.apply(model),
+    ):
+        model(x)
+    model.relu_in = 9
+    with plan.apply(model):  # the same plan and model run again once the path is the traced one
+        model(x).backward()
+
+
+def test_more_ops_are_refused(branchy: tuple[Branchy, Plan, torch.Tensor]) -> None:
+    model, plan, x = branchy
+    model.extra = True
+    n = len(plan.ops)
+    with (
+        pytest.raises(
+            RecomputationError,
+            match=rf"remat.plan: the model ran more ops than the traced step \(op #{n} aten\.mul\.Tensor in "
+            rf"Branchy, after the {n} traced ops\)",
+        ),
+        plan.apply(model),
+    ):
+        model(x)
+
+
+def test_fewer_ops_are_refused() -> None:
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(64, 16)
+    model.extra = True
+    plan = remat.plan(model, (x,), budget=0.8, repeats=1)
+    model.extra = False
+    n = len(plan.ops)
+    with (
+        pytest.raises(
+            RecomputationError,
+            match=rf"remat.plan: the model ran fewer ops than the traced step \(ran {n - 1} of {n}; "
+            rf"op #{n - 1} would be aten\.mul\.Tensor in Branchy\)",
+        ),
+        plan.apply(model),
+    ):
+        model(x)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"model": "gpt2"}, RematTypeError, r"remat.plan: model must be an nn.Module \(got str\)"),
+        ({"budget": 1.5}, RematValueError, r"remat.plan: a ratio budget must lie in \(0, 1\] \(got 1.5\)"),
+        ({"budget": "lots"}, RematValueError, r"remat.plan: "),
+        (
+            {"solver": "rotor"},
+            RematValueError,
+            r"remat.plan: unknown solver \(got 'rotor'\); use one of auto",
+        ),
+        ({"example_inputs": 3}, RematTypeError, r"remat.plan: example_inputs must be a tensor"),
+        ({"loss_fn": "mse"}, RematTypeError, r"remat.plan: loss_fn must be callable"),
+        (
+            {"loss_fn": lambda m, x: m.blocks[0](x)},
+            RematValueError,
+            r"remat.plan: the step's loss must be a scalar tensor that requires grad "
+            r"\(got tensor of shape \[64, 16\]\)",
+        ),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], text: str) -> None:
+    args: dict[str, Any] = {"model": Branchy(), "example_inputs": (torch.randn(64, 16),), "budget": 0.5}
+    args.update(kwargs)
+    with pytest.raises(error, match=text):
+        remat.plan(args.pop("model"), args.pop("example_inputs"), **args)
+
+
+def test_load_refuses_other_files(tmp_path: Any) -> None:
+    path = tmp_path / "x.json"
+    path.write_text('{"format": "something/2"}')
+    with pytest.raises(
+        RematValueError, match=r"remat.plan.load: not a remat.plan/1 plan \(format 'something/2'\)"
+    ):
+        Plan.load(path)
+    path.write_text("{")
+    with pytest.raises(RematValueError, match=r"remat.plan.load: the plan file is not JSON"):
+        Plan.load(path)
+
+
+class DoubleConv(nn.Sequential):
+    """A block written as a Sequential subclass."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Conv2d(1, 1, 1), nn.ReLU())
+
+
+def test_block_key_follows_the_model_structure() -> None:
+    model = nn.Module()
+    model.inc = DoubleConv()
+    model.down = nn.ModuleList([DoubleConv(), DoubleConv()])
+    model.stem = nn.Sequential(nn.Conv2d(1, 1, 1), nn.ReLU())
+    model.head = nn.Linear(1, 1)
+    key = block_key(model)
+    assert key("inc.0") == key("inc.1") == "inc"
+    assert key("down.1.0") == "down.1"
+    assert key("stem.1") == "stem.1"  # a plain Sequential holds blocks
+    assert key("head") == "head"
+    assert key("Module") == "Module"  # the root's own ops, named after its class by the capture
