@@ -10,9 +10,8 @@ import pytest
 from remat.trace import Op, Phase, Release, load, validate
 from remat.trace.dtr_log import load_dtr_log, looks_like_dtr_log
 
-LOGS = Path("/work/shared/traces/dtr")
+LOGS = Path(__file__).resolve().parents[1] / "data" / "dtr"
 NAMES = ("resnet32-56", "transformer-10", "lstm-128")
-needs_logs = pytest.mark.skipif(not LOGS.is_dir(), reason="the DTR logs are not on this machine")
 
 
 def write(tmp_path: Path, *records: dict[str, object]) -> Path:
@@ -121,7 +120,6 @@ def test_looks_like_dtr_log(tmp_path: Path) -> None:
     assert not looks_like_dtr_log(tmp_path / "missing.log")
 
 
-@needs_logs
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_logs_load_and_validate(name: str) -> None:
     trace = load(LOGS / f"{name}.log")  # remat.trace.load dispatches to the importer and validates

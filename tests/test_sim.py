@@ -13,8 +13,7 @@ from remat.sim import Outcome, SimResult, facts, simulate, sweep
 from remat.sim.synthetic import training_step
 from remat.trace import Trace, load
 
-LOGS = Path("/work/shared/traces/dtr")
-needs_logs = pytest.mark.skipif(not LOGS.is_dir(), reason="the DTR logs are not on this machine")
+LOGS = Path(__file__).resolve().parents[1] / "data" / "dtr"
 
 
 @functools.cache
@@ -36,7 +35,6 @@ PAPER = {
 }
 
 
-@needs_logs
 @pytest.mark.parametrize(
     ("name", "ratio", "expected"),
     [(name, ratio, figures[i]) for name, figures in PAPER.items() for i, ratio in enumerate((0.3, 0.5, 0.8))],
@@ -48,7 +46,6 @@ def test_dtr_reproduces_the_papers_simulated_overheads(name: str, ratio: float, 
     assert result.peak_bytes <= result.budget
 
 
-@needs_logs
 def test_address_memory_fragments_where_byte_counting_does_not() -> None:
     counted = simulate(log("lstm-128"), 0.9, "dtr-eq", layout=False)
     addressed = simulate(log("lstm-128"), 0.9, "dtr-eq", layout=True)

@@ -60,7 +60,7 @@ def table(results: list[SimResult], field: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--logs", default="/work/shared/traces/dtr")
+    parser.add_argument("--logs", default=str(Path(__file__).resolve().parents[2] / "data" / "dtr"))
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument(
         "--no-100k", action="store_true", help="skip the 100k-tensor chain (minutes per policy)"

@@ -12,6 +12,7 @@ import argparse
 import platform
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import scipy.stats
@@ -155,7 +156,9 @@ def run_cost(repeats: int) -> None:
     print("|---|---|---|")
     for log in ("resnet32-56", "transformer-10", "lstm-128"):
         try:
-            trace = cost.estimate(load(f"../shared/traces/dtr/{log}.log"), "titan-v")
+            trace = cost.estimate(
+                load(Path(__file__).resolve().parents[2] / "data" / "dtr" / f"{log}.log"), "titan-v"
+            )
         except Exception as err:  # the importer may not be in this checkout yet
             print(f"| {log} | - | not loaded: {err} |")
             continue
