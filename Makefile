@@ -25,6 +25,7 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check remat tests benchmarks
+	$(PY) -m ruff format --check remat tests benchmarks
 	$(PY) -m mypy
 
 bench-manual: setup

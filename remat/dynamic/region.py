@@ -336,11 +336,12 @@ def _explain(failure: BaseException, engine: Engine, region: Dynamic) -> Excepti
                 f"pass a budget of at least {failure.needed} bytes",
             )
         )
+    other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"
     return RematValueError(
         message(
             _API,
             f"{op} found no contiguous room: the free memory is split by pinned pieces",
             f"budget {budget}, {failure}",
-            "raise the budget, use policy 'coop' or layout=False",
+            f"raise the budget{other} or pass layout=False",
         )
     )
