@@ -13,40 +13,12 @@ from __future__ import annotations
 
 import random
 
-from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
+from remat.trace.builder import TraceBuilder
+from remat.trace.types import Phase, Trace
 
 
-class Builder:
-    """Writes a trace op by op (tests and examples use it too): ``tensor`` adds a tensor, ``op`` and
-    ``release`` add events, ``trace`` returns the Trace. Op indices count ops only."""
-
-    def __init__(self) -> None:
-        self.tensors: list[TensorInfo] = []
-        self.events: list[Event] = []
-        self.ops = 0  # Op.index counts ops only
-
-    def tensor(self, nbytes: int, alias_of: int | None = None, constant: bool = False) -> int:
-        tensor = len(self.tensors)
-        self.tensors.append(TensorInfo(tensor, 0 if alias_of is not None else nbytes, alias_of, constant))
-        return tensor
-
-    def op(
-        self,
-        name: str,
-        inputs: tuple[int, ...],
-        outputs: tuple[int, ...],
-        cost: float,
-        mutates: tuple[int, ...] = (),
-        phase: Phase = Phase.FORWARD,
-    ) -> None:
-        self.events.append(Op(self.ops, name, inputs, outputs, mutates, cost=cost, phase=phase))
-        self.ops += 1
-
-    def release(self, tensor: int) -> None:
-        self.events.append(Release(tensor))
-
-    def trace(self, name: str) -> Trace:
-        return Trace(tuple(self.tensors), tuple(self.events), name=name, source="synthetic")
+class Builder(TraceBuilder):
+    """Writes a trace by hand (tests and examples use it too); see :class:`TraceBuilder`."""
 
 
 def random_program(rng: random.Random, ops: int = 12, constants: int = 2) -> Trace:

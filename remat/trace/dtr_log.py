@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from remat._errors import RematValueError, message
-from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
+from remat.trace.builder import TraceBuilder
+from remat.trace.types import Phase, Trace
 
 _API = "trace.load_dtr_log"
 _INSTRUCTIONS = frozenset({"CONSTANT", "MEMORY", "CALL", "MUTATE", "COPY", "RELEASE", "ANNOTATE", "ALIAS"})
@@ -60,13 +61,7 @@ def load_dtr_log(path: str | os.PathLike[str]) -> Trace:
             if line.strip():
                 builder.feed(number, _parse(number, line))
     builder.finish()
-    return Trace(
-        tensors=tuple(builder.tensors),
-        events=tuple(builder.events),
-        name=Path(path).stem,
-        device="cuda",
-        source="dtr",
-    )
+    return builder.trace(Path(path).stem, device="cuda", source="dtr")
 
 
 def _parse(number: int, line: str) -> dict[str, object]:
@@ -101,13 +96,11 @@ class _PendingCall:
         return len(self.memory) == len(self.alias) == len(self.results)
 
 
-class _Builder:
+class _Builder(TraceBuilder):
     """Accumulates tensors and events while walking the log line by line."""
 
     def __init__(self) -> None:
-        self.tensors: list[TensorInfo] = []
-        self.events: list[Event] = []
-        self.ops = 0  # Op.index counts ops only
+        super().__init__()
         self.ids: dict[str, int] = {}
         self.phase = Phase.UNKNOWN
         self.constant: tuple[int, str] | None = None  # a CONSTANT waiting for its MEMORY line
@@ -150,7 +143,7 @@ class _Builder:
             copy = self._new(dst, 0, alias_of=source)
             self._op("alias", (source,), (copy,), 0.0)
         elif kind == "RELEASE":
-            self.events.append(Release(self._lookup(number, _string(number, record, "NAME"))))
+            self.release(self._lookup(number, _string(number, record, "NAME")))
         else:  # ANNOTATE
             annotation = _string(number, record, "ANNOTATION")
             if annotation == "START":
@@ -231,12 +224,10 @@ class _Builder:
         cost: float,
         mutates: tuple[int, ...] = (),
     ) -> None:
-        self.events.append(Op(self.ops, name, inputs, outputs, mutates, cost=cost, phase=self.phase))
-        self.ops += 1
+        self.op(name, inputs, outputs, cost, mutates, phase=self.phase)
 
     def _new(self, name: str, nbytes: int, alias_of: int | None = None, constant: bool = False) -> int:
-        tensor = len(self.tensors)
-        self.tensors.append(TensorInfo(tensor, nbytes, alias_of=alias_of, constant=constant))
+        tensor = self.tensor(nbytes, alias_of=alias_of, constant=constant)
         self.ids[name] = tensor
         return tensor
 
