@@ -25,8 +25,8 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
-from remat.core.policies import get
 from remat.core.policies.base import EvictionPolicy
+from remat.core.policies.registry import resolve
 from remat.core.pool import AddressPool, BytePool, Fit, Pool
 from remat.core.runtime import OutOfMemory
 from remat.dynamic.accounting import Backend, Thrashing
@@ -250,29 +250,7 @@ def dynamic(
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
-    if isinstance(policy, str):
-        chosen: EvictionPolicy = get(policy, _API)
-    elif all(hasattr(policy, a) for a in ("choose", "end", "needs", "inplace", "name")):
-        chosen = policy  # type: ignore[assignment]
-    else:
-        raise RematTypeError(
-            message(
-                _API,
-                "policy must be a registered name or an eviction policy",
-                f"got {policy!r}",
-                "pass e.g. 'coop'",
-            )
-        )
-    if "layout" in chosen.needs and not layout:
-        raise RematValueError(
-            message(
-                _API,
-                "this policy reads addresses, which byte counting does not model",
-                f"policy {chosen.name!r} with layout=False",
-                "pass layout=True or a policy without layout-aware parts (e.g. 'dtr')",
-            )
-        )
-    return chosen
+    return resolve(policy, layout, _API)
 
 
 def _tensors(keep: object) -> list[torch.Tensor]:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
-from remat.core.policies import get
 from remat.core.policies.base import EvictionPolicy
+from remat.core.policies.registry import resolve
 from remat.core.pool import AddressPool, BytePool, Fit, Pool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.sim.facts import Facts, facts
@@ -95,26 +95,7 @@ def sweep(
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
-    chosen: EvictionPolicy = get(policy, _API) if isinstance(policy, str) else policy  # type: ignore[assignment]
-    if not all(hasattr(chosen, a) for a in ("choose", "end", "needs", "inplace", "name")):
-        raise RematTypeError(
-            message(
-                _API,
-                "policy must be a registered name or an eviction policy",
-                f"got {policy!r}",
-                "pass e.g. 'dtr'",
-            )
-        )
-    if "layout" in chosen.needs and not layout:
-        raise RematValueError(
-            message(
-                _API,
-                "this policy reads addresses, which byte counting does not model",
-                f"policy {chosen.name!r} with layout=False",
-                "pass layout=True or a policy without layout-aware parts (e.g. 'dtr-eq', 'coop-no-layout')",
-            )
-        )
-    return chosen
+    return resolve(policy, layout, _API)
 
 
 def _thrash_limit(value: object) -> float:

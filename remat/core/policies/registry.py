@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 
 if TYPE_CHECKING:
     from remat.core.policies.base import EvictionPolicy
@@ -33,3 +33,34 @@ def get(name: str, api: str = "core.policies.get") -> EvictionPolicy:
         raise RematValueError(
             message(api, "unknown eviction policy", f"got {name!r}", f"use one of {', '.join(names())}")
         ) from None
+
+
+_POLICY_PARTS = ("choose", "end", "needs", "inplace", "name")
+
+
+def resolve(policy: object, layout: bool, api: str) -> EvictionPolicy:
+    """``policy`` as a policy object: a registered name looked up, or an object with the policy's
+    methods; refused with an error naming ``api`` if it reads addresses and ``layout`` is off."""
+    if isinstance(policy, str):
+        chosen: EvictionPolicy = get(policy, api)
+    elif all(hasattr(policy, a) for a in _POLICY_PARTS):
+        chosen = policy  # type: ignore[assignment]
+    else:
+        raise RematTypeError(
+            message(
+                api,
+                "policy must be a registered name or an eviction policy",
+                f"got {policy!r}",
+                f"use one of {', '.join(names())}",
+            )
+        )
+    if "layout" in chosen.needs and not layout:
+        raise RematValueError(
+            message(
+                api,
+                "this policy reads addresses, which byte counting does not model",
+                f"policy {chosen.name!r} with layout=False",
+                "pass layout=True or a policy without layout-aware parts (e.g. 'dtr-eq', 'coop-no-layout')",
+            )
+        )
+    return chosen
