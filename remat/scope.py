@@ -84,6 +84,9 @@ class _Region:
             return _Kept(t, t._version)
         group = tape.group[vid]
         writer = tape.writers.get(group)
+        if writer is None and (group in tape.kept or tape.producer[group] == EXTERNAL):
+            # a view of a kept or outside tensor that nothing wrote since: its memory is kept anyway
+            return _Kept(t, t._version)
         if writer is not None:
             if writer < 0:
                 raise stale_view_error(t)

@@ -39,7 +39,7 @@ def test_views_and_in_place_ops_under_a_tight_budget(policy: str, backend: str) 
     expected = _views_and_mutations(x, wp)
     expected.backward()
     wd = w.clone().requires_grad_()
-    region = remat.dynamic(84_000, policy, backend=backend, keep=(x, wd), thrash_limit=50.0)
+    region = remat.dynamic(84_000, policy, backend=backend, keep=(x, wd), thrash_limit=50.0, cost="model")
     with region:
         out = _views_and_mutations(x, wd)
         out.backward()
@@ -52,7 +52,7 @@ def test_views_and_in_place_ops_under_a_tight_budget(policy: str, backend: str) 
 def test_shapes_and_control_flow_change_between_steps_and_kept_tensors_survive() -> None:
     model, batch = workload("gpt2")
     twin = copy.deepcopy(model)
-    region = remat.dynamic("700KB", "coop", keep=twin, thrash_limit=50.0)
+    region = remat.dynamic("700KB", "coop", keep=twin, thrash_limit=50.0, cost="model")
     kept, kept_plain = [], []
     evictions = 0
     for step, length in enumerate((32, 17, 25)):
@@ -79,7 +79,7 @@ def test_module_wrapper_trains_like_the_plain_module() -> None:
     plain, model, batch = copies("cnn")
     opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    wrapped = DynamicModule(model, "700KB", "coop", optimizer=opt, thrash_limit=50.0)
+    wrapped = DynamicModule(model, "700KB", "coop", optimizer=opt, thrash_limit=50.0, cost="model")
     for step in range(3):
         inputs = batch(step)
         for m, o in ((plain, opt_plain), (wrapped, opt)):

@@ -80,47 +80,26 @@ def _measured_peak(model: nn.Module, inputs: dict[str, Any], plan: Plan | None) 
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
-def test_measured_peak_never_exceeds_the_prediction(name: str) -> None:
-    """The chain plan's peak as measured around the step is at most the predicted one, and below
-    the plain step's, which equals the baseline."""
+def test_plain_step_measures_the_baseline_and_the_plan_less(name: str) -> None:
     plan = _plan(name, "chain")
     model, batch, _ = build(name)
     inputs = batch(0)
     plain = _measured_peak(model, inputs, None)
     planned = _measured_peak(model, inputs, plan)
     assert plain == pytest.approx(plan.baseline_peak_bytes, rel=0.02)
-    assert planned <= plan.predicted_peak_bytes
     assert planned < plain
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
 @pytest.mark.parametrize("solver", SOLVERS)
-def test_applied_plan_fits_its_budget(name: str, solver: str) -> None:
-    """What users are promised: the step run under the plan stays within the budget asked for
-    (every solver's prediction is not yet exact, so this is checked on the measured peak)."""
+def test_measured_peak_is_the_predicted_one(name: str, solver: str) -> None:
+    """The prediction replays the step with the executor's semantics (NOTE [region model]), so the
+    measured peak is at most the predicted one, and within 1% of it; hence within the budget."""
     plan = _plan(name, solver)
     model, batch, _ = build(name)
-    assert _measured_peak(model, batch(0), plan) <= plan.budget_bytes
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "gpt2",
-        "bert",
-        pytest.param(
-            "cnn",
-            marks=pytest.mark.xfail(
-                strict=True, reason="known gap: the prediction overestimates this CNN's peak by 12%"
-            ),
-        ),
-    ],
-)
-def test_measured_peak_is_predicted_within_5_percent(name: str) -> None:
-    plan = _plan(name, "chain")
-    model, batch, _ = build(name)
     planned = _measured_peak(model, batch(0), plan)
-    assert planned == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
+    assert planned <= plan.predicted_peak_bytes <= plan.budget_bytes
+    assert planned >= 0.99 * plan.predicted_peak_bytes
 
 
 def test_remat_plan_end_to_end_leaves_the_model_as_it_was(tmp_path: Any) -> None:

@@ -460,6 +460,25 @@ def test_backward_twice_with_retain_graph_replays_once_per_backward(monkeypatch:
     assert len(replays) == 2  # several tensors recomputed, one replay per backward
 
 
+def test_views_of_kept_and_outside_tensors_are_kept_not_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mm saves the transposed views ``h.t()`` and ``w.t()``: the policy keeps ``h`` and ``w`` is
+    from outside, so their views cost no memory and backward has nothing to replay."""
+    module = importlib.import_module("remat.scope")
+    replays = []
+    real = module.replay
+    monkeypatch.setattr(module, "replay", lambda plan: replays.append(plan) or real(plan))
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    grads = []
+    for region in (nullcontext, lambda: remat.scope(SaveOps(frozenset({"aten.tanh"})))):
+        with region():
+            h = torch.tanh(x)
+            out = h.t() @ w.t().t()
+        grads.append(torch.autograd.grad(out.square().sum(), [x, w]))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert replays == []
+
+
 @pytest.mark.parametrize(
     "policy",
     [

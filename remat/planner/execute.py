@@ -160,7 +160,13 @@ class _Runner(TorchDispatchMode):
         if self.tape is not None:
             assert self.open is not None
             self.tape.policy = _KEEP if i in self.open.save else _RECOMPUTE
-            return self.tape.record(func, args, kwargs)
+            out = self.tape.record(func, args, kwargs)
+            if i == self.open.last:
+                # NOTE [region end] stop before autograd saves this op's outputs, and before the
+                # next op's autograd saves its inputs (that happens before the op reaches this
+                # mode): what only later ops save is theirs to keep, as the plan predicts
+                self.stop()
+            return out
         return func(*args, **kwargs)
 
 

@@ -9,14 +9,22 @@ module replays the captured Trace event by event (NOTE [replay semantics] in
 ``remat.scope``'s tape) changes. ``remat.plan`` uses it to check, and correct, every solver's plan.
 
 NOTE [region model]
-- A region is a run of forward ops. Its *targets* are the storages autograd saved that an op of the
-  region made, not one of the region's SAVE ops, and that some op of the region reads (a storage
-  only later ops read, such as a block's output, is saved by them: the region hands autograd no
-  handle for it).
+- A region is a run of forward ops, recorded on a tape from just before its first op runs until
+  just after its last op runs (NOTE [region end] in ``remat.planner.execute``): what its first op
+  saves of its inputs and what its last op saves of its outputs go to autograd as in the plain step.
+- A value the region *keeps* is the output of one of its SAVE ops that no later op of the region
+  writes in place (the tape cannot keep a value an in-place op then changes: it replays the writer).
+- Its *targets* are the storages autograd saved that an op of the region made, not one it keeps
+  and not its last op, and that some op of the region reads (a storage only later ops read, such
+  as a block's output, is saved by them: the region hands autograd no handle for it).
 - A target no op after the region reads is *dropped*: it dies after its last forward reader instead
   of when backward releases it. Other targets stay alive as in the plain step.
+- While it records, the tape holds what it keeps and the storages from outside the region that it
+  reads; from the region's end, the values its replay reads from outside or kept stay held until
+  the last backward op that reads a storage saved inside the region (the region, and its replay
+  plan, live as long as autograd holds anything it packed).
 - Just before the first backward op that reads a target, the region is *replayed*: the region's
-  ops that lead to its targets run again (from its inputs and SAVE outputs) in forward order; each
+  ops that lead to its targets run again (from its inputs and kept values) in forward order; each
   target comes back (a dropped one) or is made again beside the original (a kept one); values only
   the replay needs die after their last reader in it. A target then lives until the plain step
   releases it. Compute: the replayed ops' costs, once per backward.
@@ -28,6 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from remat._replay import _UNANNOTATED_WRITES
 from remat.trace.types import Op, Phase, Trace
 
 __all__ = ["Prediction", "RegionOps", "predict"]
@@ -59,6 +68,14 @@ class Prediction:
         return (self.base_cost + self.recompute_cost) / self.base_cost if self.base_cost > 0 else 1.0
 
 
+def _writes(op: Op) -> tuple[int, ...]:
+    """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
+    the running statistics its schema does not declare (its last two tensor inputs when it has
+    three or more: ``remat._replay`` snapshots both kinds when an op of a region writes them)."""
+    hidden = op.name.rsplit(".", 1)[0] in _UNANNOTATED_WRITES and len(op.inputs) >= 3
+    return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
+
+
 def _where(op: Op, replaying: str = "") -> str:
     text = f"op {op.index} {op.name} in {op.module or '(top level)'}"
     return f"{text}, replaying {replaying}" if replaying else text
@@ -86,11 +103,25 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     for g, region in enumerate(regions):
         for i in region.ops:
             region_of[i] = g
+    # what each region keeps: outputs of its SAVE ops that no later op of the region writes
+    written: dict[int, int] = {}  # root -> last op of its own region that writes it in place
+    for op in trace.ops:
+        g = region_of.get(op.index, -1)
+        for t in op.mutates:
+            if g >= 0 and region_of.get(maker.get(root[t], -1)) == g:
+                written[root[t]] = op.index
+    kept: list[set[int]] = [set() for _ in regions]
+    for g, region in enumerate(regions):
+        for i in region.save:
+            for t in trace.ops[i].outputs:
+                r = root[t]
+                if maker.get(r) == i and written.get(r, -1) <= i:
+                    kept[g].add(r)
     targets: list[set[int]] = [set() for _ in regions]
     drop_after: dict[int, list[int]] = {}  # forward op index -> dropped targets that die after it
     for r in saved_roots:
         g = region_of.get(maker.get(r, -1), -1)
-        if g < 0 or maker[r] in regions[g].save:
+        if g < 0 or r in kept[g] or maker[r] == regions[g].ops[-1]:
             continue
         inside = [i for i in readers.get(r, ()) if region_of.get(i) == g]
         if not inside and readers.get(r):
@@ -113,12 +144,79 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         if g not in replayed:
             targets[g].clear()
 
+    # The ops each replay runs: those that lead to the targets, stopping at kept values and at
+    # values from outside the region; what they read of those is held by the region's plan.
+    need: list[set[int]] = []
+    held_by_plan: list[set[int]] = []
+    for g, region in enumerate(regions):
+        wanted = set(targets[g])
+        ops_needed: set[int] = set()
+        outside: set[int] = set()
+        for i in reversed(region.ops):
+            op = trace.ops[i]
+            if not {root[t] for t in (*op.outputs, *op.mutates)} & wanted or any(
+                root[t] in kept[g] and maker.get(root[t]) == i for t in op.outputs
+            ):
+                continue
+            ops_needed.add(i)
+            for t in op.inputs:
+                r = root[t]
+                if tensors[r].constant:
+                    continue
+                if region_of.get(maker.get(r, -1)) == g and r not in kept[g]:
+                    wanted.add(r)
+                else:
+                    outside.add(r)
+        need.append(ops_needed)
+        held_by_plan.append(outside if targets[g] else set())
+
+    # Holds of the tapes (NOTE [region model]): acquired at an op, released after another.
+    last_saved_read: dict[int, int] = {}
+    for op in trace.ops:
+        if op.phase is Phase.BACKWARD:
+            for t in op.inputs:
+                last_saved_read[root[t]] = op.index
+    hold_at: dict[int, list[int]] = {}
+    unhold_after: dict[int, list[int]] = {}
+    snapshots: dict[int, int] = {}  # op -> bytes of the copies the tape takes of what it writes
+    unsnap_after: dict[int, int] = {}
+    for g, region in enumerate(regions):
+        first, last = region.ops[0], region.ops[-1]
+        packed = kept[g] | targets[g]
+        for i in region.ops:
+            if i != first:
+                packed.update(root[t] for t in trace.ops[i].inputs if root[t] in saved_roots)
+        death = max((last_saved_read.get(r, last) for r in packed if r in saved_roots), default=last)
+        if not targets[g]:
+            death = last
+        seen: set[int] = set()
+        for i in region.ops:
+            op = trace.ops[i]
+            written_outside = [t for t in _writes(op) if region_of.get(maker.get(root[t], -1)) != g]
+            if written_outside:
+                snapshots[i] = snapshots.get(i, 0) + sum(tensors[t].view_bytes for t in written_outside)
+                after = death if i in need[g] else last
+                unsnap_after[after] = unsnap_after.get(after, 0) + snapshots[i]
+            outs = [root[t] for t in op.outputs if maker.get(root[t]) == i]
+            reads = [root[t] for t in op.inputs]
+            for r in [*reads, *outs]:
+                if r in seen or tensors[r].constant:
+                    continue
+                if r in kept[g] or region_of.get(maker.get(r, -1)) != g:
+                    seen.add(r)
+                    hold_at.setdefault(i, []).append(r)
+                    unhold_after.setdefault(last, []).append(r)
+        for r in held_by_plan[g]:
+            hold_at.setdefault(last, []).append(r)
+            unhold_after.setdefault(death, []).append(r)
+
     handles = [0] * len(tensors)
     for info in tensors:
         if info.constant:
             handles[root[info.id]] += 1
     dropped: set[int] = set()
     copies: dict[int, int] = {}  # a kept target's replayed twin: root -> bytes
+    holds: dict[int, int] = {}  # root -> holds of tapes and replay plans on it
     made = 0
     peak, peak_op, peak_at = 0, -1, "start"
     recompute = 0.0
@@ -130,30 +228,14 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
 
     def replay(g: int, before: Op) -> None:
         nonlocal made, recompute
-        region = regions[g]
-        ops = [trace.ops[i] for i in region.ops]
-        need: set[int] = set()
-        wanted = set(targets[g])
-        for op in reversed(ops):  # the ops that lead to the targets, stopping at kept values
-            outs = {root[t] for t in op.outputs}
-            if op.index in region.save or not outs & wanted:
-                continue
-            need.add(op.index)
-            wanted |= {
-                root[t]
-                for t in op.inputs
-                if region_of.get(maker.get(root[t], -1)) == g and maker[root[t]] not in region.save
-            }
+        ops = [trace.ops[i] for i in regions[g].ops if i in need[g]]
         last_use: dict[int, int] = {}
         for op in ops:
-            if op.index in need:
-                for t in op.inputs:
-                    last_use[root[t]] = op.index
+            for t in op.inputs:
+                last_use[root[t]] = op.index
         transient: dict[int, int] = {}
         name = names[g] if g < len(names) else f"region {g}"
         for op in ops:
-            if op.index not in need:
-                continue
             recompute += cost[op.index]
             for t in op.outputs:
                 r = root[t]
@@ -172,6 +254,14 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
             for r in [r for r in transient if last_use.get(r, -1) <= op.index]:
                 del transient[r]
 
+    def release(r: int) -> None:
+        nonlocal made
+        handles[r] -= 1
+        if handles[r] == 0:
+            if not tensors[r].constant and r not in dropped:
+                made -= tensors[r].nbytes
+            made -= copies.pop(r, 0)
+
     for event in trace.events:
         if isinstance(event, Op):
             for g in replay_at.get(event.index, ()):
@@ -181,17 +271,22 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                 if handles[r] == 0 and r not in dropped:
                     made += tensors[r].nbytes
                 handles[r] += 1
+            for r in hold_at.get(event.index, ()):
+                if handles[r] > 0:
+                    handles[r] += 1
+                    holds[r] = holds.get(r, 0) + 1
+            made += snapshots.get(event.index, 0)
             sample(event, made)
             for r in drop_after.get(event.index, ()):
                 if handles[r] > 0 and r not in dropped:
                     made -= tensors[r].nbytes
                 dropped.add(r)
+            made -= unsnap_after.get(event.index, 0)
+            for r in unhold_after.get(event.index, ()):
+                if holds.get(r, 0) > 0:
+                    holds[r] -= 1
+                    release(r)
         else:
-            r = root[event.tensor]
-            handles[r] -= 1
-            if handles[r] == 0:
-                if not tensors[r].constant and r not in dropped:
-                    made -= tensors[r].nbytes
-                made -= copies.pop(r, 0)
+            release(root[event.tensor])
     base = math.fsum(c for op, c in zip(trace.ops, cost, strict=True) if op.phase is not Phase.OPTIMIZER)
     return Prediction(peak, peak_op, peak_at, base, recompute, tuple(frozenset(ts) for ts in targets))
