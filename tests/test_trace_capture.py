@@ -97,6 +97,9 @@ def test_saved_tensors_and_the_backward_ops_that_read_them() -> None:
     assert reads and all(trace.ops[i].phase is Phase.BACKWARD for i in reads)
     assert any(trace.ops[i].name == "aten.mul.Tensor" for i in reads)
     assert trace.activation_peak_bytes > 0 and x.grad is not None
+    # exp saves its output after it ran: between it and the next op
+    assert (out, exp.index + 1) in trace.saved_at
+    assert {t for t, _ in trace.saved_at} == trace.saved
 
 
 def test_fake_tensors_have_estimated_costs_only() -> None:

@@ -73,6 +73,7 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
         name="x",
         device="cuda",
         source="test",
+        saved_at=((0, 0), (2, 1), (2, 2)),  # sorted, as capture and load make it
     )
     save(trace, tmp_path / "t.jsonl")
     assert load(tmp_path / "t.jsonl") == trace
@@ -185,6 +186,12 @@ def test_validate_and_save_name_the_event_at_fault(tmp_path: Path) -> None:
     unknown_saved = dataclasses.replace(good, saved=frozenset({7}))
     with pytest.raises(remat.RematValueError, match=r"saved tensors must be known"):
         validate(unknown_saved)
+    with pytest.raises(remat.RematValueError, match=r"saved_at may name only saved tensors .*tensor 0"):
+        validate(dataclasses.replace(good, saved_at=((0, 1),)))
+    with pytest.raises(remat.RematValueError, match=r"position must be a number of ops .*saved at 9"):
+        validate(dataclasses.replace(good, saved_at=((1, 9),)))
+    with pytest.raises(remat.RematValueError, match=r"saved_at must be a list of op counts .*line 3"):
+        load(_write(tmp_path, _replace(3, '{"tensor":1,"nbytes":32,"saved":true,"saved_at":[-1]}')))
 
 
 def test_written_lines_are_one_json_object_each(tmp_path: Path) -> None:

@@ -3,16 +3,19 @@
 Peers: the plain eager step; ``torch.utils.checkpoint`` around every block; ``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget`` at several values (its min-cut partitioner
 decides what to recompute); remat plans (made in the parent process, saved with ``Plan.save`` and
-loaded in the child). A compiled step runs C++ kernels that no dispatch mode sees, so the peak is
-measured for every strategy from the process itself: ``MALLOC_MMAP_THRESHOLD_=65536`` makes large
-tensors go back to the OS when freed, the kernel's high-water mark is reset before the step
-(``/proc/self/clear_refs``) and the peak is the high-water mark minus the resident size before it.
-Time: the process's CPU time (the machine is shared), median of ``--steps`` steps after two warm-up
-steps (the compile happens there); overhead is
-each strategy's time ÷ the time of its own recomputation-free twin (eager plain for eager
-strategies, budget 1.0 for compiled ones).
+loaded in the child), one at the measured peak of each peer, so that each peer is compared with
+the plan that fits in the memory the peer used.
 
-    .venv/bin/python benchmarks/plan/peers.py --model gpt2 --out benchmarks/plan/peers_gpt2.json
+A compiled step runs C++ kernels that no dispatch mode sees, so the peak is measured for every
+strategy from the process itself: ``MALLOC_MMAP_THRESHOLD_=65536`` makes large tensors go back to
+the OS when freed, the kernel's high-water mark is reset before the step
+(``/proc/self/clear_refs``) and the peak is the high-water mark minus the resident size before it.
+Time: the process's CPU time with ``--threads`` intra-op threads, median of ``--steps`` steps
+after two warm-up steps (the compile happens there); overhead is each strategy's time ÷ the time
+of its own recomputation-free twin (eager plain for eager strategies, budget 1.0 for compiled
+ones).
+
+    .venv/bin/python benchmarks/plan/peers.py --model gpt2 --steps 5 --out benchmarks/plan/peers_gpt2.json
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from run import blocks, per_block_checkpoint
 
+    torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     wl = zoo.build(spec["model"], **SIZES[spec["model"]])
     model: nn.Module = wl.model
@@ -95,7 +99,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "TORCHINDUCTOR_COMPILE_THREADS": str(spec["threads"]),
+    }
     out = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True
     )
@@ -108,9 +116,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child")
     parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--plans", nargs="*", type=float, default=[0.9, 0.85, 0.8])
+    parser.add_argument("--plans", nargs="*", type=float, default=[], help="extra plan budgets (ratios)")
     parser.add_argument("--compile", nargs="*", type=float, default=[1.0, 0.5, 0.2, 0.05])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every child")
     parser.add_argument("--kinds", default="plain,checkpoint,compile,plan", help="strategies to run")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -121,7 +130,26 @@ def main() -> None:
 
     from remat import zoo
     from remat.planner import BudgetTooSmall, plan_trace, trace_step
+    from remat.planner.api import block_key
 
+    kinds = args.kinds.split(",")
+    rows: list[dict[str, Any]] = []
+
+    def run(spec: dict[str, Any]) -> dict[str, Any]:
+        result = run_child({**spec, "model": args.model, "steps": args.steps, "threads": args.threads})
+        row = {**spec, **result}
+        row.pop("plan", None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    # 1. the peers, each in its own process
+    peers = [{"kind": "plain"}, {"kind": "checkpoint"}]
+    peers += [{"kind": "compile", "budget": b} for b in args.compile]
+    measured = [run(spec) for spec in peers if spec["kind"] in kinds or spec["kind"] == "plain"]
+
+    # 2. a remat plan at each peer's measured peak: resident bytes are converted to tensor bytes
+    # with the plain step's ratio (allocator slack), so that the plan's resident peak matches
     torch.manual_seed(0)
     wl = zoo.build(args.model, **SIZES[args.model])
 
@@ -129,41 +157,45 @@ def main() -> None:
         return wl.loss_fn(m(*xs))
 
     trace = trace_step(wl.model, wl.inputs, loss_fn, repeats=3)
-    specs: list[dict[str, Any]] = [
-        {"kind": "plain"},
-        {"kind": "checkpoint"},
-        *({"kind": "compile", "budget": b} for b in args.compile),
+    baseline = plan_trace(trace, 1.0).baseline_peak_bytes
+    plain_rss = measured[0]["peak_rss"]
+    targets: list[tuple[str, int]] = [
+        (f"{r['kind']} {r.get('budget', '')}".strip(), int(r["peak_rss"] * baseline / plain_rss))
+        for r in measured[1:]
+        if "peak_rss" in r
     ]
+    targets += [(f"ratio {ratio}", int(ratio * baseline)) for ratio in args.plans]
     tmp = Path(tempfile.mkdtemp())
-    for ratio in args.plans:
+    for k, (matched, budget) in enumerate(targets):
+        if "plan" not in kinds:
+            break
         start = time.perf_counter()
         try:
-            plan = plan_trace(trace, ratio)
+            plan = plan_trace(trace, budget, block_key=block_key(wl.model))
         except BudgetTooSmall as err:
-            print(err)
+            rows.append({"kind": "plan", "matched": matched, "budget": budget, "error": str(err)})
+            print(err, flush=True)
             continue
-        path = tmp / f"plan_{ratio}.json"
+        path = tmp / f"plan_{k}.json"
         plan.save(path)
-        specs.append(
+        run(
             {
                 "kind": "plan",
-                "ratio": ratio,
+                "matched": matched,
+                "budget": budget,
                 "plan": str(path),
                 "predicted_peak": plan.predicted_peak_bytes,
                 "predicted_overhead": plan.predicted_overhead,
                 "plan_seconds": time.perf_counter() - start,
+                "regions": len(plan.regions),
             }
         )
-    rows = []
-    for spec in (s for s in specs if s["kind"] in args.kinds.split(",")):
-        result = run_child({**spec, "model": args.model, "steps": args.steps})
-        row = {**spec, **result}
-        row.pop("plan", None)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"model": args.model, "sizes": SIZES[args.model], "rows": rows}, indent=1)
+            json.dumps(
+                {"model": args.model, "sizes": SIZES[args.model], "baseline_bytes": baseline, "rows": rows},
+                indent=1,
+            )
         )
 
 

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import zoo
 from remat.planner import BudgetTooSmall, plan_trace, trace_step
+from remat.planner.api import block_key
 
 SIZES: dict[str, dict[str, int]] = {
     "gpt2": {"batch": 2, "seq": 256},
@@ -94,7 +95,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     plain_peak = plan_trace(trace, 1.0).baseline_peak_bytes
     lowest = plain_peak
     try:
-        plan_trace(trace, 1)
+        plan_trace(trace, 1, block_key=block_key(model))
     except BudgetTooSmall as err:
         lowest = err.minimum_bytes
     budgets = [int(lowest + f * (plain_peak - lowest)) for f in args.fractions]
@@ -102,7 +103,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     plans = {}
     for budget in budgets:
         start = time.perf_counter()
-        p = plan_trace(trace, budget)
+        p = plan_trace(trace, budget, block_key=block_key(model))
         plan_s = time.perf_counter() - start
         key = f"remat.plan {budget / plain_peak:.2f}"
         plans[key] = (p, plan_s)

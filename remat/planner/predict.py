@@ -14,11 +14,13 @@ NOTE [region model]
   saves of its inputs and what its last op saves of its outputs go to autograd as in the plain step.
 - A value the region *keeps* is the output of one of its SAVE ops that no later op of the region
   writes in place (the tape cannot keep a value an in-place op then changes: it replays the writer).
-- Its *targets* are the storages autograd saved that an op of the region made, not one it keeps
-  and not its last op, and that some op of the region reads (a storage only later ops read, such
-  as a block's output, is saved by them: the region hands autograd no handle for it).
-- A target no op after the region reads is *dropped*: it dies after its last forward reader instead
-  of when backward releases it. Other targets stay alive as in the plain step.
+- Its *targets* are the storages an op of the region made, that it does not keep, and that
+  autograd saved while the tape recorded (``Trace.saved_at``: after the first op and up to the
+  last): for those the region hands autograd a handle, not the tensor. A storage only later ops
+  save, such as a block's output, is theirs to hold. (A trace that does not place its saves gets
+  an approximation: saved, and read by an op of the region other than its last.)
+- A target that no save outside the tape holds is *dropped*: it dies after its last forward
+  reader instead of when backward releases it. Other targets stay alive as in the plain step.
 - While it records, the tape holds what it keeps and the storages from outside the region that it
   reads; from the region's end, the values its replay reads from outside or kept stay held until
   the last backward op that reads a storage saved inside the region (the region, and its replay
@@ -117,17 +119,37 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                 r = root[t]
                 if maker.get(r) == i and written.get(r, -1) <= i:
                     kept[g].add(r)
+    # A save at position p (NOTE in ``Trace``) is in region g's tape when first < p <= last.
+    window: dict[int, int] = {}
+    for g, region in enumerate(regions):
+        for p in range(region.ops[0] + 1, region.ops[-1] + 1):
+            window[p] = g
+    packed: list[set[int]] = [set() for _ in regions]  # roots saved while the region records
+    held_by_autograd: set[int] = set()  # roots some save holds as in the plain step
+    for t, p in trace.saved_at:
+        r = root[t]
+        g = window.get(p, -1)
+        if g >= 0:
+            packed[g].add(r)
+        if g < 0 or r in kept[g] or region_of.get(maker.get(r, -1)) != g:
+            held_by_autograd.add(r)
     targets: list[set[int]] = [set() for _ in regions]
     drop_after: dict[int, list[int]] = {}  # forward op index -> dropped targets that die after it
     for r in saved_roots:
         g = region_of.get(maker.get(r, -1), -1)
-        if g < 0 or r in kept[g] or maker[r] == regions[g].ops[-1]:
+        if g < 0 or r in kept[g]:
             continue
-        inside = [i for i in readers.get(r, ()) if region_of.get(i) == g]
-        if not inside and readers.get(r):
-            continue
+        if trace.saved_at:
+            if r not in packed[g]:
+                continue
+            dropped_early = r not in held_by_autograd
+        else:  # when saves are not placed: those by an op of the region that reads the tensor
+            inside = [i for i in readers.get(r, ()) if region_of.get(i) == g]
+            if maker[r] == regions[g].ops[-1] or (not inside and readers.get(r)):
+                continue
+            dropped_early = all(region_of.get(i) == g for i in readers.get(r, ()))
         targets[g].add(r)
-        if all(region_of.get(i) == g for i in readers.get(r, ())):
+        if dropped_early:
             drop_after.setdefault(max([maker[r], *readers.get(r, ())]), []).append(r)
 
     replay_at: dict[int, list[int]] = {}  # backward op index -> regions replayed just before it
@@ -182,11 +204,12 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     unsnap_after: dict[int, int] = {}
     for g, region in enumerate(regions):
         first, last = region.ops[0], region.ops[-1]
-        packed = kept[g] | targets[g]
-        for i in region.ops:
-            if i != first:
-                packed.update(root[t] for t in trace.ops[i].inputs if root[t] in saved_roots)
-        death = max((last_saved_read.get(r, last) for r in packed if r in saved_roots), default=last)
+        if not trace.saved_at:
+            packed[g] = kept[g] | targets[g]
+            for i in region.ops:
+                if i != first:
+                    packed[g].update(root[t] for t in trace.ops[i].inputs if root[t] in saved_roots)
+        death = max((last_saved_read.get(r, last) for r in packed[g] if r in saved_roots), default=last)
         if not targets[g]:
             death = last
         seen: set[int] = set()

@@ -105,6 +105,7 @@ class _Recorder(TorchDispatchMode):
         self.storage_key: list[int] = []
         self.impl: dict[int, int] = {}
         self.saved: set[int] = set()
+        self.saved_at: list[tuple[int, int]] = []
         self.op_module: list[str] = []  # per tensor id: module path of the op that made it
         self.modules: list[str] = []
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -321,6 +322,7 @@ class _Recorder(TorchDispatchMode):
         h = self.handle(t)
         if h is not None:
             self.saved.add(h)
+            self.saved_at.append((h, self.n_ops))
         return t
 
     @contextlib.contextmanager
@@ -360,7 +362,13 @@ class _Recorder(TorchDispatchMode):
             index += 1
         source = "capture-fake" if self.fake else "capture"
         return Trace(
-            tuple(self.tensors), tuple(events), frozenset(self.saved), name, self.device or "cpu", source
+            tuple(self.tensors),
+            tuple(events),
+            frozenset(self.saved),
+            name,
+            self.device or "cpu",
+            source,
+            tuple(sorted(self.saved_at)),
         )
 
     def _ops(self) -> list[_OpRecord]:

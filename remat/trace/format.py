@@ -36,7 +36,7 @@ __all__ = ["FORMAT", "VERSION", "load", "save", "validate"]
 FORMAT = "remat-trace"
 VERSION = 1
 
-_TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved"}
+_TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved", "saved_at"}
 _OP_FIELDS = {"op", "name", "inputs", "outputs", "mutates", "cost", "est_cost", "phase", "module", "random"}
 _HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"}
 _PHASES = {p.value: p for p in Phase}
@@ -161,10 +161,18 @@ class _Checker:
             self.made[t] = where
             self.handles[root] += 1
 
-    def saved(self, ids: frozenset[int]) -> None:
+    def saved(self, ids: frozenset[int], at: tuple[tuple[int, int], ...], ops: int) -> None:
         unknown = sorted(t for t in ids if not 0 <= t < len(self.tensors))
         if unknown:
             raise _Invalid("saved tensors must be known tensors", f"unknown ids {unknown[:10]}")
+        for t, position in at:
+            if t not in ids:
+                raise _Invalid("saved_at may name only saved tensors", f"tensor {t} is not saved")
+            if not 0 <= position <= ops:
+                raise _Invalid(
+                    "a save's position must be a number of ops of the trace",
+                    f"tensor {t} saved at {position}, the trace has {ops} ops",
+                )
 
     def _known(self, t: int, who: str) -> None:
         if not 0 <= t < len(self.tensors):
@@ -188,7 +196,7 @@ def _validate(trace: Trace, api: str, label: str) -> Trace:
             where = f"event {i}"
             checker.event(e, where)
         where = "saved"
-        checker.saved(trace.saved)
+        checker.saved(trace.saved, trace.saved_at, len(trace.ops))
     except _Invalid as err:
         raise RematValueError(
             message(api, err.rule, f"{label}, {where}: {err.detail}", "fix the trace or capture it again")
@@ -210,8 +218,11 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
             "events": len(trace.events),
         }
         f.write(_dumps(header))
+        at: dict[int, list[int]] = {}
+        for tid, position in trace.saved_at:
+            at.setdefault(tid, []).append(position)
         for t in trace.tensors:
-            f.write(_dumps(_tensor_record(t, t.id in trace.saved)))
+            f.write(_dumps(_tensor_record(t, t.id in trace.saved, at.get(t.id, []))))
         for e in trace.events:
             f.write(_dumps({"release": e.tensor} if isinstance(e, Release) else _op_record(e)))
 
@@ -249,6 +260,7 @@ def _read(path: Path) -> Trace:
     tensors: list[TensorInfo] = []
     events: list[Event] = []
     saved: set[int] = set()
+    saved_at: list[tuple[int, int]] = []
     header: dict[str, Any] = {}
     where = "line 1"
     try:
@@ -270,6 +282,7 @@ def _read(path: Path) -> Trace:
                     tensors.append(t)
                     if record.get("saved", False):
                         saved.add(t.id)
+                    saved_at.extend((t.id, position) for position in _positions(record, t.id))
                 elif "op" in record or "release" in record:
                     e = _op(record) if "op" in record else _release(record)
                     checker.event(e, where)
@@ -282,6 +295,7 @@ def _read(path: Path) -> Trace:
             where = "end of file"
             if not header:
                 raise _Invalid("the file must start with a header line", "the file is empty")
+            checker.saved(frozenset(saved), tuple(saved_at), sum(isinstance(e, Op) for e in events))
             for key, got in (("tensors", len(tensors)), ("events", len(events))):
                 if header[key] != got:
                     raise _Invalid(
@@ -308,6 +322,7 @@ def _read(path: Path) -> Trace:
         name=header["name"],
         device=header["device"],
         source=header["source"],
+        saved_at=tuple(sorted(saved_at)),
     )
 
 
@@ -318,7 +333,14 @@ def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
 
 
-def _tensor_record(t: TensorInfo, saved: bool) -> dict[str, Any]:
+def _positions(record: dict[str, Any], tid: int) -> list[int]:
+    positions = record.get("saved_at", [])
+    if not (isinstance(positions, list) and all(_is_count(p) for p in positions)):
+        raise _Invalid("saved_at must be a list of op counts", f"tensor {tid} has saved_at {positions!r}")
+    return positions
+
+
+def _tensor_record(t: TensorInfo, saved: bool, saved_at: list[int]) -> dict[str, Any]:
     record: dict[str, Any] = {"tensor": t.id, "nbytes": t.nbytes}
     if t.alias_of is not None:
         record["alias_of"] = t.alias_of
@@ -330,6 +352,8 @@ def _tensor_record(t: TensorInfo, saved: bool) -> dict[str, Any]:
         record["dtype"] = t.dtype
     if saved:
         record["saved"] = True
+    if saved_at:
+        record["saved_at"] = saved_at
     return record
 
 

@@ -133,7 +133,10 @@ Event = Op | Release
 @dataclass(frozen=True)
 class Trace:
     """One step: its tensors, its events in program order, and which forward tensors autograd
-    saved for backward."""
+    saved for backward. ``saved_at`` says when, where known: one ``(tensor, position)`` per save,
+    ``position`` being the number of ops that had run (the save came after op ``position - 1`` and
+    before op ``position``: autograd saves an op's inputs before it runs and its outputs after),
+    sorted."""
 
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]
@@ -141,6 +144,7 @@ class Trace:
     name: str = ""
     device: str = "cpu"
     source: str = "capture"
+    saved_at: tuple[tuple[int, int], ...] = ()
 
     @functools.cached_property
     def ops(self) -> tuple[Op, ...]:
