@@ -73,8 +73,9 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
         name="x",
         device="cuda",
         source="test",
-        saved_at=((0, 0), (2, 1), (2, 2)),  # sorted, as capture and load make it
+        saved_at=((2, 2), (0, 0), (2, 1)),
     )
+    assert trace.saved_at == ((0, 0), (2, 1), (2, 2))  # kept sorted
     save(trace, tmp_path / "t.jsonl")
     assert load(tmp_path / "t.jsonl") == trace
 
@@ -187,7 +188,9 @@ def test_validate_and_save_name_the_event_at_fault(tmp_path: Path) -> None:
     with pytest.raises(remat.RematValueError, match=r"saved tensors must be known"):
         validate(unknown_saved)
     with pytest.raises(remat.RematValueError, match=r"saved_at may name only saved tensors .*tensor 0"):
-        validate(dataclasses.replace(good, saved_at=((0, 1),)))
+        validate(dataclasses.replace(good, saved_at=((0, 1), (1, 1))))
+    with pytest.raises(remat.RematValueError, match=r"every saved tensor needs a position .*\[1\]"):
+        validate(dataclasses.replace(good, saved=frozenset({0, 1}), saved_at=((0, 1),)))
     with pytest.raises(remat.RematValueError, match=r"position must be a number of ops .*saved at 9"):
         validate(dataclasses.replace(good, saved_at=((1, 9),)))
     with pytest.raises(remat.RematValueError, match=r"saved_at must be a list of op counts .*line 3"):

@@ -5,15 +5,15 @@ trace (the ops a module issued) need not be a function anyone can call again: th
 between two blocks belongs to their parent. So the executor works at the op level, with the
 machinery of ``remat.scope``: one dispatch mode counts the forward's ops, compares each with the
 traced one, and at a region's first op starts a tape (``remat._replay``) and the saved-tensor hooks
-of a scope region; at the first op past the region it stops them. Inside a region the tape's
-policy is switched per op: SAVE for the op positions the plan keeps, RECOMPUTE for the rest. In
-backward the region replays, as a scope does, just before the first op that needs it, with the
-RNG and batch-norm buffers handled there::
+of a scope region; right after the region's last op it stops them (NOTE [region end]). Inside a
+region the tape's policy is switched per op: SAVE for the op positions the plan keeps, RECOMPUTE
+for the rest. In backward the region replays, as a scope does, just before the first op that
+needs it, with the RNG and batch-norm buffers handled there::
 
     forward ops:   0 1 2 | 3 4 5 6 | 7 8 | 9 ...     (| = region boundary, from the plan)
                          [ region A]     [B]
     dispatch mode: check op i == plan.ops[i]; i == A.first -> start tape + hooks;
-                   i == A.last + 1 -> stop (region A now holds only its replay slice)
+                   after op A.last -> stop (region A now holds only its replay slice)
 
 Counting starts when the model's own forward starts (a forward pre-hook on the model) and a
 forward must run exactly the traced ops: another op, or fewer or more of them, raises
@@ -153,8 +153,6 @@ class _Runner(TorchDispatchMode):
         self.position += 1
         if i >= len(self.plan.ops) or self.plan.ops[i] != str(func):
             raise self._diverged(i, func)
-        if self.open is not None and i > self.open.last:
-            self.stop()
         if self.open is None and i in self.starts and torch.is_grad_enabled():
             self._start(self.starts[i])
         if self.tape is not None:

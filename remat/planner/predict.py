@@ -18,13 +18,15 @@ NOTE [region model]
   autograd saved while the tape recorded (``Trace.saved_at``: after the first op and up to the
   last): for those the region hands autograd a handle, not the tensor. A storage only later ops
   save, such as a block's output, is theirs to hold. (A trace that does not place its saves gets
-  an approximation: saved, and read by an op of the region other than its last.)
+  an approximation: saved, not made by the region's last op, and read by an op of the region or
+  by no forward op.)
 - A target that no save outside the tape holds is *dropped*: it dies after its last forward
   reader instead of when backward releases it. Other targets stay alive as in the plain step.
 - While it records, the tape holds what it keeps and the storages from outside the region that it
   reads; from the region's end, the values its replay reads from outside or kept stay held until
-  the last backward op that reads a storage saved inside the region (the region, and its replay
-  plan, live as long as autograd holds anything it packed).
+  the last backward op that reads a storage saved while the region recorded (the region, and its
+  replay plan, live as long as autograd holds anything it packed; a save no backward op reads
+  lives to the end of the step). A dropped target such a hold still holds dies when it ends.
 - Just before the first backward op that reads a target, the region is *replayed*: the region's
   ops that lead to its targets run again (from its inputs and kept values) in forward order; each
   target comes back (a dropped one) or is made again beside the original (a kept one); values only
@@ -73,7 +75,10 @@ class Prediction:
 def _writes(op: Op) -> tuple[int, ...]:
     """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
     the running statistics its schema does not declare (its last two tensor inputs when it has
-    three or more: ``remat._replay`` snapshots both kinds when an op of a region writes them)."""
+    three or more: ``remat._replay`` snapshots both kinds when an op of a region writes them). The
+    trace does not say whether batch norm ran in training mode or tracks running statistics, so a
+    frozen one (or one without statistics) is counted with a snapshot it does not take: an
+    overestimate of two vectors of its channels."""
     hidden = op.name.rsplit(".", 1)[0] in _UNANNOTATED_WRITES and len(op.inputs) >= 3
     return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
 
@@ -117,12 +122,12 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         for i in region.save:
             for t in trace.ops[i].outputs:
                 r = root[t]
-                if maker.get(r) == i and written.get(r, -1) <= i:
+                if maker.get(r) == i and r not in written:  # writers come after the maker
                     kept[g].add(r)
     # A save at position p (NOTE in ``Trace``) is in region g's tape when first < p <= last.
     window: dict[int, int] = {}
     for g, region in enumerate(regions):
-        for p in range(region.ops[0] + 1, region.ops[-1] + 1):
+        for p in range(region.ops[0] + 1, region.ops[-1] + 1) if region.ops else ():
             window[p] = g
     packed: list[set[int]] = [set() for _ in regions]  # roots saved while the region records
     held_by_autograd: set[int] = set()  # roots some save holds as in the plain step
@@ -162,7 +167,10 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                 if g >= 0 and g not in replayed:
                     replayed.add(g)
                     replay_at.setdefault(op.index, []).append(g)
-    for g in range(len(regions)):  # a region whose targets backward never reads (a frozen block)
+    # a region whose targets backward never reads (a frozen block) is never replayed, but its
+    # replay plan is made, and holds what it reads, all the same
+    planned = [set(ts) for ts in targets]
+    for g in range(len(regions)):
         if g not in replayed:
             targets[g].clear()
 
@@ -171,7 +179,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     need: list[set[int]] = []
     held_by_plan: list[set[int]] = []
     for g, region in enumerate(regions):
-        wanted = set(targets[g])
+        wanted = set(planned[g])
         ops_needed: set[int] = set()
         outside: set[int] = set()
         for i in reversed(region.ops):
@@ -190,7 +198,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                 else:
                     outside.add(r)
         need.append(ops_needed)
-        held_by_plan.append(outside if targets[g] else set())
+        held_by_plan.append(outside if planned[g] else set())
 
     # Holds of the tapes (NOTE [region model]): acquired at an op, released after another.
     last_saved_read: dict[int, int] = {}
@@ -202,15 +210,18 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     unhold_after: dict[int, list[int]] = {}
     snapshots: dict[int, int] = {}  # op -> bytes of the copies the tape takes of what it writes
     unsnap_after: dict[int, int] = {}
+    end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
     for g, region in enumerate(regions):
+        if not region.ops:
+            continue
         first, last = region.ops[0], region.ops[-1]
         if not trace.saved_at:
             packed[g] = kept[g] | targets[g]
             for i in region.ops:
                 if i != first:
                     packed[g].update(root[t] for t in trace.ops[i].inputs if root[t] in saved_roots)
-        death = max((last_saved_read.get(r, last) for r in packed[g] if r in saved_roots), default=last)
-        if not targets[g]:
+        death = max((last_saved_read.get(r, end) for r in packed[g] if r in saved_roots), default=last)
+        if not planned[g]:
             death = last
         seen: set[int] = set()
         for i in region.ops:
@@ -238,6 +249,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         if info.constant:
             handles[root[info.id]] += 1
     dropped: set[int] = set()
+    pending: set[int] = set()  # dropped targets another region's tape or plan still holds
     copies: dict[int, int] = {}  # a kept target's replayed twin: root -> bytes
     holds: dict[int, int] = {}  # root -> holds of tapes and replay plans on it
     made = 0
@@ -285,6 +297,12 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                 made -= tensors[r].nbytes
             made -= copies.pop(r, 0)
 
+    def drop(r: int) -> None:
+        nonlocal made
+        if handles[r] > 0 and r not in dropped:
+            made -= tensors[r].nbytes
+        dropped.add(r)
+
     for event in trace.events:
         if isinstance(event, Op):
             for g in replay_at.get(event.index, ()):
@@ -301,14 +319,18 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
             made += snapshots.get(event.index, 0)
             sample(event, made)
             for r in drop_after.get(event.index, ()):
-                if handles[r] > 0 and r not in dropped:
-                    made -= tensors[r].nbytes
-                dropped.add(r)
+                if holds.get(r, 0) > 0:
+                    pending.add(r)
+                else:
+                    drop(r)
             made -= unsnap_after.get(event.index, 0)
             for r in unhold_after.get(event.index, ()):
                 if holds.get(r, 0) > 0:
                     holds[r] -= 1
                     release(r)
+                    if holds[r] == 0 and r in pending:
+                        pending.discard(r)
+                        drop(r)
         else:
             release(root[event.tensor])
     base = math.fsum(c for op, c in zip(trace.ops, cost, strict=True) if op.phase is not Phase.OPTIMIZER)

@@ -368,7 +368,7 @@ class _Recorder(TorchDispatchMode):
             name,
             self.device or "cpu",
             source,
-            tuple(sorted(self.saved_at)),
+            tuple(self.saved_at),
         )
 
     def _ops(self) -> list[_OpRecord]:

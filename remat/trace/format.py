@@ -165,6 +165,12 @@ class _Checker:
         unknown = sorted(t for t in ids if not 0 <= t < len(self.tensors))
         if unknown:
             raise _Invalid("saved tensors must be known tensors", f"unknown ids {unknown[:10]}")
+        missing = sorted(ids - {t for t, _ in at}) if at else []
+        if missing:
+            raise _Invalid(
+                "when saves are placed, every saved tensor needs a position",
+                f"saved tensors {missing[:10]} have no saved_at",
+            )
         for t, position in at:
             if t not in ids:
                 raise _Invalid("saved_at may name only saved tensors", f"tensor {t} is not saved")
@@ -322,7 +328,7 @@ def _read(path: Path) -> Trace:
         name=header["name"],
         device=header["device"],
         source=header["source"],
-        saved_at=tuple(sorted(saved_at)),
+        saved_at=tuple(saved_at),
     )
 
 

@@ -146,6 +146,9 @@ class Trace:
     source: str = "capture"
     saved_at: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "saved_at", tuple(sorted(self.saved_at)))
+
     @functools.cached_property
     def ops(self) -> tuple[Op, ...]:
         """The op events alone, in program order (``ops[i].index == i``)."""
