@@ -102,6 +102,14 @@ def test_measured_peak_is_the_predicted_one(name: str, solver: str) -> None:
     assert planned >= 0.99 * plan.predicted_peak_bytes
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+def test_a_larger_budget_never_costs_more(name: str) -> None:
+    trace, base, low = _traced(name)
+    overheads = [plan_trace(trace, low + (base - low) * k // 10).predicted_overhead for k in range(11)]
+    assert all(a >= b for a, b in zip(overheads, overheads[1:], strict=False)), overheads
+    assert overheads[0] > overheads[-1] == 1.0
+
+
 def test_remat_plan_end_to_end_leaves_the_model_as_it_was(tmp_path: Any) -> None:
     model, batch, _ = build("cnn")
     inputs = batch(0)

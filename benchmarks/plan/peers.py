@@ -58,7 +58,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
-    wl = zoo.build(spec["model"], **SIZES[spec["model"]])
+    wl = zoo.build(spec["model"], **spec["sizes"])
     model: nn.Module = wl.model
     kind = spec["kind"]
     forward: Any = model
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--plans", nargs="*", type=float, default=[], help="extra plan budgets (ratios)")
     parser.add_argument("--compile", nargs="*", type=float, default=[1.0, 0.5, 0.2, 0.05])
+    parser.add_argument("--batch", type=int, help="batch size (default: the model's in SIZES)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every child")
     parser.add_argument("--kinds", default="plain,checkpoint,compile,plan", help="strategies to run")
@@ -133,10 +134,13 @@ def main() -> None:
     from remat.planner.api import block_key
 
     kinds = args.kinds.split(",")
+    sizes = {**SIZES[args.model], **({"batch": args.batch} if args.batch else {})}
     rows: list[dict[str, Any]] = []
 
     def run(spec: dict[str, Any]) -> dict[str, Any]:
-        result = run_child({**spec, "model": args.model, "steps": args.steps, "threads": args.threads})
+        result = run_child(
+            {**spec, "model": args.model, "sizes": sizes, "steps": args.steps, "threads": args.threads}
+        )
         row = {**spec, **result}
         row.pop("plan", None)
         rows.append(row)
@@ -151,7 +155,7 @@ def main() -> None:
     # 2. a remat plan at each peer's measured peak: resident bytes are converted to tensor bytes
     # with the plain step's ratio (allocator slack), so that the plan's resident peak matches
     torch.manual_seed(0)
-    wl = zoo.build(args.model, **SIZES[args.model])
+    wl = zoo.build(args.model, **sizes)
 
     def loss_fn(m: Any, *xs: Any) -> Any:
         return wl.loss_fn(m(*xs))
@@ -193,7 +197,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(
             json.dumps(
-                {"model": args.model, "sizes": SIZES[args.model], "baseline_bytes": baseline, "rows": rows},
+                {"model": args.model, "sizes": sizes, "baseline_bytes": baseline, "rows": rows},
                 indent=1,
             )
         )

@@ -35,6 +35,8 @@ from remat.trace.types import Phase, Trace
 __all__ = ["Candidate", "Step", "decisions", "fail", "floor", "predicted", "search", "simple"]
 
 _ATTEMPTS = 6
+_REFINE_STEPS = 6
+_BISECTED = frozenset({"chain", "greedy"})  # fast enough to call a few times more
 _FLOOR_STEPS = 12
 
 
@@ -210,24 +212,52 @@ def search(
     step: Step, solver: str, problem: Problem, budget: int, baseline: int, options: dict[str, Any]
 ) -> list[Candidate]:
     """The plans ``solver`` returns for ``problem`` as its budget is lowered by what the step's
-    peak was over ``budget`` (see the module doc), until one fits; the last fits, if any does."""
+    peak was over ``budget`` (see the module doc), until one fits; the last fits, if any does.
+    For the fast solvers the budget given to the solver is then bisected between the highest one
+    whose plan fit and the lowest one above it whose plan did not: the solver's model is coarse
+    (a chain has no skip connections), so the first plan that fits may be needlessly tight."""
     chosen = get(solver)
-    target = budget - (baseline - model_peak(problem))
+    top = model_peak(problem)
+    target = budget - (baseline - top)
     out: list[Candidate] = []
-    for _ in range(_ATTEMPTS):
-        if target <= 0:
-            break
+    tried: dict[int, bool] = {}  # solver budget -> its plan fit
+
+    def attempt(target: int) -> bool | None:
         try:
             solution = chosen.solve(problem, target, **options)
         except RematValueError:
-            break
+            return None
         regions = regions_of(step, problem, solution)
         out.append(
             Candidate(solution.solver, solution.gap, solution.notes, regions, predicted(step, regions))
         )
-        if out[-1].pred.peak_bytes <= budget:
+        tried[target] = out[-1].pred.peak_bytes <= budget
+        return tried[target]
+
+    step_down = 0
+    for _ in range(_ATTEMPTS):
+        if target <= 0:
             break
-        target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
+        fit = attempt(target)
+        if fit is None or fit:
+            break
+        over = max(out[-1].pred.peak_bytes - budget, budget // 100)
+        # the same plan again: the solver's model needs a bigger cut to change its mind
+        same = len(out) > 1 and out[-1].pred.peak_bytes == out[-2].pred.peak_bytes
+        step_down = 2 * step_down if same else over
+        target -= max(step_down, over)
+    if solver not in _BISECTED:
+        return out
+    for _ in range(_REFINE_STEPS):
+        fits = [t for t, ok in tried.items() if ok]
+        if not fits:
+            break
+        low = max(fits)
+        high = min([t for t, ok in tried.items() if not ok and t > low] or [top])
+        if high - low <= max(budget // 200, 1):
+            break
+        if attempt((low + high) // 2) is None:
+            break
     return out
 
 
