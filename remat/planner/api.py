@@ -31,7 +31,17 @@ from remat.planner.problem import (
     graph_from_trace,
     stage_key,
 )
-from remat.planner.search import Candidate, Step, decisions, fail, floor, predicted, search, simple
+from remat.planner.search import (
+    Candidate,
+    Step,
+    decisions,
+    fail,
+    floor,
+    keeping_compute,
+    predicted,
+    search,
+    simple,
+)
 from remat.planner.solvers import get
 from remat.trace import capture
 from remat.trace.types import Trace
@@ -144,6 +154,7 @@ def plan_trace(
         tried += search(step, "chain", chain, budget_bytes, baseline, {"single_level": True, **options})
         tried += search(step, "greedy", chain, budget_bytes, baseline, {})
         tried += simple(step, chain)
+        tried += keeping_compute(step, tried)
     elif Chain in get(solver).problems:
         extra = {"single_level": True} if solver == "chain" else {}
         tried += search(step, solver, chain, budget_bytes, baseline, {**extra, **options})

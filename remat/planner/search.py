@@ -30,9 +30,20 @@ from remat.planner.solvers import get
 from remat.planner.solvers.chain_dp import minimum_peak
 from remat.planner.solvers.simulate import chain_segments, graph_from_saved, simulate
 from remat.planner.solvers.sqrt import split
+from remat.policy import COMPUTE_INTENSIVE_OPS
 from remat.trace.types import Phase, Trace
 
-__all__ = ["Candidate", "Step", "decisions", "fail", "floor", "predicted", "search", "simple"]
+__all__ = [
+    "Candidate",
+    "Step",
+    "decisions",
+    "fail",
+    "floor",
+    "keeping_compute",
+    "predicted",
+    "search",
+    "simple",
+]
 
 _ATTEMPTS = 6
 _REFINE_STEPS = 6
@@ -183,6 +194,32 @@ def simple(step: Step, chain: Chain) -> list[Candidate]:
     ):
         regions = chain_regions(step, chain, chain_segments(chain, segments))
         out.append(Candidate("auto", None, what, regions, predicted(step, regions)))
+    return out
+
+
+def keeping_compute(step: Step, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Each plan again, its regions keeping what autograd saves of matmul, convolution and
+    attention outputs (``COMPUTE_INTENSIVE_OPS``): selective checkpointing as plans, where replay
+    costs only the cheap ops between them, at the memory of what they keep."""
+    trace = step.trace
+    saved = {trace.root(t) for t in trace.saved}
+    intensive = {
+        op.index
+        for op in step.forward
+        if op.name.rsplit(".", 1)[0] in COMPUTE_INTENSIVE_OPS
+        and any(trace.root(t) in saved for t in op.outputs)
+    }
+    out = []
+    for c in candidates:
+        if not c.regions or not any(intensive.intersection(ops.ops) - ops.save for _, ops in c.regions):
+            continue
+        regions = []
+        for region, ops in c.regions:
+            made = step.region(region.name, ops.ops, [*ops.save, *intensive.intersection(ops.ops)])
+            if made is not None:
+                regions.append(made)
+        notes = f"{c.notes}, keeping matmul, convolution and attention outputs"
+        out.append(Candidate(c.solver, c.gap, notes, regions, predicted(step, regions)))
     return out
 
 
