@@ -249,10 +249,11 @@ def search(
     step: Step, solver: str, problem: Problem, budget: int, baseline: int, options: dict[str, Any]
 ) -> list[Candidate]:
     """The plans ``solver`` returns for ``problem`` as its budget is lowered by what the step's
-    peak was over ``budget`` (see the module doc), until one fits; the last fits, if any does.
-    For the fast solvers the budget given to the solver is then bisected between the highest one
-    whose plan fit and the lowest one above it whose plan did not: the solver's model is coarse
-    (a chain has no skip connections), so the first plan that fits may be needlessly tight."""
+    peak was over ``budget`` (see the module doc), until one fits (its predicted peak is within
+    ``budget``; the caller picks among those that do). For the fast solvers the budget given to
+    the solver is then bisected between the highest one whose plan fit and the lowest one above
+    it whose plan did not: the solver's model is coarse (a chain has no skip connections), so the
+    first plan that fits may be needlessly tight."""
     chosen = get(solver)
     top = model_peak(problem)
     target = budget - (baseline - top)
