@@ -190,15 +190,16 @@ def test_exact_dtr_matches_brute_force_on_a_long_program() -> None:
     assert result.evictions > 10 and not math.isnan(result.overhead)
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(1, 20), st.floats(0.0, 5.0), st.sampled_from(["free", "evictable", "locked"])),
-        min_size=1,
-        max_size=12,
-    ),
-    st.integers(1, 60),
+# pool layouts: (size, cost, state) per piece
+PIECES = st.lists(
+    st.tuples(st.integers(1, 20), st.floats(0.0, 5.0), st.sampled_from(["free", "evictable", "locked"])),
+    min_size=1,
+    max_size=12,
 )
+
+
+@settings(max_examples=150, deadline=None)
+@given(PIECES, st.integers(1, 60))
 def test_coop_window_is_the_cheapest_contiguous_run(
     pieces: list[tuple[int, float, str]], nbytes: int
 ) -> None:
@@ -249,14 +250,7 @@ def candidate_runs(runtime: Any, nbytes: int) -> list[tuple[frozenset[int], floa
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(1, 20), st.floats(0.0, 5.0), st.sampled_from(["free", "evictable", "locked"])),
-        min_size=1,
-        max_size=12,
-    ),
-    st.integers(1, 60),
-)
+@given(PIECES, st.integers(1, 60))
 def test_coop_per_byte_window_is_the_cheapest_per_byte_candidate(
     pieces: list[tuple[int, float, str]], nbytes: int
 ) -> None:

@@ -111,12 +111,12 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         for i in region.ops:
             region_of[i] = g
     # what each region keeps: outputs of its SAVE ops that no later op of the region writes
-    written: dict[int, int] = {}  # root -> last op of its own region that writes it in place
+    written: set[int] = set()  # roots an op of their own region writes in place
     for op in trace.ops:
         g = region_of.get(op.index, -1)
         for t in op.mutates:
             if g >= 0 and region_of.get(maker.get(root[t], -1)) == g:
-                written[root[t]] = op.index
+                written.add(root[t])
     kept: list[set[int]] = [set() for _ in regions]
     for g, region in enumerate(regions):
         for i in region.save:

@@ -141,7 +141,7 @@ class _Builder(TraceBuilder):
             dst = _string(number, record, "DST")
             self._check_new(number, dst)
             copy = self._new(dst, 0, alias_of=source)
-            self._op("alias", (source,), (copy,), 0.0)
+            self.op("alias", (source,), (copy,), 0.0, phase=self.phase)
         elif kind == "RELEASE":
             self.release(self._lookup(number, _string(number, record, "NAME")))
         else:  # ANNOTATE
@@ -203,7 +203,7 @@ class _Builder(TraceBuilder):
                 outputs.append(self._new(name, call.memory[name]))
             else:
                 outputs.append(self._new(name, 0, alias_of=call.args[index]))
-        self._op(call.name, call.args, tuple(outputs), call.cost)
+        self.op(call.name, call.args, tuple(outputs), call.cost, phase=self.phase)
         self.call = None
 
     def _mutate(self, number: int, record: dict[str, object]) -> None:
@@ -214,17 +214,7 @@ class _Builder(TraceBuilder):
         ):
             raise _error(number, f"MUTATE must list argument positions of ARGS, got {positions!r}")
         mutates = tuple(dict.fromkeys(args[p] for p in positions))
-        self._op(_string(number, record, "NAME"), args, (), _time(number, record), mutates)
-
-    def _op(
-        self,
-        name: str,
-        inputs: tuple[int, ...],
-        outputs: tuple[int, ...],
-        cost: float,
-        mutates: tuple[int, ...] = (),
-    ) -> None:
-        self.op(name, inputs, outputs, cost, mutates, phase=self.phase)
+        self.op(_string(number, record, "NAME"), args, (), _time(number, record), mutates, self.phase)
 
     def _new(self, name: str, nbytes: int, alias_of: int | None = None, constant: bool = False) -> int:
         tensor = self.tensor(nbytes, alias_of=alias_of, constant=constant)
