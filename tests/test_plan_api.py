@@ -302,3 +302,23 @@ def test_block_key_follows_the_model_structure() -> None:
     assert key("stem.1") == "stem.1"  # a plain Sequential holds blocks
     assert key("head") == "head"
     assert key("Module") == "Module"  # the root's own ops, named after its class by the capture
+
+
+SUFFIX = ", keeping matmul, convolution and attention outputs"
+
+
+def test_keeping_compute_keeps_matmul_outputs_and_replays_less() -> None:
+    from remat.planner.problem import chain_from_trace
+    from remat.planner.search import Step, keeping_compute, simple
+
+    trace, _, _ = _traced("gpt2")
+    step = Step(trace)
+    plain = simple(step, chain_from_trace(trace))
+    kept = keeping_compute(step, plain)
+    assert kept and len(kept) <= len(plain)
+    for candidate in kept:
+        saved = {i for _, ops in candidate.regions for i in ops.save}
+        assert saved and all(trace.ops[i].packet in {"mm", "addmm", "bmm", "baddbmm"} for i in saved)
+        base = next(c for c in plain if candidate.notes.removesuffix(SUFFIX) == c.notes)
+        assert candidate.pred.recompute_cost < base.pred.recompute_cost
+        assert candidate.pred.peak_bytes >= base.pred.peak_bytes
