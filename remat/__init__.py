@@ -8,7 +8,7 @@ evicting and recomputing online. ``remat.memory`` measures what it all costs.
 """
 
 from remat import memory, policy, trace, zoo
-from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError
+from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
 from remat.checkpoint import checkpoint
 from remat.dynamic import dynamic
 from remat.planner.api import plan
@@ -27,6 +27,7 @@ __all__ = [
     "RecomputationError",
     "RecomputeAll",
     "RematError",
+    "RematRuntimeError",
     "RematTypeError",
     "RematValueError",
     "SaveComputeIntensive",

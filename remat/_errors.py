@@ -19,6 +19,10 @@ class RematTypeError(RematError, TypeError):
     """An argument has the wrong type (a non-callable function, a ratio where bytes are needed)."""
 
 
+class RematRuntimeError(RematError, RuntimeError):
+    """What was asked cannot be done in the current state (another profiler session is running)."""
+
+
 class RecomputationError(RematError, RuntimeError):
     """A recomputation did not reproduce what the forward pass computed."""
 

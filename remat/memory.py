@@ -1,6 +1,6 @@
 """Honest memory measurement: live tensor bytes on CPU (counted) and CUDA (allocator statistics).
 
-PyTorch keeps no allocator statistics on CPU, so ``track`` counts them itself: a dispatch mode sees
+PyTorch keeps no allocator statistics on CPU, so ``track`` counts tensors itself: a dispatch mode sees
 every ATen op run inside the block, and each new storage an op creates is counted once, from its
 creation until the storage itself dies (a finalizer on the storage object, which PyTorch keeps
 alive exactly as long as the memory). Views and in-place results share an existing storage and
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._errors import RematValueError, message
+from remat import _allocator
+from remat._errors import RematRuntimeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
 
 __all__ = ["MemorySample", "MemoryTracker", "format_bytes", "parse_budget", "parse_bytes", "track"]
@@ -108,12 +109,20 @@ class _StorageCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def track(device: torch.device | str = "cpu", timeline: bool = True) -> Iterator[MemoryTracker]:
+def track(
+    device: torch.device | str = "cpu", timeline: bool = True, allocator: bool = False
+) -> Iterator[MemoryTracker]:
     """Measure the tensor memory a block of code adds on ``device``.
 
     ``with remat.memory.track() as m: loss = model(x).sum(); loss.backward()`` then ``m.peak_bytes``
     is the highest number of live tensor bytes during the block, ``m.current_bytes`` those still
     live, and ``m.timeline`` one sample per op (``timeline=False`` skips it for long runs).
+
+    ``allocator=True`` counts on CPU what the allocator itself hands out (``remat._allocator``,
+    through PyTorch's profiler): also the buffers kernels allocate and free while they run and
+    whatever code no dispatch mode sees allocates (a ``torch.compile``d graph). Then
+    ``peak_bytes`` and ``current_bytes`` are set when the block ends, and the timeline (tensor
+    bytes) leaves those buffers out. On CUDA the allocator's statistics are always used.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -127,8 +136,22 @@ def track(device: torch.device | str = "cpu", timeline: bool = True) -> Iterator
                 "pass 'cpu' or 'cuda'",
             )
         )
+    if allocator and dev.type == "cpu" and not _allocator.available():
+        raise RematRuntimeError(
+            message(
+                "memory.track",
+                "allocator=True on CPU needs PyTorch's profiler, which is already running",
+                "a torch.profiler session is active",
+                "measure outside that session, or pass allocator=False",
+            )
+        )
     tracker = MemoryTracker(device=dev)
     counter = _StorageCounter(tracker, timeline)
+    if allocator and dev.type == "cpu":
+        with _allocator.account() as account, counter:
+            yield tracker
+        tracker.peak_bytes, tracker.current_bytes = account.peak_bytes, account.current_bytes
+        return
     with counter:
         yield tracker
     if counter.on_cuda:

@@ -109,3 +109,22 @@ def test_cuda_uses_allocator_statistics(device: torch.device) -> None:
         a = torch.empty(2**20, device=device)
         del a
     assert m.peak_bytes >= 4 * 2**20
+
+
+def test_allocator_counts_what_no_dispatch_mode_sees() -> None:
+    # torch.get_rng_state allocates its tensor without an ATen op: the allocator sees it.
+    with remat.memory.track(allocator=True) as allocator, remat.memory.track() as tensors:
+        state = torch.get_rng_state()
+        y = torch.ones(100)
+    assert tensors.peak_bytes == 400
+    assert allocator.peak_bytes == allocator.current_bytes == 400 + state.untyped_storage().nbytes()
+    del y
+
+
+def test_allocator_refuses_to_start_inside_another_profiler() -> None:
+    track = remat.memory.track(allocator=True)
+    with (
+        torch.profiler.profile(),
+        pytest.raises(remat.RematRuntimeError, match=r"remat\.memory\.track: allocator=True"),
+    ):
+        track.__enter__()

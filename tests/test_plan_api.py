@@ -47,8 +47,9 @@ def _traced(name: str) -> tuple[Trace, int, int]:
 
 def _plan(name: str, solver: str) -> Plan:
     trace, base, low = _traced(name)
-    # sqrt ignores the budget: give it room; the others get one between the minimum and the plain peak
-    budget = base if solver == "sqrt" else (low + base) // 2
+    # sqrt ignores the budget: give it room (on tiny models its regions' copies of the generator
+    # state cost more than they save); the others get one between the minimum and the plain peak
+    budget = 2 * base if solver == "sqrt" else (low + base) // 2
     options: dict[str, Any] = MILP if solver == "milp" else {}
     return plan_trace(trace, budget, solver=solver, **options)
 
@@ -67,9 +68,14 @@ def test_applied_plan_is_transparent(name: str, solver: str) -> None:
     assert_same(plain, ran)
 
 
+# Python numbers passed to ops become 0-dim tensors before dispatch, so no trace sees them; the
+# allocator does (8 bytes each, a few alive at a time).
+SCALARS = 256
+
+
 def _measured_peak(model: nn.Module, inputs: dict[str, Any], plan: Plan | None) -> int:
     model.zero_grad(set_to_none=True)
-    with remat.memory.track(timeline=False) as tracked:
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
         if plan is None:
             loss = loss_of(model(**inputs))
         else:
@@ -94,11 +100,13 @@ def test_plain_step_measures_the_baseline_and_the_plan_less(name: str) -> None:
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_measured_peak_is_the_predicted_one(name: str, solver: str) -> None:
     """The prediction replays the step with the executor's semantics (NOTE [region model]), so the
-    measured peak is at most the predicted one, and within 1% of it; hence within the budget."""
+    peak the allocator measures (kernels' scratch buffers and the tape's generator states
+    included) is at most the predicted one, and within 1% of it; hence within the budget."""
     plan = _plan(name, solver)
     model, batch, _ = build(name)
     planned = _measured_peak(model, batch(0), plan)
-    assert planned <= plan.predicted_peak_bytes <= plan.budget_bytes
+    assert planned <= plan.predicted_peak_bytes + SCALARS
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert planned >= 0.99 * plan.predicted_peak_bytes
 
 

@@ -59,3 +59,18 @@ def test_without_placed_saves_the_prediction_still_recomputes_the_region() -> No
     trace = dataclasses.replace(_two_regions(), saved_at=())
     pred = predict(trace, [RegionOps((3, 4, 5, 6))], ["B"])
     assert pred.recomputed == (frozenset({trace.ops[4].outputs[0]}),)
+
+
+def test_scratch_counts_where_the_op_runs_and_where_it_is_replayed() -> None:
+    """A kernel's scratch buffer (``Op.scratch``) is live while the op runs, in the forward (beside
+    h, n and m: 13000) and again when region B replays the op before op 7 (beside h, n, z and the
+    replayed m: 13004)."""
+    plain = _two_regions()
+    ops = list(plain.events)
+    i = next(k for k, e in enumerate(ops) if getattr(e, "index", None) == 3)  # mlp, in region B
+    ops[i] = dataclasses.replace(ops[i], scratch=10_000)
+    trace = dataclasses.replace(plain, events=tuple(ops))
+    forward = predict(trace, [])
+    assert (forward.peak_bytes, forward.peak_op) == (13_000, 3)
+    replayed = predict(trace, [RegionOps((3, 4, 5, 6))], ["B"])
+    assert (replayed.peak_bytes, replayed.peak_at) == (13_004, "op 7 ln_backward in (top level), replaying B")

@@ -28,7 +28,7 @@ def test_views_alias_their_storage_and_in_place_ops_mutate() -> None:
         v.add_(1)  # in place: mutates v, makes nothing
         del y, v
 
-    trace = capture(step, repeats=1)
+    trace = capture(step, repeats=1, scratch=False)
     mul, view, add = trace.ops
     assert mul.name == "aten.mul.Tensor" and trace.tensors[mul.inputs[0]].constant
     y = trace.tensors[mul.outputs[0]]
@@ -140,7 +140,7 @@ def test_replay_follows_memory_track_op_by_op(optimizer: str | None) -> None:
     with saved_tensors_hooks(lambda t: t, lambda t: t), remat.memory.track() as m:
         step()
     net.zero_grad(set_to_none=True)
-    trace = capture(step, repeats=1)
+    trace = capture(step, repeats=1, scratch=False)  # track counts tensors, not kernels' buffers
     measured = [s.bytes for s in m.timeline if not s.op.startswith("profiler.")]
     assert [made for _, made in live_bytes(trace)] == measured
     assert trace.activation_peak_bytes == m.peak_bytes
@@ -167,3 +167,38 @@ def test_hooks_are_removed_even_when_the_step_fails() -> None:
         capture(step)
     assert [len(h) for h in hooks] == before
     assert capture(lambda: torch.ones(3) + 1).ops[0].phase is Phase.FORWARD
+
+
+def test_scratch_is_what_the_allocator_sees_beyond_the_tensors() -> None:
+    # A CPU convolution unfolds or reorders its input in buffers it frees before returning: no
+    # tensor of the trace, but memory. The capture measures it per op, and replaying the trace
+    # then gives the peak the allocator itself reports.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(8, 4, 7, padding=3), nn.ReLU())
+    x = torch.randn(2, 8, 64, 64)
+
+    def step() -> None:
+        net(x).square().mean().backward()
+
+    step()
+    net.zero_grad(set_to_none=True)
+    with remat.memory.track(timeline=False) as tensors_only, remat.memory.track(allocator=True) as allocator:
+        step()
+    net.zero_grad(set_to_none=True)
+    trace = capture(step, repeats=1)
+    net.zero_grad(set_to_none=True)
+    without = capture(step, repeats=1, scratch=False)
+    assert without.activation_peak_bytes == tensors_only.peak_bytes
+    assert any(op.scratch > 0 for op in trace.ops if "convolution" in op.name)
+    assert allocator.peak_bytes > tensors_only.peak_bytes
+    assert abs(trace.activation_peak_bytes - allocator.peak_bytes) <= 256  # Python numbers' 0-dim tensors
+
+
+def test_batch_norm_runs_once_so_its_statistics_move_once() -> None:
+    torch.manual_seed(0)
+    net, twin = nn.BatchNorm1d(8), nn.BatchNorm1d(8)
+    x = torch.randn(16, 8)
+    net(x).sum().backward()
+    capture(lambda: twin(x).sum().backward(), repeats=3)
+    assert torch.equal(net.running_mean, twin.running_mean) and torch.equal(net.running_var, twin.running_var)
+    assert int(net.num_batches_tracked) == int(twin.num_batches_tracked) == 1

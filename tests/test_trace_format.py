@@ -64,7 +64,7 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
     trace = Trace(
         tensors=(TensorInfo(0, 8, constant=True), TensorInfo(1, 0, 0, True, (2,), "int32"), TensorInfo(2, 3)),
         events=(
-            Op(0, "custom", (0, 1), (2,), (1,), 0.1, 0.2, Phase.OPTIMIZER, "a.b", True),
+            Op(0, "custom", (0, 1), (2,), (1,), 0.1, 0.2, Phase.OPTIMIZER, "a.b", True, 640),
             Op(1, "other", (2,), ()),
             Release(2),
             Release(1),
@@ -138,6 +138,11 @@ MALFORMED = {
         _replace(6, GOOD[5].replace('"outputs":[2]', '"outputs":[2],"mutates":[0]')),
         6,
         "mutates only tensors among its inputs",
+    ),
+    "negative scratch": (
+        _replace(5, GOOD[4].replace('"cost":1e-06', '"cost":1e-06,"scratch":-8')),
+        5,
+        "scratch bytes must not be negative",
     ),
     "negative cost": (_replace(5, GOOD[4].replace('"cost":1e-06', '"cost":-1')), 5, "costs must be finite"),
     "bad phase": (_replace(5, GOOD[4].replace('"forward"', '"sideways"')), 5, "phase must be one of"),

@@ -32,18 +32,19 @@ def test_replay_peak_equals_measured_peak(name: str) -> None:
     step()
     model.zero_grad(set_to_none=True)
     gc.collect()
-    with remat.memory.track(timeline=False) as m:
+    with remat.memory.track(timeline=False, allocator=True) as m:
         step()
     model.zero_grad(set_to_none=True)
     trace = capture(step, repeats=1)
     assert m.peak_bytes > 0
-    assert abs(trace.activation_peak_bytes - m.peak_bytes) <= max(0.01 * m.peak_bytes, 2**20)
-    assert trace.activation_peak_bytes == m.peak_bytes  # in fact exact on CPU
+    # exact on CPU but for the 0-dim tensors Python numbers become before dispatch (8 bytes each),
+    # which the allocator counts and no trace sees; kernels' scratch buffers are in the trace
+    assert abs(trace.activation_peak_bytes - m.peak_bytes) <= 256
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_fake_tensors_trace_the_same_step(name: str) -> None:
-    real = capture(*zoo.build(name, tiny=True), repeats=1)
+    real = capture(*zoo.build(name, tiny=True), repeats=1, scratch=False)  # fake kernels allocate nothing
     fake = capture(*zoo.build(name, tiny=True, fake=True))
     assert fake.source == "capture-fake" and fake.total_cost == 0.0
 

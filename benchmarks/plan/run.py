@@ -2,7 +2,8 @@
 
 For each model: trace one step, plan it at several budgets (``solver="auto"``), then run the plain
 step, each plan and ``torch.utils.checkpoint`` around every block, measuring the peak of the step's
-tensor bytes with ``remat.memory.track`` and the step time interleaved (median of ``--repeats``
+memory with ``remat.memory.track(allocator=True)`` (the CPU allocator's own count: tensors and
+kernels' scratch buffers) and the step time interleaved (median of ``--repeats``
 rounds, each strategy timed once per round, the ratio to the plain step taken per round; the
 time is the process's CPU time, since the machine is shared). Writes
 ``results.json``; README.md holds the table.
@@ -85,7 +86,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     def step(ctx: Callable[[], Any], track: bool) -> int:
         model.zero_grad(set_to_none=True)
-        with remat.memory.track(timeline=False) if track else contextlib.nullcontext() as t:
+        with remat.memory.track(timeline=False, allocator=True) if track else contextlib.nullcontext() as t:
             with ctx():
                 loss = loss_fn(model, *inputs)
             loss.backward()

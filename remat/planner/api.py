@@ -222,8 +222,9 @@ def plan(
     """Plan the recomputation of one training step of ``model`` under ``budget``.
 
     ``budget`` is bytes (an int or a string such as ``"2GB"``) or a ratio (a float in (0, 1]) of
-    the step's peak with no recomputation; the peak counted is that of the tensors the step adds
-    (``remat.memory.track`` around forward and backward). ``loss_fn(model, *example_inputs)``
+    the step's peak with no recomputation; the peak counted is that of the memory the step adds,
+    tensors and kernels' scratch buffers (``remat.memory.track(allocator=True)`` around forward
+    and backward). ``loss_fn(model, *example_inputs)``
     (``**example_inputs`` for a mapping) returns the scalar loss; by default the model's output
     or its ``.loss``. ``solver`` is a name from ``remat.planner.solvers.names()`` and ``options``
     go to it (``time_limit`` and ``max_nodes`` for ``milp``, ``slots`` for ``chain``).

@@ -4,7 +4,7 @@
     remat plan --model gpt2 --tiny --pareto --out pareto.png --json pareto.json
 
 ``--pareto`` plans the step at every ratio in ``--ratios`` with every solver in ``--solvers`` and runs
-each plan: the peak of the step's tensor bytes is measured with ``remat.memory.track``, the
+each plan: the peak of the step's memory is measured with ``remat.memory.track(allocator=True)``, the
 overhead as the median over ``--repeats`` rounds of the step's time ÷ the plain step's, timed
 interleaved in the same process. The plot shows predicted and measured peak against overhead.
 """
@@ -83,7 +83,7 @@ def _measure(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> int:
     import remat
 
     model.zero_grad(set_to_none=True)
-    with remat.memory.track(timeline=False) as tracked:
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
         with plan.apply(model) if plan is not None else contextlib.nullcontext():
             loss = loss_fn(model, *inputs)
         loss.backward()

@@ -76,8 +76,9 @@ class Region:
 class Plan:
     """A recomputation plan for one training step (see ``remat.plan``).
 
-    ``predicted_peak_bytes`` is the peak of the tensor bytes the step adds (what
-    ``remat.memory.track`` measures around forward and backward) when the plan runs, and
+    ``predicted_peak_bytes`` is the peak of the bytes the step adds, tensors and kernels' scratch
+    buffers (what ``remat.memory.track(allocator=True)`` measures around forward and backward)
+    when the plan runs, and
     ``baseline_peak_bytes`` the same with no recomputation; ``predicted_overhead`` is the step's
     compute with the recomputation ÷ without. ``solver``, ``solve_seconds`` and ``gap`` (the
     proven optimality gap of the solver's own model, None for a heuristic) say how the plan was

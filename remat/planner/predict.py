@@ -32,6 +32,10 @@ NOTE [region model]
   target comes back (a dropped one) or is made again beside the original (a kept one); values only
   the replay needs die after their last reader in it. A target then lives until the plain step
   releases it. Compute: the replayed ops' costs, once per backward.
+- Besides tensors: while an op runs, its kernel's scratch buffers (``Op.scratch``) are live, in the
+  forward and in a replay; the tape copies the generator's state for each random op it records
+  (on CPU, where that state is memory of the device), held like a batch-norm snapshot, and a
+  replay that runs a random op saves the state around itself.
 """
 
 from __future__ import annotations
@@ -40,10 +44,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from remat._replay import _UNANNOTATED_WRITES
 from remat.trace.types import Op, Phase, Trace
 
 __all__ = ["Prediction", "RegionOps", "predict"]
+
+# What the tape copies of the CPU generator for each random op it records (``torch.get_rng_state``).
+_CPU_RNG_STATE_BYTES = torch.get_rng_state().untyped_storage().nbytes()
 
 
 @dataclass(frozen=True)
@@ -211,6 +220,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     snapshots: dict[int, int] = {}  # op -> bytes of the copies the tape takes of what it writes
     unsnap_after: dict[int, int] = {}
     end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
+    rng_bytes = _CPU_RNG_STATE_BYTES if trace.device == "cpu" else 0  # a CUDA state lives on the host
     for g, region in enumerate(regions):
         if not region.ops:
             continue
@@ -227,10 +237,11 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         for i in region.ops:
             op = trace.ops[i]
             written_outside = [t for t in _writes(op) if region_of.get(maker.get(root[t], -1)) != g]
-            if written_outside:
-                snapshots[i] = snapshots.get(i, 0) + sum(tensors[t].view_bytes for t in written_outside)
+            copied = sum(tensors[t].view_bytes for t in written_outside) + (rng_bytes if op.random else 0)
+            if copied:
+                snapshots[i] = snapshots.get(i, 0) + copied
                 after = death if i in need[g] else last
-                unsnap_after[after] = unsnap_after.get(after, 0) + snapshots[i]
+                unsnap_after[after] = unsnap_after.get(after, 0) + copied
             outs = [root[t] for t in op.outputs if maker.get(root[t]) == i]
             reads = [root[t] for t in op.inputs]
             for r in [*reads, *outs]:
@@ -268,7 +279,8 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         for op in ops:
             for t in op.inputs:
                 last_use[root[t]] = op.index
-        transient: dict[int, int] = {}
+        # the replay saves the generator's state and restores it after (``remat._replay``)
+        transient: dict[int, int] = {-1: rng_bytes if any(op.random for op in ops) else 0}
         name = names[g] if g < len(names) else f"region {g}"
         for op in ops:
             recompute += cost[op.index]
@@ -285,8 +297,8 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                         made += copies[r]
                 else:
                     transient[r] = tensors[r].nbytes
-            sample(before, made + sum(transient.values()), name)
-            for r in [r for r in transient if last_use.get(r, -1) <= op.index]:
+            sample(before, made + sum(transient.values()) + op.scratch, name)
+            for r in [r for r in transient if r >= 0 and last_use.get(r, -1) <= op.index]:
                 del transient[r]
 
     def release(r: int) -> None:
@@ -317,7 +329,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
                     handles[r] += 1
                     holds[r] = holds.get(r, 0) + 1
             made += snapshots.get(event.index, 0)
-            sample(event, made)
+            sample(event, made + event.scratch)
             for r in drop_after.get(event.index, ()):
                 if holds.get(r, 0) > 0:
                     pending.add(r)

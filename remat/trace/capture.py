@@ -42,7 +42,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from remat._allocator import scratch_of
 from remat._errors import RematTypeError, RematValueError, message
+from remat._replay import _UNANNOTATED_WRITES
 from remat.trace import cost
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
 
@@ -57,6 +59,9 @@ _MODULE_KEY = "remat.trace.module"
 _SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
 
 Geometry = tuple[Any, ...]  # (storage offset, shape, stride, dtype)
+
+# Scratch bytes by op signature, shared by all captures of the process (see ``_Recorder._scratch``).
+_SCRATCH: dict[tuple[Any, ...], int] = {}
 
 
 @dataclass
@@ -77,6 +82,7 @@ class _OpRecord:
     phase: Phase | None  # None: decided at the end, see NOTE [phases]
     module: str
     random: bool
+    scratch: int
 
 
 def _geometry(t: torch.Tensor) -> Geometry:
@@ -95,9 +101,10 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 class _Recorder(TorchDispatchMode):
     """Records ops and storage deaths; see NOTE [trace identity]."""
 
-    def __init__(self, repeats: int, progress: Callable[[int], None] | None) -> None:
+    def __init__(self, repeats: int, progress: Callable[[int], None] | None, scratch: bool = True) -> None:
         super().__init__()
         self.repeats = repeats
+        self.scratch = scratch
         self.progress = progress
         self.tensors: list[TensorInfo] = []
         self.events: list[_OpRecord | Release] = []
@@ -188,8 +195,14 @@ class _Recorder(TorchDispatchMode):
         handles = [self.handle(t) for t in leaves]
         written = [(t, h) for t, h in zip(*self._written(func, args, kwargs), strict=True) if h is not None]
         random = torch.Tag.nondeterministic_seeded in func.tags
-        pure = func.namespace == "aten" and not (written or random)  # safe to run again
+        # safe to run again: batch norm writes its running statistics without saying so
+        pure = (
+            func.namespace == "aten"
+            and not (written or random)
+            and str(func).rsplit(".", 1)[0] not in _UNANNOTATED_WRITES
+        )
         out, seconds = self._run(func, args, kwargs, leaves, repeat=pure)
+        scratch = self._scratch(func, args, kwargs, leaves) if pure and seconds > 0 else 0
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
         returns = self._returns(func)
@@ -207,7 +220,7 @@ class _Recorder(TorchDispatchMode):
         inputs = tuple(h for h in handles if h is not None)
         mutates = tuple(dict.fromkeys(h for _, h in written))
         self.events.append(
-            _OpRecord(str(func), inputs, tuple(outputs), mutates, seconds, phase, module, random)
+            _OpRecord(str(func), inputs, tuple(outputs), mutates, seconds, phase, module, random, scratch)
         )
         if phase in (Phase.FORWARD, None) and torch.is_grad_enabled():
             self._tag_nodes(leaves, handles)
@@ -273,6 +286,33 @@ class _Recorder(TorchDispatchMode):
                     return out, 0.0  # nothing ran: fake and meta tensors have no time
             del result
         return out, statistics.median(times)
+
+    def _scratch(
+        self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: list[torch.Tensor]
+    ) -> int:
+        """The bytes the op's kernel allocates and frees while it runs (``Op.scratch``), measured on
+        one more run of the op (pure ops only) under the allocator's account
+        (``remat._allocator``), once per signature: the op, its tensors' geometry and its other
+        arguments."""
+        if not self.scratch or not leaves:
+            return 0
+        signature = (
+            str(func),
+            torch.get_num_threads(),
+            *(
+                (t.device, t.dtype, tuple(t.shape), tuple(t.stride()))
+                if isinstance(t, torch.Tensor)
+                else repr(t)
+                for t in tree_leaves((args, kwargs))
+            ),
+        )
+        known = _SCRATCH.get(signature)
+        if known is None:
+            measured = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
+            if measured is None:
+                return 0
+            known = _SCRATCH[signature] = measured
+        return known
 
     def _where(self) -> tuple[Phase | None, str]:
         if self.in_optimizer:
@@ -357,7 +397,19 @@ class _Recorder(TorchDispatchMode):
                     Phase.FORWARD if index < first else Phase.BACKWARD if index < last else Phase.OPTIMIZER
                 )
             events.append(
-                Op(index, e.name, e.inputs, e.outputs, e.mutates, e.cost, 0.0, phase, e.module, e.random)
+                Op(
+                    index,
+                    e.name,
+                    e.inputs,
+                    e.outputs,
+                    e.mutates,
+                    e.cost,
+                    0.0,
+                    phase,
+                    e.module,
+                    e.random,
+                    e.scratch,
+                )
             )
             index += 1
         source = "capture-fake" if self.fake else "capture"
@@ -388,6 +440,7 @@ def capture(
     repeats: int = ...,
     device: cost.DeviceProfile | str | None = ...,
     progress: Callable[[int], None] | None = ...,
+    scratch: bool = ...,
 ) -> Trace: ...
 
 
@@ -402,6 +455,7 @@ def capture(
     repeats: int = ...,
     device: cost.DeviceProfile | str | None = ...,
     progress: Callable[[int], None] | None = ...,
+    scratch: bool = ...,
 ) -> Trace: ...
 
 
@@ -415,6 +469,7 @@ def capture(
     repeats: int = 3,
     device: cost.DeviceProfile | str | None = None,
     progress: Callable[[int], None] | None = None,
+    scratch: bool = True,
 ) -> Trace:
     """Run one training step and return its Trace.
 
@@ -427,7 +482,10 @@ def capture(
     Each op's ``cost`` is the median of ``repeats`` timed runs (ops that mutate, draw random
     numbers or are not ATen ops run once; 0.0 on fake tensors); ``est_cost`` comes from
     ``remat.trace.cost`` for ``device`` (a profile or preset name; default by the trace's
-    device). ``progress(n)`` is called every 256 ops.
+    device). ``progress(n)`` is called every 256 ops. With ``scratch`` (the default), each pure
+    op's ``scratch`` (the buffers its kernel allocates and frees while it runs) is measured on one
+    more run of the op, once per op signature and process; on CPU through the profiler, so not
+    while another profiler runs (it is then 0).
     """
     if repeats < 1:
         raise RematValueError(
@@ -456,7 +514,7 @@ def capture(
                 "pass a function that runs one training step",
             )
         )
-    recorder = _Recorder(repeats, progress)
+    recorder = _Recorder(repeats, progress, scratch)
     if isinstance(step, nn.Module):
         recorder.name_modules(step)
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), recorder.hooks():

@@ -37,7 +37,19 @@ FORMAT = "remat-trace"
 VERSION = 1
 
 _TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved", "saved_at"}
-_OP_FIELDS = {"op", "name", "inputs", "outputs", "mutates", "cost", "est_cost", "phase", "module", "random"}
+_OP_FIELDS = {
+    "op",
+    "name",
+    "inputs",
+    "outputs",
+    "mutates",
+    "cost",
+    "est_cost",
+    "phase",
+    "module",
+    "random",
+    "scratch",
+}
 _HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"}
 _PHASES = {p.value: p for p in Phase}
 
@@ -127,6 +139,8 @@ class _Checker:
         for value, label in ((e.cost, "cost"), (e.est_cost, "est_cost")):
             if not (math.isfinite(value) and value >= 0):
                 raise _Invalid("costs must be finite and not negative", f"op {e.index} has {label} {value}")
+        if e.scratch < 0:
+            raise _Invalid("scratch bytes must not be negative", f"op {e.index} has scratch {e.scratch}")
         for t in e.inputs:
             self._known(t, f"op {e.index} ({e.name})")
             if t not in self.made:
@@ -381,6 +395,8 @@ def _op_record(op: Op) -> dict[str, Any]:
         record["module"] = op.module
     if op.random:
         record["random"] = True
+    if op.scratch:
+        record["scratch"] = op.scratch
     return record
 
 
@@ -455,6 +471,7 @@ def _op(record: dict[str, Any]) -> Op:
         phase=_PHASES[phase],
         module=_typed(record, "module", str, what, ""),
         random=_typed(record, "random", bool, what, False),
+        scratch=_typed(record, "scratch", int, what, 0),
     )
 
 

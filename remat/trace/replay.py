@@ -2,15 +2,17 @@
 
 This is the reference every budgeted simulation is measured against (a budget ratio is a fraction
 of this peak) and the check that a capture is faithful: for a real CPU step, the activation peak
-replayed here equals what ``remat.memory.track`` measured around the same step.
+replayed here equals what ``remat.memory.track(allocator=True)`` measured around the same step.
 
 NOTE [replay semantics] Constants are allocated before the first event. An op allocates each
 output that owns a storage; an alias output adds a handle to its storage and allocates nothing.
 A Release drops one handle; a storage is freed when its last handle is released. Live bytes are
 sampled after each op, as ``remat.memory.track`` samples them, so a storage an op makes and the
-next release frees still counts at that op. Two figures come out of one pass: with constants
+next release frees still counts at that op; the op's scratch (``Op.scratch``: what its kernel
+held while it ran) is added to its sample. Two figures come out of one pass: with constants
 (``peak_bytes``, the DTR convention) and without (``activation_peak_bytes``, what the step added,
-which is what ``remat.memory.track`` reports).
+which is what ``remat.memory.track(allocator=True)`` reports, and without scratch what
+``remat.memory.track()`` reports).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def _walk(trace: Trace) -> tuple[list[tuple[int, int]], int, int]:
                 if handles[r] == 0:
                     made += trace.tensors[r].nbytes
                 handles[r] += 1
-            samples.append((constant + made, made))
+            samples.append((constant + made + event.scratch, made + event.scratch))
         else:
             r = roots[event.tensor]
             handles[r] -= 1

@@ -93,7 +93,9 @@ class Op:
     """One op call: reads ``inputs``, creates ``outputs``, writes ``mutates`` (a subset of inputs)
     in place. ``index`` is the op's position among the trace's ops (0, 1, 2, ...; releases are not
     counted), so ``trace.ops[op.index] is op``. ``cost`` is measured (seconds), ``est_cost`` the
-    cost model's estimate."""
+    cost model's estimate. ``scratch`` is the bytes the op's kernel allocates for itself and frees
+    before it returns (a convolution's unfolded input, a reordered weight), held beside its
+    inputs and outputs while it runs: no tensor of the trace, but part of the memory peak."""
 
     index: int
     name: str
@@ -105,6 +107,7 @@ class Op:
     phase: Phase = Phase.UNKNOWN
     module: str = ""
     random: bool = False
+    scratch: int = 0
 
     @property
     def packet(self) -> str:
@@ -169,8 +172,8 @@ class Trace:
 
     @property
     def activation_peak_bytes(self) -> int:
-        """Peak live bytes of the storages the step itself made, constants excluded: what
-        ``remat.memory.track`` measures around the same step."""
+        """Peak live bytes of the storages the step itself made and of its ops' scratch, constants
+        excluded: what ``remat.memory.track(allocator=True)`` measures around the same step."""
         return self.replay.activation_peak_bytes
 
     @property

@@ -1,0 +1,124 @@
+"""The CPU allocator's own account of a block of code, from PyTorch's profiler.
+
+PyTorch keeps no allocator statistics on CPU, and a dispatch mode sees only the tensors ops return:
+not the buffers a kernel allocates for itself and frees before it returns (a convolution's
+unfolded input, a batch norm's temporaries), nor anything a compiled graph allocates. The
+profiler, with memory profiling on, is told of every allocation and free the CPU allocator makes,
+with its address and size. Summed in time order they give the bytes the block held at each
+moment; a free counts only when its allocation happened inside the block, so what existed before
+(parameters, inputs, a previous step's gradients) is left out, as in ``remat.memory.track``.
+
+The profiler's start and stop print a line each on the process's standard error (from C++); those
+two calls run with it sent to /dev/null.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._C._autograd import _profiler_enabled
+from torch._C._profiler import (
+    ProfilerActivity,
+    ProfilerConfig,
+    ProfilerState,
+    _EventType,
+    _ExperimentalConfig,
+)
+from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
+
+__all__ = ["Account", "account", "available", "scratch_of"]
+
+
+@dataclass
+class Account:
+    """What the CPU allocator held during an ``account`` block beyond what it held before; set when
+    the block ends."""
+
+    peak_bytes: int = 0
+    current_bytes: int = 0
+
+
+def available() -> bool:
+    """Whether an account can start now (the profiler cannot run twice at once)."""
+    return not _profiler_enabled()
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _events(nodes: list[Any]) -> Iterator[Any]:
+    for n in nodes:
+        yield n
+        yield from _events(n.children)
+
+
+@contextlib.contextmanager
+def account() -> Iterator[Account]:
+    """Count the CPU allocator's allocations and frees inside the block (see the module docstring).
+    The caller checks ``available()`` first."""
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    activities = {ProfilerActivity.CPU}
+    result = Account()
+    with _quiet_stderr():
+        _prepare_profiler(config, activities)
+        _enable_profiler(config, activities)
+    try:
+        yield result
+    finally:
+        with _quiet_stderr():
+            profile = _disable_profiler()
+    allocations = sorted(
+        (e for e in _events(profile.experimental_event_tree()) if e.tag == _EventType.Allocation),
+        key=lambda e: e.start_time_ns,
+    )
+    live: dict[int, int] = {}
+    for e in allocations:
+        fields = e.extra_fields
+        if fields.device.type != "cpu":
+            continue
+        size, ptr = fields.alloc_size, fields.ptr
+        if size > 0:
+            live[ptr] = size
+        elif live.pop(ptr, None) is None:
+            continue
+        result.current_bytes += size
+        result.peak_bytes = max(result.peak_bytes, result.current_bytes)
+
+
+def scratch_of(run: Any, device: torch.device) -> int | None:
+    """Bytes ``run()`` allocates beyond what it still holds when it returns, at its peak: the
+    buffers a kernel frees before returning. None when it cannot be measured now."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = run()
+        after = torch.cuda.memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        del out
+        return max(0, peak - after)
+    if device.type != "cpu" or not available():
+        return None
+    with account() as acc:
+        out = run()
+    del out
+    return max(0, acc.peak_bytes - acc.current_bytes)
