@@ -44,7 +44,7 @@ class MemoryTracker:
     current_bytes: int = 0
     peak_bytes: int = 0
     timeline: list[MemorySample] = field(default_factory=list)
-    ops: int = 0
+    ops: int = 0  # ATen ops the block ran, counted only where a dispatch mode runs (see ``track``)
 
     def __str__(self) -> str:
         return (
@@ -60,17 +60,14 @@ def _alias_returns(func: Any) -> tuple[bool, ...]:
 class _StorageCounter(TorchDispatchMode):
     """Counts each new storage on ``device`` once, until it dies."""
 
-    def __init__(self, tracker: MemoryTracker, timeline: bool) -> None:
+    def __init__(self, tracker: MemoryTracker, timeline: bool, cuda_base: int) -> None:
         super().__init__()
         self.tracker = tracker
         self.keep_timeline = timeline
         self.live: dict[int, int] = {}
         self.alias_cache: dict[Any, tuple[bool, ...]] = {}
         self.on_cuda = tracker.device.type == "cuda"
-        if self.on_cuda:
-            torch.cuda.synchronize(tracker.device)
-            torch.cuda.reset_peak_memory_stats(tracker.device)
-            self.base = torch.cuda.memory_allocated(tracker.device)
+        self.base = cuda_base
 
     def _release(self, key: int) -> None:
         self.tracker.current_bytes -= self.live.pop(key, 0)
@@ -110,7 +107,7 @@ class _StorageCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def track(
-    device: torch.device | str = "cpu", timeline: bool = True, allocator: bool = False
+    device: torch.device | str = "cpu", timeline: bool | None = None, allocator: bool = False
 ) -> Iterator[MemoryTracker]:
     """Measure the tensor memory a block of code adds on ``device``.
 
@@ -121,8 +118,14 @@ def track(
     ``allocator=True`` counts on CPU what the allocator itself hands out (``remat._allocator``,
     through PyTorch's profiler): also the buffers kernels allocate and free while they run and
     whatever code no dispatch mode sees allocates (a ``torch.compile``d graph). Then
-    ``peak_bytes`` and ``current_bytes`` are set when the block ends, and the timeline (tensor
-    bytes) leaves those buffers out. On CUDA the allocator's statistics are always used.
+    ``peak_bytes`` and ``current_bytes`` are set when the block ends. On CUDA the allocator's
+    statistics are always used.
+
+    The timeline and ``m.ops`` come from a dispatch mode, and Dynamo runs no compiled code under
+    one (a ``torch.compile``d function runs eagerly inside it). So the mode runs only where it
+    must: to count tensors on CPU without ``allocator``, or when ``timeline=True`` is asked for.
+    By default (``timeline=None``) a timeline is kept only where the mode runs anyway, so that
+    ``allocator=True`` on CPU, and CUDA, measure a compiled step as compiled.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -146,15 +149,24 @@ def track(
             )
         )
     tracker = MemoryTracker(device=dev)
-    counter = _StorageCounter(tracker, timeline)
+    base = 0
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    counting = dev.type == "cpu" and not allocator
+    keep_timeline = counting if timeline is None else timeline
+    mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if counting or keep_timeline:
+        mode = _StorageCounter(tracker, keep_timeline, base)
     if allocator and dev.type == "cpu":
-        with _allocator.account() as account, counter:
+        with _allocator.account() as account, mode:
             yield tracker
         tracker.peak_bytes, tracker.current_bytes = account.peak_bytes, account.current_bytes
         return
-    with counter:
+    with mode:
         yield tracker
-    if counter.on_cuda:
+    if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-        tracker.peak_bytes = torch.cuda.max_memory_allocated(dev) - counter.base
-        tracker.current_bytes = torch.cuda.memory_allocated(dev) - counter.base
+        tracker.peak_bytes = torch.cuda.max_memory_allocated(dev) - base
+        tracker.current_bytes = torch.cuda.memory_allocated(dev) - base

@@ -128,3 +128,30 @@ def test_allocator_refuses_to_start_inside_another_profiler() -> None:
         pytest.raises(remat.RematRuntimeError, match=r"remat\.memory\.track: allocator=True"),
     ):
         track.__enter__()
+
+
+def test_allocator_tracking_runs_compiled_code_as_compiled() -> None:
+    # Dynamo runs no compiled code under a dispatch mode, so allocator=True keeps no timeline by
+    # default: the compiled graph runs, and its allocations are counted.
+    graphs_run: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        def run(*args: torch.Tensor) -> object:
+            graphs_run.append(1)
+            return gm(*args)
+
+        return run
+
+    f = torch.compile(lambda x: (x * 2).sin(), backend=backend)
+    x = torch.randn(100)
+    f(x)
+    with remat.memory.track(allocator=True) as m:
+        y = f(x)
+    assert len(graphs_run) == 2
+    assert (m.ops, m.timeline) == (0, [])
+    assert (m.peak_bytes, m.current_bytes) == (800, 400), "x * 2 and its sine, then the sine alone"
+    with remat.memory.track(allocator=True, timeline=True) as m:
+        y = f(x)
+    assert m.ops == len(m.timeline) > 0
+    assert m.peak_bytes == 800
+    del y
