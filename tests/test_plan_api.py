@@ -13,6 +13,7 @@ import pytest
 import torch
 from models import assert_same, build, loss_of, train, twin
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import remat
 from remat import Plan, RecomputationError, RematTypeError, RematValueError
@@ -216,6 +217,26 @@ def test_divergent_op_is_named_with_position_and_module(branchy: tuple[Branchy, 
     model.relu_in = 9
     with plan.apply(model):  # the same plan and model run again once the path is the traced one
         model(x).backward()
+
+
+def test_only_the_forward_runs_under_the_plans_dispatch_mode(
+    branchy: tuple[Branchy, Plan, torch.Tensor],
+) -> None:
+    model, plan, x = branchy
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with plan.apply(model):
+        model.relu_in = 1
+        with pytest.raises(RecomputationError, match="diverged"):
+            model(x)
+        model.relu_in = 9
+        loss = model(x)  # a forward that raised left the mode pushed; the next one starts over
+        assert _get_current_dispatch_mode() is None, "the loss, backward and optimizer run without it"
+        loss.backward()
+    assert _get_current_dispatch_mode() is None
+    for p, g in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
 def test_more_ops_are_refused(branchy: tuple[Branchy, Plan, torch.Tensor]) -> None:

@@ -18,6 +18,10 @@ needs it, with the RNG and batch-norm buffers handled there::
 Counting starts when the model's own forward starts (a forward pre-hook on the model) and a
 forward must run exactly the traced ops: another op, or fewer or more of them, raises
 RecomputationError with the position, the expected and the executed op and the module.
+
+The dispatch mode is pushed when the model's forward starts and popped when it returns, so the
+loss, the backward (where regions replay through their saved-tensor hooks, not through the mode)
+and the optimizer run without a Python call per op.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat._errors import RecomputationError, RematTypeError, message
 from remat._replay import Tape
@@ -74,6 +78,8 @@ class _Runner(TorchDispatchMode):
         self.region: _Region | None = None
         self.names = {m: name or type(model).__name__ for name, m in model.named_modules()}
         self.modules: list[str] = []
+        self.pushed = False
+        self.op_names: dict[Any, str] = {}
 
     # -- regions ---------------------------------------------------------------------------------
 
@@ -98,10 +104,21 @@ class _Runner(TorchDispatchMode):
             self.position = 0
             self.active = True
             self.modules = [self.names.get(module, type(module).__name__)]
+            if not self.pushed:
+                self.__enter__()
+                self.pushed = True
+
+    def pop(self) -> None:
+        """Leave the dispatch stack, if this mode is on top of it (a forward that raised may have
+        left it pushed; ``apply`` pops it at the end)."""
+        if self.pushed and _get_current_dispatch_mode() is self:
+            self.__exit__(None, None, None)
+            self.pushed = False
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
         self.stop()
         self.active = False
+        self.pop()
         if self.position != len(self.plan.ops):
             nxt = self.position
             raise RecomputationError(
@@ -147,11 +164,14 @@ class _Runner(TorchDispatchMode):
             or torch._C._current_autograd_node() is not None
         ):
             return func(*args, **kwargs)
-        if str(func) in UNCOUNTED:
+        name = self.op_names.get(func)
+        if name is None:
+            name = self.op_names[func] = str(func)
+        if name in UNCOUNTED:
             return self.tape.record(func, args, kwargs) if self.tape is not None else func(*args, **kwargs)
         i = self.position
         self.position += 1
-        if i >= len(self.plan.ops) or self.plan.ops[i] != str(func):
+        if i >= len(self.plan.ops) or self.plan.ops[i] != name:
             raise self._diverged(i, func)
         if self.open is None and i in self.starts and torch.is_grad_enabled():
             self._start(self.starts[i])
@@ -185,9 +205,10 @@ def apply(plan: Plan, model: nn.Module) -> Iterator[None]:
         nn.modules.module.register_module_forward_hook(runner.exit_module, always_call=True),
     ]
     try:
-        with runner:
-            yield
+        yield
     finally:
         runner.stop()
+        runner.active = False
+        runner.pop()
         for h in hooks:
             h.remove()
