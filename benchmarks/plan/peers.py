@@ -1,21 +1,23 @@
-"""remat.plan beside its peers, each in a process of its own, measured the same way.
+"""remat.plan beside its peers, every strategy in one process, measured the same way.
 
 Peers: the plain eager step; ``torch.utils.checkpoint`` around every block; ``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget`` at several values (its min-cut partitioner
-decides what to recompute); remat plans (made in the parent process, saved with ``Plan.save`` and
-loaded in the child), one at the measured peak of each peer, so that each peer is compared with
-the plan that fits in the memory the peer used.
+decides what to recompute); remat plans, one at the measured peak of each peer, so that each peer
+is compared with the plan that fits in the memory the peer used.
 
-A compiled step runs C++ kernels that no dispatch mode sees, so the peak is measured for every
-strategy from the process itself: ``MALLOC_MMAP_THRESHOLD_=65536`` makes large tensors go back to
-the OS when freed, the kernel's high-water mark is reset before the step
-(``/proc/self/clear_refs``) and the peak is the high-water mark minus the resident size before it.
-Time: the process's CPU time with ``--threads`` intra-op threads, median of ``--steps`` steps
-after two warm-up steps (the compile happens there); overhead is each strategy's time ÷ the time
-of its own recomputation-free twin (eager plain for eager strategies, budget 1.0 for compiled
-ones).
+Peak: a compiled step runs C++ kernels that no dispatch mode sees, so every strategy's peak is
+taken from the CPU allocator itself, for one step: ``remat.memory.track(allocator=True)``, which
+sums the allocations and frees PyTorch's profiler reports. It is in the units of
+``Plan.predicted_peak_bytes`` (tensors and kernels' scratch buffers), so a plan is made at the
+peer's peak as measured.
 
-    .venv/bin/python benchmarks/plan/peers.py --model gpt2 --steps 5 --out benchmarks/plan/peers_gpt2.json
+Time: the process's CPU time with one intra-op thread; ``--rounds`` rounds in which each strategy
+runs once, interleaved, after warm-up steps (the compiles happen there). The overhead of a
+strategy is, per round, its time ÷ the time of its own recomputation-free twin in that round (the
+eager plain step for eager strategies, compile at budget 1.0 for compiled ones), median over
+rounds.
+
+    .venv/bin/python benchmarks/plan/peers.py --model gpt2 --batch 8 --out benchmarks/plan/peers_gpt2_b8.json
 """
 
 from __future__ import annotations
@@ -23,190 +25,155 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SIZES: dict[str, dict[str, int]] = {
-    "gpt2": {"batch": 2, "seq": 256},
-    "bert": {"batch": 2, "seq": 256},
-    "resnet50": {"batch": 4, "image": 128},
-}
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+import torch._functorch.config as functorch_config  # noqa: E402
+from torch._inductor.compile_fx import compile_fx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import SIZES, blocks, per_block_checkpoint  # noqa: E402
+
+import remat  # noqa: E402
+from remat import zoo  # noqa: E402
+from remat.planner import BudgetTooSmall, Plan, plan_trace, trace_step  # noqa: E402
+from remat.planner.api import block_key  # noqa: E402
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one strategy in this process and return its peak and step times."""
-    import torch
-    from torch import nn
-
-    import remat
-    from remat import zoo
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from run import blocks, per_block_checkpoint
-
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(0)
-    wl = zoo.build(spec["model"], **spec["sizes"])
-    model: nn.Module = wl.model
-    kind = spec["kind"]
-    forward: Any = model
-    context: Any = None
-    if kind == "compile":
-        import torch._functorch.config
-
-        torch._functorch.config.activation_memory_budget = spec["budget"]
-        forward = torch.compile(model)
-    elif kind == "checkpoint":
-        context = lambda: per_block_checkpoint(blocks(spec["model"], model))  # noqa: E731
-    elif kind == "plan":
-        plan = remat.Plan.load(spec["plan"])
-        context = lambda: plan.apply(model)  # noqa: E731
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        if context is None:
-            loss = wl.loss_fn(forward(*wl.inputs))
-        else:
-            with context():
-                loss = wl.loss_fn(forward(*wl.inputs))
-        loss.backward()
-
-    for _ in range(2):
+def allocator_peak(step: Callable[[], None]) -> int:
+    """Peak bytes the CPU allocator held during ``step`` beyond what it held before."""
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
         step()
-    model.zero_grad(set_to_none=True)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
-    step()
-    peak = _status("VmHWM") - before
-    times = []
-    for _ in range(spec["steps"]):
-        start = time.process_time()
-        step()
-        times.append(time.process_time() - start)
-    return {"peak_rss": peak, "cpu_seconds": statistics.median(times)}
+    return tracked.peak_bytes
 
 
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-        "TORCHINDUCTOR_COMPILE_THREADS": str(spec["threads"]),
-    }
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def compiled_with_budget(model: torch.nn.Module, budget: float) -> Callable[..., Any]:
+    """``torch.compile(model)`` whose partitioner runs under ``activation_memory_budget=budget``."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return torch.compile(model, backend=backend)  # type: ignore[return-value]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--child")
-    parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--plans", nargs="*", type=float, default=[], help="extra plan budgets (ratios)")
+    parser.add_argument("--model", default="gpt2", choices=sorted(SIZES))
+    parser.add_argument("--batch", type=int, help="batch size (default: the model's in run.py's SIZES)")
     parser.add_argument("--compile", nargs="*", type=float, default=[1.0, 0.5, 0.2, 0.05])
-    parser.add_argument("--batch", type=int, help="batch size (default: the model's in SIZES)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds")
     parser.add_argument("--retries", type=int, default=2, help="re-plans when a plan's peak is over")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in every child")
-    parser.add_argument("--kinds", default="plain,checkpoint,compile,plan", help="strategies to run")
     parser.add_argument("--out")
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return
-    import torch
-
-    from remat import zoo
-    from remat.planner import BudgetTooSmall, plan_trace, trace_step
-    from remat.planner.api import block_key
-
-    kinds = args.kinds.split(",")
-    sizes = {**SIZES[args.model], **({"batch": args.batch} if args.batch else {})}
-    rows: list[dict[str, Any]] = []
-
-    def run(spec: dict[str, Any]) -> dict[str, Any]:
-        result = run_child(
-            {**spec, "model": args.model, "sizes": sizes, "steps": args.steps, "threads": args.threads}
-        )
-        row = {**spec, **result}
-        row.pop("plan", None)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        return row
-
-    # 1. the peers, each in its own process
-    peers = [{"kind": "plain"}, {"kind": "checkpoint"}]
-    peers += [{"kind": "compile", "budget": b} for b in args.compile]
-    measured = [run(spec) for spec in peers if spec["kind"] in kinds or spec["kind"] == "plain"]
-
-    # 2. a remat plan at each peer's measured peak: resident bytes are converted to tensor bytes
-    # with the plain step's ratio (allocator slack), so that the plan's resident peak matches
+    torch.set_num_threads(1)
     torch.manual_seed(0)
+    sizes = {**SIZES[args.model], **({"batch": args.batch} if args.batch else {})}
     wl = zoo.build(args.model, **sizes)
+    model = wl.model
 
-    def loss_fn(m: Any, *xs: Any) -> Any:
+    def stepper(forward: Callable[..., Any], context: Callable[[], Any] | None = None) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            if context is None:
+                loss = wl.loss_fn(forward(*wl.inputs))
+            else:
+                with context():
+                    loss = wl.loss_fn(forward(*wl.inputs))
+            loss.backward()
+
+        return step
+
+    # name -> (step, name of its recomputation-free twin)
+    steps: dict[str, tuple[Callable[[], None], str]] = {
+        "plain": (stepper(model), "plain"),
+        "checkpoint": (stepper(model, lambda: per_block_checkpoint(blocks(args.model, model))), "plain"),
+    }
+    twin = "compile 1.0" if 1.0 in args.compile else "plain"
+    for b in args.compile:
+        steps[f"compile {b}"] = (stepper(compiled_with_budget(model, b)), twin)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, (step, _) in steps.items():
+        start = time.process_time()
+        for _ in range(2 if name.startswith("compile") else 1):
+            step()  # warm-up; compiles
+        model.zero_grad(set_to_none=True)
+        rows[name] = {"strategy": name, "peak": allocator_peak(step), "warmup_s": time.process_time() - start}
+        print(json.dumps(rows[name]), flush=True)
+
+    def loss_fn(m: torch.nn.Module, *xs: torch.Tensor) -> torch.Tensor:
         return wl.loss_fn(m(*xs))
 
-    trace = trace_step(wl.model, wl.inputs, loss_fn, repeats=3)
-    baseline = plan_trace(trace, 1.0).baseline_peak_bytes
-    plain_rss = measured[0]["peak_rss"]
-    targets: list[tuple[str, int, int | None]] = []
-    for r in measured[1:]:
-        if "peak_rss" in r:
-            name = f"{r['kind']} {r.get('budget', '')}".strip()
-            targets.append((name, int(r["peak_rss"] * baseline / plain_rss), r["peak_rss"]))
-    targets += [(f"ratio {ratio}", int(ratio * baseline), None) for ratio in args.plans]
-    tmp = Path(tempfile.mkdtemp())
-    for k, (matched, budget, ceiling) in enumerate(targets):
-        if "plan" not in kinds:
-            break
-        # the resident peak is not the tensor peak (allocator slack): when the plan's resident peak
-        # comes out above the peer's, plan again that much lower, up to --retries times
+    start = time.process_time()
+    trace = trace_step(model, wl.inputs, loss_fn, repeats=2)
+    capture_s = time.process_time() - start
+    refused: list[dict[str, Any]] = []
+    for peer in list(rows):
+        if peer == "plain":
+            continue
+        ceiling = budget = rows[peer]["peak"]
         for attempt in range(args.retries + 1):
-            start = time.perf_counter()
+            start = time.process_time()
             try:
-                plan = plan_trace(trace, budget, block_key=block_key(wl.model))
+                plan: Plan = plan_trace(trace, budget, block_key=block_key(model))
+                solve_s = time.process_time() - start
             except BudgetTooSmall as err:
-                rows.append({"kind": "plan", "matched": matched, "budget": budget, "error": str(err)})
+                refused.append(
+                    {"matched": peer, "budget": budget, "minimum": err.minimum_bytes, "error": str(err)}
+                )
                 print(err, flush=True)
                 break
-            path = tmp / f"plan_{k}_{attempt}.json"
-            plan.save(path)
-            row = run(
-                {
-                    "kind": "plan",
-                    "matched": matched,
-                    "attempt": attempt,
-                    "budget": budget,
-                    "plan": str(path),
-                    "predicted_peak": plan.predicted_peak_bytes,
-                    "predicted_overhead": plan.predicted_overhead,
-                    "plan_seconds": time.perf_counter() - start,
-                    "regions": len(plan.regions),
-                }
-            )
-            over = row.get("peak_rss", 0) - (ceiling or row.get("peak_rss", 0))
+            name = f"plan at {peer}" + (f" (try {attempt + 1})" if attempt else "")
+            steps[name] = (stepper(model, lambda p=plan: p.apply(model)), "plain")
+            steps[name][0]()
+            rows[name] = {
+                "strategy": name,
+                "matched": peer,
+                "budget": budget,
+                "peak": allocator_peak(steps[name][0]),
+                "predicted_peak": plan.predicted_peak_bytes,
+                "predicted_overhead": plan.predicted_overhead,
+                "regions": len(plan.regions),
+                "solve_seconds": solve_s,
+            }
+            print(json.dumps(rows[name]), flush=True)
+            over = rows[name]["peak"] - ceiling
             if over <= 0:
                 break
             budget = plan.predicted_peak_bytes - over
+
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for r in range(args.rounds):
+        for name, (step, _) in steps.items():
+            start = time.process_time()
+            step()
+            times[name].append(time.process_time() - start)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in times.items()), flush=True)
+    for name, (_, of) in steps.items():
+        rows[name]["cpu_seconds"] = statistics.median(times[name])
+        rows[name]["twin"] = of
+        rows[name]["overhead"] = statistics.median(t / u for t, u in zip(times[name], times[of], strict=True))
+        rows[name]["overheads"] = [t / u for t, u in zip(times[name], times[of], strict=True)]
     if args.out:
         Path(args.out).write_text(
             json.dumps(
-                {"model": args.model, "sizes": sizes, "baseline_bytes": baseline, "rows": rows},
+                {
+                    "model": args.model,
+                    "sizes": sizes,
+                    "environment": {"torch": torch.__version__, "python": platform.python_version()},
+                    "rounds": args.rounds,
+                    "capture_seconds": capture_s,
+                    "rows": list(rows.values()),
+                    "refused": refused,
+                },
                 indent=1,
             )
         )

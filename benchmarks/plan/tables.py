@@ -52,34 +52,36 @@ def accuracy(results: dict[str, Any]) -> None:
 
 def peers(path: Path) -> None:
     data = json.loads(path.read_text())
-    rows = data["rows"]
-    plain = next(r for r in rows if r["kind"] == "plain")
-    compiled = next((r for r in rows if r["kind"] == "compile" and r.get("budget") == 1.0), None)
     sizes = " × ".join(f"{k} {v}" for k, v in data["sizes"].items())
-    print(f"### {NAMES.get(data['model'], data['model'])}, {sizes}\n")
-    print("| strategy (one process each) | peak RSS of the step | CPU s / step | overhead vs own twin |")
-    print("|---|---|---|---|")
-    for r in rows:
-        if r["kind"] == "plan":
-            what = f"remat.plan at the peak of {r['matched']}"
-            if r.get("attempt"):
-                what += f", planned lower (try {r['attempt'] + 1})"
-            if "the minimum is " in r.get("error", ""):
-                minimum = r["error"].split("the minimum is ")[1].split(" bytes")[0]
-                print(f"| {what} | refused: below its smallest plan, {_mib(int(minimum))} of tensors | | |")
-                continue
-            what += f" (predicted {_mib(r['predicted_peak'])} of tensors, {r['predicted_overhead']:.3f})"
-            twin = plain
-        elif r["kind"] == "compile":
-            what, twin = f"`torch.compile`, budget {r['budget']}", compiled or plain
+    print(f"### {NAMES.get(data['model'], data['model'])}, {sizes}; {data['rounds']} rounds\n")
+    print(
+        "| strategy (one process, interleaved) | peak (allocator) | predicted peak | predicted overhead "
+        "| CPU s / step | overhead vs own twin: median (range over rounds) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in data["rows"]:
+        name = r["strategy"]
+        if name.startswith("compile "):
+            what = f"`torch.compile`, budget {name.split()[1]}"
+        elif name.startswith("plan at "):
+            what = "remat.plan at the peak of " + name.removeprefix("plan at ").replace(
+                "checkpoint", "per-block checkpoint"
+            )
         else:
-            what = EAGER[r["kind"]]
-            twin = plain
-        if "peak_rss" not in r:
-            print(f"| {what} | failed: {r.get('error', '')} | | |")
-            continue
-        overhead = r["cpu_seconds"] / twin["cpu_seconds"]
-        print(f"| {what} | {_mib(r['peak_rss'])} | {r['cpu_seconds']:.2f} | {overhead:.2f} |")
+            what = EAGER[name]
+        predicted = ("", "")
+        if "predicted_peak" in r:
+            predicted = (_mib(r["predicted_peak"]), f"{r['predicted_overhead']:.3f}")
+        spread = f"{min(r['overheads']):.2f}–{max(r['overheads']):.2f}"
+        print(
+            f"| {what} | {_mib(r['peak'])} | {predicted[0]} | {predicted[1]} | {r['cpu_seconds']:.2f} "
+            f"| {r['overhead']:.2f} ({spread}) |"
+        )
+    for r in data["refused"]:
+        print(
+            f"| remat.plan at the peak of {r['matched']} | refused: below its smallest plan, "
+            f"{_mib(r['minimum'])} | | | | |"
+        )
     print()
 
 
