@@ -87,6 +87,11 @@ def test_trains_like_plain_at_smallest_budget(name: str, policy: str, backend: s
         assert stats.backend == backend
 
 
+# test_evicts_what_the_simulator_evicts: a measured run that recomputes more than this stops
+THRASH_LIMIT = 4.0
+ATTEMPTS = 3
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["gpt2", "cnn"])
 def test_evicts_what_the_simulator_evicts(name: str, policy: str) -> None:
@@ -94,17 +99,27 @@ def test_evicts_what_the_simulator_evicts(name: str, policy: str) -> None:
     must take every decision the runtime took."""
     _, free = reference(name)
     budget = int(0.7 * max(s.peak_bytes for s in free))
-    _, model, batch = copies(name)
     runs: list[DynamicStats] = []
 
     @contextlib.contextmanager
     def region(model: nn.Module, opt: torch.optim.Optimizer) -> Iterator[None]:
-        dyn = remat.dynamic(budget, policy, keep=(model, opt), thrash_limit=float("inf"))
+        dyn = remat.dynamic(budget, policy, keep=(model, opt), thrash_limit=THRASH_LIMIT)
         with dyn:
             yield
         runs.append(dyn.stats)
 
-    train(model, batch, region, steps=2)
+    for attempt in range(ATTEMPTS):
+        _, model, batch = copies(name)
+        runs = []
+        try:
+            train(model, batch, region, steps=2)
+            break
+        except remat.RematValueError as err:
+            # Measured costs move with the machine's load: on a rare draw the policy's choices
+            # cascade into chains of restores. The parity checked here holds for any draw that
+            # completes, so such a run is stopped and drawn again.
+            if "thrash" not in str(err) or attempt == ATTEMPTS - 1:
+                raise
     assert sum(s.evictions for s in runs) > 0
     for stats in runs:
         comparison = stats.compare()
