@@ -50,7 +50,7 @@ from remat.planner.api import block_key  # noqa: E402
 
 def allocator_peak(step: Callable[[], None]) -> int:
     """Peak bytes the CPU allocator held during ``step`` beyond what it held before."""
-    with remat.memory.track(timeline=False, allocator=True) as tracked:
+    with remat.memory.track(allocator=True) as tracked:
         step()
     return tracked.peak_bytes
 

@@ -86,7 +86,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     def step(ctx: Callable[[], Any], track: bool) -> int:
         model.zero_grad(set_to_none=True)
-        with remat.memory.track(timeline=False, allocator=True) if track else contextlib.nullcontext() as t:
+        with remat.memory.track(allocator=True) if track else contextlib.nullcontext() as t:
             with ctx():
                 loss = loss_fn(model, *inputs)
             loss.backward()

@@ -83,7 +83,7 @@ def _measure(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> int:
     import remat
 
     model.zero_grad(set_to_none=True)
-    with remat.memory.track(timeline=False, allocator=True) as tracked:
+    with remat.memory.track(allocator=True) as tracked:
         with plan.apply(model) if plan is not None else contextlib.nullcontext():
             loss = loss_fn(model, *inputs)
         loss.backward()

@@ -115,10 +115,14 @@ class _Runner(TorchDispatchMode):
             self.__exit__(None, None, None)
             self.pushed = False
 
-    def end(self, module: nn.Module, args: Any, output: Any) -> None:
+    def leave(self) -> None:
+        """End the forward: close the open region and leave the dispatch stack."""
         self.stop()
         self.active = False
         self.pop()
+
+    def end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.leave()
         if self.position != len(self.plan.ops):
             nxt = self.position
             raise RecomputationError(
@@ -207,8 +211,6 @@ def apply(plan: Plan, model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        runner.stop()
-        runner.active = False
-        runner.pop()
+        runner.leave()
         for h in hooks:
             h.remove()
