@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -434,7 +434,8 @@ def _load(a: Any, env: dict[int, torch.Tensor]) -> Any:
     return a
 
 
-def _run(node: Node, env: dict[int, torch.Tensor]) -> None:
+def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
+    """Run one recorded op over ``env`` (value id -> tensor) and bind what it makes."""
     args = [_load(a, env) for a in node.args]
     kwargs = {k: _load(v, env) for k, v in node.kwargs.items()}
     written: list[torch.Tensor] = []
@@ -458,7 +459,19 @@ def _run(node: Node, env: dict[int, torch.Tensor]) -> None:
         env[w.vid] = t
 
 
-def replay(plan: Plan) -> dict[int, torch.Tensor]:
+def eager_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
+    """Run the plan's steps op by op over ``env``, dropping each value after its last read."""
+    for node, free in plan.steps:
+        run_step(node, env)
+        for vid in free:
+            env.pop(vid, None)
+
+
+Executor = Callable[[Plan, dict[int, torch.Tensor]], None]
+"""How a replay runs a plan's steps: ``eager_steps``, or ``remat._fused.compiled_steps``."""
+
+
+def replay(plan: Plan, execute: Executor = eager_steps) -> dict[int, torch.Tensor]:
     """Run the plan's steps without autograd or autocast (the tape already holds the casts) and
     return its targets. Random ops draw from the state they drew from in forward; the caller's
     generator states are restored afterwards."""
@@ -477,10 +490,7 @@ def replay(plan: Plan) -> dict[int, torch.Tensor]:
     outer = [(source, _get_rng(source)) for source in plan.rng_sources]
     try:
         with torch.no_grad(), torch._C._DisableAutocast():
-            for node, free in plan.steps:
-                _run(node, env)
-                for vid in free:
-                    env.pop(vid, None)
+            execute(plan, env)
     finally:
         for source, state in outer:
             _set_rng(source, state)

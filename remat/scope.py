@@ -38,7 +38,18 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat._errors import RecomputationError, RematTypeError, message
-from remat._replay import EXTERNAL, Plan, Recorder, Tape, describe, replay, stale_view_error
+from remat._fused import executor
+from remat._replay import (
+    EXTERNAL,
+    Executor,
+    Plan,
+    Recorder,
+    Tape,
+    describe,
+    eager_steps,
+    replay,
+    stale_view_error,
+)
 from remat.policy import Policy, RecomputeAll
 
 __all__ = ["scope"]
@@ -66,8 +77,9 @@ class _Region:
     """One ``with remat.scope()`` block: its tape while it records, then the plan that recomputes
     every tensor it handed to autograd as a handle."""
 
-    def __init__(self, tape: Tape) -> None:
+    def __init__(self, tape: Tape, execute: Executor = eager_steps) -> None:
         self.tape: Tape | None = tape
+        self.execute = execute
         self.plan: Plan | None = None
         self.writers: dict[int, int] = {}  # the tape's final writers, for the check at unpack
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
@@ -153,7 +165,7 @@ class _Region:
         with self.lock:
             results = self.cache.get(graph_task) if graph_task >= 0 else None
             if results is None:
-                results = {v: (t, self.handles[v]) for v, t in replay(plan).items()}
+                results = {v: (t, self.handles[v]) for v, t in replay(plan, self.execute).items()}
                 if graph_task >= 0:
                     self.cache[graph_task] = results
                     # a weak reference: the callback runs when the whole backward ends, and holding
@@ -163,7 +175,7 @@ class _Region:
                     )
             entry = results.get(vid)
             if entry is None:  # already handed out in this backward: a tensor unpacked twice
-                return replay(plan)[vid]
+                return replay(plan, self.execute)[vid]
             tensor, left = entry
             if left == 1:
                 del results[vid]
@@ -187,7 +199,7 @@ def _recording() -> bool:
 
 
 @contextlib.contextmanager
-def scope(policy: Policy | None = None) -> Iterator[None]:
+def scope(policy: Policy | None = None, *, replay: str = "eager") -> Iterator[None]:
     """Recompute in backward what the block saves for backward, instead of keeping it.
 
     ``policy`` (default ``RecomputeAll()``) is asked once per op whether to keep its outputs
@@ -195,9 +207,14 @@ def scope(policy: Policy | None = None) -> Iterator[None]:
     inputs and parameters are kept; everything the block computes is replayed at most once per
     backward, just before the first backward op that needs it.
 
+    ``replay="compiled"`` replays the block's runs of deterministic ops through ``torch.compile``d
+    graphs, one fused kernel where eager replay runs one per op (``remat._fused``): compiled once per
+    structure in the first backward, equal to eager up to floating-point rounding.
+
     A nested scope joins the outer region (the outer policy decides). With grad disabled or in
     inference mode the block runs as is. Usable as a decorator too.
     """
+    execute = executor("scope", replay)
     if policy is not None and not isinstance(policy, Policy):
         raise RematTypeError(
             message(
@@ -211,7 +228,7 @@ def scope(policy: Policy | None = None) -> Iterator[None]:
         yield
         return
     tape = Tape(RecomputeAll() if policy is None else policy)
-    region = _Region(tape)
+    region = _Region(tape, execute)
     try:
         with Recorder(tape), torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
             yield

@@ -191,3 +191,22 @@ def twin(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def no_region() -> Iterator[None]:
     yield
+
+
+def assert_close(a: Run, b: Run, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Equality up to floating-point rounding (fused kernels sum in another order); the first
+    loss (before any update) and the RNG stream exactly."""
+    assert len(a.losses) == len(b.losses)
+    assert torch.equal(a.losses[0], b.losses[0]), "the forward of the first step differs"
+    for x, y in zip(a.losses, b.losses, strict=True):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+    assert a.grads.keys() == b.grads.keys()
+    assert len(a.grads) > 0
+    for name in a.grads:
+        torch.testing.assert_close(
+            a.grads[name], b.grads[name], rtol=rtol, atol=atol, msg=f"gradient of {name}"
+        )
+    assert a.state.keys() == b.state.keys()
+    for name in a.state:
+        torch.testing.assert_close(a.state[name], b.state[name], rtol=rtol, atol=atol, msg=f"state {name}")
+    assert torch.equal(a.rng_after, b.rng_after), "the RNG stream after training differs"

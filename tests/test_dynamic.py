@@ -87,9 +87,12 @@ def test_trains_like_plain_at_smallest_budget(name: str, policy: str, backend: s
         assert stats.backend == backend
 
 
-# test_evicts_what_the_simulator_evicts: a measured run that recomputes more than this stops
+# test_evicts_what_the_simulator_evicts: a measured run that recomputes more than this stops and
+# is drawn again, up to ATTEMPTS times. At 0.8 of the plain peak about 1 draw in 25 thrashes on an
+# idle machine (at 0.7, 1 in 6, and more under load), and every draw still evicts (29 to 618 times).
 THRASH_LIMIT = 4.0
-ATTEMPTS = 3
+ATTEMPTS = 5
+BUDGET = 0.8
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -98,7 +101,7 @@ def test_evicts_what_the_simulator_evicts(name: str, policy: str) -> None:
     """Measured op costs: the trace records the costs the core saw, so the simulator replaying it
     must take every decision the runtime took."""
     _, free = reference(name)
-    budget = int(0.7 * max(s.peak_bytes for s in free))
+    budget = int(BUDGET * max(s.peak_bytes for s in free))
     runs: list[DynamicStats] = []
 
     @contextlib.contextmanager

@@ -446,7 +446,7 @@ def test_backward_twice_with_retain_graph_replays_once_per_backward(monkeypatch:
     module = importlib.import_module("remat.scope")
     replays = []
     real = module.replay
-    monkeypatch.setattr(module, "replay", lambda plan: replays.append(plan) or real(plan))
+    monkeypatch.setattr(module, "replay", lambda plan, *rest: replays.append(plan) or real(plan, *rest))
     plain, scoped = _twin_linear()
     x = torch.randn(5, 6, requires_grad=True)
     grads = []
@@ -466,7 +466,7 @@ def test_views_of_kept_and_outside_tensors_are_kept_not_replayed(monkeypatch: py
     module = importlib.import_module("remat.scope")
     replays = []
     real = module.replay
-    monkeypatch.setattr(module, "replay", lambda plan: replays.append(plan) or real(plan))
+    monkeypatch.setattr(module, "replay", lambda plan, *rest: replays.append(plan) or real(plan, *rest))
     x = torch.randn(4, 6, requires_grad=True)
     w = torch.randn(4, 5, requires_grad=True)
     grads = []

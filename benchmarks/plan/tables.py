@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,10 @@ def peers(path: Path) -> None:
     print(f"### {NAMES.get(data['model'], data['model'])}, {sizes}; {data['rounds']} rounds\n")
     print(
         "| strategy (one process, interleaved) | peak (allocator) | predicted peak | predicted overhead "
-        "| CPU s / step | overhead vs own twin: median (range over rounds) |"
+        "| CPU s / step | overhead vs own twin: median (range over rounds) | time ÷ eager plain |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    plain = next(r for r in data["rows"] if r["strategy"] == "plain")
     for r in data["rows"]:
         name = r["strategy"]
         if name.startswith("compile "):
@@ -73,14 +75,18 @@ def peers(path: Path) -> None:
         if "predicted_peak" in r:
             predicted = (_mib(r["predicted_peak"]), f"{r['predicted_overhead']:.3f}")
         spread = f"{min(r['overheads']):.2f}–{max(r['overheads']):.2f}"
+        if "seconds" in r:  # per round, against the eager plain step of that round
+            absolute = statistics.median(t / u for t, u in zip(r["seconds"], plain["seconds"], strict=True))
+        else:
+            absolute = r["cpu_seconds"] / plain["cpu_seconds"]
         print(
             f"| {what} | {_mib(r['peak'])} | {predicted[0]} | {predicted[1]} | {r['cpu_seconds']:.2f} "
-            f"| {r['overhead']:.2f} ({spread}) |"
+            f"| {r['overhead']:.2f} ({spread}) | {absolute:.2f} |"
         )
     for r in data["refused"]:
         print(
             f"| remat.plan at the peak of {r['matched']} | refused: below its smallest plan, "
-            f"{_mib(r['minimum'])} | | | | |"
+            f"{_mib(r['minimum'])} | | | | | |"
         )
     print()
 

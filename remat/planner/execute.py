@@ -27,7 +27,9 @@ and the optimizer run without a Python call per op.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from types import FrameType
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat._errors import RecomputationError, RematTypeError, message
-from remat._replay import Tape
+from remat._fused import executor
+from remat._replay import Executor, Tape
 from remat.planner.plan import Plan, Region
 from remat.policy import Decision, OpContext, RecomputeAll
 from remat.scope import _Region
@@ -67,25 +70,27 @@ _RECOMPUTE = RecomputeAll()
 class _Runner(TorchDispatchMode):
     """Counts and checks the forward's ops and runs the plan's regions (see the module doc)."""
 
-    def __init__(self, plan: Plan, model: nn.Module) -> None:
+    def __init__(self, plan: Plan, model: nn.Module, execute: Executor) -> None:
         super().__init__()
         self.plan = plan
+        self.execute = execute
         self.starts = {r.first: r for r in plan.regions}
         self.position = 0
         self.active = False
         self.open: Region | None = None
         self.tape: Tape | None = None
         self.region: _Region | None = None
-        self.names = {m: name or type(model).__name__ for name, m in model.named_modules()}
-        self.modules: list[str] = []
+        self.top = type(model).__name__
+        self.names = {m: name or self.top for name, m in model.named_modules()}
         self.pushed = False
+        # overload -> its name, or "" for what is neither counted nor checked
         self.op_names: dict[Any, str] = {}
 
     # -- regions ---------------------------------------------------------------------------------
 
     def _start(self, region: Region) -> None:
         self.tape = Tape(_RECOMPUTE)
-        self.region = _Region(self.tape)
+        self.region = _Region(self.tape, self.execute)
         self.open = region
         torch._C._autograd._push_saved_tensors_default_hooks(self.region.pack, self.region.unpack)
 
@@ -103,7 +108,6 @@ class _Runner(TorchDispatchMode):
             self.stop()
             self.position = 0
             self.active = True
-            self.modules = [self.names.get(module, type(module).__name__)]
             if not self.pushed:
                 self.__enter__()
                 self.pushed = True
@@ -135,18 +139,21 @@ class _Runner(TorchDispatchMode):
                 )
             )
 
-    def enter_module(self, module: nn.Module, args: Any) -> None:
-        if self.active:
-            self.modules.append(self.names.get(module, type(module).__name__))
-
-    def exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.active and self.modules:
-            self.modules.pop()
+    def _running_module(self) -> str:
+        """The innermost module of this model whose forward is on the Python stack (only looked
+        up for an error: module hooks on every call would cost every forward)."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and owner in self.names:
+                return self.names[owner]
+            frame = frame.f_back
+        return self.top
 
     def _diverged(self, position: int, func: Any) -> RecomputationError:
         self.stop()
         self.active = False
-        where = self.modules[-1] if self.modules else "(top level)"
+        where = self._running_module()
         if position >= len(self.plan.ops):
             given = f"op #{position} {func} in {where}, after the {len(self.plan.ops)} traced ops"
             rule = "the model ran more ops than the traced step"
@@ -162,15 +169,11 @@ class _Runner(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if (
-            not self.active
-            or func.namespace in _SKIPPED_NAMESPACES
-            or torch._C._current_autograd_node() is not None
-        ):
-            return func(*args, **kwargs)
         name = self.op_names.get(func)
         if name is None:
-            name = self.op_names[func] = str(func)
+            name = self.op_names[func] = "" if func.namespace in _SKIPPED_NAMESPACES else str(func)
+        if not name or not self.active or torch._C._current_autograd_node() is not None:
+            return func(*args, **kwargs)
         if name in UNCOUNTED:
             return self.tape.record(func, args, kwargs) if self.tape is not None else func(*args, **kwargs)
         i = self.position
@@ -193,21 +196,17 @@ class _Runner(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def apply(plan: Plan, model: nn.Module) -> Iterator[None]:
+def apply(plan: Plan, model: nn.Module, replay: str = "eager") -> Iterator[None]:
     """See ``Plan.apply``."""
+    execute = executor("plan.apply", replay)
     if not isinstance(model, nn.Module):
         raise RematTypeError(
             message(
                 "plan", "apply takes the model to run", f"got {type(model).__name__}", "pass an nn.Module"
             )
         )
-    runner = _Runner(plan, model)
-    hooks = [
-        model.register_forward_pre_hook(runner.begin),
-        model.register_forward_hook(runner.end),
-        nn.modules.module.register_module_forward_pre_hook(runner.enter_module),
-        nn.modules.module.register_module_forward_hook(runner.exit_module, always_call=True),
-    ]
+    runner = _Runner(plan, model, execute)
+    hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
     try:
         yield
     finally:

@@ -138,14 +138,18 @@ class Plan:
 
     # -- running it ---------------------------------------------------------------------------
 
-    def apply(self, model: nn.Module) -> AbstractContextManager[None]:
+    def apply(self, model: nn.Module, replay: str = "eager") -> AbstractContextManager[None]:
         """``with plan.apply(model): loss = loss_fn(model, *inputs)``: run the model's forward
         under the plan (backward may run inside or after the block). Each forward is checked op by
         op against the traced step; a model that takes another path raises RecomputationError
-        naming the op, the expected and the executed op, and the module."""
+        naming the op, the expected and the executed op, and the module.
+
+        ``replay="compiled"``: the regions' runs of deterministic ops replay through
+        ``torch.compile``d graphs, fused (see ``remat.scope``), compiled in the first backward. The
+        predicted overhead stays that of eager replay, an upper bound of what fusion costs."""
         from remat.planner.execute import apply
 
-        return apply(self, model)
+        return apply(self, model, replay)
 
     # -- storing it ---------------------------------------------------------------------------
 

@@ -1,0 +1,263 @@
+"""Replay a tape slice with its runs of deterministic ops compiled into fused kernels.
+
+Eager replay (``remat._replay.replay``) runs every recorded op as its own kernel: recomputing
+GPT-2's tanh GELU is eight passes over a [batch, seq, 3072] tensor, a batch norm and its ReLU are
+two, each reading and writing memory. ``torch.compile`` fuses such runs into one loop, which is how
+its own activation-memory budget recomputes almost for free. ``compiled_steps`` gives replay that
+half of it while the forward stays eager::
+
+    replay slice:  [mul pow mul add mul tanh add mul] [dropout] [add_ relu]
+                    \\________ one FX graph ________/   eager     \\_ graph _/
+                              compiled once per structure, called in every later backward
+
+A run becomes an FX graph of the recorded ATen overloads: the tensors it reads from earlier steps
+or from the tape's kept tensors are its inputs, the values later steps or the targets need are its
+outputs. It is compiled (Inductor, static shapes) once per *structure*: the ops, their constant
+arguments, and the dtype, shape, strides and device of its inputs, so the regions of every later
+step, and identical blocks within a step, reuse the compiled code.
+
+What stays eager, op by op:
+
+- random ops: each must draw from the generator state it drew from in forward, and a compiled graph
+  cannot set a generator between its ops;
+- in-place ops on a tensor the run did not make itself (the graph would write into its input);
+- runs of one op (nothing to fuse), and any run whose compilation failed (a ``RuntimeWarning`` says
+  so once per structure, and that structure replays eagerly from then on).
+
+Values are Inductor's: equal to eager up to floating-point reassociation, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from remat._errors import RematValueError, message
+from remat._replay import Executor, Plan, Ref, Seq, Step, eager_steps, op_info, run_step
+
+__all__ = ["REPLAYS", "compiled_steps", "executor"]
+
+REPLAYS = ("eager", "compiled")
+"""How a region's ops replay in backward: op by op, or with fusable runs compiled."""
+
+_Key = tuple[Any, ...]
+
+_compiled: dict[_Key, Callable[..., Any] | None] = {}  # None: compilation failed, replay eagerly
+_lock = threading.Lock()
+
+
+def _fusable(step: Step, owned: set[int]) -> bool:
+    """Whether the step can join a run whose own (non-input) storages are ``owned``."""
+    node = step.node
+    if node.rng is not None:
+        return False
+    for w in node.writes:
+        if w.clone:
+            continue
+        arg = node.args[w.key] if isinstance(w.key, int) else node.kwargs.get(w.key)
+        target = arg if w.item < 0 or arg is None else arg[w.item]
+        if type(target) is not Ref or target.vid not in owned:
+            return False
+    return True
+
+
+def _own(step: Step, owned: set[int]) -> None:
+    """Add the storages the step's outputs own: fresh tensors, and views of owned ones."""
+    node = step.node
+    info = op_info(node.func)
+    outs = (node.outs,) if isinstance(node.outs, int) else node.outs
+    aliases = info.aliases if len(info.aliases) == len(outs) else info.aliases[:1] * len(outs)
+    for vid, alias in zip(outs, aliases, strict=True):
+        if vid < 0:
+            continue
+        if alias is None:
+            owned.add(vid)
+        else:
+            base = node.args[alias[0]] if alias[0] < len(node.args) else node.kwargs.get(alias[1])
+            if type(base) is Ref and base.vid in owned:
+                owned.add(vid)
+    for w in node.writes:
+        owned.add(w.vid)
+
+
+def _runs(steps: Sequence[Step]) -> list[tuple[bool, list[Step]]]:
+    """The steps cut into maximal fusable runs (True) and the eager steps between them (False)."""
+    runs: list[tuple[bool, list[Step]]] = []
+    current: list[Step] = []
+    owned: set[int] = set()
+    for step in steps:
+        if _fusable(step, owned):
+            current.append(step)
+            _own(step, owned)
+            continue
+        if current:
+            runs.append((True, current))
+        current, owned = [], set()
+        runs.append((False, [step]))
+    if current:
+        runs.append((True, current))
+    return [(fused and len(run) > 1, run) for fused, run in runs]
+
+
+def _arg_refs(a: Any) -> list[int]:
+    if type(a) is Ref:
+        return [a.vid]
+    if type(a) is Seq:
+        return [b.vid for b in a if type(b) is Ref]
+    return []
+
+
+def _reads(run: Sequence[Step]) -> tuple[list[int], list[int]]:
+    """The value ids the run reads from before it (its inputs, in order) and those it makes."""
+    made: set[int] = set()
+    inputs: dict[int, None] = {}
+    for step in run:
+        node = step.node
+        for a in (*node.args, *node.kwargs.values()):
+            for vid in _arg_refs(a):
+                if vid not in made:
+                    inputs[vid] = None
+        outs = (node.outs,) if isinstance(node.outs, int) else node.outs
+        made.update(v for v in outs if v >= 0)
+        made.update(w.vid for w in node.writes)
+    return list(inputs), list(made)
+
+
+def _structure(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -> tuple[Any, ...]:
+    """The run's ops over value ids renumbered from 0 (inputs first): equal for equal programs."""
+    local: dict[int, int] = {vid: i for i, vid in enumerate(inputs)}
+
+    def norm(a: Any) -> Any:
+        if type(a) is Ref:
+            return ("ref", local.setdefault(a.vid, len(local)))
+        if type(a) is Seq or isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(norm(b) for b in a))
+        if isinstance(a, float):  # -0.0 == 0.0 and nan != nan; 1 == 1.0 == True with other dtypes
+            return ("float", a.hex())
+        return (type(a).__name__, a)
+
+    ops = []
+    for step in run:
+        node = step.node
+        args = tuple(norm(a) for a in node.args)
+        kwargs = tuple(sorted((k, norm(v)) for k, v in node.kwargs.items()))
+        outs = (node.outs,) if isinstance(node.outs, int) else node.outs
+        outs_local = tuple(local.setdefault(v, len(local)) if v >= 0 else -1 for v in outs)
+        writes = tuple((w.key, w.item, w.clone, local.setdefault(w.vid, len(local))) for w in node.writes)
+        ops.append((node.func, args, kwargs, outs_local, isinstance(node.outs, int), writes))
+    return (tuple(ops), tuple(local[v] for v in outputs))
+
+
+def _graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -> fx.GraphModule:
+    """The run as an FX graph over the recorded overloads: ``f(*inputs) -> tuple(outputs)``."""
+    graph = fx.Graph()
+    env: dict[int, fx.Node] = {vid: graph.placeholder(f"v{vid}") for vid in inputs}
+
+    def load(a: Any) -> Any:
+        if type(a) is Ref:
+            return env[a.vid]
+        if type(a) is Seq:
+            return [env[b.vid] if type(b) is Ref else b for b in a]
+        return a
+
+    for step in run:
+        node = step.node
+        args = [load(a) for a in node.args]
+        kwargs = {k: load(v) for k, v in node.kwargs.items()}
+        written: list[fx.Node] = []
+        for w in node.writes:
+            box: Any = args if isinstance(w.key, int) else kwargs
+            holder, slot = (box, w.key) if w.item < 0 else (box[w.key], w.item)
+            if w.clone:
+                holder[slot] = graph.call_function(torch.ops.aten.clone.default, (holder[slot],))
+            written.append(holder[slot])
+        out = graph.call_function(node.func, tuple(args), kwargs)
+        if isinstance(node.outs, int):
+            if node.outs >= 0:
+                env[node.outs] = out
+        else:
+            for i, vid in enumerate(node.outs):
+                if vid >= 0:
+                    env[vid] = graph.call_function(operator.getitem, (out, i))
+        for w, target in zip(node.writes, written, strict=True):
+            env[w.vid] = target
+    graph.output(tuple(env[vid] for vid in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _compile(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int], key: _Key) -> Any:
+    with _lock:
+        if key in _compiled:
+            return _compiled[key]
+    fn = torch.compile(_graph(run, inputs, outputs), backend="inductor", fullgraph=True, dynamic=False)
+    with _lock:
+        _compiled[key] = fn
+    return fn
+
+
+def _give_up(key: _Key, error: BaseException) -> None:
+    with _lock:
+        _compiled[key] = None
+    warnings.warn(
+        f"remat: a run of {len(key[0][0])} recorded ops could not be compiled and replays op by op "
+        f"({type(error).__name__}: {error})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
+    """Run the plan's steps over ``env`` (value id -> tensor), fusable runs through compiled
+    graphs. Called by ``remat._replay.replay`` (grad and autocast off, generators restored)."""
+    steps = plan.steps
+    runs = _runs(steps)
+    # value id -> index of the last run that reads it
+    last_read: dict[int, int] = {}
+    for r, (_, run) in enumerate(runs):
+        for step in run:
+            for a in (*step.node.args, *step.node.kwargs.values()):
+                for vid in _arg_refs(a):
+                    last_read[vid] = r
+    for r, (fused, run) in enumerate(runs):
+        fn = None
+        if fused:
+            inputs, made = _reads(run)
+            outputs = [v for v in made if v in plan.targets or last_read.get(v, -1) > r]
+            values = [env[v] for v in inputs]
+            layout = tuple((t.dtype, t.shape, t.stride(), t.device, t.storage_offset()) for t in values)
+            key = (_structure(run, inputs, outputs), layout)
+            fn = _compile(run, inputs, outputs, key)
+            if fn is not None:
+                try:
+                    results = fn(*values)
+                except Exception as error:  # noqa: BLE001 - any failure of the compiler means eager replay
+                    _give_up(key, error)
+                    fn = None
+                else:
+                    env.update(zip(outputs, results, strict=True))
+        if fn is None:
+            for step in run:
+                run_step(step.node, env)
+                for vid in step.free:
+                    env.pop(vid, None)
+        else:
+            for step in run:
+                for vid in step.free:
+                    env.pop(vid, None)
+
+
+def executor(api: str, replay: str) -> Executor:
+    """The executor for a ``replay=`` argument of the public API ``api``."""
+    if replay == "eager":
+        return eager_steps
+    if replay == "compiled":
+        return compiled_steps
+    raise RematValueError(
+        message(api, 'replay must be "eager" or "compiled"', f"got {replay!r}", "pass one of those two")
+    )

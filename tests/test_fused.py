@@ -1,0 +1,179 @@
+"""Compiled replay (``replay="compiled"``, ``remat._fused``): runs of deterministic recorded ops
+replay through one compiled graph each, random ops and writes into foreign tensors op by op, and
+the result equals the plain model up to floating-point rounding, with the RNG stream exact."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from models import assert_close, build, train, twin
+from test_plan_api import _plan
+from torch import nn
+
+import remat
+from remat import RematValueError
+from remat._fused import _runs, compiled_steps
+from remat._replay import Recorder, Tape, replay
+from remat.planner import plan_trace, trace_step
+from remat.policy import RecomputeAll
+
+fused = importlib.import_module("remat._fused")
+# a run that falls back to eager replay warns: here that is a failure, except where a test wants it
+pytestmark = pytest.mark.filterwarnings("error:remat. a run of:RuntimeWarning")
+
+
+def _tape(fn: Any, *inputs: torch.Tensor) -> tuple[Tape, Any]:
+    tape = Tape(RecomputeAll())
+    with torch.no_grad(), Recorder(tape):
+        out = fn(*inputs)
+    return tape, out
+
+
+def _block(x: torch.Tensor, w: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x * 0.5 + 1.0) * x  # a run: mul add tanh mul
+    h = torch.nn.functional.dropout(h, 0.3, training=True)  # random: eager
+    h = h.relu_()  # in place into the dropout's output, made by the run: fusable
+    h = (h @ w).sigmoid()  # a run: mm sigmoid
+    running.add_(1.0)  # a write into a tensor from outside: replayed into a clone, fusable
+    return h * running.sum()
+
+
+def test_runs_are_cut_at_random_ops_and_writes_into_foreign_tensors() -> None:
+    x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
+    tape, out = _tape(_block, x, w, running)
+    plan = tape.plan([tape.lookup(out)], ())
+    runs = [(is_fused, [str(s.node.func) for s in run]) for is_fused, run in _runs(plan.steps)]
+    # dropout without grad: empty_like, bernoulli_ (random) and div_ (writes what bernoulli_ made)
+    assert runs == [
+        (
+            True,
+            [
+                "aten.mul.Tensor",
+                "aten.add.Tensor",
+                "aten.tanh.default",
+                "aten.mul.Tensor",
+                "aten.empty_like.default",
+            ],
+        ),
+        (False, ["aten.bernoulli_.float"]),
+        (False, ["aten.div_.Scalar"]),
+        (
+            True,
+            [
+                "aten.mul.Tensor",
+                "aten.relu_.default",
+                "aten.mm.default",
+                "aten.sigmoid.default",
+                "aten.add_.Tensor",
+                "aten.sum.default",
+                "aten.mul.Tensor",
+            ],
+        ),
+    ]
+
+
+def test_compiled_replay_equals_eager_replay_and_compiles_each_structure_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fused, "_compiled", {})
+    x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
+    torch.manual_seed(0)
+    tape, out = _tape(_block, x, w, running)
+    plan = tape.plan([tape.lookup(out)], ())
+    eager = replay(plan)
+    for _ in range(2):
+        compiled = replay(plan, compiled_steps)
+        torch.testing.assert_close(compiled, eager)
+        assert len(fused._compiled) == 2  # the two runs, compiled in the first replay only
+    assert torch.equal(running, torch.ones(3))  # written once, in the recording; replay wrote into clones
+    assert all(fn is not None for fn in fused._compiled.values())
+
+
+class _Net(nn.Module):
+    """Conv, batch norm, in-place ReLU, dropout, a linear and tanh GELU, in one region or none."""
+
+    def __init__(self, replay: str | None) -> None:
+        super().__init__()
+        self.replay = replay
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with remat.scope(replay=self.replay) if self.replay else contextlib.nullcontext():
+            h = self.bn(self.conv(x)).relu_()
+            h = nn.functional.dropout(h, 0.2, training=self.training)
+            h = nn.functional.gelu(self.lin(h.mean((2, 3))), approximate="tanh")
+        return h.square().mean()
+
+
+def test_scope_with_compiled_replay_matches_plain_model() -> None:
+    torch.manual_seed(0)
+    plain = _Net(None)
+    scoped = twin(plain)
+    scoped.replay = "compiled"
+
+    def batch(step: int) -> dict[str, Any]:
+        return {"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))}
+
+    assert_close(train(plain, batch, steps=2), train(scoped, batch, steps=2))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+def test_plan_with_compiled_replay_matches_plain_model(name: str) -> None:
+    plan = _plan(name, "chain")  # halfway between the smallest plan and the plain peak
+    assert plan.regions, "nothing recomputed: the test would prove nothing"
+    model, batch, _ = build(name)
+    planned = twin(model)
+    plain = train(model, batch, steps=2)
+    ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned, replay="compiled"))
+    assert_close(plain, ran)
+    assert any(fn is not None for fn in fused._compiled.values())
+
+
+def test_a_run_that_fails_to_compile_replays_eagerly_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        def fn(*inputs: torch.Tensor) -> Any:
+            raise RuntimeError("no compiler here")
+
+        return fn
+
+    monkeypatch.setattr(fused, "_compiled", {})
+    monkeypatch.setattr(fused.torch, "compile", broken)
+    x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
+    tape, out = _tape(_block, x, w, running)
+    plan = tape.plan([tape.lookup(out)], ())
+    with pytest.warns(RuntimeWarning, match=r"could not be compiled and replays op by op .*no compiler here"):
+        compiled = replay(plan, compiled_steps)
+    torch.testing.assert_close(compiled, replay(plan))
+    assert list(fused._compiled.values()) == [None, None]
+
+
+@pytest.mark.parametrize("where", ["scope", "plan.apply"])
+def test_unknown_replay_is_refused(where: str) -> None:
+    model, batch, _ = build("mlp")
+    pattern = rf'remat\.{where}: replay must be "eager" or "compiled" \(got \'fused\'\)'
+    with pytest.raises(RematValueError, match=pattern):
+        if where == "scope":
+            with remat.scope(replay="fused"):
+                pass
+        else:
+            plan = plan_trace(trace_step(model, batch(0), repeats=1), 1.0)
+            with plan.apply(model, replay="fused"):
+                pass
+
+
+def test_constants_of_another_type_or_sign_are_another_structure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "_compiled", {})
+    x = torch.arange(6, dtype=torch.int64)
+    results = []
+    for scalar in (1, 1.0, True, 0.0, -0.0):
+        tape, out = _tape(lambda t, s=scalar: torch.div(t.mul(s), 1.0).add(s), x)
+        results.append(replay(tape.plan([tape.lookup(out)], ()), compiled_steps)[tape.lookup(out)])
+        torch.testing.assert_close(results[-1], out, equal_nan=True)
+        assert results[-1].dtype == out.dtype
+    assert len(fused._compiled) == 5
