@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from types import FrameType
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
