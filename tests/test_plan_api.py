@@ -74,13 +74,13 @@ def test_applied_plan_is_transparent(name: str, solver: str) -> None:
 SCALARS = 256
 
 
-def _measured_peak(model: nn.Module, inputs: dict[str, Any], plan: Plan | None) -> int:
+def _measured_peak(model: nn.Module, inputs: dict[str, Any], plan: Plan | None, replay: str = "eager") -> int:
     model.zero_grad(set_to_none=True)
     with remat.memory.track(timeline=False, allocator=True) as tracked:
         if plan is None:
             loss = loss_of(model(**inputs))
         else:
-            with plan.apply(model):
+            with plan.apply(model, replay):
                 loss = loss_of(model(**inputs))
         loss.backward()
     return tracked.peak_bytes
