@@ -21,8 +21,13 @@ What stays eager, op by op:
 - random ops: each must draw from the generator state it drew from in forward, and a compiled graph
   cannot set a generator between its ops;
 - in-place ops on a tensor the run did not make itself (the graph would write into its input);
-- runs of one op (nothing to fuse), and any run whose compilation failed (a ``RuntimeWarning`` says
-  so once per structure, and that structure replays eagerly from then on).
+- runs of one op (nothing to fuse);
+- any run whose compilation failed or whose compiled results disagree with eager ones: the first
+  call of each structure also runs it eagerly and compares every output (dtype, shape, values
+  within a tolerance for the dtype). Inductor's decompositions need not keep eager's dtypes: a
+  bfloat16 batch norm with float32 weights returns float32 statistics in eager and bfloat16 ones
+  once decomposed. A ``RuntimeWarning`` says so once per structure, which replays eagerly from
+  then on.
 
 Values are Inductor's: equal to eager up to floating-point reassociation, not bit for bit.
 """
@@ -39,7 +44,7 @@ import torch
 from torch import fx
 
 from remat._errors import RematValueError, message
-from remat._replay import Executor, Plan, Ref, Seq, Step, eager_steps, op_info, run_step
+from remat._replay import Executor, Plan, Ref, Seq, Step, describe, eager_steps, op_info, run_step
 
 __all__ = ["REPLAYS", "compiled_steps", "executor"]
 
@@ -48,8 +53,22 @@ REPLAYS = ("eager", "compiled")
 
 _Key = tuple[Any, ...]
 
-_compiled: dict[_Key, Callable[..., Any] | None] = {}  # None: compilation failed, replay eagerly
+_compiled: dict[_Key, Callable[..., Any] | None] = {}  # None: replay eagerly (NOTE in the doc)
+_checked: set[_Key] = set()  # structures whose compiled results matched eager ones
 _lock = threading.Lock()
+# rtol, atol of the first-call comparison with eager, by dtype (fused kernels round differently)
+_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
+_DEFAULT_TOLERANCE = (1e-3, 1e-5)
+_EMPTY = frozenset(
+    {
+        torch.ops.aten.empty,
+        torch.ops.aten.empty_like,
+        torch.ops.aten.empty_strided,
+        torch.ops.aten.empty_permuted,
+        torch.ops.aten.new_empty,
+        torch.ops.aten.new_empty_strided,
+    }
+)
 
 
 def _fusable(step: Step, owned: set[int]) -> bool:
@@ -201,15 +220,72 @@ def _compile(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int],
     return fn
 
 
-def _give_up(key: _Key, error: BaseException) -> None:
+def _give_up(key: _Key, why: str) -> None:
     with _lock:
         _compiled[key] = None
     warnings.warn(
-        f"remat: a run of {len(key[0][0])} recorded ops could not be compiled and replays op by op "
-        f"({type(error).__name__}: {error})",
+        f"remat: a run of {len(key[0][0])} recorded ops replays op by op, not compiled ({why})",
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+def _eager_run(
+    run: Sequence[Step], env: dict[int, torch.Tensor], inputs: Sequence[int]
+) -> dict[int, torch.Tensor]:
+    """The run op by op over its inputs (it writes only into tensors it makes or clones)."""
+    values = {v: env[v] for v in inputs}
+    for step in run:
+        run_step(step.node, values)
+    return values
+
+
+def _uninitialized(run: Sequence[Step]) -> set[int]:
+    """Value ids the run makes with an ``empty`` op: memory whose values mean nothing yet."""
+    return {
+        step.node.outs
+        for step in run
+        if isinstance(step.node.outs, int) and step.node.func.overloadpacket in _EMPTY
+    }
+
+
+def _disagreement(
+    compiled: Sequence[torch.Tensor], eager: Sequence[torch.Tensor], blank: Sequence[bool]
+) -> str:
+    """How the compiled outputs differ from eager ones, or "" where they agree (``blank``: the
+    output's values are uninitialized memory, only its dtype and shape count)."""
+    for c, e, skip in zip(compiled, eager, blank, strict=True):
+        if c.dtype != e.dtype or c.shape != e.shape or c.device != e.device:
+            return f"compiled {describe(c.dtype, c.shape)} where eager gives {describe(e.dtype, e.shape)}"
+        if skip:
+            continue
+        rtol, atol = _TOLERANCE.get(e.dtype, _DEFAULT_TOLERANCE)
+        if e.is_floating_point() and not torch.allclose(c, e, rtol=rtol, atol=atol, equal_nan=True):
+            return f"compiled values of {describe(e.dtype, e.shape)} differ from eager beyond rtol={rtol}"
+        if not e.is_floating_point() and not torch.equal(c, e):
+            return f"compiled values of {describe(e.dtype, e.shape)} differ from eager"
+    return ""
+
+
+def _checked_once(
+    key: _Key,
+    run: Sequence[Step],
+    env: dict[int, torch.Tensor],
+    inputs: Sequence[int],
+    outputs: Sequence[int],
+    results: Sequence[torch.Tensor],
+) -> Sequence[torch.Tensor]:
+    """The first call of a structure: its compiled results if they agree with an eager run of it,
+    else the eager results (and the structure replays eagerly from then on)."""
+    eager = _eager_run(run, env, inputs)
+    blank = _uninitialized(run)
+    why = _disagreement(results, [eager[v] for v in outputs], [v in blank for v in outputs])
+    if why:
+        _give_up(key, why)
+        return [eager[v] for v in outputs]
+    with _lock:
+        _checked.add(key)
+    return results
 
 
 def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
@@ -237,9 +313,11 @@ def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
                 try:
                     results = fn(*values)
                 except Exception as error:  # noqa: BLE001 - any failure of the compiler means eager replay
-                    _give_up(key, error)
+                    _give_up(key, f"compilation failed: {type(error).__name__}: {error}")
                     fn = None
                 else:
+                    if key not in _checked:
+                        results = _checked_once(key, run, env, inputs, outputs, results)
                     env.update(zip(outputs, results, strict=True))
         if fn is None:
             for step in run:

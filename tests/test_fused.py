@@ -147,7 +147,9 @@ def test_a_run_that_fails_to_compile_replays_eagerly_with_a_warning(monkeypatch:
     x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
     tape, out = _tape(_block, x, w, running)
     plan = tape.plan([tape.lookup(out)], ())
-    with pytest.warns(RuntimeWarning, match=r"could not be compiled and replays op by op .*no compiler here"):
+    with pytest.warns(
+        RuntimeWarning, match=r"replays op by op, not compiled \(compilation failed: .*no compiler here"
+    ):
         compiled = replay(plan, compiled_steps)
     torch.testing.assert_close(compiled, replay(plan))
     assert list(fused._compiled.values()) == [None, None]
@@ -189,3 +191,58 @@ def test_compiled_replay_stays_within_the_predicted_peak(name: str) -> None:
     compiled = _measured_peak(model, batch(0), plan, "compiled")
     assert compiled <= plan.predicted_peak_bytes + SCALARS
     assert compiled >= 0.99 * plan.predicted_peak_bytes
+
+
+def test_a_run_whose_compiled_dtypes_differ_from_eager_replays_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under bfloat16 autocast, eager batch norm with float32 weights returns float32 statistics;
+    Inductor's decomposition returns bfloat16 ones. The first call compares with eager and keeps
+    eager for that structure."""
+    monkeypatch.setattr(fused, "_compiled", {})
+    monkeypatch.setattr(fused, "_checked", set())
+    torch.manual_seed(0)
+    plain = _Net(None)
+    scoped = twin(plain)
+    scoped.replay = "compiled"
+
+    def batch(step: int) -> dict[str, Any]:
+        return {"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))}
+
+    expected = train(plain, batch, steps=2, autocast=torch.bfloat16)
+    with pytest.warns(
+        RuntimeWarning, match=r"not compiled \(compiled bfloat16\[8\] where eager gives float32\[8\]\)"
+    ):
+        ran = train(scoped, batch, steps=2, autocast=torch.bfloat16)
+    assert_close(expected, ran, rtol=2e-2, atol=1e-3)
+    assert None in fused._compiled.values()  # the batch norm's run, eager from then on
+    assert fused._checked  # the other runs matched eager and stay compiled
+
+
+def test_views_and_in_place_ops_inside_a_compiled_run() -> None:
+    x, w = torch.randn(6, 5, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    grads = []
+    for how in (None, "compiled"):
+        with remat.scope(replay=how) if how else contextlib.nullcontext():
+            h = (x.t() * 2).sin()  # a view of an outside tensor, then pointwise ops
+            h[1:, :].mul_(3)  # in place through a view the run made
+            y = (h.exp() @ w).tanh().unsqueeze(0).expand(2, -1, -1).sum(0)
+        grads.append(torch.autograd.grad(y.square().sum(), [x, w]))
+    for plain, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_whose_compiled_values_differ_replays_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def off_by_one(gm: torch.fx.GraphModule, **kwargs: Any) -> Any:
+        return lambda *inputs: tuple(t + 1 if t.is_floating_point() else t for t in gm(*inputs))
+
+    monkeypatch.setattr(fused, "_compiled", {})
+    monkeypatch.setattr(fused, "_checked", set())
+    monkeypatch.setattr(fused.torch, "compile", off_by_one)
+    x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
+    tape, out = _tape(_block, x, w, running)
+    plan = tape.plan([tape.lookup(out)], ())
+    with pytest.warns(RuntimeWarning, match=r"not compiled \(compiled values of float32\[4, [36]\] differ"):
+        compiled = replay(plan, compiled_steps)
+    torch.testing.assert_close(compiled, replay(plan), rtol=0, atol=0)
+    assert list(fused._compiled.values()) == [None, None] and not fused._checked
