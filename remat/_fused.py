@@ -44,7 +44,19 @@ import torch
 from torch import fx
 
 from remat._errors import RematValueError, message
-from remat._replay import Executor, Plan, Ref, Seq, Step, describe, eager_steps, op_info, run_step
+from remat._replay import (
+    Executor,
+    Node,
+    Plan,
+    Ref,
+    Seq,
+    Step,
+    Write,
+    describe,
+    eager_steps,
+    op_info,
+    run_step,
+)
 
 __all__ = ["REPLAYS", "compiled_steps", "executor"]
 
@@ -54,11 +66,14 @@ REPLAYS = ("eager", "compiled")
 _Key = tuple[Any, ...]
 
 _compiled: dict[_Key, Callable[..., Any] | None] = {}  # None: replay eagerly (NOTE in the doc)
-_checked: set[_Key] = set()  # structures whose compiled results matched eager ones
+# structures whose compiled results matched eager ones -> per output, eager's strides where the
+# compiled output's differ (NOTE [eager layouts]), else None
+_checked: dict[_Key, tuple[tuple[int, ...] | None, ...]] = {}
 _lock = threading.Lock()
 # rtol, atol of the first-call comparison with eager, by dtype (fused kernels round differently)
 _TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
 _DEFAULT_TOLERANCE = (1e-3, 1e-5)
+_VIEW = torch.ops.aten.view.default
 _EMPTY = frozenset(
     {
         torch.ops.aten.empty,
@@ -71,6 +86,17 @@ _EMPTY = frozenset(
 )
 
 
+def _arg(node: Node, position: int, name: str) -> Any:
+    """An argument of a recorded op, by schema position (or by name where passed as keyword)."""
+    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
+
+
+def _written_arg(node: Node, w: Write) -> Any:
+    """The recorded argument (a ``Ref``) a write goes into."""
+    arg = node.args[w.key] if isinstance(w.key, int) else node.kwargs.get(w.key)
+    return arg if w.item < 0 or arg is None else arg[w.item]
+
+
 def _fusable(step: Step, owned: set[int]) -> bool:
     """Whether the step can join a run whose own (non-input) storages are ``owned``."""
     node = step.node
@@ -79,8 +105,7 @@ def _fusable(step: Step, owned: set[int]) -> bool:
     for w in node.writes:
         if w.clone:
             continue
-        arg = node.args[w.key] if isinstance(w.key, int) else node.kwargs.get(w.key)
-        target = arg if w.item < 0 or arg is None else arg[w.item]
+        target = _written_arg(node, w)
         if type(target) is not Ref or target.vid not in owned:
             return False
     return True
@@ -98,7 +123,7 @@ def _own(step: Step, owned: set[int]) -> None:
         if alias is None:
             owned.add(vid)
         else:
-            base = node.args[alias[0]] if alias[0] < len(node.args) else node.kwargs.get(alias[1])
+            base = _arg(node, *alias)
             if type(base) is Ref and base.vid in owned:
                 owned.add(vid)
     for w in node.writes:
@@ -173,9 +198,43 @@ def _structure(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int
     return (tuple(ops), tuple(local[v] for v in outputs))
 
 
+def _written_storages(run: Sequence[Step]) -> tuple[dict[int, int], set[int]]:
+    """Each value id the run reads or makes -> the value owning its storage (a view's base's), and
+    the storages written in place (not counting writes into clones)."""
+    root: dict[int, int] = {}
+    written: set[int] = set()
+    for step in run:
+        node = step.node
+        info = op_info(node.func)
+        outs = (node.outs,) if isinstance(node.outs, int) else node.outs
+        aliases = info.aliases if len(info.aliases) == len(outs) else info.aliases[:1] * len(outs)
+        for vid, alias in zip(outs, aliases, strict=True):
+            if vid < 0:
+                continue
+            base = None if alias is None else _arg(node, alias[0], alias[1])
+            root[vid] = root.get(base.vid, base.vid) if type(base) is Ref else vid
+        for w in node.writes:
+            if w.clone:
+                root[w.vid] = w.vid
+                continue
+            target = _written_arg(node, w)
+            if type(target) is Ref:
+                written.add(root.get(target.vid, target.vid))
+                root[w.vid] = root.get(target.vid, target.vid)
+    return root, written
+
+
 def _graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -> fx.GraphModule:
-    """The run as an FX graph over the recorded overloads: ``f(*inputs) -> tuple(outputs)``."""
+    """The run as an FX graph over the recorded overloads: ``f(*inputs) -> tuple(outputs)``.
+
+    NOTE [view as reshape] Compilation traces the graph with fake tensors, whose strides follow
+    the meta kernels, and those need not be eager's: eager ``cat`` on CPU returns a contiguous
+    tensor where the meta kernel keeps its inputs' permuted layout, and a ``view`` that eager
+    could take (GPT-2's attention: cat, transpose, mul, expand, view) then fails. A ``view``
+    whose storage nothing in the run writes is emitted as ``reshape``: the same values, a copy
+    only where the layout needs one."""
     graph = fx.Graph()
+    root, written_storages = _written_storages(run)
     env: dict[int, fx.Node] = {vid: graph.placeholder(f"v{vid}") for vid in inputs}
 
     def load(a: Any) -> Any:
@@ -196,7 +255,10 @@ def _graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -
             if w.clone:
                 holder[slot] = graph.call_function(torch.ops.aten.clone.default, (holder[slot],))
             written.append(holder[slot])
-        out = graph.call_function(node.func, tuple(args), kwargs)
+        func = node.func
+        if func is _VIEW and isinstance(node.outs, int) and root.get(node.outs) not in written_storages:
+            func = torch.ops.aten.reshape.default
+        out = graph.call_function(func, tuple(args), kwargs)
         if isinstance(node.outs, int):
             if node.outs >= 0:
                 env[node.outs] = out
@@ -277,15 +339,56 @@ def _checked_once(
 ) -> Sequence[torch.Tensor]:
     """The first call of a structure: its compiled results if they agree with an eager run of it,
     else the eager results (and the structure replays eagerly from then on)."""
-    eager = _eager_run(run, env, inputs)
+    values = _eager_run(run, env, inputs)
+    eager = [values[v] for v in outputs]
     blank = _uninitialized(run)
-    why = _disagreement(results, [eager[v] for v in outputs], [v in blank for v in outputs])
+    why = _disagreement(results, eager, [v in blank for v in outputs]) or _unmovable(
+        run, inputs, outputs, results, eager
+    )
     if why:
         _give_up(key, why)
-        return [eager[v] for v in outputs]
+        return eager
+    layouts = tuple(
+        None if c.stride() == e.stride() else e.stride() for c, e in zip(results, eager, strict=True)
+    )
     with _lock:
-        _checked.add(key)
-    return results
+        _checked[key] = layouts
+    return _in_eager_layout(results, layouts)
+
+
+def _unmovable(
+    run: Sequence[Step],
+    inputs: Sequence[int],
+    outputs: Sequence[int],
+    compiled: Sequence[torch.Tensor],
+    eager: Sequence[torch.Tensor],
+) -> str:
+    """Why a compiled output laid out otherwise than eager's cannot be copied into eager's layout
+    (it shares storage with another value, or eager's overlaps itself), or ""."""
+    root, written = _written_storages(run)
+    for vid, c, e in zip(outputs, compiled, eager, strict=True):
+        if c.stride() == e.stride():
+            continue
+        # a view of something only the run sees can be copied; one of an input or of another
+        # output, or of a storage written in place, cannot without losing the aliasing
+        others = {root.get(v, v) for v in inputs} | {root.get(o, o) for o in outputs if o != vid}
+        shared = root.get(vid, vid) in others or root.get(vid, vid) in written
+        overlapping = any(st == 0 and n > 1 for st, n in zip(e.stride(), e.shape, strict=True))
+        if shared or overlapping:
+            return f"compiled {describe(c.dtype, c.shape)} laid out as {c.stride()}, eager as {e.stride()}"
+    return ""
+
+
+def _in_eager_layout(
+    results: Sequence[torch.Tensor], layouts: Sequence[tuple[int, ...] | None]
+) -> list[torch.Tensor]:
+    """NOTE [eager layouts] Compiled outputs take the strides of the meta kernels, which need not be
+    eager's (NOTE [view as reshape]); later eager steps and autograd's backward formulas were
+    written against eager's, so an output laid out otherwise is copied into eager's strides."""
+    return [
+        r if s is None else torch.empty_strided(r.shape, s, dtype=r.dtype, device=r.device).copy_(r)
+        for r, s in zip(results, layouts, strict=True)
+    ]
 
 
 def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
@@ -316,8 +419,11 @@ def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
                     _give_up(key, f"compilation failed: {type(error).__name__}: {error}")
                     fn = None
                 else:
-                    if key not in _checked:
+                    layouts = _checked.get(key)
+                    if layouts is None:
                         results = _checked_once(key, run, env, inputs, outputs, results)
+                    elif any(layouts):
+                        results = _in_eager_layout(results, layouts)
                     env.update(zip(outputs, results, strict=True))
         if fn is None:
             for step in run:

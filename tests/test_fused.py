@@ -200,7 +200,7 @@ def test_a_run_whose_compiled_dtypes_differ_from_eager_replays_eagerly(
     Inductor's decomposition returns bfloat16 ones. The first call compares with eager and keeps
     eager for that structure."""
     monkeypatch.setattr(fused, "_compiled", {})
-    monkeypatch.setattr(fused, "_checked", set())
+    monkeypatch.setattr(fused, "_checked", {})
     torch.manual_seed(0)
     plain = _Net(None)
     scoped = twin(plain)
@@ -237,7 +237,7 @@ def test_a_run_whose_compiled_values_differ_replays_eagerly(monkeypatch: pytest.
         return lambda *inputs: tuple(t + 1 if t.is_floating_point() else t for t in gm(*inputs))
 
     monkeypatch.setattr(fused, "_compiled", {})
-    monkeypatch.setattr(fused, "_checked", set())
+    monkeypatch.setattr(fused, "_checked", {})
     monkeypatch.setattr(fused.torch, "compile", off_by_one)
     x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
     tape, out = _tape(_block, x, w, running)
@@ -246,3 +246,31 @@ def test_a_run_whose_compiled_values_differ_replays_eagerly(monkeypatch: pytest.
         compiled = replay(plan, compiled_steps)
     torch.testing.assert_close(compiled, replay(plan), rtol=0, atol=0)
     assert list(fused._compiled.values()) == [None, None] and not fused._checked
+
+
+def test_gpt2_blocks_replay_compiled_with_eager_layouts() -> None:
+    """GPT-2's attention concatenates keys, transposes, scales, expands and views them: eager
+    ``cat`` is contiguous where the meta kernel keeps the permuted layout, so the recorded
+    ``view`` fails under compilation unless it becomes a reshape (NOTE [view as reshape]), and
+    the compiled outputs come back in meta strides unless copied into eager's (NOTE [eager
+    layouts])."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=96, n_head=12, vocab_size=64, n_positions=32)
+    plain = GPT2LMHeadModel(config).train()
+    scoped = twin(plain)
+    for block in scoped.transformer.h:
+        forward = block.forward
+
+        def wrapped(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            with remat.scope(replay="compiled"):
+                return _forward(*args, **kwargs)
+
+        block.forward = wrapped
+
+    def batch(step: int) -> dict[str, Any]:
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(step))
+        return {"input_ids": ids, "labels": ids}
+
+    assert_close(train(plain, batch, steps=2), train(scoped, batch, steps=2))
