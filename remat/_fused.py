@@ -29,6 +29,12 @@ What stays eager, op by op:
   once decomposed. A ``RuntimeWarning`` says so once per structure, which replays eagerly from
   then on.
 
+Layouts are eager's: compiled code lays tensors out as the meta kernels say, which is not always
+what eager kernels do (NOTE [view as reshape]), so recorded views compile as reshapes where that
+is safe and outputs come back in the strides the eager run had (NOTE [eager layouts]): later
+eager steps and the backward formulas see what they saw in forward. The first call of a
+structure holds both its eager and its compiled results for a moment.
+
 Values are Inductor's: equal to eager up to floating-point reassociation, not bit for bit.
 """
 
@@ -158,8 +164,9 @@ def _arg_refs(a: Any) -> list[int]:
 
 
 def _reads(run: Sequence[Step]) -> tuple[list[int], list[int]]:
-    """The value ids the run reads from before it (its inputs, in order) and those it makes."""
-    made: set[int] = set()
+    """The value ids the run reads from before it and those it makes, in program order (so that
+    equal programs on other value ids give equal structures)."""
+    made: dict[int, None] = {}
     inputs: dict[int, None] = {}
     for step in run:
         node = step.node
@@ -168,8 +175,8 @@ def _reads(run: Sequence[Step]) -> tuple[list[int], list[int]]:
                 if vid not in made:
                     inputs[vid] = None
         outs = (node.outs,) if isinstance(node.outs, int) else node.outs
-        made.update(v for v in outs if v >= 0)
-        made.update(w.vid for w in node.writes)
+        made.update(dict.fromkeys(v for v in outs if v >= 0))
+        made.update(dict.fromkeys(w.vid for w in node.writes))
     return list(inputs), list(made)
 
 
