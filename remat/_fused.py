@@ -44,7 +44,7 @@ import operator
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import fx
@@ -64,9 +64,9 @@ from remat._replay import (
     run_step,
 )
 
-__all__ = ["REPLAYS", "compiled_steps", "executor"]
+__all__ = ["Replay", "compiled_steps", "executor"]
 
-REPLAYS = ("eager", "compiled")
+Replay = Literal["eager", "compiled"]
 """How a region's ops replay in backward: op by op, or with fusable runs compiled."""
 
 _Key = tuple[Any, ...]
@@ -443,7 +443,7 @@ def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
                     env.pop(vid, None)
 
 
-def executor(api: str, replay: str) -> Executor:
+def executor(api: str, replay: Replay) -> Executor:
     """The executor for a ``replay=`` argument of the public API ``api``."""
     if replay == "eager":
         return eager_steps

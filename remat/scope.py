@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat._errors import RecomputationError, RematTypeError, message
-from remat._fused import executor
+from remat._fused import Replay, executor
 from remat._replay import (
     EXTERNAL,
     Executor,
@@ -199,7 +199,7 @@ def _recording() -> bool:
 
 
 @contextlib.contextmanager
-def scope(policy: Policy | None = None, *, replay: str = "eager") -> Iterator[None]:
+def scope(policy: Policy | None = None, *, replay: Replay = "eager") -> Iterator[None]:
     """Recompute in backward what the block saves for backward, instead of keeping it.
 
     ``policy`` (default ``RecomputeAll()``) is asked once per op whether to keep its outputs

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat._errors import RecomputationError, RematTypeError, message
-from remat._fused import executor
+from remat._fused import Replay, executor
 from remat._replay import Executor, Tape
 from remat.planner.plan import Plan, Region
 from remat.policy import Decision, OpContext, RecomputeAll
@@ -196,7 +196,7 @@ class _Runner(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def apply(plan: Plan, model: nn.Module, replay: str = "eager") -> Iterator[None]:
+def apply(plan: Plan, model: nn.Module, replay: Replay = "eager") -> Iterator[None]:
     """See ``Plan.apply``."""
     execute = executor("plan.apply", replay)
     if not isinstance(model, nn.Module):
