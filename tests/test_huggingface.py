@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_same, build, train, twin
+from models import assert_close, assert_same, build, train, twin
 from torch import nn
 
 import remat
@@ -59,6 +59,13 @@ def test_same_as_transformers_own_checkpointing() -> None:
     assert_same(train(theirs, batch), train(ours, batch))
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_enable_with_compiled_replay_matches_plain(name: str) -> None:
+    model, batch, _ = build(name)
+    wrapped = huggingface.enable(twin(model), form="scope", replay="compiled")
+    assert_close(train(model, batch), train(wrapped, batch))
+
+
 def test_enable_rejects_other_models_and_options() -> None:
     with pytest.raises(remat.RematTypeError, match=r"remat\.integrations\.huggingface\.enable: .*got Linear"):
         huggingface.enable(nn.Linear(2, 2))
@@ -67,6 +74,10 @@ def test_enable_rejects_other_models_and_options() -> None:
         huggingface.enable(model, form="region")  # type: ignore[arg-type]
     with pytest.raises(remat.RematValueError, match=r"every_n_layers must be a positive int \(got 0\)"):
         huggingface.enable(model, every_n_layers=0)
+    with pytest.raises(remat.RematValueError, match=r"region form, .*with form='checkpoint'"):
+        huggingface.enable(model, replay="compiled")
+    with pytest.raises(remat.RematValueError, match=r'replay must be "eager" or "compiled" \(got \'jit\'\)'):
+        huggingface.enable(model, form="scope", replay="jit")  # type: ignore[arg-type]
 
 
 def test_every_n_layers() -> None:

@@ -17,13 +17,14 @@ from typing import Any, Literal
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._fused import Replay, executor
 from remat.checkpoint import Check, run
 from remat.policy import Policy
 
 Form = Literal["checkpoint", "scope"]
 
 
-def _checkpoint_func(form: Form, policy: Policy | None, check: Check) -> Callable[..., Any]:
+def _checkpoint_func(form: Form, policy: Policy | None, check: Check, replay: Replay) -> Callable[..., Any]:
     if form == "checkpoint":
 
         def remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -34,7 +35,7 @@ def _checkpoint_func(form: Form, policy: Policy | None, check: Check) -> Callabl
     from remat.scope import scope
 
     def remat_scope(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with scope(policy=policy):
+        with scope(policy=policy, replay=replay):
             return function(*args, **kwargs)
 
     return remat_scope
@@ -46,11 +47,13 @@ def enable(
     policy: Policy | None = None,
     check: Check = "shapes",
     every_n_layers: int = 1,
+    replay: Replay = "eager",
 ) -> nn.Module:
     """Turn on ``model``'s gradient checkpointing, executed by remat. Returns the model.
 
     ``form="checkpoint"`` re-runs each layer's forward in backward; ``form="scope"`` records the
-    layer's ops and replays only what backward needs. ``policy`` (e.g.
+    layer's ops and replays only what backward needs, with ``replay="compiled"`` through fused
+    ``torch.compile``d graphs (see ``remat.scope``). ``policy`` (e.g.
     ``remat.SaveComputeIntensive()``) keeps chosen op outputs instead of recomputing them.
     """
     setter = getattr(model, "_set_gradient_checkpointing", None)
@@ -76,6 +79,16 @@ def enable(
                 "pick the function form or the region form",
             )
         )
+    executor("integrations.huggingface.enable", replay)
+    if replay != "eager" and form != "scope":
+        raise RematValueError(
+            message(
+                "integrations.huggingface.enable",
+                "replay applies to the region form, which records the ops it replays",
+                f"got replay={replay!r} with form={form!r}",
+                'pass form="scope"',
+            )
+        )
     if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
         raise RematValueError(
             message(
@@ -85,7 +98,7 @@ def enable(
                 "pass 1 to checkpoint every layer",
             )
         )
-    func = _checkpoint_func(form, policy, check)
+    func = _checkpoint_func(form, policy, check, replay)
     if "every_n_layers" in inspect.signature(setter).parameters:
         setter(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
     elif every_n_layers == 1:
