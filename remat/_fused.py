@@ -238,10 +238,11 @@ def _graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -
     the meta kernels, and those need not be eager's: eager ``cat`` on CPU returns a contiguous
     tensor where the meta kernel keeps its inputs' permuted layout, and a ``view`` that eager
     could take (GPT-2's attention: cat, transpose, mul, expand, view) then fails. A ``view``
-    whose storage nothing in the run writes is emitted as ``reshape``: the same values, a copy
-    only where the layout needs one."""
+    of a storage the run makes and does not write is emitted as ``reshape``: the same values, a
+    copy only where the layout needs one, and no one outside the run to share the storage with."""
     graph = fx.Graph()
     root, written_storages = _written_storages(run)
+    fixed = written_storages | set(inputs)  # views of these keep their aliasing, so stay views
     env: dict[int, fx.Node] = {vid: graph.placeholder(f"v{vid}") for vid in inputs}
 
     def load(a: Any) -> Any:
@@ -263,7 +264,7 @@ def _graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -
                 holder[slot] = graph.call_function(torch.ops.aten.clone.default, (holder[slot],))
             written.append(holder[slot])
         func = node.func
-        if func is _VIEW and isinstance(node.outs, int) and root.get(node.outs) not in written_storages:
+        if func is _VIEW and isinstance(node.outs, int) and root.get(node.outs) not in fixed:
             func = torch.ops.aten.reshape.default
         out = graph.call_function(func, tuple(args), kwargs)
         if isinstance(node.outs, int):
