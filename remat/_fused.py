@@ -117,22 +117,25 @@ def _fusable(step: Step, owned: set[int]) -> bool:
     return True
 
 
-def _own(step: Step, owned: set[int]) -> None:
-    """Add the storages the step's outputs own: fresh tensors, and views of owned ones."""
-    node = step.node
+def _made(node: Node) -> list[tuple[int, Any]]:
+    """The tensors the op returns (value ids), each with the argument it is a view of (a ``Ref``),
+    or None for a fresh tensor."""
     info = op_info(node.func)
     outs = (node.outs,) if isinstance(node.outs, int) else node.outs
     aliases = info.aliases if len(info.aliases) == len(outs) else info.aliases[:1] * len(outs)
-    for vid, alias in zip(outs, aliases, strict=True):
-        if vid < 0:
-            continue
-        if alias is None:
+    return [
+        (vid, None if alias is None else _arg(node, *alias))
+        for vid, alias in zip(outs, aliases, strict=True)
+        if vid >= 0
+    ]
+
+
+def _own(step: Step, owned: set[int]) -> None:
+    """Add the storages the step's outputs own: fresh tensors, and views of owned ones."""
+    for vid, base in _made(step.node):
+        if base is None or (type(base) is Ref and base.vid in owned):
             owned.add(vid)
-        else:
-            base = _arg(node, *alias)
-            if type(base) is Ref and base.vid in owned:
-                owned.add(vid)
-    for w in node.writes:
+    for w in step.node.writes:
         owned.add(w.vid)
 
 
@@ -212,13 +215,7 @@ def _written_storages(run: Sequence[Step]) -> tuple[dict[int, int], set[int]]:
     written: set[int] = set()
     for step in run:
         node = step.node
-        info = op_info(node.func)
-        outs = (node.outs,) if isinstance(node.outs, int) else node.outs
-        aliases = info.aliases if len(info.aliases) == len(outs) else info.aliases[:1] * len(outs)
-        for vid, alias in zip(outs, aliases, strict=True):
-            if vid < 0:
-                continue
-            base = None if alias is None else _arg(node, alias[0], alias[1])
+        for vid, base in _made(node):
             root[vid] = root.get(base.vid, base.vid) if type(base) is Ref else vid
         for w in node.writes:
             if w.clone:

@@ -111,15 +111,22 @@ class _Net(nn.Module):
         return h.square().mean()
 
 
-def test_scope_with_compiled_replay_matches_plain_model() -> None:
+def _net_batch(step: int) -> dict[str, Any]:
+    return {"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))}
+
+
+def _net_twins() -> tuple[_Net, _Net]:
+    """A plain ``_Net`` and its copy with the block in a compiled-replay scope."""
     torch.manual_seed(0)
     plain = _Net(None)
     scoped = twin(plain)
     scoped.replay = "compiled"
+    return plain, scoped
 
-    def batch(step: int) -> dict[str, Any]:
-        return {"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))}
 
+def test_scope_with_compiled_replay_matches_plain_model() -> None:
+    plain, scoped = _net_twins()
+    batch = _net_batch
     assert_close(train(plain, batch, steps=2), train(scoped, batch, steps=2))
     structures = len(fused._compiled)
     train(scoped, batch, steps=3)  # new tapes, new value ids: the same structures
@@ -204,14 +211,8 @@ def test_a_run_whose_compiled_dtypes_differ_from_eager_replays_eagerly(
     eager for that structure."""
     monkeypatch.setattr(fused, "_compiled", {})
     monkeypatch.setattr(fused, "_checked", {})
-    torch.manual_seed(0)
-    plain = _Net(None)
-    scoped = twin(plain)
-    scoped.replay = "compiled"
-
-    def batch(step: int) -> dict[str, Any]:
-        return {"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))}
-
+    plain, scoped = _net_twins()
+    batch = _net_batch
     expected = train(plain, batch, steps=2, autocast=torch.bfloat16)
     with pytest.warns(
         RuntimeWarning, match=r"not compiled \(compiled bfloat16\[8\] where eager gives float32\[8\]\)"
