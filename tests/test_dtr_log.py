@@ -1,4 +1,5 @@
-"""The DTR op log importer: the three reference logs, and clear errors for broken lines."""
+"""The DTR op log importer: each instruction kind imported exactly, the three reference logs, and
+clear errors for broken lines."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.trace import Op, Phase, Release, load, validate
+from remat.trace import Op, Phase, Release, TensorInfo, load, validate
 from remat.trace.dtr_log import load_dtr_log, looks_like_dtr_log
 
 LOGS = Path(__file__).resolve().parents[1] / "data" / "dtr"
@@ -48,32 +49,138 @@ def call(
     return records
 
 
-def test_small_log_maps_every_instruction(tmp_path: Path) -> None:
-    path = write(
-        tmp_path,
-        START,
-        *const("w", 64),
-        *call("mm", ["w", "w"], [("y", 128, -1)], time=2500),
-        *call("view", ["y"], [("v", 128, 0)]),
-        {"INSTRUCTION": "COPY", "SRC": "v", "DST": "v2"},
-        {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "BACKWARD"},
-        {"INSTRUCTION": "MUTATE", "NAME": "add_", "ARGS": ["y", "w"], "MUTATE": [0], "TIME": "10"},
-        {"INSTRUCTION": "RELEASE", "NAME": "y"},
-    )
-    trace = validate(load_dtr_log(path))
-    w, y, v, v2 = trace.tensors
-    assert w.constant and w.nbytes == 64
-    assert (y.nbytes, y.alias_of) == (128, None)
-    assert (v.nbytes, v.alias_of) == (0, y.id)  # an alias owns no bytes
-    assert (v2.nbytes, v2.alias_of) == (0, v.id)  # COPY: a second handle
-    mm, view, copy, mutate, release = trace.events
-    assert isinstance(mm, Op) and mm.cost == pytest.approx(2.5e-6) and mm.phase is Phase.FORWARD
-    assert isinstance(copy, Op) and copy.name == "alias" and copy.cost == 0.0
-    assert isinstance(mutate, Op) and mutate.mutates == (y.id,) and mutate.outputs == ()
-    assert mutate.phase is Phase.BACKWARD
-    assert [op.index for op in trace.ops] == [0, 1, 2, 3]  # ops only, releases not counted
-    assert release == Release(y.id)
-    assert trace.source == "dtr" and trace.name == "log"
+def mutate(name: str, args: list[str], positions: list[int], time: int = 10) -> dict[str, object]:
+    return {"INSTRUCTION": "MUTATE", "NAME": name, "ARGS": args, "MUTATE": positions, "TIME": str(time)}
+
+
+def copy(kind: str, dst: str, src: str) -> dict[str, object]:
+    return {"INSTRUCTION": kind, "DST": dst, "SRC": src}
+
+
+def release(name: str) -> dict[str, object]:
+    return {"INSTRUCTION": "RELEASE", "NAME": name}
+
+
+def annotate(annotation: str) -> dict[str, object]:
+    return {"INSTRUCTION": "ANNOTATE", "ANNOTATION": annotation}
+
+
+NS = 1e-9  # TIME is in nanoseconds, Op.cost in seconds
+FWD, BWD = Phase.FORWARD, Phase.BACKWARD
+
+
+def const_info(tensor: int, nbytes: int) -> TensorInfo:
+    return TensorInfo(tensor, nbytes, constant=True)
+
+
+# One small log per instruction kind (MEMORY and ALIAS only ever follow CONSTANT or CALL), with the
+# exact tensors and events it must import as.
+KINDS = {
+    "CONSTANT": ([START, *const("w", 64)], (const_info(0, 64),), ()),
+    "CALL": (
+        # MEMORY of a result that aliases argument 0 is ignored: a view owns no bytes.
+        [START, *const("x", 8), *call("split", ["x", "x"], [("a", 16, -1), ("b", 99, 1)], time=2500)],
+        (const_info(0, 8), TensorInfo(1, 16), TensorInfo(2, 0, alias_of=0)),
+        (Op(0, "split", (0, 0), (1, 2), cost=2500 * NS, phase=FWD),),
+    ),
+    "CALL without results": (
+        [START, *const("x", 8), *call("print", ["x"], [], time=7)],
+        (const_info(0, 8),),
+        (Op(0, "print", (0,), (), cost=7 * NS, phase=FWD),),
+    ),
+    "MUTATE": (
+        [START, *const("x", 8), *const("y", 8), mutate("addcmul_", ["x", "y", "x"], [0, 2])],
+        (const_info(0, 8), const_info(1, 8)),
+        (Op(0, "addcmul_", (0, 1, 0), (), mutates=(0,), cost=10 * NS, phase=FWD),),
+    ),
+    "COPY": (
+        [START, *const("x", 8), copy("COPY", "y", "x"), release("x"), release("y")],
+        (const_info(0, 8), TensorInfo(1, 0, alias_of=0)),
+        (Op(0, "alias", (0,), (1,), phase=FWD), Release(0), Release(1)),
+    ),
+    "COPY_FROM": (
+        # y's first tensor goes when y takes x's; the later RELEASE y drops the new handle.
+        [
+            START,
+            *const("x", 8),
+            *call("relu", ["x"], [("y", 8, -1)]),
+            copy("COPY_FROM", "y", "x"),
+            release("y"),
+        ],
+        (const_info(0, 8), TensorInfo(1, 8), TensorInfo(2, 0, alias_of=0)),
+        (
+            Op(0, "relu", (0,), (1,), cost=1000 * NS, phase=FWD),
+            Op(1, "alias", (0,), (2,), phase=FWD),
+            Release(1),
+            Release(2),
+        ),
+    ),
+    "COPY_FROM itself": (
+        # The new handle is made from the old before the old is released, so the storage stays.
+        [START, *call("randn", [], [("x", 8, -1)]), copy("COPY_FROM", "x", "x")],
+        (TensorInfo(0, 8), TensorInfo(1, 0, alias_of=0)),
+        (
+            Op(0, "randn", (), (0,), cost=1000 * NS, phase=FWD),
+            Op(1, "alias", (0,), (1,), phase=FWD),
+            Release(0),
+        ),
+    ),
+    "RELEASE": ([START, *const("x", 8), release("x")], (const_info(0, 8),), (Release(0),)),
+    "ANNOTATE": (
+        # UNKNOWN before START, then FORWARD, then BACKWARD, which a second START does not undo.
+        [
+            *call("a", [], [("x", 4, -1)]),
+            START,
+            *call("b", [], [("y", 4, -1)]),
+            annotate("BACKWARD"),
+            *call("c", [], [("z", 4, -1)]),
+            START,
+            *call("d", [], [("u", 4, -1)]),
+        ],
+        tuple(TensorInfo(i, 4) for i in range(4)),
+        tuple(
+            Op(i, name, (), (i,), cost=1000 * NS, phase=phase)
+            for i, (name, phase) in enumerate([("a", Phase.UNKNOWN), ("b", FWD), ("c", BWD), ("d", BWD)])
+        ),
+    ),
+    "CALL named backward": (
+        # With no BACKWARD mark, the first op named like a backward kernel starts the phase.
+        [
+            START,
+            *const("x", 8),
+            *call("threshold_backward", ["x"], [("g", 8, -1)]),
+            mutate("add_", ["g"], [0]),
+        ],
+        (const_info(0, 8), TensorInfo(1, 8)),
+        (
+            Op(0, "threshold_backward", (0,), (1,), cost=1000 * NS, phase=BWD),
+            Op(1, "add_", (1,), (), mutates=(1,), cost=10 * NS, phase=BWD),
+        ),
+    ),
+    "MUTATE named backward": (
+        [START, *const("x", 8), mutate("fill_backward_", ["x"], [0]), *call("relu", ["x"], [("y", 8, -1)])],
+        (const_info(0, 8), TensorInfo(1, 8)),
+        (
+            Op(0, "fill_backward_", (0,), (), mutates=(0,), cost=10 * NS, phase=BWD),
+            Op(1, "relu", (0,), (1,), cost=1000 * NS, phase=BWD),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_instruction_imports_exactly(tmp_path: Path, kind: str) -> None:
+    records, tensors, events = KINDS[kind]
+    trace = validate(load_dtr_log(write(tmp_path, *records)))
+    assert trace.tensors == tensors
+    assert trace.events == events
+    assert trace.source == "dtr" and trace.name == "log" and trace.device == "cuda"
+
+
+def test_copy_from_into_a_released_handle_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, START, *const("x", 8), *const("y", 8), release("y"), copy("COPY_FROM", "y", "x"))
+    with pytest.raises(ValueError, match=r"remat\.trace\.load: a tensor can be released only once \("):
+        load(path)
 
 
 @pytest.mark.parametrize(
@@ -99,6 +206,15 @@ def test_small_log_maps_every_instruction(tmp_path: Path) -> None:
         ),
         ([START, *const("c", 4), *call("relu", ["c"], [("y", 4, -1)], time=-3)], 4, "negative TIME"),
         ([START, {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "MIDDLE"}], 2, "unknown annotation"),
+        ([START, {"INSTRUCTION": "MEMORY", "NAME": "m", "MEMORY": "4"}], 2, "not a result of the CALL"),
+        ([START, {"INSTRUCTION": "ALIAS", "NAME": "m", "ALIAS": "-1"}], 2, "not a result of the CALL"),
+        ([START, *const("c", 4), copy("COPY", "c", "c")], 4, "'c' is defined twice"),
+        ([START, *const("c", 4), copy("COPY", "d", "ghost")], 4, "'ghost' is used before it is defined"),
+        ([START, *const("c", 4), copy("COPY_FROM", "ghost", "c")], 4, "'ghost' is used before it is defined"),
+        ([START, *const("c", 4), copy("COPY_FROM", "c", "ghost")], 4, "'ghost' is used before it is defined"),
+        ([START, *const("c", 4), {"INSTRUCTION": "COPY_FROM", "SRC": "c"}], 4, "field DST must be a string"),
+        ([START, *const("c", 4), {"INSTRUCTION": "COPY_FROM", "DST": ["c"], "SRC": "c"}], 4, "field DST"),
+        ([START, *const("c", 4), {"INSTRUCTION": "COPY_FROM", "DST": "c", "SRC": 3}], 4, "field SRC"),
     ],
 )
 def test_malformed_lines_name_line_and_reason(
@@ -114,6 +230,7 @@ def test_malformed_lines_name_line_and_reason(
 
 def test_looks_like_dtr_log(tmp_path: Path) -> None:
     assert looks_like_dtr_log(write(tmp_path, START))
+    assert looks_like_dtr_log(write(tmp_path, copy("COPY_FROM", "y", "x")))  # any kind, first line or not
     other = tmp_path / "other.jsonl"
     other.write_text('{"format": "remat-trace"}\n')
     assert not looks_like_dtr_log(other)

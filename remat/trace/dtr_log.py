@@ -6,22 +6,26 @@ of them. This module turns one log into a :class:`~remat.trace.types.Trace`, kee
 it was written and leaving every runtime decision (how a mutation is served, when a dead constant may
 go) to the replaying runtime.
 
-The format is one JSON object per line, ``INSTRUCTION`` saying which:
+The format is one JSON object per line, ``INSTRUCTION`` saying which. These are all the kinds the
+artifact's own parser (``simrd/simrd/parse/parse.py``) accepts; ``data/dtr/README.md`` has the table:
 
 - ``CONSTANT x`` then ``MEMORY x n``: a tensor from outside the step (parameter, input, scalar).
   Following the Trace convention, constants exist before the first event.
 - ``CALL name ARGS RESULT TIME`` then, per result, ``MEMORY r n`` and ``ALIAS r k``: an op; ``k`` is
   -1 for a fresh storage, else the index of the argument whose storage the result shares.
 - ``MUTATE name ARGS MUTATE TIME``: an in-place op writing the arguments at positions ``MUTATE``.
-- ``COPY SRC DST``: a second handle to the same tensor. It becomes a zero-cost op named ``"alias"``
-  whose output aliases ``SRC``.
+- ``COPY DST SRC``: a new handle ``DST`` to the tensor ``SRC``. It becomes a zero-cost op named
+  ``"alias"`` whose output aliases ``SRC``.
+- ``COPY_FROM DST SRC``: the live handle ``DST`` now holds ``SRC``'s tensor: the same ``"alias"`` op
+  makes ``DST``'s new tensor, then its old one is released.
 - ``RELEASE x``: the program dropped handle ``x``.
-- ``ANNOTATE START|BACKWARD``: phase marks (``Op.phase`` is FORWARD after START, BACKWARD after
-  BACKWARD, UNKNOWN before START).
+- ``ANNOTATE START|BACKWARD``: phase marks. ``Op.phase`` is UNKNOWN before START, FORWARD after it,
+  BACKWARD from the BACKWARD mark or from the first op whose name contains ``backward``, as the
+  artifact decides; the phase never goes back (a later START leaves BACKWARD as it is).
 
 TIME is in nanoseconds and becomes ``Op.cost`` in seconds. ``alias_of`` points at the argument an
 output aliases (the immediate source, which is alive when the op runs); follow the chain to reach
-the tensor that owns the storage.
+the tensor that owns the storage. Every line must be one of these; anything else is an error.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from remat.trace.builder import TraceBuilder
 from remat.trace.types import Phase, Trace
 
 _API = "trace.load_dtr_log"
-_INSTRUCTIONS = frozenset({"CONSTANT", "MEMORY", "CALL", "MUTATE", "COPY", "RELEASE", "ANNOTATE", "ALIAS"})
+_INSTRUCTIONS = frozenset(
+    {"CONSTANT", "MEMORY", "CALL", "MUTATE", "COPY", "COPY_FROM", "RELEASE", "ANNOTATE", "ALIAS"}
+)
 _NS = 1e-9
 
 
@@ -121,15 +127,17 @@ class _Builder(TraceBuilder):
         elif kind == "ALIAS":
             self._alias(number, record)
         elif kind == "CALL":
+            name = _string(number, record, "NAME")
+            self._op_phase(name)
             self.call = _PendingCall(
                 line=number,
-                name=_string(number, record, "NAME"),
+                name=name,
                 args=self._handles(number, record, "ARGS"),
                 results=tuple(_strings(number, record, "RESULT")),
                 cost=_time(number, record),
             )
-            for name in self.call.results:
-                self._check_new(number, name)
+            for result in self.call.results:
+                self._check_new(number, result)
             if len(set(self.call.results)) != len(self.call.results):
                 raise _error(number, "a result name repeats")
             if not self.call.results:
@@ -140,14 +148,22 @@ class _Builder(TraceBuilder):
             source = self._lookup(number, _string(number, record, "SRC"))
             dst = _string(number, record, "DST")
             self._check_new(number, dst)
-            copy = self._new(dst, 0, alias_of=source)
-            self.op("alias", (source,), (copy,), 0.0, phase=self.phase)
+            self._handle(dst, source)
+        elif kind == "COPY_FROM":
+            source = self._lookup(number, _string(number, record, "SRC"))
+            dst = _string(number, record, "DST")
+            old = self._lookup(number, dst)
+            # The new handle is made before the old one goes: SRC may be DST itself, or share its
+            # storage, and must still be alive when the alias op reads it.
+            self._handle(dst, source)
+            self.release(old)
         elif kind == "RELEASE":
             self.release(self._lookup(number, _string(number, record, "NAME")))
         else:  # ANNOTATE
             annotation = _string(number, record, "ANNOTATION")
             if annotation == "START":
-                self.phase = Phase.FORWARD
+                if self.phase is Phase.UNKNOWN:
+                    self.phase = Phase.FORWARD
             elif annotation == "BACKWARD":
                 self.phase = Phase.BACKWARD
             else:
@@ -214,7 +230,19 @@ class _Builder(TraceBuilder):
         ):
             raise _error(number, f"MUTATE must list argument positions of ARGS, got {positions!r}")
         mutates = tuple(dict.fromkeys(args[p] for p in positions))
-        self.op(_string(number, record, "NAME"), args, (), _time(number, record), mutates, self.phase)
+        name = _string(number, record, "NAME")
+        self.op(name, args, (), _time(number, record), mutates, self._op_phase(name))
+
+    def _op_phase(self, name: str) -> Phase:
+        """The phase of an op called ``name``: the artifact takes an op named like a backward
+        kernel (``convolution_backward``) as the start of the backward phase, mark or not."""
+        if "backward" in name:
+            self.phase = Phase.BACKWARD
+        return self.phase
+
+    def _handle(self, name: str, source: int) -> None:
+        """Bind ``name`` to a new handle sharing ``source``'s storage (COPY, COPY_FROM)."""
+        self.op("alias", (source,), (self._new(name, 0, alias_of=source),), 0.0, phase=self.phase)
 
     def _new(self, name: str, nbytes: int, alias_of: int | None = None, constant: bool = False) -> int:
         tensor = self.tensor(nbytes, alias_of=alias_of, constant=constant)
