@@ -7,6 +7,16 @@ profiler, with memory profiling on, is told of every allocation and free the CPU
 with its address and size. Summed in time order they give the bytes the block held at each
 moment; a free counts only when its allocation happened inside the block, so what existed before
 (parameters, inputs, a previous step's gradients) is left out, as in ``remat.memory.track``.
+``account(timeline=True)`` also keeps those sums, one ``AllocatorSample`` per counted event.
+
+NOTE [profiler clock]: the profiler stamps each event (``start_time_ns``) in the clock of
+``time.time_ns()`` (nanoseconds since the Unix epoch; it reads a faster counter and converts).
+Measured on torch 2.13 CPU: the allocation of each of 150 ``torch.empty`` calls was stamped between
+``time.time_ns()`` read just before and just after the call, a few to a few hundred microseconds
+apart, while ``time.monotonic_ns()`` and ``time.perf_counter_ns()`` are off by decades (they count
+from boot). So a moment taken with ``time.time_ns()`` (the block's start and end in
+``remat.memory.track``, ``remat.dynamic``'s evictions and recomputations) lands among the
+allocator's events where it happened.
 
 The profiler's start and stop print a line each on the process's standard error (from C++); those
 two calls run with it sent to /dev/null.
@@ -18,7 +28,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,16 +42,26 @@ from torch._C._profiler import (
 )
 from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
 
-__all__ = ["Account", "account", "available", "scratch_of"]
+__all__ = ["Account", "AllocatorSample", "account", "available", "scratch_of"]
+
+
+@dataclass(frozen=True)
+class AllocatorSample:
+    """Bytes the CPU allocator held beyond what it held before the block, right after its allocation
+    or free at ``time_ns`` (the clock of ``time.time_ns()``, NOTE [profiler clock])."""
+
+    time_ns: int
+    bytes: int
 
 
 @dataclass
 class Account:
     """What the CPU allocator held during an ``account`` block beyond what it held before; set when
-    the block ends."""
+    the block ends. ``timeline`` is None unless asked for."""
 
     peak_bytes: int = 0
     current_bytes: int = 0
+    timeline: list[AllocatorSample] | None = field(default=None, repr=False)
 
 
 def available() -> bool:
@@ -73,12 +93,13 @@ def _events(nodes: list[Any]) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def account() -> Iterator[Account]:
-    """Count the CPU allocator's allocations and frees inside the block (see the module docstring).
-    The caller checks ``available()`` first."""
+def account(timeline: bool = False) -> Iterator[Account]:
+    """Count the CPU allocator's allocations and frees inside the block (see the module docstring);
+    ``timeline=True`` keeps one sample per counted event, in time order. The caller checks
+    ``available()`` first."""
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}
-    result = Account()
+    result = Account(timeline=[] if timeline else None)
     with _quiet_stderr():
         _prepare_profiler(config, activities)
         _enable_profiler(config, activities)
@@ -103,6 +124,8 @@ def account() -> Iterator[Account]:
             continue
         result.current_bytes += size
         result.peak_bytes = max(result.peak_bytes, result.current_bytes)
+        if result.timeline is not None:
+            result.timeline.append(AllocatorSample(e.start_time_ns, result.current_bytes))
 
 
 def scratch_of(run: Any, device: torch.device) -> int | None:

@@ -8,7 +8,12 @@ import sys
 from collections.abc import Sequence
 
 # Each module here defines ``register(subparsers)``; its subcommands set ``func`` on their parser.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("remat.trace.cli", "remat.sim.cli", "remat.planner.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "remat.trace.cli",
+    "remat.sim.cli",
+    "remat.planner.cli",
+    "remat.viz.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

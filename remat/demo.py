@@ -2,7 +2,8 @@
 
 Run with ``make demo`` (or ``python -m remat.demo``). Random weights and synthetic tokens on the
 CPU; each strategy trains the same model from the same seed, so losses and gradients must match
-the plain run exactly while the activation memory goes down.
+the plain run exactly while the activation memory goes down. Last, one step's memory over time,
+plain and under ``remat.dynamic``, is drawn from the CPU allocator's events to a PNG.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from torch import nn
 import remat
 from remat.integrations import huggingface
 from remat.memory import format_bytes
+from remat.viz.steps import StepRun, draw, measure
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,38 @@ def show_dynamic(peak: int, results: list[DynamicResult]) -> None:
     )
 
 
+# -- memory over one step (remat.memory.plot) ----------------------------------------------------
+
+PICTURE_RATIO = 0.5
+
+
+def draw_memory(
+    path: str, layers: int = 8, width: int = 128, seq: int = 128, batch: int = 4
+) -> list[StepRun]:
+    """One training step of the dynamic demo's GPT-2, plain and inside ``remat.dynamic`` with DTR
+    and Coop at ``PICTURE_RATIO`` of the plain step's allocator peak, drawn to ``path``."""
+    model = build_gpt2(layers, width, seq)
+    tokens = torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(0))
+    runs = measure(
+        model,
+        (tokens,),
+        lambda: model(input_ids=tokens, labels=tokens, use_cache=False).loss,
+        (PICTURE_RATIO,),
+        ("dtr", "coop"),
+    )
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    draw(runs, path, title=f"GPT-2 ({layers} layers, width {width}): one training step, CPU allocator")
+    return runs
+
+
+def show_memory(runs: list[StepRun], path: str) -> None:
+    for r in runs:
+        budget = "" if r.budget is None else f", budget {format_bytes(r.budget)}"
+        outcome = f", stopped: {r.rule}" if r.failure else ""
+        print(f"  {r.label}: allocator peak {format_bytes(r.tracker.peak_bytes)}{budget}{outcome}")
+    print(f"Memory over one step: {os.path.abspath(path)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=6)
@@ -277,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--picture", default="out/demo-memory.png", help="where to draw memory over a step")
     args = parser.parse_args(argv)
     print(
         f"GPT-2: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens, "
@@ -289,6 +325,13 @@ def main(argv: list[str] | None = None) -> None:
         "(parameters included); gradients compared with the plain run's"
     )
     show_dynamic(*run_dynamic())
+    print(
+        f"\nOne step of the same GPT-2 measured by the CPU allocator (remat.memory.track(allocator=True)), "
+        f"plain and inside remat.dynamic at {PICTURE_RATIO:.0%} of the plain step's peak (beyond the "
+        "parameters and inputs, which the region also counts):"
+    )
+    path = args.picture
+    show_memory(draw_memory(path), path)
 
 
 if __name__ == "__main__":

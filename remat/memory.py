@@ -7,11 +7,15 @@ alive exactly as long as the memory). Views and in-place results share an existi
 count nothing. This is the number ``torch.cuda.max_memory_allocated`` gives on CUDA, where the
 allocator's own statistics are used instead. Tensors that existed before the block (parameters,
 inputs) are not counted: the figures are what the block added.
+
+``plot`` draws trackers of the CPU allocator (``allocator=True``) as a picture of memory over time
+(:mod:`remat.viz.memory`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,10 +25,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import _allocator
+from remat._allocator import AllocatorSample
 from remat._errors import RematRuntimeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
+from remat.viz.memory import plot
 
-__all__ = ["MemorySample", "MemoryTracker", "format_bytes", "parse_budget", "parse_bytes", "track"]
+__all__ = [
+    "AllocatorSample",
+    "MemorySample",
+    "MemoryTracker",
+    "format_bytes",
+    "parse_budget",
+    "parse_bytes",
+    "plot",
+    "track",
+]
 
 
 @dataclass(frozen=True)
@@ -38,19 +53,38 @@ class MemorySample:
 
 @dataclass
 class MemoryTracker:
-    """Figures of one ``track`` block, updated while the block runs."""
+    """Figures of one ``track`` block, updated while the block runs.
+
+    ``start_ns`` and ``end_ns``: ``time.time_ns()`` as the block started and ended, the clock of the
+    allocator's samples and of ``remat.dynamic``'s moments (NOTE [profiler clock] in
+    ``remat._allocator``). ``allocator_timeline``: with ``allocator=True`` on CPU, the bytes held
+    after each allocation and free of the block, set when it ends; None where the allocator's events
+    were not recorded (``allocator=False``, or CUDA, which has no event stream here).
+    """
 
     device: torch.device
     current_bytes: int = 0
     peak_bytes: int = 0
     timeline: list[MemorySample] = field(default_factory=list)
     ops: int = 0  # ATen ops the block ran, counted only where a dispatch mode runs (see ``track``)
+    start_ns: int = 0
+    end_ns: int = 0
+    allocator_timeline: tuple[AllocatorSample, ...] | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
         return (
             f"MemoryTracker({self.device}: peak {format_bytes(self.peak_bytes)}, "
             f"current {format_bytes(self.current_bytes)}, {self.ops} ops)"
         )
+
+
+@contextlib.contextmanager
+def _clock(tracker: MemoryTracker) -> Iterator[None]:
+    tracker.start_ns = time.time_ns()
+    try:
+        yield
+    finally:
+        tracker.end_ns = time.time_ns()
 
 
 def _alias_returns(func: Any) -> tuple[bool, ...]:
@@ -118,8 +152,9 @@ def track(
     ``allocator=True`` counts on CPU what the allocator itself hands out (``remat._allocator``,
     through PyTorch's profiler): also the buffers kernels allocate and free while they run and
     whatever code no dispatch mode sees allocates (a ``torch.compile``d graph). Then
-    ``peak_bytes`` and ``current_bytes`` are set when the block ends. On CUDA the allocator's
-    statistics are always used.
+    ``peak_bytes``, ``current_bytes`` and ``m.allocator_timeline`` (the bytes held after each
+    allocation and free, with its time) are set when the block ends. On CUDA the allocator's
+    statistics are always used, and no allocator timeline is kept (``remat.memory.plot`` says so).
 
     The timeline and ``m.ops`` come from a dispatch mode, and Dynamo runs no compiled code under
     one (a ``torch.compile``d function runs eagerly inside it). So the mode runs only where it
@@ -160,11 +195,12 @@ def track(
     if counting or keep_timeline:
         mode = _StorageCounter(tracker, keep_timeline, base)
     if allocator and dev.type == "cpu":
-        with _allocator.account() as account, mode:
+        with _allocator.account(timeline=True) as account, mode, _clock(tracker):
             yield tracker
         tracker.peak_bytes, tracker.current_bytes = account.peak_bytes, account.current_bytes
+        tracker.allocator_timeline = tuple(account.timeline or ())
         return
-    with mode:
+    with mode, _clock(tracker):
         yield tracker
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
