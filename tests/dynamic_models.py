@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from models import CNN, loss_of
+from models import CNN, ConvBlock, loss_of
 from torch import nn
 
 Batch = Callable[[int], dict[str, Any]]
@@ -72,12 +72,43 @@ def _bert() -> tuple[nn.Module, Batch]:
     return model, batch
 
 
+class InplaceBlock(ConvBlock):
+    """Convolution, batch norm, in-place ReLU, dropout, residual."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.relu_(self.bn(self.conv(x))))
+
+
 def _cnn() -> tuple[nn.Module, Batch]:
     model = CNN(c=8, depth=3)
+    model.layers = nn.ModuleList(InplaceBlock(8) for _ in range(3))
 
     def batch(step: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(step)
         return {"x": torch.randn(16, 3, 12, 12, generator=g), "y": torch.randint(0, 5, (16,), generator=g)}
+
+    return model, batch
+
+
+def _llama() -> tuple[nn.Module, Batch]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=32,
+        attention_dropout=0.1,
+    )
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+
+    def batch(step: int) -> dict[str, Any]:
+        ids = _tokens(500 + step, (4, 32), 64)
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     return model, batch
 
@@ -91,7 +122,7 @@ def _bilstm() -> tuple[nn.Module, Batch]:
     return model, batch
 
 
-WORKLOADS = {"gpt2": _gpt2, "bert": _bert, "cnn": _cnn, "bilstm": _bilstm}
+WORKLOADS = {"gpt2": _gpt2, "bert": _bert, "cnn": _cnn, "bilstm": _bilstm, "llama": _llama}
 
 
 def workload(name: str) -> tuple[nn.Module, Batch]:

@@ -7,7 +7,7 @@ import pytest
 from remat.core.graph import Record
 from remat.core.policies import get
 from remat.core.pool import AddressPool, BytePool
-from remat.core.runtime import Runtime
+from remat.core.runtime import OutOfMemory, Runtime
 from remat.sim import Outcome, simulate
 from remat.sim.replay import SimBackend, drive, replay
 from remat.sim.synthetic import Builder
@@ -75,6 +75,8 @@ def test_constants_stay_even_when_dead() -> None:
     p.op("c", (b,), (c,), 1.0)
     d = p.tensor(10)
     p.op("d", (a,), (d,), 1.0)
+    p.release(b)
+    p.release(c)  # what the program holds at the end must fit at once
     runtime, backend = run(p.trace("dead-constant"), capacity=30)
     assert runtime.resident[runtime.storage_of(x)]
     assert ("a", True) in backend.runs
@@ -179,15 +181,30 @@ def test_relaxed_locks_reach_the_working_set() -> None:
     assert "needs at least 22 B" in short.reason
 
 
-def test_finish_restores_what_the_program_still_holds() -> None:
+def test_finish_restores_what_the_program_still_holds_all_at_once() -> None:
     p = Builder()
     x = p.tensor(10, constant=True)
     kept = p.tensor(50)
     p.op("kept", (x,), (kept,), 1.0)
     other = p.tensor(50)
     p.op("other", (x,), (other,), 1.0)
-    runtime, backend = run(p.trace("finish"), capacity=60)
-    assert backend.runs[-2:] == [("kept", True), ("other", True)]  # each read once, in turn
+    tmp = p.tensor(50)
+    p.op("tmp", (x,), (tmp,), 1.0)  # evicts one of the two
+    p.release(tmp)
+    runtime, backend = run(p.trace("finish"), capacity=110)
+    assert runtime.telemetry.evictions == 1
+    assert backend.runs[-1][1]  # the evicted one was recomputed at the end
+    assert all(runtime.resident[runtime.storage_of(t)] for t in (kept, other))
+
+
+def test_finish_refuses_what_cannot_fit_at_once() -> None:
+    p = Builder()
+    x = p.tensor(10, constant=True)
+    for name in ("kept", "other"):
+        p.op(name, (x,), (p.tensor(50),), 1.0)
+    with pytest.raises(OutOfMemory) as caught:
+        run(p.trace("finish"), capacity=60)
+    assert caught.value.needed == 110
 
 
 def test_runtime_refuses_a_policy_needing_addresses_over_a_byte_pool() -> None:

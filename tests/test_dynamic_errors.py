@@ -39,7 +39,7 @@ def test_raising_the_budget_to_the_figures_named_converges() -> None:
                 y = _chain(x)
             break
         except RematValueError as failure:
-            needed = int(str(failure).split("at least ")[1].split(" bytes")[0])
+            needed = int(str(failure).split("pass a budget of at least ")[1].split(" bytes")[0])
             assert needed > budget
             budget = needed
     else:

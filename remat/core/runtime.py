@@ -75,6 +75,7 @@ class _Frame:
 
     locked: list[int] = field(default_factory=list)
     relaxed: bool = False
+    firm: bool = False  # its locks are never relaxed (the storages the program ends holding)
 
 
 class Runtime:
@@ -138,6 +139,11 @@ class Runtime:
         self._frames.append(frame)
         try:
             self._gather(frame, inputs, touch=not prepared)
+            if op.state > 0:  # kept from now on, like a constant of no handle
+                state = self._new_storage(op.state, -1, True, ())
+                self._allocate(state, op.state, End.LOW)
+                self._arrive(state)
+                self._constant_bytes += op.state
             record = self.graph.add_record(op, inputs)
             fresh = [info for info in outputs if info.alias_of is None]
             created = [self._new_storage(info.nbytes, record.id, False, inputs) for info in fresh]
@@ -201,10 +207,25 @@ class Runtime:
             self._dead(storage)
 
     def finish(self) -> None:
-        """The program ends holding its live handles: restore each storage they point at."""
-        for storage in range(len(self.graph)):
-            if self.live[storage] > 0 and not self.resident[storage]:
-                self._restore(storage)
+        """The program ends holding its live handles: restore every storage they point at, all
+        resident at once within the pool (the program holds them all together from now on).
+        Raises :class:`OutOfMemory` when they cannot fit together."""
+        live = [s for s in range(len(self.graph)) if self.live[s] > 0]
+        needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
+        if needed + self._constant_bytes > self.pool.capacity:
+            raise OutOfMemory(needed, self._constant_bytes, self.pool.capacity, False)
+        # In the order they were made, each restored (the earlier ones' chains are the later ones'
+        # ancestors) and then held firm, so that no restore undoes an earlier one.
+        frame = _Frame(firm=True)
+        self._frames.append(frame)
+        try:
+            for storage in live:
+                if not self.resident[storage]:
+                    self._restore(storage)
+                self._lock(frame, storage)
+        finally:
+            self._unlock_all(frame)
+            self._frames.pop()
 
     # -- restoring ------------------------------------------------------------------------------
 
@@ -269,7 +290,14 @@ class Runtime:
                 self._allocate(_transient(storage), nbytes, end)
                 transient.append(storage)
                 allocated += nbytes
-        self.clock += self.backend.materialize(record, recompute)
+        scratch = record.op.scratch
+        if scratch > 0:  # the kernel's own buffers, beside its inputs and outputs while it runs
+            self._allocate(_scratch(record.id), scratch, end)
+        try:
+            self.clock += self.backend.materialize(record, recompute)
+        finally:
+            if scratch > 0:
+                self.pool.free(_scratch(record.id))
         for storage, old in takeovers:
             self.pool.transfer(old, storage)
             self._depart(old)
@@ -287,15 +315,14 @@ class Runtime:
 
     def _may_overwrite(self, old: int, frame: _Frame, record: Record) -> bool:
         """An in-place op may reuse ``old``'s memory when the policy says so, no one else holds a
-        lock on it, and it is not a constant that other ops read (it could not be recomputed)."""
-        graph = self.graph
+        lock on it, and it is not a constant.
+
+        NOTE [constants stay] A constant cannot be recomputed, and its content as it was before the
+        program ran is what a failed step writes back (``remat.dynamic``): a write to a constant
+        always gets new memory, and every version stays until the end."""
         if not self.policy.inplace or not self.resident[old] or self.locks[old] != frame.locked.count(old):
             return False
-        # A constant cannot be recomputed: its old content may go only when no op but this one ever
-        # read it and this op makes nothing else that a recomputation of it could be asked for.
-        return not graph.constant[old] or all(
-            graph.producer[c] == record.id and graph.constant[c] for c in graph.children[old]
-        )
+        return not self.graph.constant[old]
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -325,7 +352,7 @@ class Runtime:
         """NOTE [relaxed locks]: drop the locks of the callers of the running op."""
         dropped = False
         for frame in self._frames[:-1]:
-            if frame.locked:
+            if frame.locked and not frame.firm:
                 self._unlock_all(frame)
                 frame.relaxed = dropped = True
         return dropped
@@ -428,3 +455,12 @@ class Runtime:
 def _transient(storage: int) -> int:
     """Pool owner of a by-product copy of ``storage`` (negative, apart from real storages)."""
     return -2 - storage
+
+
+_SCRATCH_OWNERS = -(2**62)
+
+
+def _scratch(record: int) -> int:
+    """Pool owner of the scratch buffers of ``record``'s kernel while it runs (apart from storages
+    and their by-products)."""
+    return _SCRATCH_OWNERS - record

@@ -1,23 +1,44 @@
 """The ``accounting`` memory backend: tensors live in PyTorch's allocator, the core's pool keeps the
 accounts and takes every decision, exactly as in the simulator.
 
-An op runs as the program asks for it; the pool then makes room for its outputs by evicting, so the
-real bytes can pass the budget by one op's outputs between the two (the pool's count never does).
-The pool may model addresses (``layout=True``, for Coop and fragmentation) although PyTorch places
-the tensors where it likes: the layout is the pool's, not the allocator's. The ``arena`` backend
+The pool makes room for an op's outputs before the op runs (NOTE [room first] in ``engine``), so
+that the allocator never holds more than the pool counts, beyond the region's reserve. The pool may
+model addresses (``layout=True``, for Coop and fragmentation) although PyTorch places the tensors
+where it likes: the layout is the pool's, not the allocator's. The ``arena`` backend
 (:mod:`remat.dynamic.arena`) makes the layout real.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
+from remat import _scratch
+from remat._errors import RecomputationError
 from remat.core.graph import NO_REUSE, Record
 from remat.dynamic.homes import Homes, aligned
 from remat.dynamic.recipe import Recipe, result_leaves
+
+# Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
+# ``_unsafe_view``, whose schema promises a new tensor but which returns a view of its input; and
+# every op whose real results turned out to differ from its meta ones (added as they are found).
+NO_META = {"aten::mkldnn_rnn_layer", "aten::_unsafe_view"}
+ALIASING = {"aten::_unsafe_view"}  # of those, the ones whose results may share an input's storage
+
+
+def meta(x: Any) -> Any:
+    """``x`` as a meta tensor of the same geometry; a generator as a new one (a meta kernel may
+    still draw from it); anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Generator):
+        return torch.Generator(device=x.device)
+    return x
 
 
 class Thrashing(Exception):
@@ -37,13 +58,13 @@ class Pending:
         self.measure = False  # the core's cost of the op is its time, known once run
         self.out: Any = None
         self.seconds = 0.0
+        self.learn: tuple[Any, ...] | None = None  # the op's scratch signature, to learn at its run
 
 
 class Backend:
     """Runs and re-runs ops on real tensors for :class:`~remat.core.runtime.Runtime`."""
 
     name = "accounting"
-    grows = True  # NOTE [hand-over]
 
     def __init__(self, device: torch.device, thrash_limit: float) -> None:
         self.device = device
@@ -57,12 +78,14 @@ class Backend:
         self.recompute_cost = 0.0  # recomputations, at the cost the core counts
         self.recompute_seconds = 0.0  # recomputations: measured time of the ops themselves
         self.recomputed_ops = 0
+        self.moments: list[tuple[int, str]] = []  # (time.time_ns(), "evict" | "recompute")
 
     # -- the core's side ------------------------------------------------------------------------
 
     def materialize(self, record: Record, recompute: bool) -> float:
         if not recompute:
             return self._adopt(record)
+        self.moments.append((time.time_ns(), "recompute"))
         self._rerun(record, self.recipes[record.id])
         self.recompute_cost += record.op.cost
         self.recomputed_ops += 1
@@ -73,10 +96,33 @@ class Backend:
     def free(self, storage: int) -> None:
         self.homes.evict(storage)
 
-    def plan(self, func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...]) -> list[Any] | None:
-        """None: the engine runs the op before the core places its outputs (this backend);
-        else the meta results of an op the backend runs in :meth:`materialize`."""
-        return None
+    def plan(
+        self, func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...], sized: bool = False
+    ) -> list[Any] | None:
+        """The meta results of an op the backend runs in :meth:`materialize` once the core has
+        placed them (NOTE [room first]); None: the engine runs the op first. ``sized``: the sizes
+        of its results are known from an earlier run, whatever its meta kernel says."""
+        if not any(fresh_returns):
+            return []
+        if not all(fresh_returns) or not self.placeable(func, sized):
+            return None
+        kwargs = tree_map(meta, dict(kwargs))
+        if not any(isinstance(x, torch.Tensor) for x in tree_leaves(args)):  # a factory
+            if not any(a.name == "device" for a in func._schema.arguments):
+                return None
+            kwargs["device"] = torch.device("meta")
+        try:
+            metas = func(*tree_map(meta, tuple(args)), **kwargs)
+        except Exception:  # no meta kernel, or results whose size depends on the data
+            return None
+        leaves = [value for _, value in result_leaves(fresh_returns, metas)]
+        return leaves if all(isinstance(m, torch.Tensor) and m.is_meta for m in leaves) else None
+
+    def placeable(self, func: Any, sized: bool = False) -> bool:
+        """Whether ``func``'s meta results may be trusted for its real ones (their sizes aside,
+        when ``sized``)."""
+        name = func._schema.name
+        return name not in NO_META or (sized and name not in ALIASING)
 
     def first_run(
         self,
@@ -85,9 +131,38 @@ class Backend:
         kwargs: Any,
         record: Record,
         pending: Pending,
-        bind: Callable[[int, torch.Tensor], None],
+        bind: Callable[[int, torch.Tensor], bool],
     ) -> tuple[Any, float]:
-        raise NotImplementedError  # only backends whose ``plan`` returns results run ops themselves
+        """Run an op the core has just placed: keep the old content of what it writes where the
+        core gave the new version memory of its own, then run it as the program asked. A result
+        that turns out to share an existing storage is not bound (its handle is released at once)
+        and the op runs first from then on."""
+        n = len(pending.fresh)
+        graph, homes, pool = self.runtime.graph, self.homes, self.runtime.pool
+        for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
+            if graph.nbytes[new] > 0 and pool.holds(new):
+                pending.saved[handle] = self.copy_of(homes.get(old))
+        out, seconds = _scratch.timed(lambda: func(*args, **kwargs), pending.learn)
+        assert pending.recipe is not None
+        leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
+        for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):
+            if not isinstance(leaf, torch.Tensor) or leaf.device != self.device:
+                raise RecomputationError(
+                    f"remat.dynamic: {func} returned {type(leaf).__name__} where its meta kernel "
+                    "returned a tensor on the region's device; please report this op"
+                )
+            if not bind(handle, leaf):
+                NO_META.add(func._schema.name)
+                ALIASING.add(func._schema.name)
+            elif aligned(leaf.untyped_storage().nbytes()) != graph.nbytes[storage]:
+                NO_META.add(func._schema.name)
+                warnings.warn(
+                    f"remat.dynamic: {func}'s meta kernel sized its result "
+                    f"{graph.nbytes[storage]} bytes, it made {leaf.untyped_storage().nbytes()}; "
+                    "from now on it runs before it is placed",
+                    stacklevel=2,
+                )
+        return out, seconds
 
     def placed(self, record: Record, n_fresh: int) -> None:
         """A first run that ran before the core placed its outputs is adopted (nothing to move)."""

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from remat.core.graph import NO_REUSE, Record
 from remat.core.pool import AddressPool
@@ -30,16 +29,13 @@ from remat.dynamic.accounting import Backend, Pending
 from remat.dynamic.homes import at, swap
 from remat.dynamic.recipe import Recipe, result_leaves
 
-# Computed, then copied: the oneDNN RNN layer, whose meta kernel reports an empty workspace.
-_NO_OUT = frozenset({"aten::mkldnn_rnn_layer"})
-
 OutOverload = tuple[Any, tuple[str, ...]]
 
 
 def out_overload(func: Any) -> OutOverload | None:
     """The ``out=`` overload of ``func`` taking the same arguments, and its out argument names."""
     schema = func._schema
-    if schema.name in _NO_OUT or not schema.returns:
+    if not schema.returns:
         return None
     if any(r.alias_info is not None for r in schema.returns):
         return None
@@ -55,17 +51,10 @@ def out_overload(func: Any) -> OutOverload | None:
     return None
 
 
-def _meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    return x
-
-
 class ArenaBackend(Backend):
     """Places outputs in one preallocated buffer at the pool's addresses."""
 
     name = "arena"
-    grows = True  # NOTE [hand-over]: blocks past the arena's end are ordinary memory
 
     def __init__(self, device: torch.device, thrash_limit: float, pool: AddressPool) -> None:
         super().__init__(device, thrash_limit)
@@ -82,10 +71,7 @@ class ArenaBackend(Backend):
         """A non-owning storage of ``nbytes`` at the arena block holding ``storage`` (or its
         by-product)."""
         owner = storage if self.pool.holds(storage) else -2 - storage
-        address = self.pool.address(owner)
-        if address + nbytes > self.size:  # the pool grew for the hand-over
-            return torch.UntypedStorage(nbytes, device=self.device)
-        return at(self.base + address, self.device, nbytes)
+        return at(self.base + self.pool.address(owner), self.device, nbytes)
 
     def _inside(self, real: torch.UntypedStorage) -> bool:
         """Whether ``real`` has bytes in the arena (a ghost, NOTE [ghosts], has none)."""
@@ -112,17 +98,8 @@ class ArenaBackend(Backend):
 
     # -- first runs -----------------------------------------------------------------------------
 
-    def plan(self, func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...]) -> list[Any] | None:
-        if not any(fresh_returns):
-            return []
-        if self._out(func) is None:
-            return None
-        try:
-            metas = func(*tree_map(_meta, tuple(args)), **tree_map(_meta, dict(kwargs)))
-        except Exception:  # no meta kernel, or results whose size depends on the data
-            return None
-        leaves = [value for _, value in result_leaves(fresh_returns, metas)]
-        return leaves if all(isinstance(m, torch.Tensor) for m in leaves) else None
+    def placeable(self, func: Any, sized: bool = False) -> bool:
+        return super().placeable(func, sized) and self._out(func) is not None
 
     def first_run(
         self,
@@ -131,7 +108,7 @@ class ArenaBackend(Backend):
         kwargs: Any,
         record: Record,
         pending: Pending,
-        bind: Callable[[int, torch.Tensor], None],
+        bind: Callable[[int, torch.Tensor], bool],
     ) -> tuple[Any, float]:
         n = len(pending.fresh)
         graph, homes = self.runtime.graph, self.homes

@@ -22,14 +22,28 @@ history of the process, which would make the releases, and hence the decisions, 
 run. Tensors caught in reference cycles therefore stay until the region ends.
 
 NOTE [hand-over] At the end of the region every storage the program still holds is handed back
-to it: the resident ones first, then the evicted ones, each restored and then taken out of the pool
-(as if released) while the program keeps the content. What the program holds at the end thus need
-not fit in the budget all at once (gradients and parameters together often do not). Rebuilding an
-evicted one can mean recomputing a long chain of dead tensors (a gradient evicted after the
-optimizer read it needs the backward pass that made it), which under the budget can thrash; the
-runtime therefore lifts the budget for the hand-over (the tensors leave it anyway; the arena
-backend places what does not fit in it in ordinary memory) and reports those recomputations apart
-(``exit_recomputations``). The hand-over is recorded as releases.
+to it: the core restores the evicted ones while the others stay, so that all are resident at once
+within the budget (the program holds them all together from then on: a budget that cannot hold
+them fails here, before memory passes it), then each is taken out of the pool (as if released)
+while the program keeps the content. Rebuilding an evicted one can mean recomputing a chain of dead
+tensors (a gradient evicted after the optimizer read it needs the backward pass that made it);
+those recomputations are reported apart (``exit_recomputations``). The hand-over is not in the
+trace: the simulator's ``finish`` does the same with what the trace leaves live.
+
+NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
+holds more than the pool counts: the op's results are first computed on meta tensors for their
+sizes (``Backend.plan``), the core evicts and places them, and the backend runs the op. An op whose
+results cannot be sized that way (no meta kernel, sizes that depend on the data, results on another
+device, the ops in ``NO_META``) runs first and is placed after: its outputs are beyond the pool's
+count until the core has evicted for them, which the region's reserve must cover.
+
+NOTE [replay bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs), its
+kernel's own buffers (learned per op signature on its first run, where the allocator's account can
+run: ``remat._scratch``; before that the reserve covers them), the generator state a recomputation
+of a random op saves for the caller's stream, and the scratch copies of running statistics a
+recomputed batch norm writes (NOTE [hidden writes] in ``recipe``); and as ``Op.state`` (held to the
+end of the region, like a constant) the generator states its recipe keeps. Generator states are
+host tensors: they count only in a region on the CPU.
 
 NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch's CPU allocator
 aligns its blocks: in the arena every block then starts on a 64-byte boundary, which BLAS kernels
@@ -44,7 +58,6 @@ events; ``trace()`` gives them back as a :class:`~remat.trace.types.Trace` for t
 from __future__ import annotations
 
 import sys
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -54,13 +67,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from remat._state import capture_rng
+from remat import _allocator, _scratch
+from remat._state import RngState, capture_rng
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import Backend, Pending, Thrashing
 from remat.dynamic.homes import aligned, swap
-from remat.dynamic.recipe import Recipe, Slot, result_leaves
+from remat.dynamic.recipe import HIDDEN_WRITES, Recipe, Slot, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
 
@@ -123,15 +137,18 @@ class Engine:
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
         self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
         self.previous_depth = sys.getrecursionlimit()
+        self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
+        self.outside_bytes = 0  # bytes of the storages from before the region (constants)
+        self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
 
     # -- identity -------------------------------------------------------------------------------
 
     def managed(self, t: torch.Tensor) -> bool:
         return t.device == self.device and t.layout == torch.strided and not t.is_meta
 
-    def constant(self, t: torch.Tensor) -> int:
-        """The storage of ``t`` is from outside the region: a constant of the core, kept alive
-        (NOTE [identity])."""
+    def constant(self, t: torch.Tensor, outside: bool = True) -> int:
+        """The storage of ``t`` is from outside the region (``outside``; else a tensor the region
+        keeps for itself): a constant of the core, kept alive (NOTE [identity])."""
         storage = t.untyped_storage()
         handle = len(self.tensors)
         nbytes = aligned(storage.nbytes())
@@ -139,6 +156,9 @@ class Engine:
         self.handles[storage._cdata] = handle
         self.backend.homes.add_handle(handle, storage, pin=True)
         self.runtime.constant(handle, nbytes)
+        if outside:
+            self.entry[handle] = self.runtime.storage_of(handle)
+            self.outside_bytes += nbytes
         self.backend.handle_of[self.runtime.storage_of(handle)] = handle
         self.backend.homes.hold(self.runtime.storage_of(handle), handle)
         return handle
@@ -154,12 +174,17 @@ class Engine:
         self.tensors.append(TensorInfo(handle, aligned(nbytes), shape=tuple(t.shape), dtype=_dtype(t)))
         return handle
 
-    def bind(self, handle: int, t: torch.Tensor) -> None:
-        """The new storage of ``handle`` is ``t``'s: follow it until the program drops it."""
+    def bind(self, handle: int, t: torch.Tensor) -> bool:
+        """The new storage of ``handle`` is ``t``'s: follow it until the program drops it. False
+        when ``t``'s storage is not new after all (a view): the handle is released at once."""
         storage = t.untyped_storage()
+        if storage._cdata in self.handles:
+            self.released.append(handle)
+            return False
         self.handles[storage._cdata] = handle
         self.backend.homes.add_handle(handle, storage, pin=False)
         self.finalizers.append(weakref.finalize(storage, self._died, storage._cdata, handle))
+        return True
 
     def fresh(self, t: torch.Tensor) -> int:
         handle = self.new_handle(t, t.untyped_storage().nbytes())
@@ -203,7 +228,13 @@ class Engine:
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs)
-        metas = backend.plan(func, args, kwargs, schema.fresh_returns)
+        key = _scratch.signature(func, args, kwargs)
+        sizes = _scratch.results(key)
+        metas = None  # NOTE [room first]
+        if self._outputs_here(flat, bool(positions)):
+            metas = backend.plan(func, args, kwargs, schema.fresh_returns, sized=sizes is not None)
+        if metas is not None and sizes is not None and len(sizes) != len(metas):
+            metas = None
         saved: dict[int, torch.UntypedStorage] = {}
         if metas is None:  # the op runs now: keep the old content where the core may copy
             for handle in written:
@@ -221,20 +252,35 @@ class Engine:
             (i, x.device, x.get_state()) for i, x in enumerate(flat) if isinstance(x, torch.Generator)
         )
         leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
+        scratch = _scratch.known(key)
+        learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
+        extra = self._replay_bytes(func, args, rng)
 
         if metas is None:
-            start = time.perf_counter()
-            out = func(*args, **kwargs)
-            seconds = time.perf_counter() - start
+            out, seconds = _scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
+            if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
+                _scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
         else:  # the backend runs it once the core has placed the outputs
             out, seconds = None, 0.0
-            fresh = [self.new_handle(m, m.untyped_storage().nbytes()) for m in metas]
+            nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
+            fresh = [self.new_handle(m, n) for m, n in zip(metas, nbytes, strict=True)]
             positions_out = list(range(len(metas)))
-        op = Op(self.ops, str(func), inputs, tuple(fresh), tuple(written), cost=seconds, random=schema.random)
+        op = Op(
+            self.ops,
+            str(func),
+            inputs,
+            tuple(fresh),
+            tuple(written),
+            cost=seconds,
+            random=schema.random,
+            scratch=aligned(_scratch.known(key) or 0) + extra,
+            state=self._state_bytes(rng, generators),
+        )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
             op = replace(op, cost=op_cost(op, self.tensors))
         pending = Pending(fresh, written, saved)
+        pending.learn = learn
         pending.recipe = Recipe(
             func,
             schema.fresh_returns,
@@ -252,6 +298,9 @@ class Engine:
             pending.metas = metas
         backend.pending = pending
         runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
+        record = runtime.graph.records[-1]
+        if learn is not None and (measured := _scratch.known(key)) is not None:
+            runtime.graph.set_scratch(record, aligned(measured) + extra)  # its recomputations
         if metas is not None:
             out, seconds = pending.out, pending.seconds
             pending.out = pending.run = None
@@ -261,6 +310,32 @@ class Engine:
         self.flush()
         self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.real_bytes)
         return out
+
+    def _outputs_here(self, flat: list[Any], reads_here: bool) -> bool:
+        """Whether the op's results are on the region's device, as far as its arguments tell
+        (meta results do not say): a device argument names it, else its tensors or the default."""
+        named = [x for x in flat if isinstance(x, torch.device)]
+        devices = named or ([] if reads_here else [torch.get_default_device()])
+        return all(_same_device(d, self.device) for d in devices)
+
+    def _replay_bytes(self, func: Any, args: Sequence[Any], rng: RngState | None) -> int:
+        """Bytes a recomputation of the op allocates beside its kernel (NOTE [replay bytes])."""
+        extra = 0
+        if rng is not None and self.device.type == "cpu":
+            extra += aligned(rng.cpu.untyped_storage().nbytes())
+        for i in HIDDEN_WRITES.get(func, ()):
+            if i < len(args) and isinstance(args[i], torch.Tensor) and self.managed(args[i]):
+                extra += aligned(args[i].untyped_storage().nbytes())
+        return extra
+
+    def _state_bytes(
+        self, rng: RngState | None, generators: tuple[tuple[int, Any, torch.Tensor], ...]
+    ) -> int:
+        """Bytes the op's recipe keeps to the end on the region's device (NOTE [replay bytes])."""
+        if self.device.type != "cpu":
+            return 0  # generator states are host tensors
+        states = [g for _, _, g in generators] + ([rng.cpu] if rng is not None else [])
+        return sum(aligned(t.untyped_storage().nbytes()) for t in states)
 
     def _written(self, schema: _Schema, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
         handles: list[int] = []
@@ -291,25 +366,43 @@ class Engine:
         telemetry, backend = self.runtime.telemetry, self.backend
         self.marks = (telemetry.evictions, telemetry.recomputations)
         self.recompute_marks = (backend.recompute_seconds, backend.recompute_cost)
-        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.peak_real_bytes)
+        self.peak_in_program = telemetry.peak_bytes
         runtime, homes = self.runtime, self.backend.homes
+        self.current = ""
+        runtime.finish()
         held = [
             h
             for h in sorted(homes.program)
             if h not in homes.pinned and homes.storage_of_handle(h) is not None
         ]
-        resident = [h for h in held if runtime.resident[runtime.storage_of(h)]]
-        evicted = [h for h in held if not runtime.resident[runtime.storage_of(h)]]
-        self.peak_in_program = runtime.telemetry.peak_bytes
-        if evicted and self.backend.grows:
-            runtime.pool.grow(sum(runtime.graph.nbytes))
-        for handle in resident + evicted:  # the resident ones first: they make room at no cost
-            runtime.prepare((handle,))
+        for handle in held:  # not events of the trace: the simulator hands over in its finish
             self.backend.hand_over(runtime.storage_of(handle))
             del homes.program[handle]
-            self.events.append(Release(handle))
             runtime.release(handle)
         self.flush()
+        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.peak_real_bytes)
+
+    def undo_writes(self) -> tuple[int, list[str]]:
+        """After an error: write back the content every storage from before the region had at
+        entry (NOTE [constants stay] in ``remat.core.runtime``). Returns how many were written
+        back, and a description of each that could not be."""
+        runtime, homes, pending = self.runtime, self.backend.homes, self.backend.pending
+        restored, lost = 0, []
+        saved = pending.saved if pending is not None and pending.run is None else {}
+        for handle, first in self.entry.items():
+            real = homes.storage_of_handle(handle)
+            if real is None:
+                continue
+            if handle in saved:  # the op that failed had already written it
+                real.copy_(saved[handle])
+                restored += 1
+            elif runtime.storage_of(handle) != first:
+                if not homes.holds(first):
+                    lost.append(str(self.tensors[handle]))
+                    continue
+                real.copy_(homes.get(first))
+                restored += 1
+        return restored, lost
 
     def abandon(self) -> None:
         """After an error: give every live program storage that is evicted memory again (its
@@ -335,6 +428,11 @@ class Engine:
     def trace(self, name: str = "dynamic") -> Trace:
         """What ran, as the simulator reads it (NOTE [same decisions])."""
         return Trace(tuple(self.tensors), tuple(self.events), frozenset(), name, self.device.type, "dynamic")
+
+
+def _same_device(a: torch.device | str, b: torch.device) -> bool:
+    a = torch.device(a)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 class Interceptor(TorchDispatchMode):

@@ -10,12 +10,23 @@ buffers, optimizer state, inputs and whatever the program holds from before the 
 resident. Tensors the block makes and the program still holds at its end are restored then and are
 ordinary tensors afterwards.
 
+The budget holds in the allocator's count, not only in the pool's (NOTE [room first] in
+``engine``). What the runtime cannot count ahead is covered by the ``reserve``, a part of the budget
+set aside at construction: the pool gets the rest. It covers kernels' scratch buffers on an op
+signature's first run (learned there, where PyTorch's profiler is free to run; counted from then
+on) or always where they cannot be learned (on CUDA, or inside ``remat.memory.track(allocator=True)``
+from the first step), and the results of ops that run before they are placed.
+
+A region that fails (out of room, thrashing, or an error in the program) undoes the step
+(:mod:`remat.dynamic.undo`) and says so in the error.
+
 The object is reusable: enter it once per step; ``stats`` describes the last completed block.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from collections.abc import Iterable, Mapping
 from types import TracebackType
@@ -23,7 +34,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from remat._errors import RematTypeError, RematValueError, message
+from remat._errors import RematError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
@@ -32,6 +43,7 @@ from remat.core.runtime import OutOfMemory
 from remat.dynamic.accounting import Backend, Thrashing
 from remat.dynamic.engine import _DEPTH, Engine, Interceptor
 from remat.dynamic.stats import DynamicStats, Recorder
+from remat.dynamic.undo import Snapshot, rewind, take
 
 _API = "dynamic"
 BACKENDS = ("accounting", "arena")
@@ -53,8 +65,11 @@ class Dynamic:
         thrash_limit: float,
         cost: str,
         device: torch.device,
+        reserve: int | float | str,
     ) -> None:
         self.budget = _UNLIMITED if budget is None else parse_bytes(budget, _API)
+        self.reserve = 0 if budget is None else _reserve(reserve, self.budget)
+        self._reserve_spec = reserve
         self.policy = _policy(policy, layout)
         if backend not in BACKENDS:
             raise RematValueError(
@@ -94,7 +109,7 @@ class Dynamic:
             raise RematValueError(message(_API, "unknown cost", f"got {cost!r}", "use 'measured' or 'model'"))
         self.cost = cost
         self.backend = backend
-        _tensors(keep)  # refuse what it cannot hold now; the tensors are listed at each entry
+        members(keep)  # refuse what it cannot hold now; the members are listed at each entry
         self.keep = keep
         self.layout = layout
         self.fit = Fit(fit)
@@ -106,6 +121,7 @@ class Dynamic:
         self._recorder: Recorder | None = None
         self._depth = sys.getrecursionlimit()
         self._collecting = True
+        self._snapshot: Snapshot | None = None
 
     @property
     def stats(self) -> DynamicStats:
@@ -126,14 +142,17 @@ class Dynamic:
             raise RematValueError(
                 message(_API, "dynamic regions do not nest", "a region is already open", "close it first")
             )
-        pool: Pool = AddressPool(self.budget, self.fit) if self.layout else BytePool(self.budget)
+        capacity = self.capacity
+        pool: Pool = AddressPool(capacity, self.fit) if self.layout else BytePool(capacity)
         self._recorder = Recorder(self.policy)
         backend = self._make_backend(pool)
+        self._recorder.moments = backend.moments
         engine = Engine(pool, self._recorder, backend, self.device, self.cost == "model")
         engine.explain = lambda failure: _explain(failure, engine, self)
         kept = 0
+        listed = members(self.keep)
         try:
-            for t in _tensors(self.keep):
+            for t in (m for m in listed if isinstance(m, torch.Tensor)):
                 if t.device == self.device and t.untyped_storage()._cdata not in engine.handles:
                     kept += t.untyped_storage().nbytes()
                     engine.constant(t)
@@ -143,10 +162,14 @@ class Dynamic:
                 message(
                     _API,
                     "the budget cannot even hold the tensors given in keep",
-                    f"budget {format_bytes(self.budget)}, keep holds {format_bytes(kept)} so far",
+                    f"budget {format_bytes(self.budget)} less the reserve {format_bytes(self.reserve)}, "
+                    f"keep holds {format_bytes(kept)} so far",
                     "raise the budget",
                 )
             ) from None
+        self._snapshot = take(listed)
+        if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
+            engine.constant(self._snapshot.rng.cpu, outside=False)
         self._engine = engine
         self._mode = Interceptor(engine)
         sys.setrecursionlimit(max(self._depth, _DEPTH))
@@ -168,17 +191,47 @@ class Dynamic:
                 try:
                     engine.finish()
                 except (OutOfMemory, Thrashing) as failure:
-                    engine.abandon()
-                    raise _explain(failure, engine, self) from None
+                    explained = _explain(failure, engine, self)
+                    self._undo(engine, explained)
+                    raise explained from None
                 self._stats = self._make_stats(engine)
             else:
-                engine.abandon()
+                self._undo(engine, error)
         finally:
             engine.close()
             self._engine = self._mode = None
             sys.setrecursionlimit(self._depth)
             if self._collecting:
                 gc.enable()
+
+    @property
+    def capacity(self) -> int:
+        """What the pool may hold: the budget less the reserve."""
+        return self.budget - self.reserve
+
+    def least_budget(self, needed: int) -> int:
+        """The smallest budget whose pool holds ``needed`` bytes with this region's reserve."""
+        spec = self._reserve_spec
+        if isinstance(spec, float):
+            return math.ceil(needed / (1.0 - spec)) + 1
+        return needed + self.reserve
+
+    def _undo(self, engine: Engine, error: BaseException) -> None:
+        """Put training back as it was at entry and say so in ``error`` (:mod:`undo`)."""
+        restored, lost = engine.undo_writes()
+        engine.abandon()
+        assert self._snapshot is not None
+        rewind(self._snapshot)
+        said = (
+            f"the step was undone: {restored} tensors from before the region written back to their "
+            "content at entry, optimizer state, gradients and generators as at entry"
+        )
+        if lost:
+            said += f"; not restorable: {', '.join(lost)}"
+        if isinstance(error, RematError) and error.args:
+            error.args = (f"{error.args[0]}; {said}", *error.args[1:])
+        else:
+            error.add_note(f"remat.dynamic: {said}")
 
     def _make_backend(self, pool: Pool) -> Backend:
         if self.backend == "arena":
@@ -197,6 +250,9 @@ class Dynamic:
             backend=self.backend,
             layout=self.layout,
             budget=self.budget,
+            reserve=self.reserve,
+            outside_bytes=engine.outside_bytes,
+            moments=tuple(engine.moments),
             ops=engine.ops,
             evictions=engine.marks[0],
             recomputations=engine.marks[1],
@@ -227,6 +283,7 @@ def dynamic(
     thrash_limit: float = 3.0,
     cost: str = "measured",
     device: torch.device | str = "cpu",
+    reserve: int | float | str = 0.05,
 ) -> Dynamic:
     """A region that keeps the memory of the ops it runs within ``budget`` by evicting and
     recomputing.
@@ -243,28 +300,57 @@ def dynamic(
     ``thrash_limit``: stop with an error once recomputation costs more than ``thrash_limit - 1``
     times the first runs so far. ``cost``: what an op costs for the policy, ``"measured"`` (its
     time, as DTR) or ``"model"`` (the estimate of :mod:`remat.trace.cost`: no timing noise, so the
-    same step makes the same decisions every time).
+    same step makes the same decisions every time). ``reserve``: the part of the budget set aside
+    for what the runtime cannot count ahead (see the module docstring), a fraction of the budget
+    (a float below 1) or bytes; the pool holds the rest.
+
+    The budget counts the tensors from before the region that its ops read (parameters, optimizer
+    state, inputs), and the allocator's count never passes it. A region that fails undoes the step
+    (:mod:`remat.dynamic.undo`).
     """
     dev = torch.device(device)
-    return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev)
+    return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve)
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
     return resolve(policy, layout, _API)
 
 
-def _tensors(keep: object) -> list[torch.Tensor]:
-    """Every tensor of ``keep``: modules (parameters, buffers), optimizers (state), tensors and
-    (nested) sequences or mappings of them."""
-    found: list[torch.Tensor] = []
+def _reserve(reserve: object, budget: int) -> int:
+    if isinstance(reserve, bool):
+        amount = -1
+    elif isinstance(reserve, float):
+        amount = int(reserve * budget) if 0.0 <= reserve < 1.0 else -1
+    elif isinstance(reserve, int) and reserve == 0:
+        amount = 0
+    else:
+        amount = parse_bytes(reserve, _API)  # type: ignore[arg-type]
+    if not 0 <= amount < budget:
+        raise RematValueError(
+            message(
+                _API,
+                "the reserve is a part of the budget: a fraction in [0, 1) or fewer bytes than the budget",
+                f"got reserve={reserve!r} for a budget of {format_bytes(budget)}",
+                "pass e.g. reserve=0.05 or reserve='64MiB'",
+            )
+        )
+    return amount
+
+
+def members(keep: object) -> list[object]:
+    """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
+    state tensors, in that order after their owner), from (nested) sequences or mappings."""
+    found: list[object] = []
 
     def visit(item: object) -> None:
         if isinstance(item, torch.Tensor):
             found.append(item)
         elif isinstance(item, nn.Module):
+            found.append(item)
             found.extend(item.parameters())
             found.extend(item.buffers())
         elif isinstance(item, torch.optim.Optimizer):
+            found.append(item)
             for state in item.state.values():
                 visit(list(state.values()))
         elif isinstance(item, Mapping):
@@ -303,17 +389,19 @@ def _explain(failure: BaseException, engine: Engine, region: Dynamic) -> Excepti
             )
         )
     assert isinstance(failure, OutOfMemory)
-    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
-    if failure.needed > region.budget:
+    what = f"op {engine.ops} ({engine.current}) needs" if engine.current else "the program holds at its end"
+    if failure.needed > region.capacity:
+        least = region.least_budget(failure.needed)
         return RematValueError(
             message(
                 _API,
-                f"the budget cannot hold what {op} needs at once: it needs at least "
-                f"{failure.needed} bytes = {format_bytes(failure.needed)}",
-                f"budget {region.budget} bytes ({budget})",
-                f"pass a budget of at least {failure.needed} bytes",
+                f"the budget cannot hold what {what} at once: it needs at least "
+                f"{failure.needed} bytes = {format_bytes(failure.needed)} beside the reserve",
+                f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes",
+                f"pass a budget of at least {least} bytes",
             )
         )
+    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
     other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"
     return RematValueError(
         message(

@@ -9,6 +9,7 @@ the simulator predicts from recorded op times next to the one measured.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from remat._units import format_bytes
@@ -24,6 +25,7 @@ class Recorder:
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
         self.victims: list[int] = []
+        self.moments: list[tuple[int, str]] = []  # (time.time_ns(), "evict") per victim
 
     @property
     def name(self) -> str:
@@ -43,6 +45,8 @@ class Recorder:
     def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
         victims = self.policy.choose(runtime, nbytes)
         self.victims.extend(victims)
+        now = time.time_ns()
+        self.moments.extend((now, "evict") for _ in victims)
         return victims
 
 
@@ -81,6 +85,8 @@ class DynamicStats:
     backend: str
     layout: bool
     budget: int
+    reserve: int  # of the budget, set aside for what the runtime cannot count ahead; the pool has the rest
+    outside_bytes: int  # of the storages from before the region that it counted (constants)
     ops: int
     evictions: int  # while the program ran (not counting the hand-over at the end)
     recomputations: int  # likewise
@@ -97,6 +103,14 @@ class DynamicStats:
     exit_recomputations: int  # recomputations to hand back what the program holds at the end
     trace: Trace = field(repr=False, compare=False)
     policy_object: EvictionPolicy = field(repr=False, compare=False)
+    moments: tuple[tuple[int, str], ...] = field(default=(), repr=False, compare=False)
+    """``(time.time_ns(), "evict" | "recompute")`` of each eviction and recomputation, the clock of
+    ``remat.memory.track``'s allocator timeline: marks for ``remat.memory.plot``."""
+
+    @property
+    def capacity(self) -> int:
+        """What the pool could hold: the budget less the reserve."""
+        return self.budget - self.reserve
 
     @property
     def overhead(self) -> float:
@@ -110,7 +124,7 @@ class DynamicStats:
         from remat.sim.replay import SimBackend, drive
 
         recorder = Recorder(self.policy_object)
-        pool = AddressPool(self.budget, Fit.BEST) if self.layout else BytePool(self.budget)
+        pool = AddressPool(self.capacity, Fit.BEST) if self.layout else BytePool(self.capacity)
         backend = SimBackend(self.trace.total_cost, len(self.trace.ops), math.inf)
         drive(Runtime(pool, recorder, backend), self.trace, backend)
         base = self.trace.total_cost
@@ -121,7 +135,8 @@ class DynamicStats:
     def __str__(self) -> str:
         copied = f", {len(self.copied_ops)} op kinds copied" if self.copied_ops else ""
         return (
-            f"{self.policy} ({self.backend}) in {format_bytes(self.budget)}: {self.ops} ops, "
+            f"{self.policy} ({self.backend}) in {format_bytes(self.budget)} "
+            f"(reserve {format_bytes(self.reserve)}): {self.ops} ops, "
             f"{self.evictions} evictions, {self.recomputations} recomputations "
             f"({self.recompute_seconds * 1e3:.1f} ms, overhead {self.overhead:.3f}), "
             f"peak {format_bytes(self.peak_bytes)}, needs {format_bytes(self.needed_bytes)}, "

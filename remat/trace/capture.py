@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from remat import _scratch
 from remat._allocator import scratch_of
 from remat._errors import RematTypeError, RematValueError, message
 from remat._replay import _UNANNOTATED_WRITES
@@ -59,9 +60,6 @@ _MODULE_KEY = "remat.trace.module"
 _SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
 
 Geometry = tuple[Any, ...]  # (storage offset, shape, stride, dtype)
-
-# Scratch bytes by op signature, shared by all captures of the process (see ``_Recorder._scratch``).
-_SCRATCH: dict[tuple[Any, ...], int] = {}
 
 
 @dataclass
@@ -296,22 +294,13 @@ class _Recorder(TorchDispatchMode):
         arguments."""
         if not self.scratch or not leaves:
             return 0
-        signature = (
-            str(func),
-            torch.get_num_threads(),
-            *(
-                (t.device, t.dtype, tuple(t.shape), tuple(t.stride()))
-                if isinstance(t, torch.Tensor)
-                else repr(t)
-                for t in tree_leaves((args, kwargs))
-            ),
-        )
-        known = _SCRATCH.get(signature)
+        key = _scratch.signature(func, args, kwargs)
+        known = _scratch.known(key)
         if known is None:
             measured = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
             if measured is None:
                 return 0
-            known = _SCRATCH[signature] = measured
+            known = _scratch.learn(key, measured)
         return known
 
     def _where(self) -> tuple[Phase | None, str]:

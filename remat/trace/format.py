@@ -49,6 +49,7 @@ _OP_FIELDS = {
     "module",
     "random",
     "scratch",
+    "state",
 }
 _HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"}
 _PHASES = {p.value: p for p in Phase}
@@ -141,6 +142,8 @@ class _Checker:
                 raise _Invalid("costs must be finite and not negative", f"op {e.index} has {label} {value}")
         if e.scratch < 0:
             raise _Invalid("scratch bytes must not be negative", f"op {e.index} has scratch {e.scratch}")
+        if e.state < 0:
+            raise _Invalid("state bytes must not be negative", f"op {e.index} has state {e.state}")
         for t in e.inputs:
             self._known(t, f"op {e.index} ({e.name})")
             if t not in self.made:
@@ -397,6 +400,8 @@ def _op_record(op: Op) -> dict[str, Any]:
         record["random"] = True
     if op.scratch:
         record["scratch"] = op.scratch
+    if op.state:
+        record["state"] = op.state
     return record
 
 
@@ -472,6 +477,7 @@ def _op(record: dict[str, Any]) -> Op:
         module=_typed(record, "module", str, what, ""),
         random=_typed(record, "random", bool, what, False),
         scratch=_typed(record, "scratch", int, what, 0),
+        state=_typed(record, "state", int, what, 0),
     )
 
 

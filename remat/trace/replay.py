@@ -9,7 +9,8 @@ output that owns a storage; an alias output adds a handle to its storage and all
 A Release drops one handle; a storage is freed when its last handle is released. Live bytes are
 sampled after each op, as ``remat.memory.track`` samples them, so a storage an op makes and the
 next release frees still counts at that op; the op's scratch (``Op.scratch``: what its kernel
-held while it ran) is added to its sample. Two figures come out of one pass: with constants
+held while it ran) is added to its sample, and its state (``Op.state``) counts as a constant from
+that op on. Two figures come out of one pass: with constants
 (``peak_bytes``, the DTR convention) and without (``activation_peak_bytes``, what the step added,
 which is what ``remat.memory.track(allocator=True)`` reports, and without scratch what
 ``remat.memory.track()`` reports).
@@ -92,6 +93,7 @@ def _walk(trace: Trace) -> tuple[list[tuple[int, int]], int, int]:
     samples: list[tuple[int, int]] = []
     for event in trace.events:
         if isinstance(event, Op):
+            constant += event.state
             for out in event.outputs:
                 r = roots[out]
                 if handles[r] == 0:

@@ -95,7 +95,10 @@ class Op:
     counted), so ``trace.ops[op.index] is op``. ``cost`` is measured (seconds), ``est_cost`` the
     cost model's estimate. ``scratch`` is the bytes the op's kernel allocates for itself and frees
     before it returns (a convolution's unfolded input, a reordered weight), held beside its
-    inputs and outputs while it runs: no tensor of the trace, but part of the memory peak."""
+    inputs and outputs while it runs: no tensor of the trace, but part of the memory peak.
+    ``state`` is the bytes the op's recomputation needs kept from its first run to the end of the
+    step, beside its inputs (a random op's generator state, in a dynamic region): held like a
+    constant from the op on."""
 
     index: int
     name: str
@@ -108,6 +111,7 @@ class Op:
     module: str = ""
     random: bool = False
     scratch: int = 0
+    state: int = 0
 
     @property
     def packet(self) -> str:

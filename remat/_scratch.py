@@ -1,0 +1,75 @@
+"""What an op allocates, by op signature, learned once per process and read by every dispatch mode
+that accounts memory (trace capture, the dynamic runtime): its kernel's scratch bytes, what it
+allocates for itself and frees before it returns (a convolution's unfolded input, a reordered
+weight); and the sizes of its results where its meta kernel cannot tell them (``results``).
+
+No dispatch mode sees these buffers, only the allocator does: on CPU through PyTorch's profiler
+(:mod:`remat._allocator`), which cannot run inside another profiler session. A signature is the
+op, the intra-op thread count and every argument's geometry (tensors) or value (the rest): the
+same call allocates the same scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from remat._allocator import account
+
+__all__ = ["known", "learn", "learn_results", "results", "signature", "timed"]
+
+_KNOWN: dict[tuple[Any, ...], int] = {}
+_RESULTS: dict[tuple[Any, ...], tuple[int, ...]] = {}
+
+
+def signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """The key under which ``func(*args, **kwargs)``'s scratch is kept."""
+    return (
+        str(func),
+        torch.get_num_threads(),
+        *(
+            (t.device, t.dtype, tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else repr(t)
+            for t in tree_leaves((args, kwargs))
+        ),
+    )
+
+
+def known(key: tuple[Any, ...]) -> int | None:
+    """The scratch bytes learned for ``key``, None if never measured."""
+    return _KNOWN.get(key)
+
+
+def learn(key: tuple[Any, ...], nbytes: int) -> int:
+    """Keep ``nbytes`` as ``key``'s scratch; returns it."""
+    _KNOWN[key] = nbytes
+    return nbytes
+
+
+def results(key: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """The storage bytes of the new results a run of ``key`` made, None if never seen."""
+    return _RESULTS.get(key)
+
+
+def learn_results(key: tuple[Any, ...], sizes: tuple[int, ...]) -> None:
+    """Keep the storage bytes of the new results a run of ``key`` made."""
+    _RESULTS[key] = sizes
+
+
+def timed(call: Callable[[], Any], key: tuple[Any, ...] | None) -> tuple[Any, float]:
+    """Run ``call()`` and time it; with ``key`` (a CPU op whose scratch is not known, the
+    allocator's account free to run) learn ``key``'s scratch from this very run: the bytes it held
+    at its peak beyond what it returned."""
+    if key is None:
+        start = time.perf_counter()
+        out = call()
+        return out, time.perf_counter() - start
+    with account() as held:
+        start = time.perf_counter()
+        out = call()
+        seconds = time.perf_counter() - start
+    learn(key, max(0, held.peak_bytes - held.current_bytes))
+    return out, seconds

@@ -1,0 +1,64 @@
+"""What a dynamic region puts back when it fails, so that a failed step leaves training as it found it.
+
+A region can stop anywhere: a budget that cannot hold an op, a policy that thrashes, an error in the
+program. Stopping inside ``optimizer.step()`` would leave some parameters updated and others not,
+and some optimizer states advanced. So the region undoes the step instead:
+
+- every storage from before the region that the step wrote (parameters, buffers such as batch
+  norm's running statistics, optimizer state, gradients accumulated in place) gets its content at
+  entry back: the core never lets a write to a constant take over its memory and keeps every
+  version (NOTE [constants stay] in :mod:`remat.core.runtime`), so the entry content is at hand;
+- each optimizer given in ``keep`` gets its state mapping back (entries the step created, such as
+  momentum buffers made at the first step, go), and each parameter of the modules and optimizers
+  in ``keep`` its ``.grad`` object;
+- the global generators go back to their state at entry, so that running the step again draws the
+  same random numbers.
+
+The snapshot holds references and generator states only, no copy of any tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._state import RngState, capture_rng, restore_rng
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the region puts back besides tensor contents."""
+
+    rng: RngState
+    optimizers: tuple[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]]], ...]
+    grads: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+
+
+def take(members: list[object]) -> Snapshot:
+    """The snapshot of the modules and optimizers among ``members`` (see ``region.members``)."""
+    optimizers = [m for m in members if isinstance(m, torch.optim.Optimizer)]
+    params: dict[int, torch.Tensor] = {}
+    for m in members:
+        if isinstance(m, nn.Module):
+            params.update((id(p), p) for p in m.parameters())
+    for opt in optimizers:
+        for group in opt.param_groups:
+            params.update((id(p), p) for p in group["params"])
+    return Snapshot(
+        capture_rng(),
+        tuple((opt, {p: dict(state) for p, state in opt.state.items()}) for opt in optimizers),
+        tuple((p, p.grad) for p in params.values()),
+    )
+
+
+def rewind(snapshot: Snapshot) -> None:
+    """Put back what ``snapshot`` holds."""
+    restore_rng(snapshot.rng)
+    for opt, state in snapshot.optimizers:
+        opt.state.clear()
+        opt.state.update({p: dict(entries) for p, entries in state.items()})
+    for p, grad in snapshot.grads:
+        p.grad = grad
