@@ -35,7 +35,7 @@ BACKENDS = ["accounting", "arena"]
 LADDER = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 RATIOS = (0.9, 0.7, 0.5)  # checked where feasible, and the smallest feasible one
 STEPS = 2
-ARENA_RESERVE = 0.5  # what the arena backend copies out at the end lives beside the arena
+ARENA_RESERVE = {"": 0.3, "bilstm": 0.6}  # what lives beside the arena (see ``options``)
 
 
 class Steps:
@@ -62,15 +62,20 @@ class Steps:
         self.allocator.append(measured.peak_bytes)
 
 
-def options(backend: str) -> dict[str, Any]:
-    """The pool gets what the simulator got: no reserve, except the arena's (what it copies out)."""
-    return {"backend": backend, "reserve": ARENA_RESERVE if backend == "arena" else 0}
+def options(name: str, backend: str) -> dict[str, Any]:
+    """The pool gets what the simulator got: no reserve, except the arena's (what it copies out,
+    and results of ops with no out= kernel, such as the oneDNN LSTM's, while they are copied in)."""
+    reserve = ARENA_RESERVE.get(name, ARENA_RESERVE[""]) if backend == "arena" else 0
+    return {"backend": backend, "reserve": reserve}
 
 
-def budget_of(capacity: int, backend: str) -> int:
-    """The budget whose pool holds ``capacity`` bytes with ``options(backend)``'s reserve."""
-    reserve = options(backend)["reserve"]
-    return capacity if reserve == 0 else int(capacity / (1.0 - reserve)) + 1
+def budget_of(capacity: int, name: str, backend: str) -> int:
+    """The budget whose pool holds ``capacity`` bytes with ``options(name, backend)``'s reserve."""
+    reserve = options(name, backend)["reserve"]
+    budget = int(capacity / (1.0 - reserve))
+    while budget - int(reserve * budget) < capacity:
+        budget += 1
+    return budget
 
 
 @functools.cache
@@ -109,9 +114,9 @@ def test_trains_like_plain_within_the_allocators_budget(name: str, policy: str, 
     evictions = 0
     for ratio in checked:
         capacity = int(ratio * peak)
-        budget = budget_of(capacity, backend)
+        budget = budget_of(capacity, name, backend)
         _, model, batch = copies(name)
-        steps = Steps(budget=budget, policy=policy, thrash_limit=50.0, **options(backend))
+        steps = Steps(budget=budget, policy=policy, thrash_limit=50.0, **options(name, backend))
         assert_same(expected, train(model, batch, steps, STEPS))
         for stats, allocated in zip(steps.stats, steps.allocator, strict=True):
             assert stats.capacity == capacity and stats.backend == backend

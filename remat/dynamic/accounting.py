@@ -167,6 +167,13 @@ class Backend:
     def placed(self, record: Record, n_fresh: int) -> None:
         """A first run that ran before the core placed its outputs is adopted (nothing to move)."""
 
+    def open(self) -> None:
+        """The constants given in ``keep`` are registered: the program's first op comes next."""
+
+    def handing_over(self, handles: list[int]) -> None:
+        """The program keeps ``handles``, all resident: raise here if handing them over cannot be
+        done within the budget."""
+
     def hand_over(self, storage: int) -> None:
         """Resident ``storage`` leaves the pool; the program keeps its content (NOTE [hand-over])."""
         self.homes.forget(storage)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from remat._errors import RematValueError, message
+from remat._units import format_bytes
 from remat.core.graph import NO_REUSE, Record
 from remat.core.pool import AddressPool
 from remat.dynamic.accounting import Backend, Pending
@@ -31,11 +33,16 @@ from remat.dynamic.recipe import Recipe, result_leaves
 
 OutOverload = tuple[Any, tuple[str, ...]]
 
+# Computed, then copied in: matrix products, whose out= kernels gave results one rounding step
+# apart from the functional ones in a Llama step (tests/test_dynamic.py), where exact equality with
+# the plain step is the rule.
+_FUNCTIONAL = frozenset({"aten::mm", "aten::bmm"})
+
 
 def out_overload(func: Any) -> OutOverload | None:
     """The ``out=`` overload of ``func`` taking the same arguments, and its out argument names."""
     schema = func._schema
-    if not schema.returns:
+    if not schema.returns or schema.name in _FUNCTIONAL:
         return None
     if any(r.alias_info is not None for r in schema.returns):
         return None
@@ -56,14 +63,30 @@ class ArenaBackend(Backend):
 
     name = "arena"
 
-    def __init__(self, device: torch.device, thrash_limit: float, pool: AddressPool) -> None:
+    def __init__(self, device: torch.device, thrash_limit: float, pool: AddressPool, reserve: int) -> None:
         super().__init__(device, thrash_limit)
         self.pool = pool
-        self.size = pool.capacity
-        self.arena = torch.empty(self.size, dtype=torch.uint8, device=device)
-        self.base = self.arena.data_ptr()
+        self.reserve = reserve
+        self.start = 0  # the pool's address of the arena's first byte (NOTE [arena offset])
+        self.size = 0
+        self.arena = torch.empty(0, dtype=torch.uint8, device=device)
+        self.base = 0
         self.copied: set[str] = set()
+        self.homes_of: dict[int, torch.UntypedStorage] = {}  # constant handle -> its own memory
         self._outs: dict[Any, OutOverload | None] = {}
+
+    def open(self) -> None:
+        """The constants registered so far lie at the pool's low end: the arena covers the rest.
+
+        NOTE [arena offset] The constants registered at the region's entry (``keep``) are placed
+        first, from address 0 up, and never leave; they keep their own memory, so the arena starts
+        past them and the budget does not count them twice. A constant first read later keeps its
+        memory too and leaves a hole of its size in the arena: the reserve covers it (pass it in
+        ``keep`` to avoid that)."""
+        self.start = self.pool.used
+        self.size = self.pool.capacity - self.start
+        self.arena = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+        self.base = self.arena.data_ptr() - self.start
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -81,7 +104,7 @@ class ArenaBackend(Backend):
             pointer = real.data_ptr()
         except RuntimeError:
             return False
-        return self.base <= pointer < self.base + self.size
+        return self.base + self.start <= pointer < self.base + self.start + self.size
 
     def _move_into(self, storage: int, real: torch.UntypedStorage) -> torch.UntypedStorage:
         """Copy ``real``'s bytes into ``storage``'s block and point ``real`` there; returns the
@@ -116,6 +139,8 @@ class ArenaBackend(Backend):
         for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
             if graph.nbytes[new] > 0 and self.pool.holds(new):
                 pending.saved[handle] = self._move_into(new, homes.get(old))
+                if handle in homes.pinned and handle not in self.homes_of:
+                    self.homes_of[handle] = pending.saved[handle]  # a constant's own memory
         outs: dict[str, torch.Tensor] = {}
         if n:
             overload, names = self._out(func)  # type: ignore[misc]
@@ -207,19 +232,46 @@ class ArenaBackend(Backend):
 
     # -- the end --------------------------------------------------------------------------------
 
+    def handing_over(self, handles: list[int]) -> None:
+        """What the program keeps is copied out of the arena while the arena is still allocated
+        (constants written in the region go back to their own memory instead): the reserve must
+        hold the copies. Raises before copying anything when it cannot."""
+        homes = self.homes
+        held = [homes.storage_of_handle(h) for h in handles]
+        moved = [homes.storage_of_handle(h) for h in homes.pinned if h not in self.homes_of]
+        needed = sum(real.nbytes() for real in held + moved if real is not None and self._inside(real))
+        if needed > self.reserve:
+            raise RematValueError(
+                message(
+                    "dynamic",
+                    "the arena backend copies what the program keeps at the region's end out of the "
+                    "arena while the arena is allocated, within the reserve",
+                    f"the program keeps {format_bytes(needed)} in the arena, "
+                    f"reserve {format_bytes(self.reserve)}",
+                    f"pass reserve={needed} or more (bytes), or use backend='accounting'",
+                )
+            )
+
     def hand_over(self, storage: int) -> None:
         """The program keeps ``storage``: copy it out of the arena, which dies with the region."""
         self._copy_out(self.homes.get(storage))
         self.homes.forget(storage)
 
     def close(self) -> None:
-        """Constants the region moved into the arena (updated parameters) go back out."""
-        for real in self.homes.pinned.values():
-            self._copy_out(real)
+        """Constants written in the region go back to their own memory (copied), what else the
+        program holds in the arena out of it."""
+        for handle, real in self.homes.pinned.items():
+            home = self.homes_of.get(handle)
+            if home is not None and self._inside(real) and home.nbytes() == real.nbytes():
+                home.copy_(real)
+                swap(real, home)
+            else:
+                self._copy_out(real)
         for handle in list(self.homes.program):
             held = self.homes.storage_of_handle(handle)
             if held is not None:
                 self._copy_out(held)
+        self.homes_of.clear()
 
     def _copy_out(self, real: torch.UntypedStorage) -> None:
         if not self._inside(real):

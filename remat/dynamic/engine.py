@@ -375,6 +375,7 @@ class Engine:
             for h in sorted(homes.program)
             if h not in homes.pinned and homes.storage_of_handle(h) is not None
         ]
+        self.backend.handing_over(held)
         for handle in held:  # not events of the trace: the simulator hands over in its finish
             self.backend.hand_over(runtime.storage_of(handle))
             del homes.program[handle]

@@ -170,6 +170,7 @@ class Dynamic:
         self._snapshot = take(listed)
         if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
             engine.constant(self._snapshot.rng.cpu, outside=False)
+        backend.open()
         self._engine = engine
         self._mode = Interceptor(engine)
         sys.setrecursionlimit(max(self._depth, _DEPTH))
@@ -190,8 +191,10 @@ class Dynamic:
             if error is None:
                 try:
                     engine.finish()
-                except (OutOfMemory, Thrashing) as failure:
-                    explained = _explain(failure, engine, self)
+                except (OutOfMemory, Thrashing, RematError) as failure:
+                    explained = (
+                        failure if isinstance(failure, RematError) else _explain(failure, engine, self)
+                    )
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
@@ -238,7 +241,7 @@ class Dynamic:
             from remat.dynamic.arena import ArenaBackend
 
             assert isinstance(pool, AddressPool)
-            return ArenaBackend(self.device, self.thrash_limit, pool)
+            return ArenaBackend(self.device, self.thrash_limit, pool, self.reserve)
         return Backend(self.device, self.thrash_limit)
 
     def _make_stats(self, engine: Engine) -> DynamicStats:
