@@ -127,11 +127,13 @@ def test_trains_like_plain_within_the_allocators_budget(name: str, policy: str, 
 
 
 # test_evicts_what_the_simulator_evicts: a measured run that recomputes more than this stops and
-# is drawn again, up to ATTEMPTS times. At 0.8 of the plain peak about 1 draw in 25 thrashes on an
-# idle machine (at 0.7, 1 in 6, and more under load), and every draw still evicts (29 to 618 times).
+# is drawn again, up to ATTEMPTS times: measured costs move with the machine's load, and on a rare
+# draw the policy's choices cascade into chains of restores. At 0.9 of the unconstrained peak every
+# draw still evicts (constants keep every version, NOTE [constants stay], so 0.8 left Coop's
+# address pool of the CNN without contiguous room).
 THRASH_LIMIT = 4.0
 ATTEMPTS = 5
-BUDGET = 0.8
+BUDGET = 0.9
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -97,6 +99,9 @@ def test_thrashing_stops_with_an_error() -> None:
         ({"thrash_limit": 1.0}, RematValueError, r"thrash_limit is an overhead and must be above 1"),
         ({"cost": "guess"}, RematValueError, r"remat\.dynamic: unknown cost"),
         ({"keep": "model"}, RematTypeError, r"keep takes modules, optimizers, tensors"),
+        ({"reserve": 1.5}, RematValueError, r"remat\.dynamic: the reserve is a part of the budget"),
+        ({"reserve": -0.1}, RematValueError, r"the reserve is a part of the budget.*reserve=-0\.1"),
+        ({"reserve": "2MB"}, RematValueError, r"the reserve is a part of the budget.*'2MB'"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], pattern: str) -> None:
@@ -112,3 +117,84 @@ def test_regions_do_not_nest_and_stats_wait_for_the_end() -> None:
         _ = region.stats
     with region, pytest.raises(RematValueError, match="dynamic regions do not nest"), remat.dynamic("1MB"):
         pass
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, object]:
+    """Copies of everything a training step changes."""
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "grads": [p.grad for p in model.parameters()],
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _differences(a: dict[str, object], b: dict[str, object]) -> list[str]:
+    found = [
+        f"{k} {i}"
+        for k in ("params", "buffers")
+        for i, (x, y) in enumerate(zip(a[k], b[k], strict=True))  # type: ignore[call-overload]
+        if not torch.equal(x, y)
+    ]
+    found += [f"grad {i}" for i, (x, y) in enumerate(zip(a["grads"], b["grads"], strict=True)) if x is not y]  # type: ignore[call-overload]
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]  # type: ignore[index]
+    found += [
+        f"optimizer state {i}"
+        for i in sa.keys() | sb.keys()
+        if i not in sa
+        or i not in sb
+        or sa[i].keys() != sb[i].keys()
+        or not all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+    ]
+    if not torch.equal(a["rng"], b["rng"]):  # type: ignore[arg-type]
+        found.append("generator")
+    return found
+
+
+def test_a_step_that_fails_inside_the_optimizer_leaves_training_as_it_was() -> None:
+    """Budgets from the unconstrained peak down: each run that fails must leave parameters,
+    buffers, gradients, optimizer state and the generator as they were; one of them fails inside
+    ``optimizer.step()`` (each update keeps the old content, so memory grows through the step)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(6)]
+    model = nn.Sequential(*layers, nn.BatchNorm1d(64), nn.Dropout(0.2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(32, 64)
+    inside = []
+    opt.register_step_pre_hook(lambda *_: inside.append(True))
+    opt.register_step_post_hook(lambda *_: inside.pop())
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    step()  # the optimizer's state exists from here on
+    opt.zero_grad(set_to_none=True)
+    before = _state(model, opt)
+    free = remat.dynamic(None, "dtr", keep=(model, opt), cost="model")
+    with free:
+        step()
+    peak = free.stats.peak_bytes
+    failed_inside = 0
+    for i in range(40):
+        for p, value in zip(model.parameters(), before["params"], strict=True):  # type: ignore[call-overload]
+            p.data.copy_(value)
+            p.grad = None
+        for b, value in zip(model.buffers(), before["buffers"], strict=True):  # type: ignore[call-overload]
+            b.copy_(value)
+        opt.load_state_dict(copy.deepcopy(before["optimizer"]))  # type: ignore[arg-type]
+        torch.set_rng_state(before["rng"])  # type: ignore[arg-type]
+        entry = _state(model, opt)
+        try:
+            with remat.dynamic(int(peak * (1.0 - 0.02 * i)), "dtr", keep=(model, opt), cost="model"):
+                step()
+        except RematValueError as failure:
+            assert "the step was undone" in str(failure)
+            changed = _differences(entry, _state(model, opt))
+            assert not changed, f"a failed step changed {changed}: {failure}"
+            failed_inside += bool(inside)
+            inside.clear()
+            if failed_inside:
+                break
+    assert failed_inside, "no budget made the optimizer's step itself fail"

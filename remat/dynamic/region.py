@@ -170,6 +170,9 @@ class Dynamic:
         self._snapshot = take(listed)
         if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
             engine.constant(self._snapshot.rng.cpu, outside=False)
+        for _, content in self._snapshot.buffers:  # and so are the buffers' copies
+            if content.device == self.device:
+                engine.constant(content, outside=False)
         backend.open()
         self._engine = engine
         self._mode = Interceptor(engine)

@@ -8,13 +8,17 @@ and some optimizer states advanced. So the region undoes the step instead:
   norm's running statistics, optimizer state, gradients accumulated in place) gets its content at
   entry back: the core never lets a write to a constant take over its memory and keeps every
   version (NOTE [constants stay] in :mod:`remat.core.runtime`), so the entry content is at hand;
+- batch norm writes its running statistics without its schema saying so (NOTE [hidden writes] in
+  :mod:`remat.dynamic.recipe`), so the core never sees those writes: the floating-point buffers of
+  the modules in ``keep`` are copied at entry (the region counts the copies in its budget) and
+  written back;
 - each optimizer given in ``keep`` gets its state mapping back (entries the step created, such as
   momentum buffers made at the first step, go), and each parameter of the modules and optimizers
   in ``keep`` its ``.grad`` object;
 - the global generators go back to their state at entry, so that running the step again draws the
   same random numbers.
 
-The snapshot holds references and generator states only, no copy of any tensor.
+Besides those buffers' copies, the snapshot holds references and generator states only.
 """
 
 from __future__ import annotations
@@ -35,15 +39,18 @@ class Snapshot:
     rng: RngState
     optimizers: tuple[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]]], ...]
     grads: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (buffer, its content at entry)
 
 
 def take(members: list[object]) -> Snapshot:
     """The snapshot of the modules and optimizers among ``members`` (see ``region.members``)."""
     optimizers = [m for m in members if isinstance(m, torch.optim.Optimizer)]
     params: dict[int, torch.Tensor] = {}
+    buffers: dict[int, torch.Tensor] = {}
     for m in members:
         if isinstance(m, nn.Module):
             params.update((id(p), p) for p in m.parameters())
+            buffers.update((id(b), b) for b in m.buffers() if b.is_floating_point())
     for opt in optimizers:
         for group in opt.param_groups:
             params.update((id(p), p) for p in group["params"])
@@ -51,6 +58,7 @@ def take(members: list[object]) -> Snapshot:
         capture_rng(),
         tuple((opt, {p: dict(state) for p, state in opt.state.items()}) for opt in optimizers),
         tuple((p, p.grad) for p in params.values()),
+        tuple((b, b.detach().clone()) for b in buffers.values()),
     )
 
 
@@ -62,3 +70,6 @@ def rewind(snapshot: Snapshot) -> None:
         opt.state.update({p: dict(entries) for p, entries in state.items()})
     for p, grad in snapshot.grads:
         p.grad = grad
+    with torch.no_grad():
+        for buffer, content in snapshot.buffers:
+            buffer.copy_(content)
