@@ -6,6 +6,9 @@ each time is divided by the plain step's time in the same round, and the median 
 over ``--repeats`` rounds is reported (it cancels most drift of a shared machine). The peak is the
 pool's peak at no budget (constants included, as in the simulator). Each constrained step's own
 trace is replayed by the simulator, whose predicted overhead is set against the measured one.
+After the timed rounds each configuration runs once more inside
+``remat.memory.track(allocator=True)``: the allocator's peak (plus the bytes of the tensors from
+before the region that the budget also counts) is reported beside the pool's own peak.
 
     .venv/bin/python benchmarks/dynamic/run.py [--quick] [--json out.json]
 """
@@ -42,6 +45,8 @@ class Row:
     recomputations: int
     fragmentation: float
     outcome: str
+    pool_peak: int = 0  # the pool's own count
+    allocator_peak: int = 0  # the allocator's count around the region, plus the bytes from before it
 
 
 def gpt2(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -75,6 +80,14 @@ def step(model: nn.Module, loss: Callable[[], torch.Tensor], region: Any) -> flo
     return time.perf_counter() - start
 
 
+def allocator_peak(model: nn.Module, loss: Callable[[], torch.Tensor], region: Any) -> int:
+    """The allocator's peak of one more step in ``region``, plus the bytes from before it."""
+    model.zero_grad(set_to_none=True)
+    with remat.memory.track(allocator=True) as measured, region:
+        loss().backward()
+    return measured.peak_bytes + region.stats.outside_bytes
+
+
 def run(name: str, ratios: list[float], policies: list[str], repeats: int, quick: bool) -> list[Row]:
     model, loss = WORKLOADS[name](quick)
     model.train()
@@ -96,7 +109,13 @@ def run(name: str, ratios: list[float], policies: list[str], repeats: int, quick
                 times[(policy, ratio)].append(step(model, loss, region))
                 stats[(policy, ratio)] = region.stats
             except remat.RematError as error:
-                failed[(policy, ratio)] = str(error).split(";")[0]
+                failed[(policy, ratio)] = str(error).split(" (")[0]
+
+    allocated: dict[Any, int] = {}
+    for policy, ratio in configs:
+        if (policy, ratio) not in failed:
+            region = remat.dynamic(int(ratio * peak), policy, keep=model)
+            allocated[(policy, ratio)] = allocator_peak(model, loss, region)
 
     def ratio_to(key: Any, base: str) -> float:
         """Median over rounds of this round's time over the base's time in the same round."""
@@ -135,6 +154,8 @@ def run(name: str, ratios: list[float], policies: list[str], repeats: int, quick
                 s.recomputations,
                 s.fragmentation,
                 "ok",
+                s.peak_bytes,
+                allocated[(policy, ratio)],
             )
         )
     return rows
@@ -150,19 +171,26 @@ class _Nothing:
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| workload | policy | budget ratio | step time / plain | / no budget | predicted | measured "
-        "| evictions | recomputations | fragmentation |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | policy | budget ratio | budget | pool peak | allocator peak | step time / plain "
+        "| / no budget | predicted | measured | evictions | recomputations | fragmentation |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    mib = 2.0**20
     for r in rows:
         if r.outcome != "ok":
-            lines.append(f"| {r.workload} | {r.policy} | {r.ratio:.2f} | {r.outcome} | | | | | | |")
+            lines.append(
+                f"| {r.workload} | {r.policy} | {r.ratio:.2f} | {r.budget / mib:.1f} MiB | {r.outcome} "
+                "| | | | | | | | |"
+            )
             continue
         ratio = "none" if r.ratio != r.ratio else f"{r.ratio:.2f}"
+        budget = f"{r.budget / mib:.1f} MiB" if r.budget else "none"
+        pool = f"{r.pool_peak / mib:.1f} MiB" if r.pool_peak else ""
+        real = f"{r.allocator_peak / mib:.1f} MiB ({r.allocator_peak / r.budget:.2f})" if r.budget else ""
         lines.append(
-            f"| {r.workload} | {r.policy} | {ratio} | {r.step_ratio:.2f} | {r.vs_unlimited:.2f} | "
-            f"{r.predicted:.3f} | {r.measured:.3f} | {r.evictions} | {r.recomputations} | "
-            f"{r.fragmentation:.1%} |"
+            f"| {r.workload} | {r.policy} | {ratio} | {budget} | {pool} | {real} | {r.step_ratio:.2f} | "
+            f"{r.vs_unlimited:.2f} | {r.predicted:.3f} | {r.measured:.3f} | {r.evictions} | "
+            f"{r.recomputations} | {r.fragmentation:.1%} |"
         )
     return "\n".join(lines)
 
@@ -182,7 +210,7 @@ def main() -> None:
     )
     rows = []
     for name in WORKLOADS:
-        rows += run(name, ratios, ["dtr", "coop"], args.repeats, args.quick)
+        rows += run(name, ratios, ["dtr", "dte", "coop"], args.repeats, args.quick)
         print(table([r for r in rows if r.workload == name]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

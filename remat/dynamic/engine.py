@@ -137,6 +137,7 @@ class Engine:
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
         self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
         self.previous_depth = sys.getrecursionlimit()
+        self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
         self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
@@ -209,7 +210,7 @@ class Engine:
         schema = self.schemas.get(func)
         if schema is None:
             schema = self.schemas[func] = _schema(func)
-        if schema.view_only or func.namespace in _SKIPPED_NAMESPACES:
+        if schema.view_only or func.namespace in _SKIPPED_NAMESPACES or self.failed:
             return func(*args, **kwargs)
         try:
             return self._run(func, schema, args, kwargs)

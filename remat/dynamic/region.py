@@ -148,7 +148,7 @@ class Dynamic:
         backend = self._make_backend(pool)
         self._recorder.moments = backend.moments
         engine = Engine(pool, self._recorder, backend, self.device, self.cost == "model")
-        engine.explain = lambda failure: _explain(failure, engine, self)
+        engine.explain = lambda failure: self._fail(engine, _explain(failure, engine, self))
         kept = 0
         listed = members(self.keep)
         try:
@@ -191,7 +191,9 @@ class Dynamic:
         mode.__exit__(None, None, None)
         _open.remove(self)
         try:
-            if error is None:
+            if engine.failed:  # undone when it failed; whatever ran after it ran as plain PyTorch
+                pass
+            elif error is None:
                 try:
                     engine.finish()
                 except (OutOfMemory, Thrashing, RematError) as failure:
@@ -221,6 +223,14 @@ class Dynamic:
         if isinstance(spec, float):
             return math.ceil(needed / (1.0 - spec)) + 1
         return needed + self.reserve
+
+    def _fail(self, engine: Engine, error: Exception) -> Exception:
+        """An op of the region cannot run within the budget: undo the step at once, wherever the
+        error is caught (in a ``DynamicModule`` the region stays open past the forward), and let
+        every later op of the region run as plain PyTorch."""
+        self._undo(engine, error)
+        engine.failed = True
+        return error
 
     def _undo(self, engine: Engine, error: BaseException) -> None:
         """Put training back as it was at entry and say so in ``error`` (:mod:`undo`)."""
