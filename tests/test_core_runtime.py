@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from remat.core.graph import Record
@@ -11,7 +13,7 @@ from remat.core.runtime import OutOfMemory, Runtime
 from remat.sim import Outcome, simulate
 from remat.sim.replay import SimBackend, drive, replay
 from remat.sim.synthetic import Builder
-from remat.trace.types import Trace
+from remat.trace.types import Op, Trace
 
 
 class Recording(SimBackend):
@@ -216,3 +218,40 @@ def test_replay_with_room_for_everything_evicts_nothing() -> None:
     runtime = replay(chain(), BytePool(10**9), get("dtr"))
     assert runtime.telemetry.evictions == runtime.telemetry.recomputations == 0
     assert runtime.telemetry.peak_bytes == 70 == chain().peak_bytes
+
+
+def _with(trace: Trace, index: int, **fields: int) -> Trace:
+    """``trace`` with op ``index`` given ``fields`` (scratch, state)."""
+    events = tuple(
+        replace(e, **fields) if isinstance(e, Op) and e.index == index else e for e in trace.events
+    )
+    return replace(trace, events=events)
+
+
+def test_scratch_is_held_beside_the_op_while_it_runs() -> None:
+    p = Builder()
+    x = p.tensor(10, constant=True)
+    a = p.tensor(10)
+    p.op("a", (x,), (a,), 1.0)
+    b = p.tensor(10)
+    p.op("b", (a,), (b,), 1.0)
+    plain, _ = run(p.trace("scratch"), capacity=100)
+    assert plain.telemetry.peak_bytes == 30
+    runtime, _ = run(_with(p.trace("scratch"), 1, scratch=40), capacity=100)
+    assert runtime.telemetry.peak_bytes == 70  # x, a, b and b's kernel's own buffers
+    assert runtime.pool.used == 30  # gone once the op returned
+    with pytest.raises(OutOfMemory) as caught:  # a is b's input and x a constant: nothing to evict
+        run(_with(p.trace("scratch"), 1, scratch=40), capacity=60)
+    assert caught.value.request == 40
+
+
+def test_state_is_kept_like_a_constant_from_its_op_on() -> None:
+    p = Builder()
+    x = p.tensor(10, constant=True)
+    a = p.tensor(10)
+    p.op("dropout", (x,), (a,), 1.0)
+    p.release(a)
+    runtime, _ = run(_with(p.trace("state"), 0, state=16), capacity=100)
+    assert runtime.pool.used == 10 + 16  # a is gone, its generator state stays
+    with pytest.raises(OutOfMemory):
+        run(_with(p.trace("state"), 0, state=16), capacity=30)

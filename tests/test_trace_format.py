@@ -64,7 +64,7 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
     trace = Trace(
         tensors=(TensorInfo(0, 8, constant=True), TensorInfo(1, 0, 0, True, (2,), "int32"), TensorInfo(2, 3)),
         events=(
-            Op(0, "custom", (0, 1), (2,), (1,), 0.1, 0.2, Phase.OPTIMIZER, "a.b", True, 640),
+            Op(0, "custom", (0, 1), (2,), (1,), 0.1, 0.2, Phase.OPTIMIZER, "a.b", True, 640, 5056),
             Op(1, "other", (2,), ()),
             Release(2),
             Release(1),
@@ -143,6 +143,11 @@ MALFORMED = {
         _replace(5, GOOD[4].replace('"cost":1e-06', '"cost":1e-06,"scratch":-8')),
         5,
         "scratch bytes must not be negative",
+    ),
+    "negative state": (
+        _replace(5, GOOD[4].replace('"cost":1e-06', '"cost":1e-06,"state":-8')),
+        5,
+        "state bytes must not be negative",
     ),
     "negative cost": (_replace(5, GOOD[4].replace('"cost":1e-06', '"cost":-1')), 5, "costs must be finite"),
     "bad phase": (_replace(5, GOOD[4].replace('"forward"', '"sideways"')), 5, "phase must be one of"),

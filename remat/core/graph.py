@@ -118,10 +118,5 @@ class Graph:
         for storage in record.outputs:
             self._cost.set(storage, self.cost[storage] + delta)
 
-    def set_scratch(self, record: Record, scratch: int) -> None:
-        """``record``'s kernel held ``scratch`` bytes of its own while it ran: an eager runtime
-        measures it at the op's first run, and its recomputations make room for it."""
-        record.op = replace(record.op, scratch=scratch)
-
     def neighbours(self, storage: int) -> list[int]:
         return self.parents[storage] + self.children[storage]

@@ -39,7 +39,8 @@ count until the core has evicted for them, which the region's reserve must cover
 
 NOTE [replay bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs), its
 kernel's own buffers (learned per op signature on its first run, where the allocator's account can
-run: ``remat._scratch``; before that the reserve covers them), the generator state a recomputation
+run: ``remat._scratch``; until the next region, the reserve covers them, so that the core and its
+trace see one figure per op), the generator state a recomputation
 of a random op saves for the caller's stream, and the scratch copies of running statistics a
 recomputed batch norm writes (NOTE [hidden writes] in ``recipe``); and as ``Op.state`` (held to the
 end of the region, like a constant) the generator states its recipe keeps. Generator states are
@@ -275,7 +276,7 @@ class Engine:
             tuple(written),
             cost=seconds,
             random=schema.random,
-            scratch=aligned(_scratch.known(key) or 0) + extra,
+            scratch=aligned(scratch or 0) + extra,
             state=self._state_bytes(rng, generators),
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
@@ -299,9 +300,6 @@ class Engine:
             pending.metas = metas
         backend.pending = pending
         runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
-        record = runtime.graph.records[-1]
-        if learn is not None and (measured := _scratch.known(key)) is not None:
-            runtime.graph.set_scratch(record, aligned(measured) + extra)  # its recomputations
         if metas is not None:
             out, seconds = pending.out, pending.seconds
             pending.out = pending.run = None
