@@ -113,3 +113,17 @@ def test_random_sequences_keep_invariants(ops: list[tuple[bool, int, End]], fit:
         pool.check()
         assert pool.used == sum(held.values()) <= pool.capacity
         assert pool.free_bytes == pool.capacity - pool.used
+
+
+def test_compact_packs_the_blocks_and_leaves_one_free_piece() -> None:
+    pool = AddressPool(100)
+    for owner in range(5):
+        assert pool.allocate(owner, 20)
+    pool.free(1)
+    pool.free(3)
+    assert not pool.allocate(9, 30)  # 40 bytes free, in two pieces
+    pool.compact()
+    pool.check()
+    assert [(start, owner) for start, _, owner in pool.pieces()][:3] == [(0, 0), (20, 2), (40, 4)]
+    assert pool.largest_free() == 40 and pool.used == 60
+    assert pool.allocate(9, 30)

@@ -127,3 +127,37 @@ def test_arena_memory_measured_stays_within_the_budget() -> None:
     assert measured.peak_bytes + region.stats.outside_bytes <= budget
     assert torch.equal(out, plain)
     assert torch.equal(w1.grad, expected[0]) and torch.equal(w2.grad, expected[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["dtr", "coop"])
+def test_cuda_budget_holds_in_the_allocators_count(policy: str) -> None:
+    """On CUDA the allocator's own statistics: the region's peak plus the bytes from before it (the
+    model, which the budget counts too) stays within the budget, the reserve covering the kernels'
+    scratch buffers (not learned on CUDA)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    plain_model, batch = workload("gpt2")
+    model = copy.deepcopy(plain_model).to(device)
+    plain_model.to(device)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch(0).items()}
+    torch.manual_seed(0)
+    loss_of(plain_model(**inputs)).backward()
+    free = remat.dynamic(None, policy, keep=model, device=device, cost="model")
+    torch.manual_seed(0)
+    with free:
+        loss_of(model(**inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    budget = int(0.7 * free.stats.peak_bytes)
+    region = remat.dynamic(budget, policy, keep=model, device=device, cost="model", thrash_limit=50.0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    with region:
+        loss_of(model(**inputs)).backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base + region.stats.outside_bytes <= budget
+    for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

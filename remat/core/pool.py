@@ -61,7 +61,7 @@ class Pool(Protocol):
 
     def holds(self, owner: int) -> bool: ...
 
-    def grow(self, extra: int) -> None: ...
+    def compact(self) -> None: ...
 
 
 class BytePool:
@@ -95,9 +95,8 @@ class BytePool:
         """Whether ``owner`` has bytes in the pool."""
         return owner in self._sizes
 
-    def grow(self, extra: int) -> None:
-        """Raise the capacity by ``extra`` bytes."""
-        self.capacity += extra
+    def compact(self) -> None:
+        """Nothing to move: bytes have no places."""
 
     def adjacent_free(self, owner: int) -> int:
         return 0
@@ -139,22 +138,24 @@ class AddressPool:
         """Whether ``owner`` has a block in the pool."""
         return owner in self._start_of
 
-    def grow(self, extra: int) -> None:
-        """Add ``extra`` free bytes at the high end (merged with a free last block)."""
-        if extra <= 0:
-            raise ValueError(f"a pool grows by a positive number of bytes, got {extra}")
-        last = len(self._sizes) - 1
-        if self._owners[last] == FREE:
-            self._free_sorted.remove((self._sizes[last], self._starts[last]))
-            self._sizes[last] += extra
-            bisect.insort(self._free_sorted, (self._sizes[last], self._starts[last]))
-        else:
-            self._insert(last + 1, self.capacity, extra, FREE)
-            bisect.insort(self._free_sorted, (extra, self.capacity))
-        self.capacity += extra
-
     def largest_free(self) -> int:
         return self._free_sorted[-1][0] if self._free_sorted else 0
+
+    def compact(self) -> None:
+        """Move every block down, in address order, so that the free bytes are one block at the
+        high end: for a pool whose addresses are a model of the memory, not the memory itself."""
+        blocks = [(size, owner) for _, size, owner in self.pieces() if owner != FREE]
+        self._starts, self._sizes, self._owners = array("q"), array("q"), array("q")
+        self._start_of.clear()
+        position = 0
+        for size, owner in blocks:
+            self._insert(len(self._starts), position, size, owner)
+            self._start_of[owner] = position
+            position += size
+        self._free_sorted = []
+        if position < self.capacity:
+            self._insert(len(self._starts), position, self.capacity - position, FREE)
+            self._free_sorted.append((self.capacity - position, position))
 
     def fragmentation(self) -> float:
         """1 - largest free block / free bytes: 0 when all free memory is one block."""

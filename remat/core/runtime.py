@@ -206,14 +206,18 @@ class Runtime:
         if self.live[storage] == 0:
             self._dead(storage)
 
-    def finish(self) -> None:
+    def finish(self, compact: bool = False) -> None:
         """The program ends holding its live handles: restore every storage they point at, all
         resident at once within the pool (the program holds them all together from now on).
-        Raises :class:`OutOfMemory` when they cannot fit together."""
+        Raises :class:`OutOfMemory` when they cannot fit together. ``compact``: the pool's
+        addresses are a model, not the memory (an eager runtime whose tensors live in PyTorch's
+        allocator), so its blocks may be packed first, leaving the free bytes in one piece."""
         live = [s for s in range(len(self.graph)) if self.live[s] > 0]
         needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
         if needed + self._constant_bytes > self.pool.capacity:
             raise OutOfMemory(needed, self._constant_bytes, self.pool.capacity, False)
+        if compact:
+            self.pool.compact()
         # In the order they were made, each restored (the earlier ones' chains are the later ones'
         # ancestors) and then held firm, so that no restore undoes an earlier one.
         frame = _Frame(firm=True)

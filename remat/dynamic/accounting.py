@@ -65,6 +65,7 @@ class Backend:
     """Runs and re-runs ops on real tensors for :class:`~remat.core.runtime.Runtime`."""
 
     name = "accounting"
+    places = False  # the pool's addresses are a model: PyTorch's allocator places the tensors
 
     def __init__(self, device: torch.device, thrash_limit: float) -> None:
         self.device = device

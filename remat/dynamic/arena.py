@@ -62,6 +62,7 @@ class ArenaBackend(Backend):
     """Places outputs in one preallocated buffer at the pool's addresses."""
 
     name = "arena"
+    places = True
 
     def __init__(self, device: torch.device, thrash_limit: float, pool: AddressPool, reserve: int) -> None:
         super().__init__(device, thrash_limit)

@@ -368,7 +368,7 @@ class Engine:
         self.peak_in_program = telemetry.peak_bytes
         runtime, homes = self.runtime, self.backend.homes
         self.current = ""
-        runtime.finish()
+        runtime.finish(compact=not backend.places)
         held = [
             h
             for h in sorted(homes.program)

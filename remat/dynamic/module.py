@@ -3,7 +3,9 @@
 A ``with`` block must span forward, backward and the optimizer step, which a module's ``forward``
 alone does not. So a call opens a region and leaves it open: the loss, ``backward()`` and
 ``optimizer.step()`` that follow run in it, and it closes when the module is called again (the
-next step) or on :meth:`DynamicModule.close`.
+next step) or on :meth:`DynamicModule.close`. A failure in the loss, the backward pass or the
+optimizer step undoes the step when it happens (:mod:`remat.dynamic.undo`); what the step still
+runs after it, until the region closes, runs as plain PyTorch.
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ def measure(
                     kept + budget, policy, keep=(model, tuple(inputs)), thrash_limit=thrash_limit
                 )
                 tracker, failure = _run(model, loss, seed, region)
-                # A stopped region has no stats; a runtime that does not time its moments, no marks.
-                moments = None if failure else getattr(region.stats, "moments", None)
+                # A stopped region has no stats, hence no marks.
+                moments = None if failure else region.stats.moments
                 runs.append(StepRun(label, tracker, budget, kept + budget, moments, failure))
         model.zero_grad(set_to_none=True)
     return runs
