@@ -18,6 +18,12 @@ The program speaks in *handles* (trace tensor ids): :meth:`Runtime.constant`, :m
 - A mutation moves every handle of the mutated storage to a new version. With ``inplace`` (Coop) the
   version takes over the old memory; otherwise (DTR) it is copied into new memory.
 
+NOTE [model addresses]: where the pool's addresses model a layout that the memory does not have
+(``compact``: tensors in PyTorch's allocator, whose free memory is not split as the model's is),
+an allocation that finds enough free bytes but no piece large enough, with nothing left to evict,
+packs the pool instead of failing; so does the end of the program, before it restores what the
+program holds. The simulator does neither: its figures are for memory laid out as the pool says.
+
 NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' gathered inputs are
 locked, so it can need more memory than any op of the program. When nothing is left to evict, the
 callers' locks are dropped and each caller gathers again once the restore returns. Hence the
@@ -81,7 +87,7 @@ class _Frame:
 class Runtime:
     """Dynamic rematerialization of one program within ``pool``, choosing victims by ``policy``."""
 
-    def __init__(self, pool: Pool, policy: EvictionPolicy, backend: Backend) -> None:
+    def __init__(self, pool: Pool, policy: EvictionPolicy, backend: Backend, compact: bool = False) -> None:
         missing = set(policy.needs) - ({"layout"} if pool.layout else set())
         missing -= {"classes", "regions"}  # tracked on demand below
         if missing:
@@ -96,6 +102,10 @@ class Runtime:
         self.pool = pool
         self.policy = policy
         self.backend = backend
+        # The pool's addresses are a model, not the memory (an eager runtime whose tensors live in
+        # PyTorch's allocator): when only their pieces stand in the way, pack them (NOTE [model
+        # addresses]).
+        self.compact = compact
         self.graph = Graph()
         self.classes = EvictedClasses() if "classes" in policy.needs else None
         self.regions = Neighbourhoods() if "regions" in policy.needs else None
@@ -206,17 +216,15 @@ class Runtime:
         if self.live[storage] == 0:
             self._dead(storage)
 
-    def finish(self, compact: bool = False) -> None:
+    def finish(self) -> None:
         """The program ends holding its live handles: restore every storage they point at, all
         resident at once within the pool (the program holds them all together from now on).
-        Raises :class:`OutOfMemory` when they cannot fit together. ``compact``: the pool's
-        addresses are a model, not the memory (an eager runtime whose tensors live in PyTorch's
-        allocator), so its blocks may be packed first, leaving the free bytes in one piece."""
+        Raises :class:`OutOfMemory` when they cannot fit together."""
         live = [s for s in range(len(self.graph)) if self.live[s] > 0]
         needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
         if needed + self._constant_bytes > self.pool.capacity:
             raise OutOfMemory(needed, self._constant_bytes, self.pool.capacity, False)
-        if compact:
+        if self.compact:
             self.pool.compact()
         # In the order they were made, each restored (the earlier ones' chains are the later ones'
         # ancestors) and then held firm, so that no restore undoes an earlier one.
@@ -340,6 +348,9 @@ class Runtime:
             telemetry.searches += 1
             if not victims:
                 if self._relax():
+                    continue
+                if self.compact and pool.layout and pool.capacity - pool.used >= nbytes > pool.largest_free():
+                    pool.compact()
                     continue
                 movable = self.evictable.array[: len(self.graph)]
                 pinned = pool.used - int(self.graph.nbytes_array[: len(self.graph)][movable].sum())

@@ -31,6 +31,26 @@ NO_META = {"aten::mkldnn_rnn_layer", "aten::_unsafe_view"}
 ALIASING = {"aten::_unsafe_view"}  # of those, the ones whose results may share an input's storage
 
 
+_METAS: dict[tuple[Any, ...], list[torch.Tensor] | None] = {}  # by op signature (see ``plan``)
+
+
+def _meta_results(
+    func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...]
+) -> list[torch.Tensor] | None:
+    """``func``'s results computed on meta tensors, flat; None where a meta kernel cannot tell."""
+    kwargs = tree_map(meta, dict(kwargs))
+    if not any(isinstance(x, torch.Tensor) for x in tree_leaves(args)):  # a factory
+        if not any(a.name == "device" for a in func._schema.arguments):
+            return None
+        kwargs["device"] = torch.device("meta")
+    try:
+        metas = func(*tree_map(meta, tuple(args)), **kwargs)
+    except Exception:  # no meta kernel, or results whose size depends on the data
+        return None
+    leaves = [value for _, value in result_leaves(fresh_returns, metas)]
+    return leaves if all(isinstance(m, torch.Tensor) and m.is_meta for m in leaves) else None
+
+
 def meta(x: Any) -> Any:
     """``x`` as a meta tensor of the same geometry; a generator as a new one (a meta kernel may
     still draw from it); anything else as it is."""
@@ -98,26 +118,26 @@ class Backend:
         self.homes.evict(storage)
 
     def plan(
-        self, func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...], sized: bool = False
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        fresh_returns: tuple[bool, ...],
+        key: tuple[Any, ...],
+        sized: bool = False,
     ) -> list[Any] | None:
         """The meta results of an op the backend runs in :meth:`materialize` once the core has
-        placed them (NOTE [room first]); None: the engine runs the op first. ``sized``: the sizes
-        of its results are known from an earlier run, whatever its meta kernel says."""
+        placed them (NOTE [room first]); None: the engine runs the op first. ``key``: the op's
+        signature (``remat._scratch``), under which its meta results are kept for the next call
+        (a meta kernel written in Python can cost more than the op). ``sized``: the sizes of its
+        results are known from an earlier run, whatever its meta kernel says."""
         if not any(fresh_returns):
             return []
         if not all(fresh_returns) or not self.placeable(func, sized):
             return None
-        kwargs = tree_map(meta, dict(kwargs))
-        if not any(isinstance(x, torch.Tensor) for x in tree_leaves(args)):  # a factory
-            if not any(a.name == "device" for a in func._schema.arguments):
-                return None
-            kwargs["device"] = torch.device("meta")
-        try:
-            metas = func(*tree_map(meta, tuple(args)), **kwargs)
-        except Exception:  # no meta kernel, or results whose size depends on the data
-            return None
-        leaves = [value for _, value in result_leaves(fresh_returns, metas)]
-        return leaves if all(isinstance(m, torch.Tensor) and m.is_meta for m in leaves) else None
+        if key not in _METAS:
+            _METAS[key] = _meta_results(func, args, kwargs, fresh_returns)
+        return _METAS[key]
 
     def placeable(self, func: Any, sized: bool = False) -> bool:
         """Whether ``func``'s meta results may be trusted for its real ones (their sizes aside,

@@ -27,8 +27,10 @@ within the budget (the program holds them all together from then on: a budget th
 them fails here, before memory passes it), then each is taken out of the pool (as if released)
 while the program keeps the content. Rebuilding an evicted one can mean recomputing a chain of dead
 tensors (a gradient evicted after the optimizer read it needs the backward pass that made it);
-those recomputations are reported apart (``exit_recomputations``). The hand-over is not in the
-trace: the simulator's ``finish`` does the same with what the trace leaves live.
+those recomputations are reported apart (``exit_recomputations``), and the thrash limit counts
+them apart too: the hand-over may cost up to ``thrash_limit - 1`` times the first runs of the
+step again. The hand-over is not in the trace: the simulator's ``finish`` does the same with what
+the trace leaves live.
 
 NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
 holds more than the pool counts: the op's results are first computed on meta tensors for their
@@ -118,7 +120,7 @@ class Engine:
     def __init__(
         self, pool: Pool, policy: EvictionPolicy, backend: Backend, device: torch.device, estimated: bool
     ) -> None:
-        self.runtime = Runtime(pool, policy, backend)
+        self.runtime = Runtime(pool, policy, backend, compact=not backend.places)
         self.backend = backend
         backend.runtime = self.runtime
         self.device = device
@@ -234,7 +236,7 @@ class Engine:
         sizes = _scratch.results(key)
         metas = None  # NOTE [room first]
         if self._outputs_here(flat, bool(positions)):
-            metas = backend.plan(func, args, kwargs, schema.fresh_returns, sized=sizes is not None)
+            metas = backend.plan(func, args, kwargs, schema.fresh_returns, key, sized=sizes is not None)
         if metas is not None and sizes is not None and len(sizes) != len(metas):
             metas = None
         saved: dict[int, torch.UntypedStorage] = {}
@@ -368,7 +370,8 @@ class Engine:
         self.peak_in_program = telemetry.peak_bytes
         runtime, homes = self.runtime, self.backend.homes
         self.current = ""
-        runtime.finish(compact=not backend.places)
+        backend.recompute_cost = 0.0  # the hand-over gets a thrash allowance of its own
+        runtime.finish()
         held = [
             h
             for h in sorted(homes.program)

@@ -126,7 +126,9 @@ class DynamicStats:
         recorder = Recorder(self.policy_object)
         pool = AddressPool(self.capacity, Fit.BEST) if self.layout else BytePool(self.capacity)
         backend = SimBackend(self.trace.total_cost, len(self.trace.ops), math.inf)
-        drive(Runtime(pool, recorder, backend), self.trace, backend)
+        compact = self.backend == "accounting"  # NOTE [model addresses] in ``remat.core.runtime``
+        runtime = Runtime(pool, recorder, backend, compact=compact)
+        drive(runtime, self.trace, backend, finish=False)  # up to the last op, as ``overhead``
         base = self.trace.total_cost
         predicted = 1.0 + backend.recompute_seconds / base if base else 1.0
         measured = self.overhead

@@ -92,9 +92,10 @@ def replay(
     return runtime
 
 
-def drive(runtime: Runtime, trace: Trace, backend: SimBackend) -> None:
-    """Feed every event of ``trace`` to ``runtime``. Raises
-    :class:`~remat.core.runtime.OutOfMemory` or :class:`Thrashed` when the run cannot finish."""
+def drive(runtime: Runtime, trace: Trace, backend: SimBackend, finish: bool = True) -> None:
+    """Feed every event of ``trace`` to ``runtime``, then (``finish``) restore what it leaves live.
+    Raises :class:`~remat.core.runtime.OutOfMemory` or :class:`Thrashed` when the run cannot
+    finish."""
     tensors = trace.tensors
     with _deep_recursion():
         for tensor in tensors:
@@ -106,7 +107,8 @@ def drive(runtime: Runtime, trace: Trace, backend: SimBackend) -> None:
                 runtime.call(event, [tensors[t] for t in event.outputs])
             else:
                 runtime.release(event.tensor)
-        runtime.finish()
+        if finish:
+            runtime.finish()
 
 
 @contextmanager
