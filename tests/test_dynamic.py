@@ -168,7 +168,7 @@ def test_evicts_what_the_simulator_evicts(name: str, policy: str) -> None:
     for stats in runs:
         comparison = stats.compare()
         assert comparison.same_evictions, (comparison.simulated_evictions, comparison.evictions)
-        simulated = simulate(stats.trace, budget, policy, float("inf"))
+        simulated = simulate(stats.trace, budget, policy, float("inf"), compact=True)
         assert simulated.outcome is Outcome.OK
         assert (simulated.evictions, simulated.recomputations) == (stats.evictions, stats.recomputations)
         assert simulated.peak_bytes == stats.peak_bytes

@@ -340,7 +340,7 @@ class Runtime:
 
     def _allocate(self, owner: int, nbytes: int, end: End) -> None:
         pool, telemetry = self.pool, self.telemetry
-        evicted = False
+        evicted = compacted = False
         while not pool.allocate(owner, nbytes, end):
             start = time.perf_counter()
             victims = self.policy.choose(self, nbytes)
@@ -349,11 +349,12 @@ class Runtime:
             if not victims:
                 if self._relax():
                     continue
-                if self.compact and pool.layout and pool.capacity - pool.used >= nbytes > pool.largest_free():
-                    pool.compact()
-                    continue
                 movable = self.evictable.array[: len(self.graph)]
                 pinned = pool.used - int(self.graph.nbytes_array[: len(self.graph)][movable].sum())
+                if self.compact and pool.layout and not compacted and pool.capacity - pinned >= nbytes:
+                    pool.compact()  # NOTE [model addresses]: free and evictable bytes would do
+                    compacted = True
+                    continue
                 raise OutOfMemory(nbytes, pinned, pool.capacity, pool.layout)
             for victim in victims:
                 self._evict(victim)

@@ -33,12 +33,15 @@ def simulate(
     *,
     layout: bool = True,
     fit: str = "best",
+    compact: bool = False,
 ) -> SimResult:
     """Replay ``trace`` within ``budget`` (bytes, a size string such as ``"6GB"``, or a float ratio
     in (0, 1] of the unconstrained peak, constants included), evicting by ``policy`` (a registered
     name, see :func:`remat.core.policies.names`, or a policy object). A run whose overhead passes
     ``thrash_limit`` is stopped and reported as thrashed. ``fit`` is the address pool's placement,
-    ``"best"`` or ``"first"``."""
+    ``"best"`` or ``"first"``. ``compact``: the addresses model a layout the memory does not have,
+    as for ``remat.dynamic``'s accounting backend (NOTE [model addresses] in
+    ``remat.core.runtime``)."""
     chosen = _policy(policy, layout)
     limit = _thrash_limit(thrash_limit)
     if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
@@ -55,7 +58,7 @@ def simulate(
         return _result(trace, chosen, layout, nbytes, known, Outcome.OOM, reason=reason)
     pool: Pool = AddressPool(nbytes, Fit(fit)) if layout else BytePool(nbytes)
     backend = SimBackend(known.base_compute, known.ops, limit)
-    runtime = Runtime(pool, chosen, backend)
+    runtime = Runtime(pool, chosen, backend, compact=compact)
     try:
         drive(runtime, trace, backend)
     except OutOfMemory as error:
