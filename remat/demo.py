@@ -267,7 +267,8 @@ def show_dynamic(peak: int, results: list[DynamicResult]) -> None:
         )
     Console(width=130).print(table)
     print(
-        "Peak: the region's count of live bytes (parameters included), never above the budget. Step time "
+        "Peak (counted): the region's own count of live bytes (parameters included), a prediction; the "
+        "allocator's figures for the same model follow below. Step time "
         "includes the runtime's Python work per op, large next to this small model's ops; at 100% the "
         "address pool can still evict (its free memory is in pieces). See benchmarks/dynamic."
     )

@@ -255,3 +255,22 @@ def test_state_is_kept_like_a_constant_from_its_op_on() -> None:
     assert runtime.pool.used == 10 + 16  # a is gone, its generator state stays
     with pytest.raises(OutOfMemory):
         run(_with(p.trace("state"), 0, state=16), capacity=30)
+
+
+def test_model_addresses_are_packed_where_only_their_pieces_stand_in_the_way() -> None:
+    p = Builder()
+    x = p.tensor(10, constant=True)  # at [0, 10)
+    a, b = p.tensor(10), p.tensor(10)
+    p.op("a", (x,), (a,), 1.0)  # [10, 20)
+    p.op("b", (x,), (b,), 1.0)  # [20, 30)
+    p.release(a)  # 20 bytes free, in two pieces
+    c = p.tensor(20)
+    p.op("c", (b,), (c,), 1.0)  # b is its input, x a constant: nothing to evict
+    trace = p.trace("pieces")
+    with pytest.raises(OutOfMemory):
+        run(trace, capacity=40, layout=True)
+    backend = Recording()
+    runtime = Runtime(AddressPool(40), get("lru"), backend, compact=True)
+    drive(runtime, trace, backend)
+    assert runtime.telemetry.evictions == 0
+    assert runtime.resident[runtime.storage_of(c)]

@@ -10,6 +10,7 @@ from torch import nn
 
 import remat
 from remat import RematTypeError, RematValueError
+from remat.dynamic import DynamicModule
 
 
 def _chain(x: torch.Tensor, depth: int = 6) -> torch.Tensor:
@@ -202,3 +203,40 @@ def test_a_step_that_fails_inside_the_optimizer_leaves_training_as_it_was() -> N
             if failed_inside:
                 break
     assert failed_inside, "no budget made the optimizer's step itself fail"
+
+
+def test_a_module_whose_backward_fails_is_undone_at_once_and_closes_cleanly() -> None:
+    """In a DynamicModule the region stays open past the forward: a failure in backward undoes the
+    step when it happens, later ops run as plain PyTorch, and the next call opens a new region."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))  # 2 MiB of weights
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(2, 512)
+    wrapped = DynamicModule(model, 2_500_000, "dtr", reserve=0)  # no room for a weight's grad
+    loss = wrapped(x).sum()
+    with pytest.raises(RematValueError, match=r"needs at once.*the step was undone"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    big = torch.ones(1_000_000)  # 4 MB, past the budget: plain PyTorch runs in the failed region
+    assert big.sum().item() == 1_000_000
+    wrapped.close()
+    wrapped.close()  # closing twice is harmless
+    roomy = DynamicModule(model, None, "dtr")
+    roomy(x).sum().backward()
+    roomy.close()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_arena_refuses_to_copy_out_more_than_its_reserve() -> None:
+    x, w = torch.randn(128, 128), torch.randn(128, 128)
+    with (
+        pytest.raises(
+            RematValueError,
+            match=r"the arena backend copies what the program keeps .* within the reserve "
+            r"\(the program keeps 64\.00 KiB in the arena, reserve 1\.00 KiB\); pass reserve=65536",
+        ),
+        remat.dynamic(400_000, "coop", backend="arena", keep=(x, w), reserve=1024),
+    ):
+        y = torch.tanh(x @ w)
+    assert y.shape == (128, 128)  # the program's tensor still has memory (its content is lost)

@@ -19,6 +19,10 @@ and some optimizer states advanced. So the region undoes the step instead:
   same random numbers.
 
 Besides those buffers' copies, the snapshot holds references and generator states only.
+
+Tensors the failed step made and the program still holds (its loss, its activations) keep their
+objects but lose their content: each evicted one gets fresh memory so that reading it cannot
+crash, and the allocator counts that memory, past the budget, until the program drops them.
 """
 
 from __future__ import annotations
