@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -79,6 +80,8 @@ class Pending:
         self.out: Any = None
         self.seconds = 0.0
         self.learn: tuple[Any, ...] | None = None  # the op's scratch signature, to learn at its run
+        # the generator states the recipe keeps, taken when the op runs here (NOTE [room first])
+        self.states: Callable[[], tuple[Any, Any]] | None = None
 
 
 class Backend:
@@ -214,6 +217,10 @@ class Backend:
         self.pending = None
         ran_here = pending.run is not None
         if pending.run is not None:
+            if pending.states is not None:  # its room is made: the states may be taken now
+                rng, generators = pending.states()
+                pending.recipe = replace(pending.recipe, rng=rng, generators=generators)
+                pending.states = None
             pending.out, pending.seconds = pending.run(record)
             pending.run = None  # it refers to ``pending``: no cycle may keep the outputs alive
             if pending.measure:

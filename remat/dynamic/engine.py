@@ -34,7 +34,9 @@ the trace leaves live.
 
 NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
 holds more than the pool counts: the op's results are first computed on meta tensors for their
-sizes (``Backend.plan``), the core evicts and places them, and the backend runs the op. An op whose
+sizes (``Backend.plan``), the core evicts and places them, and the backend runs the op. The
+generator states a random op's recipe keeps are taken then too, just before it runs (their size is
+known beforehand: ``remat.aten.state_nbytes``). An op whose
 results cannot be sized that way (no meta kernel, sizes that depend on the data, results on another
 device, the ops in ``NO_META``) runs first and is placed after: its outputs are beyond the pool's
 count until the core has evicted for them, which the region's reserve must cover.
@@ -42,10 +44,10 @@ count until the core has evicted for them, which the region's reserve must cover
 NOTE [replay bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs), its
 kernel's own buffers (learned per op signature on its first run, where the allocator's account can
 run: ``remat._scratch``; until the next region, the reserve covers them, so that the core and its
-trace see one figure per op), the generator state a recomputation
-of a random op saves for the caller's stream, and the scratch copies of running statistics a
-recomputed batch norm writes (NOTE [hidden writes] in ``recipe``); and as ``Op.state`` (held to the
-end of the region, like a constant) the generator states its recipe keeps. Generator states are
+trace see one figure per op), the generator state a recomputation of a random op saves for the
+caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
+(NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the
+region, like a constant) the generator states its recipe keeps. Generator states are
 host tensors: they count only in a region on the CPU.
 
 NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch's CPU allocator
@@ -63,51 +65,25 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten
 
-from remat import _allocator, _scratch
-from remat._state import RngState, capture_rng
+from remat import _allocator, _scratch, aten
+from remat.aten import OpFacts, RngState
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import Backend, Pending, Thrashing
 from remat.dynamic.homes import aligned, swap
-from remat.dynamic.recipe import HIDDEN_WRITES, Recipe, Slot, result_leaves
+from remat.dynamic.recipe import Recipe, Slot, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
 
-_SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
 _DEPTH = 100_000  # recomputation chains recurse once per evicted ancestor
-
-
-@dataclass(frozen=True)
-class _Schema:
-    view_only: bool  # every result is a view of an input and nothing is written
-    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments written in place
-    fresh_returns: tuple[bool, ...]  # per return: a new tensor (not an alias of an argument)
-    random: bool
-
-
-def _schema(func: Any) -> _Schema:
-    schema = func._schema
-    written = tuple(
-        (i, a.name)
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-    returns = tuple(r.alias_info is None for r in schema.returns)
-    view_only = bool(returns) and not any(returns) and not written
-    random = torch.Tag.nondeterministic_seeded in func.tags
-    return _Schema(view_only, written, returns, random)
-
-
-def _geometry(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
-    return int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -129,7 +105,6 @@ class Engine:
         self.events: list[Event] = []
         self.finalizers: list[weakref.finalize] = []
         self.released: list[int] = []
-        self.schemas: dict[Any, _Schema] = {}
         self.current: str = ""  # the op being run, for errors
         self.peak_real_bytes = 0
         self.ops = 0
@@ -210,17 +185,15 @@ class Engine:
     # -- ops ------------------------------------------------------------------------------------
 
     def run(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        schema = self.schemas.get(func)
-        if schema is None:
-            schema = self.schemas[func] = _schema(func)
-        if schema.view_only or func.namespace in _SKIPPED_NAMESPACES or self.failed:
+        schema = aten.facts(func)
+        if schema.view_only or schema.skipped or self.failed:
             return func(*args, **kwargs)
         try:
             return self._run(func, schema, args, kwargs)
         except (OutOfMemory, Thrashing) as failure:
             raise self.explain(failure) from None
 
-    def _run(self, func: Any, schema: _Schema, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         self.flush()
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and self.managed(x)]
@@ -248,24 +221,32 @@ class Engine:
                 ):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
         slots = tuple(
-            Slot(i, runtime.storage_of(h), *_geometry(flat[i]))
+            Slot(i, runtime.storage_of(h), *aten.geometry(flat[i]))
             for i, h in zip(positions, handles, strict=True)
         )
-        rng = capture_rng() if schema.random else None
-        generators = tuple(
-            (i, x.device, x.get_state()) for i, x in enumerate(flat) if isinstance(x, torch.Generator)
-        )
+        source = aten.source_of(args, kwargs) if schema.random else None
+        default = source if isinstance(source, torch.device) else None
+        explicit = tuple((i, x) for i, x in enumerate(flat) if isinstance(x, torch.Generator))
+
+        def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
+            """The generator states the recipe keeps: a device's default one as ``rng``, explicit
+            ones as ``generators``. Taken just before the op runs (NOTE [room first])."""
+            rng = aten.capture((default,)) if default is not None else None
+            return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
+
         leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
         scratch = _scratch.known(key)
         learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
-        extra = self._replay_bytes(func, args, rng)
+        extra = self._replay_bytes(func, args, default)
 
         if metas is None:
+            rng, generators = states()
             out, seconds = _scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
                 _scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
         else:  # the backend runs it once the core has placed the outputs
+            rng, generators = None, ()
             out, seconds = None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
             fresh = [self.new_handle(m, n) for m, n in zip(metas, nbytes, strict=True)]
@@ -279,7 +260,7 @@ class Engine:
             cost=seconds,
             random=schema.random,
             scratch=aligned(scratch or 0) + extra,
-            state=self._state_bytes(rng, generators),
+            state=self._state_bytes(default, tuple(x for _, x in explicit)),
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
             op = replace(op, cost=op_cost(op, self.tensors))
@@ -300,6 +281,7 @@ class Engine:
             pending.run = lambda record: backend.first_run(func, args, kwargs, record, pending, self.bind)
             pending.measure = not self.estimated
             pending.metas = metas
+            pending.states = states if default is not None or explicit else None
         backend.pending = pending
         runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
         if metas is not None:
@@ -319,35 +301,31 @@ class Engine:
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
 
-    def _replay_bytes(self, func: Any, args: Sequence[Any], rng: RngState | None) -> int:
+    def _replay_bytes(self, func: Any, args: Sequence[Any], default: torch.device | None) -> int:
         """Bytes a recomputation of the op allocates beside its kernel (NOTE [replay bytes])."""
         extra = 0
-        if rng is not None and self.device.type == "cpu":
-            extra += aligned(rng.cpu.untyped_storage().nbytes())
-        for i in HIDDEN_WRITES.get(func, ()):
+        if default is not None and self.device.type == "cpu":
+            extra += aligned(aten.state_nbytes(default))
+        for i, _ in aten.facts(func).hidden_writes:
             if i < len(args) and isinstance(args[i], torch.Tensor) and self.managed(args[i]):
                 extra += aligned(args[i].untyped_storage().nbytes())
         return extra
 
-    def _state_bytes(
-        self, rng: RngState | None, generators: tuple[tuple[int, Any, torch.Tensor], ...]
-    ) -> int:
+    def _state_bytes(self, default: torch.device | None, explicit: tuple[torch.Generator, ...]) -> int:
         """Bytes the op's recipe keeps to the end on the region's device (NOTE [replay bytes])."""
         if self.device.type != "cpu":
             return 0  # generator states are host tensors
-        states = [g for _, _, g in generators] + ([rng.cpu] if rng is not None else [])
-        return sum(aligned(t.untyped_storage().nbytes()) for t in states)
+        sources: list[aten.Source] = [*explicit, *([default] if default is not None else [])]
+        return sum(aligned(aten.state_nbytes(source)) for source in sources)
 
-    def _written(self, schema: _Schema, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
+    def _written(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
         handles: list[int] = []
-        for i, name in schema.written:
-            value = args[i] if i < len(args) else kwargs.get(name)
-            for t in tree_leaves(value):
-                if isinstance(t, torch.Tensor) and self.managed(t):
-                    handles.append(self.handle(t))
+        for t in aten.written_tensors(schema.writes, args, kwargs):
+            if self.managed(t):
+                handles.append(self.handle(t))
         return list(dict.fromkeys(handles))
 
-    def _fresh(self, schema: _Schema, out: Any) -> tuple[list[int], list[int]]:
+    def _fresh(self, schema: OpFacts, out: Any) -> tuple[list[int], list[int]]:
         """Handles of the op's new storages, and their positions among :func:`result_leaves`."""
         fresh: list[int] = []
         positions: list[int] = []

@@ -5,9 +5,8 @@ A recipe keeps no tensor of the program alive (that would keep its memory alive 
 release); a recomputation rebuilds each argument as a new tensor over whatever real storage holds
 that version then (:mod:`remat.dynamic.homes`).
 
-NOTE [hidden writes] ``native_batch_norm`` in training mode updates its running statistics although
-its schema does not say so. Running it again would update them twice (a long-standing problem of
-recomputation in PyTorch), so a recomputation hands it scratch copies of them.
+A recomputation hands an op that writes without its schema saying so (batch norm's running
+statistics, NOTE [hidden writes] in ``remat.aten.schema``) scratch copies of what it writes.
 """
 
 from __future__ import annotations
@@ -21,14 +20,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
-from remat._state import RngState, rng_replayed
-
-_aten = torch.ops.aten
-HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
-    _aten.native_batch_norm.default: (3, 4),
-    _aten.cudnn_batch_norm.default: (3, 4),
-    _aten.miopen_batch_norm.default: (3, 4),
-}
+from remat import aten
+from remat.aten import RngState
 
 
 def result_leaves(returns: tuple[bool, ...], out: Any) -> list[tuple[int, Any]]:
@@ -105,13 +98,13 @@ class Recipe:
                 source(s.storage), s.offset, s.shape, s.stride
             )
         )
-        hidden = HIDDEN_WRITES.get(self.func)
-        if hidden is not None:
-            for i in hidden:
+        hidden = aten.facts(self.func).hidden_writes
+        if hidden:
+            for i, _ in hidden:
                 if i < len(args) and isinstance(args[i], torch.Tensor):
                     args[i] = args[i].clone()
         func = self.func if overload is None else overload
-        rng = rng_replayed(self.rng) if self.rng is not None else contextlib.nullcontext()
+        rng = aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext()
         with rng, torch.set_grad_enabled(self.grad):
             start = time.perf_counter()
             out = func(*args, **kwargs, **(outs or {}))

@@ -169,7 +169,8 @@ class Dynamic:
             ) from None
         self._snapshot = take(listed)
         if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
-            engine.constant(self._snapshot.rng.cpu, outside=False)
+            for state in self._snapshot.rng.tensors():
+                engine.constant(state, outside=False)
         for _, content in self._snapshot.buffers:  # and so are the buffers' copies
             if content.device == self.device:
                 engine.constant(content, outside=False)

@@ -9,7 +9,7 @@ and some optimizer states advanced. So the region undoes the step instead:
   entry back: the core never lets a write to a constant take over its memory and keeps every
   version (NOTE [constants stay] in :mod:`remat.core.runtime`), so the entry content is at hand;
 - batch norm writes its running statistics without its schema saying so (NOTE [hidden writes] in
-  :mod:`remat.dynamic.recipe`), so the core never sees those writes: the floating-point buffers of
+  :mod:`remat.aten.schema`), so the core never sees those writes: the floating-point buffers of
   the modules in ``keep`` are copied at entry (the region counts the copies in its budget) and
   written back;
 - each optimizer given in ``keep`` gets its state mapping back (entries the step created, such as
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._state import RngState, capture_rng, restore_rng
+from remat import aten
+from remat.aten import RngState
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def take(members: list[object]) -> Snapshot:
         for group in opt.param_groups:
             params.update((id(p), p) for p in group["params"])
     return Snapshot(
-        capture_rng(),
+        aten.capture_all(),
         tuple((opt, {p: dict(state) for p, state in opt.state.items()}) for opt in optimizers),
         tuple((p, p.grad) for p in params.values()),
         tuple((b, b.detach().clone()) for b in buffers.values()),
@@ -68,7 +69,7 @@ def take(members: list[object]) -> Snapshot:
 
 def rewind(snapshot: Snapshot) -> None:
     """Put back what ``snapshot`` holds."""
-    restore_rng(snapshot.rng)
+    aten.restore(snapshot.rng)
     for opt, state in snapshot.optimizers:
         opt.state.clear()
         opt.state.update({p: dict(entries) for p, entries in state.items()})

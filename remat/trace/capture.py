@@ -42,10 +42,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from remat import _scratch
+from remat import _scratch, aten
 from remat._allocator import scratch_of
 from remat._errors import RematTypeError, RematValueError, message
-from remat._replay import _UNANNOTATED_WRITES
 from remat.trace import cost
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
 
@@ -55,18 +54,12 @@ __all__ = ["capture"]
 # ops the node runs are attributed to the same module.
 _MODULE_KEY = "remat.trace.module"
 
-# Not ops of the program: record_function markers (Optimizer.step has them) and the metadata
-# queries fake tensors answer through dispatch (prim.device).
-_SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
-
-Geometry = tuple[Any, ...]  # (storage offset, shape, stride, dtype)
-
 
 @dataclass
 class _Storage:
     owner: int
     handles: list[int] = field(default_factory=list)
-    by_geometry: dict[Geometry, int] = field(default_factory=dict)
+    by_geometry: dict[aten.Geometry, int] = field(default_factory=dict)
     impls: list[int] = field(default_factory=list)
 
 
@@ -81,19 +74,6 @@ class _OpRecord:
     module: str
     random: bool
     scratch: int
-
-
-def _geometry(t: torch.Tensor) -> Geometry:
-    return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if t.layout != torch.strided:
-        return None  # sparse and nested tensors have no single storage; the trace skips them
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 class _Recorder(TorchDispatchMode):
@@ -119,7 +99,6 @@ class _Recorder(TorchDispatchMode):
         self.device: str | None = None
         self.fake = False
         self.n_ops = 0
-        self.alias_cache: dict[Any, tuple[tuple[bool, bool], ...]] = {}
 
     # -- tensors --------------------------------------------------------------------------------
 
@@ -134,7 +113,7 @@ class _Recorder(TorchDispatchMode):
         self.op_module.append("")
         rec = self.storages[key]
         rec.handles.append(hid)
-        rec.by_geometry[_geometry(t)] = hid
+        rec.by_geometry[aten.geometry(t)] = hid
         rec.impls.append(t._cdata)
         self.impl[t._cdata] = hid
         return hid
@@ -159,21 +138,21 @@ class _Recorder(TorchDispatchMode):
 
     def handle(self, t: torch.Tensor) -> int | None:
         """The id of an existing tensor (an op input): see NOTE [trace identity]."""
-        storage = _storage(t)
+        storage = aten.storage_of(t)
         if storage is None:
             return None
         key = storage._cdata
         rec = self.storages.get(key)
         if rec is None:
             return self._new_storage(t, storage, constant=True)
-        geometry = _geometry(t)
+        geometry = aten.geometry(t)
         hid = self.impl.get(t._cdata)
         if hid is not None and self.storage_key[hid] == key and rec.by_geometry.get(geometry) == hid:
             return hid
         return rec.by_geometry.get(geometry, rec.owner)
 
     def _output(self, t: torch.Tensor, is_view: bool) -> int | None:
-        storage = _storage(t)
+        storage = aten.storage_of(t)
         if storage is None:
             return None
         key = storage._cdata
@@ -187,23 +166,26 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func.namespace in _SKIPPED_NAMESPACES:
+        facts = aten.facts(func)
+        if facts.skipped:
             return func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         handles = [self.handle(t) for t in leaves]
-        written = [(t, h) for t, h in zip(*self._written(func, args, kwargs), strict=True) if h is not None]
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        # safe to run again: batch norm writes its running statistics without saying so
-        pure = (
-            func.namespace == "aten"
-            and not (written or random)
-            and str(func).rsplit(".", 1)[0] not in _UNANNOTATED_WRITES
-        )
+        written = [
+            (t, h)
+            for t in aten.written_tensors(facts.writes, args, kwargs)
+            if (h := self.handle(t)) is not None
+        ]
+        random = facts.random
+        pure = facts.pure  # safe to run again (NOTE [hidden writes] in ``remat.aten.schema``)
         out, seconds = self._run(func, args, kwargs, leaves, repeat=pure)
         scratch = self._scratch(func, args, kwargs, leaves) if pure and seconds > 0 else 0
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
-        returns = self._returns(func)
+        returns = tuple(
+            (not fresh and not w, w)
+            for fresh, w in zip(facts.fresh_returns, facts.written_returns, strict=True)
+        )
         outputs: list[int] = []
         pairs = [(returns[0], out)] if len(returns) == 1 else zip(returns, out or (), strict=False)
         for (is_view, is_write), result in pairs:
@@ -227,30 +209,10 @@ class _Recorder(TorchDispatchMode):
             self.progress(self.n_ops)
         return out
 
-    def _returns(self, func: Any) -> tuple[tuple[bool, bool], ...]:
-        """Per schema return: (a view of an input, the mutated input itself)."""
-        cached = self.alias_cache.get(func)
-        if cached is None:
-            infos = [r.alias_info for r in func._schema.returns]
-            cached = tuple((a is not None and not a.is_write, a is not None and a.is_write) for a in infos)
-            self.alias_cache[func] = cached
-        return cached
-
-    def _written(
-        self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> tuple[list[torch.Tensor], list[int | None]]:
-        written: list[torch.Tensor] = []
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-        return written, [self.handle(t) for t in written]
-
     def _rebind(self, t: torch.Tensor, hid: int) -> None:
         rec = self.storages.get(self.storage_key[hid])
         if rec is not None:
-            rec.by_geometry[_geometry(t)] = hid
+            rec.by_geometry[aten.geometry(t)] = hid
             rec.impls.append(t._cdata)
             self.impl[t._cdata] = hid
 

@@ -1,0 +1,42 @@
+"""What any dispatch mode must know of an ATen op, in one place.
+
+remat meets ATen ops in three dispatch modes: the manual forms' tape (``remat.manual.tape``), trace
+capture (``remat.trace.capture``) and the dynamic runtime (``remat.dynamic.engine``). Each needs the
+same facts: which arguments an op writes (including writes its schema does not declare, such as
+batch norm's running statistics), which results alias an argument, whether it draws random
+numbers, which namespaces are not ops of the program at all, which generator a random op draws
+from and how to save and set that generator's state on any device, and a tensor's geometry. They
+read them here; a new mode adds facts here, never a copy of its own.
+"""
+
+from remat.aten.generators import (
+    RngState,
+    Source,
+    capture,
+    capture_all,
+    replayed,
+    restore,
+    source_of,
+    state_nbytes,
+)
+from remat.aten.schema import SKIPPED_NAMESPACES, OpFacts, facts, written_tensors
+from remat.aten.tensors import Geometry, describe, geometry, storage_of
+
+__all__ = [
+    "SKIPPED_NAMESPACES",
+    "Geometry",
+    "OpFacts",
+    "RngState",
+    "Source",
+    "capture",
+    "capture_all",
+    "describe",
+    "facts",
+    "geometry",
+    "replayed",
+    "restore",
+    "source_of",
+    "state_nbytes",
+    "storage_of",
+    "written_tensors",
+]

@@ -1,0 +1,134 @@
+"""The facts of an ATen overload that every dispatch mode reads, computed once per overload.
+
+NOTE [hidden writes] ``native_batch_norm`` and its cuDNN / MIOpen twins update ``running_mean``
+(argument 3) and ``running_var`` (argument 4) in place when ``training`` (argument 5) is true, but
+their schemas do not say so. Running such an op again would update the statistics twice (a
+long-standing problem of recomputation in PyTorch): whoever reruns one must hand it scratch copies,
+and no mode may treat it as pure.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
+"""Not ops of the program: ``record_function`` markers (``Optimizer.step`` has them) and the
+metadata queries fake tensors answer through dispatch (``prim.device``)."""
+
+# NOTE [hidden writes]: packet -> (written positions, the bool argument that gates the writes)
+_HIDDEN_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten.native_batch_norm": ((3, 4), 5),
+    "aten.cudnn_batch_norm": ((3, 4), 5),
+    "aten.miopen_batch_norm": ((3, 4), 5),
+}
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    """What an overload's schema (and NOTE [hidden writes]) say about it.
+
+    ``writes``: the arguments its schema marks as written, as (position, name).
+    ``hidden_writes``: arguments written without the schema saying so; ``write_gate`` is the
+    position of the bool argument that must be true for them to be written, or -1.
+    ``aliases``: per return, the argument (position, name) it is a view of, or None.
+    ``fresh_returns``: per return, whether it is a new tensor (not an alias of an argument).
+    ``written_returns``: per return, whether it is a written argument handed back (``add_``).
+    """
+
+    name: str
+    packet: str
+    namespace: str
+    random: bool
+    tensor_lists: frozenset[int]
+    writes: tuple[tuple[int, str], ...]
+    hidden_writes: tuple[tuple[int, str], ...]
+    write_gate: int
+    aliases: tuple[tuple[int, str] | None, ...]
+    fresh_returns: tuple[bool, ...]
+    written_returns: tuple[bool, ...]
+
+    @property
+    def skipped(self) -> bool:
+        """Not an op of the program (``SKIPPED_NAMESPACES``)."""
+        return self.namespace in SKIPPED_NAMESPACES
+
+    @property
+    def view_only(self) -> bool:
+        """Every result views an input and nothing is written: the op reads no data."""
+        return bool(self.fresh_returns) and not any(self.fresh_returns) and not self.writes
+
+    @property
+    def pure(self) -> bool:
+        """Safe to run again on the same inputs: an ATen op that writes nothing (hidden writes
+        included) and draws no random numbers."""
+        return self.namespace == "aten" and not (self.writes or self.hidden_writes or self.random)
+
+    def all_writes(self, args: Sequence[Any]) -> tuple[tuple[int, str], ...]:
+        """The declared writes, and the hidden ones where the gate in ``args`` lets them happen."""
+        if not self.hidden_writes or (self.write_gate >= 0 and not _gate(args, self.write_gate)):
+            return self.writes
+        return self.writes + self.hidden_writes
+
+
+def _gate(args: Sequence[Any], position: int) -> bool:
+    return position < len(args) and bool(args[position])
+
+
+@functools.cache
+def facts(func: torch._ops.OpOverload) -> OpFacts:
+    """The facts of ``func`` (cached per overload)."""
+    schema = func._schema
+    arguments = schema.arguments
+    alias_sets: dict[str, tuple[int, str]] = {}
+    writes: list[tuple[int, str]] = []
+    tensor_lists = set()
+    for i, arg in enumerate(arguments):
+        if isinstance(arg.type, torch._C.ListType) and "Tensor" in str(arg.type):
+            tensor_lists.add(i)
+        if arg.alias_info is not None:
+            alias_sets.update(dict.fromkeys(arg.alias_info.before_set, (i, arg.name)))
+            if arg.alias_info.is_write:
+                writes.append((i, arg.name))
+    packet = str(func._overloadpacket)
+    hidden, gate = _HIDDEN_WRITES.get(packet, ((), -1))
+    # A list return (``Tensor(a)[]``) comes without its alias set in Python: it views the one
+    # argument that is a view source.
+    sources = [i for i, a in enumerate(arguments) if a.alias_info is not None and not a.alias_info.is_write]
+    returns = schema.returns
+    aliases = tuple(
+        None
+        if r.alias_info is None
+        else alias_sets.get(next(iter(r.alias_info.before_set), ""))
+        or ((sources[0], arguments[sources[0]].name) if len(sources) == 1 else None)
+        for r in returns
+    )
+    return OpFacts(
+        name=str(func),
+        packet=packet,
+        namespace=func.namespace,
+        random=torch.Tag.nondeterministic_seeded in func.tags,
+        tensor_lists=frozenset(tensor_lists),
+        writes=tuple(writes),
+        hidden_writes=tuple((i, arguments[i].name) for i in hidden if i < len(arguments)),
+        write_gate=gate,
+        aliases=aliases,
+        fresh_returns=tuple(r.alias_info is None for r in returns),
+        written_returns=tuple(r.alias_info is not None and r.alias_info.is_write for r in returns),
+    )
+
+
+def written_tensors(
+    written: Sequence[tuple[int, str]], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors at the argument places ``written`` (lists of tensors flattened)."""
+    found: list[torch.Tensor] = []
+    for i, name in written:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        found.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return found

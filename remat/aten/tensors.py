@@ -1,0 +1,29 @@
+"""A tensor's place in its storage, as the dispatch modes key and describe tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Geometry = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
+"""(storage offset, shape, stride, dtype): what tells two tensors on one storage apart."""
+
+
+def geometry(t: torch.Tensor) -> Geometry:
+    return int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage, or None where it has no single one (sparse and nested tensors)."""
+    if t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def describe(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    """``float32[4, 8]``: how errors name a tensor."""
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
