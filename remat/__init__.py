@@ -9,13 +9,13 @@ evicting and recomputing online. ``remat.memory`` measures what it all costs.
 
 from remat import memory, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
-from remat.checkpoint import checkpoint
 from remat.dynamic import dynamic
+from remat.manual.checkpoint import checkpoint
+from remat.manual.scope import scope
+from remat.manual.sequential import checkpoint_sequential
 from remat.planner.api import plan
 from remat.planner.plan import Plan
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
-from remat.scope import scope
-from remat.sequential import checkpoint_sequential
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat import _allocator
+from remat import _allocator, aten
 from remat._allocator import AllocatorSample
 from remat._errors import RematRuntimeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
@@ -87,10 +87,6 @@ def _clock(tracker: MemoryTracker) -> Iterator[None]:
         tracker.end_ns = time.time_ns()
 
 
-def _alias_returns(func: Any) -> tuple[bool, ...]:
-    return tuple(ret.alias_info is not None for ret in func._schema.returns)
-
-
 class _StorageCounter(TorchDispatchMode):
     """Counts each new storage on ``device`` once, until it dies."""
 
@@ -99,7 +95,6 @@ class _StorageCounter(TorchDispatchMode):
         self.tracker = tracker
         self.keep_timeline = timeline
         self.live: dict[int, int] = {}
-        self.alias_cache: dict[Any, tuple[bool, ...]] = {}
         self.on_cuda = tracker.device.type == "cuda"
         self.base = cuda_base
 
@@ -126,12 +121,10 @@ class _StorageCounter(TorchDispatchMode):
             tracker.current_bytes = torch.cuda.memory_allocated(tracker.device) - self.base
             tracker.peak_bytes = torch.cuda.max_memory_allocated(tracker.device) - self.base
         else:
-            aliases = self.alias_cache.get(func)
-            if aliases is None:
-                aliases = self.alias_cache[func] = _alias_returns(func)
+            fresh = aten.facts(func).fresh_returns
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for i, o in enumerate(outs):
-                if isinstance(o, torch.Tensor) and not (i < len(aliases) and aliases[i]):
+                if isinstance(o, torch.Tensor) and (i >= len(fresh) or fresh[i]):
                     self._count(o)
             tracker.peak_bytes = max(tracker.peak_bytes, tracker.current_bytes)
         if self.keep_timeline:

@@ -83,7 +83,7 @@ def test_checkpoint_sequential_matches_plain(segments: int | str) -> None:
 
 
 def test_segment_bounds() -> None:
-    from remat.sequential import segment_bounds
+    from remat.manual.sequential import segment_bounds
 
     assert segment_bounds(9, "sqrt") == [(0, 3), (3, 6), (6, 9)]
     assert segment_bounds(5, 2) == [(0, 3), (3, 5)]

@@ -1,4 +1,4 @@
-"""Compiled replay (``replay="compiled"``, ``remat._fused``): runs of deterministic recorded ops
+"""Compiled replay (``replay="compiled"``, ``remat.manual.fused``): runs of deterministic recorded ops
 replay through one compiled graph each, random ops and writes into foreign tensors op by op, and
 the result equals the plain model up to floating-point rounding, with the RNG stream exact."""
 
@@ -16,12 +16,14 @@ from torch import nn
 
 import remat
 from remat import RematValueError
-from remat._fused import _reads, _runs, _structure, compiled_steps
-from remat._replay import Recorder, Tape, replay
+from remat.manual.fused import compiled_steps
+from remat.manual.fused_graph import fusable_runs, reads, structure
+from remat.manual.replay import replay
+from remat.manual.tape import Recorder, Tape
 from remat.planner import plan_trace, trace_step
 from remat.policy import RecomputeAll
 
-fused = importlib.import_module("remat._fused")
+fused = importlib.import_module("remat.manual.fused")
 # a run that falls back to eager replay warns: here that is a failure, except where a test wants it
 pytestmark = pytest.mark.filterwarnings("error:remat. a run of:RuntimeWarning")
 
@@ -45,8 +47,8 @@ def _block(x: torch.Tensor, w: torch.Tensor, running: torch.Tensor) -> torch.Ten
 def test_runs_are_cut_at_random_ops_and_writes_into_foreign_tensors() -> None:
     x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
     tape, out = _tape(_block, x, w, running)
-    plan = tape.plan([tape.lookup(out)], ())
-    runs = [(is_fused, [str(s.node.func) for s in run]) for is_fused, run in _runs(plan.steps)]
+    plan = tape.slice([tape.lookup(out)], ())
+    runs = [(is_fused, [str(s.node.func) for s in run]) for is_fused, run in fusable_runs(plan.steps)]
     # dropout without grad: empty_like, bernoulli_ (random) and div_ (writes what bernoulli_ made)
     assert runs == [
         (
@@ -83,7 +85,7 @@ def test_compiled_replay_equals_eager_replay_and_compiles_each_structure_once(
     x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
     torch.manual_seed(0)
     tape, out = _tape(_block, x, w, running)
-    plan = tape.plan([tape.lookup(out)], ())
+    plan = tape.slice([tape.lookup(out)], ())
     eager = replay(plan)
     for _ in range(2):
         compiled = replay(plan, compiled_steps)
@@ -156,7 +158,7 @@ def test_a_run_that_fails_to_compile_replays_eagerly_with_a_warning(monkeypatch:
     monkeypatch.setattr(fused.torch, "compile", broken)
     x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
     tape, out = _tape(_block, x, w, running)
-    plan = tape.plan([tape.lookup(out)], ())
+    plan = tape.slice([tape.lookup(out)], ())
     with pytest.warns(
         RuntimeWarning, match=r"replays op by op, not compiled \(compilation failed: .*no compiler here"
     ):
@@ -185,7 +187,7 @@ def test_constants_of_another_type_or_sign_are_another_structure(monkeypatch: py
     results = []
     for scalar in (1, 1.0, True, 0.0, -0.0):
         tape, out = _tape(lambda t, s=scalar: torch.div(t.mul(s), 1.0).add(s), x)
-        results.append(replay(tape.plan([tape.lookup(out)], ()), compiled_steps)[tape.lookup(out)])
+        results.append(replay(tape.slice([tape.lookup(out)], ()), compiled_steps)[tape.lookup(out)])
         torch.testing.assert_close(results[-1], out, equal_nan=True)
         assert results[-1].dtype == out.dtype
     assert len(fused._compiled) == 5
@@ -245,7 +247,7 @@ def test_a_run_whose_compiled_values_differ_replays_eagerly(monkeypatch: pytest.
     monkeypatch.setattr(fused.torch, "compile", off_by_one)
     x, w, running = torch.randn(4, 6), torch.randn(6, 3), torch.zeros(3)
     tape, out = _tape(_block, x, w, running)
-    plan = tape.plan([tape.lookup(out)], ())
+    plan = tape.slice([tape.lookup(out)], ())
     with pytest.warns(RuntimeWarning, match=r"not compiled \(compiled values of float32\[4, [36]\] differ"):
         compiled = replay(plan, compiled_steps)
     torch.testing.assert_close(compiled, replay(plan), rtol=0, atol=0)
@@ -293,9 +295,9 @@ def test_equal_programs_on_other_value_ids_are_one_structure() -> None:
             return _block(x, w, running)
 
         tape, out = _tape(shifted, x, w, torch.zeros(3))
-        plan = tape.plan([tape.lookup(out)], ())
-        run = [run for is_fused, run in _runs(plan.steps) if is_fused][-1]
-        inputs, made = _reads(run)
+        plan = tape.slice([tape.lookup(out)], ())
+        run = [run for is_fused, run in fusable_runs(plan.steps) if is_fused][-1]
+        inputs, made = reads(run)
         assert made == sorted(made), "made in program order"
-        keys.append(_structure(run, inputs, made))
+        keys.append(structure(run, inputs, made))
     assert all(key == keys[0] for key in keys)

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import remat
 from remat._errors import RecomputationError, RematTypeError
+from remat.manual.scope import scope
 from remat.policy import Policy, RecomputeAll, SaveComputeIntensive, SaveOps
-from remat.scope import scope
 
 transformers.logging.set_verbosity_error()
 
@@ -443,7 +443,7 @@ def test_frozen_parameters_and_input() -> None:
 
 
 def test_backward_twice_with_retain_graph_replays_once_per_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = importlib.import_module("remat.scope")
+    module = importlib.import_module("remat.manual.scope")
     replays = []
     real = module.replay
     monkeypatch.setattr(module, "replay", lambda plan, *rest: replays.append(plan) or real(plan, *rest))
@@ -463,7 +463,7 @@ def test_backward_twice_with_retain_graph_replays_once_per_backward(monkeypatch:
 def test_views_of_kept_and_outside_tensors_are_kept_not_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
     """mm saves the transposed views ``h.t()`` and ``w.t()``: the policy keeps ``h`` and ``w`` is
     from outside, so their views cost no memory and backward has nothing to replay."""
-    module = importlib.import_module("remat.scope")
+    module = importlib.import_module("remat.manual.scope")
     replays = []
     real = module.replay
     monkeypatch.setattr(module, "replay", lambda plan, *rest: replays.append(plan) or real(plan, *rest))

@@ -19,7 +19,7 @@ from remat.aten.generators import (
     source_of,
     state_nbytes,
 )
-from remat.aten.schema import SKIPPED_NAMESPACES, OpFacts, facts, written_tensors
+from remat.aten.schema import SKIPPED_NAMESPACES, OpFacts, facts, writes_hidden, written_tensors
 from remat.aten.tensors import Geometry, describe, geometry, storage_of
 
 __all__ = [
@@ -38,5 +38,6 @@ __all__ = [
     "source_of",
     "state_nbytes",
     "storage_of",
+    "writes_hidden",
     "written_tensors",
 ]

@@ -123,6 +123,12 @@ def facts(func: torch._ops.OpOverload) -> OpFacts:
     )
 
 
+def writes_hidden(name: str) -> bool:
+    """Whether the op named ``name`` (``aten.native_batch_norm.default``, as a trace names it)
+    writes arguments its schema does not declare (NOTE [hidden writes])."""
+    return name.rsplit(".", 1)[0] in _HIDDEN_WRITES
+
+
 def written_tensors(
     written: Sequence[tuple[int, str]], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> list[torch.Tensor]:

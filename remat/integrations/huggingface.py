@@ -17,14 +17,16 @@ from typing import Any, Literal
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._fused import Replay, executor
-from remat.checkpoint import Check, run
+from remat.manual.checkpoint import Check, run
+from remat.manual.fused import ReplayMode, executor
 from remat.policy import Policy
 
 Form = Literal["checkpoint", "scope"]
 
 
-def _checkpoint_func(form: Form, policy: Policy | None, check: Check, replay: Replay) -> Callable[..., Any]:
+def _checkpoint_func(
+    form: Form, policy: Policy | None, check: Check, replay: ReplayMode
+) -> Callable[..., Any]:
     if form == "checkpoint":
 
         def remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -32,7 +34,7 @@ def _checkpoint_func(form: Form, policy: Policy | None, check: Check, replay: Re
 
         return remat_checkpoint
 
-    from remat.scope import scope
+    from remat.manual.scope import scope
 
     def remat_scope(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with scope(policy=policy, replay=replay):
@@ -47,7 +49,7 @@ def enable(
     policy: Policy | None = None,
     check: Check = "shapes",
     every_n_layers: int = 1,
-    replay: Replay = "eager",
+    replay: ReplayMode = "eager",
 ) -> nn.Module:
     """Turn on ``model``'s gradient checkpointing, executed by remat. Returns the model.
 

@@ -4,7 +4,7 @@ Why not wrap modules in checkpoints: a plan's regions are runs of ops, and a blo
 trace (the ops a module issued) need not be a function anyone can call again: the residual add
 between two blocks belongs to their parent. So the executor works at the op level, with the
 machinery of ``remat.scope``: one dispatch mode counts the forward's ops, compares each with the
-traced one, and at a region's first op starts a tape (``remat._replay``) and the saved-tensor hooks
+traced one, and at a region's first op starts a tape (``remat.manual.tape``) and the saved-tensor hooks
 of a scope region; right after the region's last op it stops them (NOTE [region end]). Inside a
 region the tape's policy is switched per op: SAVE for the op positions the plan keeps, RECOMPUTE
 for the rest. In backward the region replays, as a scope does, just before the first op that
@@ -37,17 +37,18 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from remat import aten
 from remat._errors import RecomputationError, RematTypeError, message
-from remat._fused import Replay, executor
-from remat._replay import Executor, Tape
+from remat.manual.fused import ReplayMode, executor
+from remat.manual.replay import Executor
+from remat.manual.scope import TapedRegion
+from remat.manual.tape import Tape
 from remat.planner.plan import Plan, Region
 from remat.policy import Decision, OpContext, RecomputeAll
-from remat.scope import _Region
 
 __all__ = ["UNCOUNTED", "apply"]
 
 # Not ops of the program (as in the trace capture): profiler markers and metadata queries.
-_SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
 # NOTE [uncounted ops] Autograd itself issues ``detach`` when it saves an op's output with no
 # saved-tensor hooks installed, so how many there are depends on the hooks around the op (the
 # capture installs one everywhere, the executor only inside regions). They make no memory and are
@@ -79,7 +80,7 @@ class _Runner(TorchDispatchMode):
         self.active = False
         self.open: Region | None = None
         self.tape: Tape | None = None
-        self.region: _Region | None = None
+        self.region: TapedRegion | None = None
         self.top = type(model).__name__
         self.names = {m: name or self.top for name, m in model.named_modules()}
         self.pushed = False
@@ -90,7 +91,7 @@ class _Runner(TorchDispatchMode):
 
     def _start(self, region: Region) -> None:
         self.tape = Tape(_RECOMPUTE)
-        self.region = _Region(self.tape, self.execute)
+        self.region = TapedRegion(self.tape, self.execute)
         self.open = region
         torch._C._autograd._push_saved_tensors_default_hooks(self.region.pack, self.region.unpack)
 
@@ -171,7 +172,7 @@ class _Runner(TorchDispatchMode):
         kwargs = kwargs or {}
         name = self.op_names.get(func)
         if name is None:
-            name = self.op_names[func] = "" if func.namespace in _SKIPPED_NAMESPACES else str(func)
+            name = self.op_names[func] = "" if aten.facts(func).skipped else str(func)
         if not name or not self.active or torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
         if name in UNCOUNTED:
@@ -196,7 +197,7 @@ class _Runner(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def apply(plan: Plan, model: nn.Module, replay: Replay = "eager") -> Iterator[None]:
+def apply(plan: Plan, model: nn.Module, replay: ReplayMode = "eager") -> Iterator[None]:
     """See ``Plan.apply``."""
     execute = executor("plan.apply", replay)
     if not isinstance(model, nn.Module):

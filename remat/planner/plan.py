@@ -24,8 +24,8 @@ from typing import Any
 from torch import nn
 
 from remat._errors import RematValueError, message
-from remat._fused import Replay
 from remat._units import format_bytes
+from remat.manual.fused import ReplayMode
 from remat.planner.problem import Action
 
 __all__ = ["FORMAT", "Plan", "Region", "TensorDecision"]
@@ -139,7 +139,7 @@ class Plan:
 
     # -- running it ---------------------------------------------------------------------------
 
-    def apply(self, model: nn.Module, replay: Replay = "eager") -> AbstractContextManager[None]:
+    def apply(self, model: nn.Module, replay: ReplayMode = "eager") -> AbstractContextManager[None]:
         """``with plan.apply(model): loss = loss_fn(model, *inputs)``: run the model's forward
         under the plan (backward may run inside or after the block). Each forward is checked op by
         op against the traced step; a model that takes another path raises RecomputationError

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remat._replay import _UNANNOTATED_WRITES
+from remat import aten
 from remat.trace.types import Op, Phase, Trace
 
 __all__ = ["Prediction", "RegionOps", "predict"]
@@ -84,11 +84,11 @@ class Prediction:
 def _writes(op: Op) -> tuple[int, ...]:
     """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
     the running statistics its schema does not declare (its last two tensor inputs when it has
-    three or more: ``remat._replay`` snapshots both kinds when an op of a region writes them). The
+    three or more: ``remat.manual.tape`` snapshots both kinds when an op of a region writes them). The
     trace does not say whether batch norm ran in training mode or tracks running statistics, so a
     frozen one (or one without statistics) is counted with a snapshot it does not take: an
     overestimate of two vectors of its channels."""
-    hidden = op.name.rsplit(".", 1)[0] in _UNANNOTATED_WRITES and len(op.inputs) >= 3
+    hidden = aten.writes_hidden(op.name) and len(op.inputs) >= 3
     return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
 
 
@@ -279,7 +279,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
         for op in ops:
             for t in op.inputs:
                 last_use[root[t]] = op.index
-        # the replay saves the generator's state and restores it after (``remat._replay``)
+        # the replay saves the generator's state and restores it after (``remat.manual.replay``)
         transient: dict[int, int] = {-1: rng_bytes if any(op.random for op in ops) else 0}
         name = names[g] if g < len(names) else f"region {g}"
         for op in ops:

@@ -7,7 +7,7 @@ again from its inputs and the handles are filled in; the original autograd graph
 recomputed tensors. Differences from torch's version, each a bug report there:
 
 - module buffers (batch-norm running statistics, ``num_batches_tracked``) are updated once, by the
-  forward pass only (see ``remat._buffers``);
+  forward pass only (see ``remat.manual.buffers``);
 - the RNG of the CPU and of every CUDA device is replayed, and the caller's stream is left where
   it was; autocast settings are replayed;
 - ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them;
@@ -32,11 +32,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from remat import _state
-from remat._buffers import buffers_shielded
-from remat._checks import Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat import aten
 from remat._errors import RecomputationError, RematTypeError, RematValueError, message
-from remat._selective import Recording, Replaying, SaveCache
+from remat.manual import autocast
+from remat.manual.buffers import buffers_shielded
+from remat.manual.checks import Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.policy import Policy, RecomputeAll
 
 __all__ = ["checkpoint"]
@@ -96,8 +97,8 @@ class _Frame:
         self.saver = _SaveInputs.apply(anchor, *tensors) if tensors else None
         for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
             flat[i] = None
-        self.rng = _state.capture_rng()
-        self.autocast = _state.capture_autocast()
+        self.rng = aten.capture_all()
+        self.autocast = autocast.capture_autocast()
         self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
         self.metas: list[TensorMeta] = []
         self.prints: list[torch.Tensor] = []
@@ -154,8 +155,8 @@ class _Frame:
         replay = Replaying(self.cache, "checkpoint") if self.cache is not None else None
         try:
             with (
-                _state.rng_replayed(self.rng),
-                _state.autocast_replayed(self.autocast),
+                aten.replayed(self.rng),
+                autocast.autocast_replayed(self.autocast),
                 buffers_shielded(),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat.checkpoint import Check, checkpoint
+from remat.manual.checkpoint import Check, checkpoint
 from remat.policy import Policy
 
 __all__ = ["checkpoint_sequential", "segment_bounds"]

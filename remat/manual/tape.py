@@ -23,77 +23,21 @@ NOTE [aliasing]
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat import aten
 from remat._errors import RecomputationError, message
+from remat.aten import OpFacts, RngState, describe
 from remat.policy import Decision, OpContext, Policy
 
 EXTERNAL = -1
 """The producer of a value that no recorded op produced."""
-
-# native_batch_norm and its cuDNN / MIOpen twins update running_mean (argument 3) and running_var
-# (argument 4) in place when training (argument 5) is true, but their schemas do not say so.
-_UNANNOTATED_WRITES = frozenset({"aten.native_batch_norm", "aten.cudnn_batch_norm", "aten.miopen_batch_norm"})
-
-
-class OpInfo(NamedTuple):
-    """What the tape needs from an overload's schema, computed once per overload."""
-
-    name: str
-    packet: str
-    random: bool
-    tensor_lists: frozenset[int]
-    writes: tuple[tuple[int, str], ...]
-    write_gate: int
-    aliases: tuple[tuple[int, str] | None, ...]
-
-
-@functools.cache
-def op_info(func: torch._ops.OpOverload) -> OpInfo:
-    """Written arguments (position, name), the argument each return is a view of, and whether the
-    op draws random numbers. ``write_gate`` names a bool argument that must be true for the writes
-    to happen, or is -1."""
-    arguments = func._schema.arguments
-    alias_sets: dict[str, tuple[int, str]] = {}
-    writes: list[tuple[int, str]] = []
-    tensor_lists = set()
-    for i, arg in enumerate(arguments):
-        if isinstance(arg.type, torch._C.ListType) and "Tensor" in str(arg.type):
-            tensor_lists.add(i)
-        if arg.alias_info is not None:
-            alias_sets.update(dict.fromkeys(arg.alias_info.before_set, (i, arg.name)))
-            if arg.alias_info.is_write:
-                writes.append((i, arg.name))
-    packet = str(func._overloadpacket)
-    gate = -1
-    if packet in _UNANNOTATED_WRITES:
-        writes, gate = [(3, arguments[3].name), (4, arguments[4].name)], 5
-    # A list return (``Tensor(a)[]``) comes without its alias set in Python: it views the one
-    # argument that is a view source.
-    sources = [i for i, a in enumerate(arguments) if a.alias_info is not None and not a.alias_info.is_write]
-    aliases = tuple(
-        None
-        if r.alias_info is None
-        else alias_sets.get(next(iter(r.alias_info.before_set), ""))
-        or ((sources[0], arguments[sources[0]].name) if len(sources) == 1 else None)
-        for r in func._schema.returns
-    )
-    return OpInfo(
-        name=str(func),
-        packet=packet,
-        random=torch.Tag.nondeterministic_seeded in func.tags,
-        tensor_lists=frozenset(tensor_lists),
-        writes=tuple(writes),
-        write_gate=gate,
-        aliases=aliases,
-    )
 
 
 class Ref(NamedTuple):
@@ -115,14 +59,6 @@ class Write(NamedTuple):
     item: int
     vid: int
     clone: bool
-
-
-class RngState(NamedTuple):
-    """The generator a random op drew from (a device's default one, or an explicit one) and its
-    state just before the op ran."""
-
-    source: torch.Generator | torch.device
-    state: torch.Tensor
 
 
 class Node(NamedTuple):
@@ -147,46 +83,14 @@ class Step(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The slice of a tape that recomputes ``targets``, the kept tensors it reads (with the version
-    each had when the tape took it) and the generators whose state it sets."""
+class Slice:
+    """The part of a tape that recomputes ``targets``: its steps, the kept tensors it reads (with
+    the version each had when the tape took it) and the generators whose state it sets."""
 
     steps: tuple[Step, ...]
     kept: dict[int, tuple[torch.Tensor, int]]
     rng_sources: tuple[torch.Generator | torch.device, ...]
     targets: frozenset[int]
-
-
-def _get_rng(source: torch.Generator | torch.device) -> torch.Tensor:
-    if isinstance(source, torch.Generator):
-        return source.get_state()
-    if source.type == "cpu":
-        return torch.get_rng_state()
-    return torch.get_device_module(source.type).get_rng_state(source)
-
-
-def _set_rng(source: torch.Generator | torch.device, state: torch.Tensor) -> None:
-    if isinstance(source, torch.Generator):
-        source.set_state(state)
-    elif source.type == "cpu":
-        torch.set_rng_state(state)
-    else:
-        torch.get_device_module(source.type).set_rng_state(state, source)
-
-
-def _rng_source(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | torch.device:
-    generator = kwargs.get("generator")
-    if generator is not None:
-        return generator
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device
-    return torch.device(kwargs.get("device") or "cpu")
-
-
-def describe(dtype: torch.dtype, shape: Sequence[int]) -> str:
-    """``float32[4, 8]``: how errors name a tensor."""
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 def stale_view_error(view: torch.Tensor) -> RecomputationError:
@@ -248,14 +152,16 @@ class Tape:
         return Seq(self._read(b, reads, after) if isinstance(b, torch.Tensor) else b for b in a)
 
     def _written(
-        self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        info: OpFacts,
+        writes: tuple[tuple[int, str], ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> list[tuple[torch.Tensor, int | str, int, torch.Tensor | None]]:
-        """The tensors the op is about to write, each with its place in the arguments and, for an
-        external, a snapshot of its value before the write."""
+        """The tensors the op is about to write (``writes``, hidden ones included), each with its
+        place in the arguments and, for an external, a snapshot of its value before the write."""
         found: list[tuple[torch.Tensor, int | str, int, torch.Tensor | None]] = []
-        if info.write_gate >= 0 and not args[info.write_gate]:
-            return found
-        for pos, name in info.writes:
+        for pos, name in writes:
             key: int | str = pos if pos < len(args) else name
             value = args[pos] if isinstance(key, int) else kwargs.get(name)
             items = [(-1, value)] if isinstance(value, torch.Tensor) else enumerate(value or ())
@@ -317,7 +223,7 @@ class Tape:
 
     def record(self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one op and append it to the tape."""
-        info = op_info(func)
+        info = aten.facts(func)
         reads: list[int] = []
         after: list[int] = []
         targs = tuple(
@@ -338,11 +244,9 @@ class Tape:
             else v
             for k, v in kwargs.items()
         }
-        written = self._written(info, args, kwargs) if info.writes else []
-        rng = None
-        if info.random:
-            source = _rng_source(args, kwargs)
-            rng = RngState(source, _get_rng(source))
+        writes = info.all_writes(args)
+        written = self._written(info, writes, args, kwargs) if writes else []
+        rng = aten.capture((aten.source_of(args, kwargs),)) if info.random else None
 
         out = func(*args, **kwargs)
 
@@ -360,7 +264,7 @@ class Tape:
         self.nodes.append(Node(func, targs, tkwargs, outs, tuple(reads), writes, tuple(after), rng))
         return out
 
-    def _decide(self, info: OpInfo, owned: list[tuple[int, torch.Tensor]]) -> None:
+    def _decide(self, info: OpFacts, owned: list[tuple[int, torch.Tensor]]) -> None:
         """Ask the policy about the op's new, non-view outputs. Views are always recomputed: they
         own no memory, and replaying them is free."""
         ctx = OpContext(
@@ -371,7 +275,7 @@ class Tape:
                 self.kept[vid] = (t, t._version)
                 self._saved_in_group.setdefault(vid, []).append(vid)
 
-    def plan(self, targets: Iterable[int], also: Iterable[int]) -> Plan:
+    def slice(self, targets: Iterable[int], also: Iterable[int]) -> Slice:
         """The steps that recompute ``targets`` (value ids) after running the nodes ``also``."""
         wanted = frozenset(targets)
         producer, kept = self.producer, self.kept
@@ -400,8 +304,8 @@ class Tape:
         for vid, s in last.items():
             if vid >= 0 and vid not in wanted and vid not in kept:
                 frees[s].append(vid)
-        sources = {node.rng.source: None for node in chosen if node.rng is not None}
-        return Plan(
+        sources = {source: None for node in chosen if node.rng is not None for source in node.rng.sources}
+        return Slice(
             steps=tuple(Step(node, tuple(free)) for node, free in zip(chosen, frees, strict=True)),
             kept={vid: kept[vid] for node in chosen for vid in node.reads if vid in kept},
             rng_sources=tuple(sources),
@@ -424,74 +328,3 @@ class Recorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         return self.tape.record(func, args, kwargs or {})
-
-
-def _load(a: Any, env: dict[int, torch.Tensor]) -> Any:
-    if type(a) is Ref:
-        return env[a.vid]
-    if type(a) is Seq:
-        return [env[b.vid] if type(b) is Ref else b for b in a]
-    return a
-
-
-def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
-    """Run one recorded op over ``env`` (value id -> tensor) and bind what it makes."""
-    args = [_load(a, env) for a in node.args]
-    kwargs = {k: _load(v, env) for k, v in node.kwargs.items()}
-    written: list[torch.Tensor] = []
-    for w in node.writes:
-        box: Any = args if isinstance(w.key, int) else kwargs
-        holder, slot = (box, w.key) if w.item < 0 else (box[w.key], w.item)
-        if w.clone:
-            holder[slot] = holder[slot].clone()
-        written.append(holder[slot])
-    if node.rng is not None:
-        _set_rng(*node.rng)
-    out = node.func(*args, **kwargs)
-    if isinstance(node.outs, int):
-        if node.outs >= 0:
-            env[node.outs] = out
-    else:
-        for vid, o in zip(node.outs, out, strict=True):
-            if vid >= 0:
-                env[vid] = o
-    for w, t in zip(node.writes, written, strict=True):
-        env[w.vid] = t
-
-
-def eager_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
-    """Run the plan's steps op by op over ``env``, dropping each value after its last read."""
-    for node, free in plan.steps:
-        run_step(node, env)
-        for vid in free:
-            env.pop(vid, None)
-
-
-Executor = Callable[[Plan, dict[int, torch.Tensor]], None]
-"""How a replay runs a plan's steps: ``eager_steps``, or ``remat._fused.compiled_steps``."""
-
-
-def replay(plan: Plan, execute: Executor = eager_steps) -> dict[int, torch.Tensor]:
-    """Run the plan's steps without autograd or autocast (the tape already holds the casts) and
-    return its targets. Random ops draw from the state they drew from in forward; the caller's
-    generator states are restored afterwards."""
-    env: dict[int, torch.Tensor] = {}
-    for vid, (t, version) in plan.kept.items():
-        if t._version != version:
-            raise RecomputationError(
-                message(
-                    "scope",
-                    "a tensor the region read was modified in place before backward recomputed from it",
-                    f"{describe(t.dtype, t.shape)} at version {t._version}, read at version {version}",
-                    "clone it before modifying it, or modify it after backward",
-                )
-            )
-        env[vid] = t
-    outer = [(source, _get_rng(source)) for source in plan.rng_sources]
-    try:
-        with torch.no_grad(), torch._C._DisableAutocast():
-            execute(plan, env)
-    finally:
-        for source, state in outer:
-            _set_rng(source, state)
-    return {vid: env[vid] for vid in plan.targets}

@@ -1,6 +1,6 @@
 """Replay a tape slice with its runs of deterministic ops compiled into fused kernels.
 
-Eager replay (``remat._replay.replay``) runs every recorded op as its own kernel: recomputing
+Eager replay (``remat.manual.replay``) runs every recorded op as its own kernel: recomputing
 GPT-2's tanh GELU is eight passes over a [batch, seq, 3072] tensor, a batch norm and its ReLU are
 two, each reading and writing memory. ``torch.compile`` fuses such runs into one loop, which is how
 its own activation-memory budget recomputes almost for free. ``compiled_steps`` gives replay that
@@ -40,33 +40,22 @@ Values are Inductor's: equal to eager up to floating-point reassociation, not bi
 
 from __future__ import annotations
 
-import operator
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from torch import fx
 
 from remat._errors import RematValueError, message
-from remat._replay import (
-    Executor,
-    Node,
-    Plan,
-    Ref,
-    Seq,
-    Step,
-    Write,
-    describe,
-    eager_steps,
-    op_info,
-    run_step,
-)
+from remat.aten import describe
+from remat.manual.fused_graph import arg_refs, build_graph, fusable_runs, reads, storages_written, structure
+from remat.manual.replay import Executor, eager_steps, run_step
+from remat.manual.tape import Slice, Step
 
-__all__ = ["Replay", "compiled_steps", "executor"]
+__all__ = ["ReplayMode", "compiled_steps", "executor"]
 
-Replay = Literal["eager", "compiled"]
+ReplayMode = Literal["eager", "compiled"]
 """How a region's ops replay in backward: op by op, or with fusable runs compiled."""
 
 _Key = tuple[Any, ...]
@@ -79,7 +68,6 @@ _lock = threading.Lock()
 # rtol, atol of the first-call comparison with eager, by dtype (fused kernels round differently)
 _TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
 _DEFAULT_TOLERANCE = (1e-3, 1e-5)
-_VIEW = torch.ops.aten.view.default
 _EMPTY = frozenset(
     {
         torch.ops.aten.empty,
@@ -92,196 +80,11 @@ _EMPTY = frozenset(
 )
 
 
-def _arg(node: Node, position: int, name: str) -> Any:
-    """An argument of a recorded op, by schema position (or by name where passed as keyword)."""
-    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
-
-
-def _written_arg(node: Node, w: Write) -> Any:
-    """The recorded argument (a ``Ref``) a write goes into."""
-    arg = node.args[w.key] if isinstance(w.key, int) else node.kwargs.get(w.key)
-    return arg if w.item < 0 or arg is None else arg[w.item]
-
-
-def _fusable(step: Step, owned: set[int]) -> bool:
-    """Whether the step can join a run whose own (non-input) storages are ``owned``."""
-    node = step.node
-    if node.rng is not None:
-        return False
-    for w in node.writes:
-        if w.clone:
-            continue
-        target = _written_arg(node, w)
-        if type(target) is not Ref or target.vid not in owned:
-            return False
-    return True
-
-
-def _made(node: Node) -> list[tuple[int, Any]]:
-    """The tensors the op returns (value ids), each with the argument it is a view of (a ``Ref``),
-    or None for a fresh tensor."""
-    info = op_info(node.func)
-    outs = (node.outs,) if isinstance(node.outs, int) else node.outs
-    aliases = info.aliases if len(info.aliases) == len(outs) else info.aliases[:1] * len(outs)
-    return [
-        (vid, None if alias is None else _arg(node, *alias))
-        for vid, alias in zip(outs, aliases, strict=True)
-        if vid >= 0
-    ]
-
-
-def _own(step: Step, owned: set[int]) -> None:
-    """Add the storages the step's outputs own: fresh tensors, and views of owned ones."""
-    for vid, base in _made(step.node):
-        if base is None or (type(base) is Ref and base.vid in owned):
-            owned.add(vid)
-    for w in step.node.writes:
-        owned.add(w.vid)
-
-
-def _runs(steps: Sequence[Step]) -> list[tuple[bool, list[Step]]]:
-    """The steps cut into maximal fusable runs (True) and the eager steps between them (False)."""
-    runs: list[tuple[bool, list[Step]]] = []
-    current: list[Step] = []
-    owned: set[int] = set()
-    for step in steps:
-        if _fusable(step, owned):
-            current.append(step)
-            _own(step, owned)
-            continue
-        if current:
-            runs.append((True, current))
-        current, owned = [], set()
-        runs.append((False, [step]))
-    if current:
-        runs.append((True, current))
-    return [(fused and len(run) > 1, run) for fused, run in runs]
-
-
-def _arg_refs(a: Any) -> list[int]:
-    if type(a) is Ref:
-        return [a.vid]
-    if type(a) is Seq:
-        return [b.vid for b in a if type(b) is Ref]
-    return []
-
-
-def _reads(run: Sequence[Step]) -> tuple[list[int], list[int]]:
-    """The value ids the run reads from before it and those it makes, in program order (so that
-    equal programs on other value ids give equal structures)."""
-    made: dict[int, None] = {}
-    inputs: dict[int, None] = {}
-    for step in run:
-        node = step.node
-        for a in (*node.args, *node.kwargs.values()):
-            for vid in _arg_refs(a):
-                if vid not in made:
-                    inputs[vid] = None
-        outs = (node.outs,) if isinstance(node.outs, int) else node.outs
-        made.update(dict.fromkeys(v for v in outs if v >= 0))
-        made.update(dict.fromkeys(w.vid for w in node.writes))
-    return list(inputs), list(made)
-
-
-def _structure(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -> tuple[Any, ...]:
-    """The run's ops over value ids renumbered from 0 (inputs first): equal for equal programs."""
-    local: dict[int, int] = {vid: i for i, vid in enumerate(inputs)}
-
-    def norm(a: Any) -> Any:
-        if type(a) is Ref:
-            return ("ref", local.setdefault(a.vid, len(local)))
-        if type(a) is Seq or isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(norm(b) for b in a))
-        if isinstance(a, float):  # -0.0 == 0.0 and nan != nan; 1 == 1.0 == True with other dtypes
-            return ("float", a.hex())
-        return (type(a).__name__, a)
-
-    ops = []
-    for step in run:
-        node = step.node
-        args = tuple(norm(a) for a in node.args)
-        kwargs = tuple(sorted((k, norm(v)) for k, v in node.kwargs.items()))
-        outs = (node.outs,) if isinstance(node.outs, int) else node.outs
-        outs_local = tuple(local.setdefault(v, len(local)) if v >= 0 else -1 for v in outs)
-        writes = tuple((w.key, w.item, w.clone, local.setdefault(w.vid, len(local))) for w in node.writes)
-        ops.append((node.func, args, kwargs, outs_local, isinstance(node.outs, int), writes))
-    return (tuple(ops), tuple(local[v] for v in outputs))
-
-
-def _written_storages(run: Sequence[Step]) -> tuple[dict[int, int], set[int]]:
-    """Each value id the run reads or makes -> the value owning its storage (a view's base's), and
-    the storages written in place (not counting writes into clones)."""
-    root: dict[int, int] = {}
-    written: set[int] = set()
-    for step in run:
-        node = step.node
-        for vid, base in _made(node):
-            root[vid] = root.get(base.vid, base.vid) if type(base) is Ref else vid
-        for w in node.writes:
-            if w.clone:
-                root[w.vid] = w.vid
-                continue
-            target = _written_arg(node, w)
-            if type(target) is Ref:
-                written.add(root.get(target.vid, target.vid))
-                root[w.vid] = root.get(target.vid, target.vid)
-    return root, written
-
-
-def _graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]) -> fx.GraphModule:
-    """The run as an FX graph over the recorded overloads: ``f(*inputs) -> tuple(outputs)``.
-
-    NOTE [view as reshape] Compilation traces the graph with fake tensors, whose strides follow
-    the meta kernels, and those need not be eager's: eager ``cat`` on CPU returns a contiguous
-    tensor where the meta kernel keeps its inputs' permuted layout, and a ``view`` that eager
-    could take (GPT-2's attention: cat, transpose, mul, expand, view) then fails. A ``view``
-    of a storage the run makes and does not write is emitted as ``reshape``: the same values, a
-    copy only where the layout needs one, and no one outside the run to share the storage with."""
-    graph = fx.Graph()
-    root, written_storages = _written_storages(run)
-    fixed = written_storages | set(inputs)  # views of these keep their aliasing, so stay views
-    env: dict[int, fx.Node] = {vid: graph.placeholder(f"v{vid}") for vid in inputs}
-
-    def load(a: Any) -> Any:
-        if type(a) is Ref:
-            return env[a.vid]
-        if type(a) is Seq:
-            return [env[b.vid] if type(b) is Ref else b for b in a]
-        return a
-
-    for step in run:
-        node = step.node
-        args = [load(a) for a in node.args]
-        kwargs = {k: load(v) for k, v in node.kwargs.items()}
-        written: list[fx.Node] = []
-        for w in node.writes:
-            box: Any = args if isinstance(w.key, int) else kwargs
-            holder, slot = (box, w.key) if w.item < 0 else (box[w.key], w.item)
-            if w.clone:
-                holder[slot] = graph.call_function(torch.ops.aten.clone.default, (holder[slot],))
-            written.append(holder[slot])
-        func = node.func
-        if func is _VIEW and isinstance(node.outs, int) and root.get(node.outs) not in fixed:
-            func = torch.ops.aten.reshape.default
-        out = graph.call_function(func, tuple(args), kwargs)
-        if isinstance(node.outs, int):
-            if node.outs >= 0:
-                env[node.outs] = out
-        else:
-            for i, vid in enumerate(node.outs):
-                if vid >= 0:
-                    env[vid] = graph.call_function(operator.getitem, (out, i))
-        for w, target in zip(node.writes, written, strict=True):
-            env[w.vid] = target
-    graph.output(tuple(env[vid] for vid in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph)
-
-
 def _compile(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int], key: _Key) -> Any:
     with _lock:
         if key in _compiled:
             return _compiled[key]
-    fn = torch.compile(_graph(run, inputs, outputs), backend="inductor", fullgraph=True, dynamic=False)
+    fn = torch.compile(build_graph(run, inputs, outputs), backend="inductor", fullgraph=True, dynamic=False)
     with _lock:
         _compiled[key] = fn
     return fn
@@ -370,7 +173,7 @@ def _unmovable(
 ) -> str:
     """Why a compiled output laid out otherwise than eager's cannot be copied into eager's layout
     (it shares storage with another value, or eager's overlaps itself), or ""."""
-    root, written = _written_storages(run)
+    root, written = storages_written(run)
     for vid, c, e in zip(outputs, compiled, eager, strict=True):
         if c.stride() == e.stride():
             continue
@@ -396,26 +199,26 @@ def _in_eager_layout(
     ]
 
 
-def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
-    """Run the plan's steps over ``env`` (value id -> tensor), fusable runs through compiled
-    graphs. Called by ``remat._replay.replay`` (grad and autocast off, generators restored)."""
-    steps = plan.steps
-    runs = _runs(steps)
+def compiled_steps(cut: Slice, env: dict[int, torch.Tensor]) -> None:
+    """Run the slice's steps over ``env`` (value id -> tensor), fusable runs through compiled
+    graphs. Called by ``remat.manual.replay.replay`` (grad and autocast off, generators restored)."""
+    steps = cut.steps
+    runs = fusable_runs(steps)
     # value id -> index of the last run that reads it
     last_read: dict[int, int] = {}
     for r, (_, run) in enumerate(runs):
         for step in run:
             for a in (*step.node.args, *step.node.kwargs.values()):
-                for vid in _arg_refs(a):
+                for vid in arg_refs(a):
                     last_read[vid] = r
     for r, (fused, run) in enumerate(runs):
         fn = None
         if fused:
-            inputs, made = _reads(run)
-            outputs = [v for v in made if v in plan.targets or last_read.get(v, -1) > r]
+            inputs, made = reads(run)
+            outputs = [v for v in made if v in cut.targets or last_read.get(v, -1) > r]
             values = [env[v] for v in inputs]
             layout = tuple((t.dtype, t.shape, t.stride(), t.device, t.storage_offset()) for t in values)
-            key = (_structure(run, inputs, outputs), layout)
+            key = (structure(run, inputs, outputs), layout)
             fn = _compile(run, inputs, outputs, key)
             if fn is not None:
                 try:
@@ -441,7 +244,7 @@ def compiled_steps(plan: Plan, env: dict[int, torch.Tensor]) -> None:
                     env.pop(vid, None)
 
 
-def executor(api: str, replay: Replay) -> Executor:
+def executor(api: str, replay: ReplayMode) -> Executor:
     """The executor for a ``replay=`` argument of the public API ``api``."""
     if replay == "eager":
         return eager_steps

@@ -2,7 +2,7 @@
 
 ``torch.utils.checkpoint`` needs a callable to run again in backward. A region such as
 ``h = h + attn(norm(h))`` in the middle of a forward has none, so the scope records the ATen ops the
-block runs (``remat._replay``) and, in backward, replays the ones that lead to what autograd saved.
+block runs (``remat.manual.tape``) and, in backward, replays the ones that lead to what autograd saved.
 This is OneFlow's checkpointing scope done eagerly: its "fake subgraph" is the replayed slice of the
 tape, and it runs just before the first backward op that needs it::
 
@@ -38,18 +38,10 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat._errors import RecomputationError, RematTypeError, message
-from remat._fused import Replay, executor
-from remat._replay import (
-    EXTERNAL,
-    Executor,
-    Plan,
-    Recorder,
-    Tape,
-    describe,
-    eager_steps,
-    replay,
-    stale_view_error,
-)
+from remat.aten import describe
+from remat.manual.fused import ReplayMode, executor
+from remat.manual.replay import Executor, eager_steps, replay
+from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error
 from remat.policy import Policy, RecomputeAll
 
 __all__ = ["scope"]
@@ -64,7 +56,7 @@ class _Kept(NamedTuple):
 
 class _Handle(NamedTuple):
     """A saved tensor the region recomputes: its value id, the in-place writer of its storage group
-    when it was saved (NOTE [aliasing] in ``remat._replay``) and what it looked like."""
+    when it was saved (NOTE [aliasing] in ``remat.manual.tape``) and what it looked like."""
 
     vid: int
     group: int
@@ -73,14 +65,14 @@ class _Handle(NamedTuple):
     dtype: torch.dtype
 
 
-class _Region:
+class TapedRegion:
     """One ``with remat.scope()`` block: its tape while it records, then the plan that recomputes
     every tensor it handed to autograd as a handle."""
 
     def __init__(self, tape: Tape, execute: Executor = eager_steps) -> None:
         self.tape: Tape | None = tape
         self.execute = execute
-        self.plan: Plan | None = None
+        self.plan: Slice | None = None
         self.writers: dict[int, int] = {}  # the tape's final writers, for the check at unpack
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
         self.writers_needed: set[int] = set()
@@ -110,7 +102,7 @@ class _Region:
         """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
         tape, self.tape = self.tape, None
         if tape is not None and self.handles:
-            self.plan = tape.plan(self.handles, self.writers_needed)
+            self.plan = tape.slice(self.handles, self.writers_needed)
             self.writers = tape.writers
 
     def unpack(self, packed: _Kept | _Handle) -> torch.Tensor:
@@ -188,7 +180,7 @@ class _Region:
             self.cache.pop(graph_task, None)
 
 
-def _forget(region: weakref.ref[_Region], graph_task: int) -> None:
+def _forget(region: weakref.ref[TapedRegion], graph_task: int) -> None:
     alive = region()
     if alive is not None:
         alive.forget(graph_task)
@@ -199,7 +191,7 @@ def _recording() -> bool:
 
 
 @contextlib.contextmanager
-def scope(policy: Policy | None = None, *, replay: Replay = "eager") -> Iterator[None]:
+def scope(policy: Policy | None = None, *, replay: ReplayMode = "eager") -> Iterator[None]:
     """Recompute in backward what the block saves for backward, instead of keeping it.
 
     ``policy`` (default ``RecomputeAll()``) is asked once per op whether to keep its outputs
@@ -208,7 +200,7 @@ def scope(policy: Policy | None = None, *, replay: Replay = "eager") -> Iterator
     backward, just before the first backward op that needs it.
 
     ``replay="compiled"`` replays the block's runs of deterministic ops through ``torch.compile``d
-    graphs, one fused kernel where eager replay runs one per op (``remat._fused``): compiled once per
+    graphs, one fused kernel where eager replay runs one per op (``remat.manual.fused``): compiled once per
     structure in the first backward, equal to eager up to floating-point rounding.
 
     A nested scope joins the outer region (the outer policy decides). With grad disabled or in
@@ -228,7 +220,7 @@ def scope(policy: Policy | None = None, *, replay: Replay = "eager") -> Iterator
         yield
         return
     tape = Tape(RecomputeAll() if policy is None else policy)
-    region = _Region(tape, execute)
+    region = TapedRegion(tape, execute)
     try:
         with Recorder(tape), torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
             yield

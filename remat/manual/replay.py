@@ -1,0 +1,89 @@
+"""Replay a slice of a tape: run its recorded ops again over value ids, eagerly, op by op.
+
+The tape (``remat.manual.tape``) records; this module re-runs. ``replay`` sets the scene every
+executor shares (kept tensors checked against the versions they had when the tape took them, no
+autograd, no autocast since the tape already holds the casts, the caller's generators given back
+after); an executor runs the steps: ``eager_steps`` here, or ``remat.manual.fused.compiled_steps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from remat import aten
+from remat._errors import RecomputationError, message
+from remat.aten import describe
+from remat.manual.tape import Node, Ref, Seq, Slice
+
+
+def _load(a: Any, env: dict[int, torch.Tensor]) -> Any:
+    if type(a) is Ref:
+        return env[a.vid]
+    if type(a) is Seq:
+        return [env[b.vid] if type(b) is Ref else b for b in a]
+    return a
+
+
+def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
+    """Run one recorded op over ``env`` (value id -> tensor) and bind what it makes."""
+    args = [_load(a, env) for a in node.args]
+    kwargs = {k: _load(v, env) for k, v in node.kwargs.items()}
+    written: list[torch.Tensor] = []
+    for w in node.writes:
+        box: Any = args if isinstance(w.key, int) else kwargs
+        holder, slot = (box, w.key) if w.item < 0 else (box[w.key], w.item)
+        if w.clone:
+            holder[slot] = holder[slot].clone()
+        written.append(holder[slot])
+    if node.rng is not None:
+        aten.restore(node.rng)
+    out = node.func(*args, **kwargs)
+    if isinstance(node.outs, int):
+        if node.outs >= 0:
+            env[node.outs] = out
+    else:
+        for vid, o in zip(node.outs, out, strict=True):
+            if vid >= 0:
+                env[vid] = o
+    for w, t in zip(node.writes, written, strict=True):
+        env[w.vid] = t
+
+
+def eager_steps(cut: Slice, env: dict[int, torch.Tensor]) -> None:
+    """Run the slice's steps op by op over ``env``, dropping each value after its last read."""
+    for node, free in cut.steps:
+        run_step(node, env)
+        for vid in free:
+            env.pop(vid, None)
+
+
+Executor = Callable[[Slice, dict[int, torch.Tensor]], None]
+"""How a replay runs a slice's steps: ``eager_steps``, or ``remat.manual.fused.compiled_steps``."""
+
+
+def replay(cut: Slice, execute: Executor = eager_steps) -> dict[int, torch.Tensor]:
+    """Run the slice's steps without autograd or autocast (the tape already holds the casts) and
+    return its targets. Random ops draw from the state they drew from in forward; the caller's
+    generator states are restored afterwards."""
+    env: dict[int, torch.Tensor] = {}
+    for vid, (t, version) in cut.kept.items():
+        if t._version != version:
+            raise RecomputationError(
+                message(
+                    "scope",
+                    "a tensor the region read was modified in place before backward recomputed from it",
+                    f"{describe(t.dtype, t.shape)} at version {t._version}, read at version {version}",
+                    "clone it before modifying it, or modify it after backward",
+                )
+            )
+        env[vid] = t
+    outer = aten.capture(cut.rng_sources)
+    try:
+        with torch.no_grad(), torch._C._DisableAutocast():
+            execute(cut, env)
+    finally:
+        aten.restore(outer)
+    return {vid: env[vid] for vid in cut.targets}
