@@ -19,7 +19,8 @@ from remat.planner.chain_recursion import minimum_peak
 from remat.planner.cost_model import schedule_cost
 from remat.planner.execute import UNCOUNTED
 from remat.planner.lowering import stage_key
-from remat.planner.predict import Prediction, RegionOps, predict
+from remat.planner.predict import Prediction, predict
+from remat.planner.region_model import RegionOps
 from remat.planner.regions import Region, TensorDecision
 from remat.planner.single_level import chain_segments, dag_from_saved
 from remat.planner.solvers import get
