@@ -18,7 +18,8 @@ from remat import Plan, RecomputationError, RematTypeError, RematValueError
 from remat.planner import plan_trace
 from remat.planner.api import block_key
 from remat.planner.lowering import chain_from_trace
-from remat.planner.search import Step, keeping_compute, simple
+from remat.planner.predict import Prediction
+from remat.planner.search import Candidate, Step, best, keeping_compute, simple
 from remat.policy import Decision
 
 SOLVERS = ["auto", "chain", "greedy", "milp", "sqrt"]
@@ -303,3 +304,20 @@ def test_keeping_compute_keeps_matmul_outputs_and_replays_less() -> None:
         base = next(c for c in plain if candidate.notes.removesuffix(SUFFIX) == c.notes)
         assert candidate.pred.recompute_cost < base.pred.recompute_cost
         assert candidate.pred.peak_bytes >= base.pred.peak_bytes
+
+
+def _candidate(solver: str, overhead: float, peak: int) -> Candidate:
+    prediction = Prediction(peak, 0, "op 0", 1.0, overhead - 1.0, ())
+    return Candidate(solver, None, solver, [], prediction)
+
+
+def test_ties_between_plans_go_by_a_fixed_solver_order() -> None:
+    """NOTE [plan ties]: overheads within 0.1% are equal, then chain, greedy, milp, sqrt, plain
+    checkpointing; then the lower peak; so op times a few microseconds apart never swap the pick."""
+    greedy, chain = _candidate("greedy", 1.2500, 90), _candidate("chain", 1.2510, 100)
+    assert best([greedy, chain]).solver == "chain"
+    assert best([chain, greedy]).solver == "chain"
+    assert best([_candidate("greedy", 1.20, 90), chain]).solver == "greedy"  # 4% cheaper wins
+    plain = _candidate("auto", 1.2500, 80)
+    assert best([plain, greedy]) is greedy
+    assert best([_candidate("chain", 1.25, 120), chain]) is chain  # same solver: the lower peak
