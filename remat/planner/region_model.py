@@ -126,9 +126,10 @@ def region_targets(
     drop_after: dict[int, list[int]] = {}
     readers = facts.readers
     for r in facts.saved_roots:
-        g = facts.region_made(r)
-        if g is None or r in kept[g]:
+        made_in = facts.region_made(r)
+        if made_in is None or r in kept[made_in]:
             continue
+        g = made_in
         if trace.saved_at:
             if r not in packed[g]:
                 continue
