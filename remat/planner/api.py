@@ -2,13 +2,13 @@
 return a Plan the executor runs.
 
 Why a loop around the solver: a solver optimizes over a coarse model of the step (blocks of a
-chain, nodes of a graph) that leaves out what does not depend on the plan (parameter gradients,
+chain, nodes of a DAG) that leaves out what does not depend on the plan (parameter gradients,
 backward temporaries) and approximates what does. The plan it returns is checked on the captured
 step itself (``remat.planner.predict``, NOTE [region model]); when that peak is over the budget the
 solver runs again with its budget lowered by the excess, a few times, so that what is promised is
 the peak of the step the executor runs, not of the model. The problem a solver gets: a chain of
-blocks (``chain_from_trace``) for ``chain``, ``sqrt``, ``greedy`` and ``auto``; a graph of ops,
-coarsened to blocks (``graph_from_trace``, then ``coarsen`` inside the MILP) for ``milp``. Plans
+blocks (``chain_from_trace``) for ``chain``, ``sqrt``, ``greedy`` and ``auto``; a DAG of ops,
+coarsened to blocks (``dag_from_trace``, then ``coarsen`` inside the MILP) for ``milp``. Plans
 are single-level (a region is recomputed once, from its inputs), which is what runs in eager
 PyTorch without re-entering the model's code. The search itself lives in ``remat.planner.search``.
 """
@@ -24,16 +24,12 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
+from remat.planner.lowering import chain_from_trace, dag_from_trace, stage_key
 from remat.planner.plan import Plan
-from remat.planner.problem import (
-    Chain,
-    chain_from_trace,
-    graph_from_trace,
-    stage_key,
-)
 from remat.planner.search import (
     Candidate,
     Step,
+    best,
     decisions,
     fail,
     floor,
@@ -43,6 +39,7 @@ from remat.planner.search import (
     simple,
 )
 from remat.planner.solvers import get
+from remat.planner.types import Chain
 from remat.trace import capture
 from remat.trace.types import Trace
 
@@ -139,9 +136,15 @@ def plan_trace(
 ) -> Plan:
     """The plan for a captured step (see ``plan``); ``options`` go to the solver. ``auto`` runs
     the chain DP and greedy on the chain of blocks and also weighs plain checkpointing (every
-    block, sqrt(n) segments): of the plans that fit, the one with the least predicted overhead.
+    block, sqrt(n) segments), each also keeping matmul, convolution and attention outputs.
     ``block_key`` maps a module path to its block (default ``stage_key``; ``plan`` passes
-    ``block_key(model)``)."""
+    ``block_key(model)``).
+
+    Of the plans that fit, the one with the least predicted overhead wins, with a stable tie rule
+    (``remat.planner.search.best``, NOTE [plan ties]): overheads within a relative 0.1% of the
+    least are equal; among those, the first solver in the fixed order chain, greedy, milp, sqrt,
+    then plain checkpointing; then the lower predicted peak; then the first plan tried. So for a
+    given trace, and so for given op costs, the pick is always the same."""
     step = Step(trace, block_key)
     get(solver)
     baseline = predicted(step, []).peak_bytes
@@ -159,8 +162,8 @@ def plan_trace(
         extra = {"single_level": True} if solver == "chain" else {}
         tried += search(step, solver, chain, budget_bytes, baseline, {**extra, **options})
     else:
-        graph = graph_from_trace(trace, max_nodes=None)
-        tried += search(step, solver, graph, budget_bytes, baseline, options)
+        dag = dag_from_trace(trace, max_nodes=None)
+        tried += search(step, solver, dag, budget_bytes, baseline, options)
     seconds = time.perf_counter() - start
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
     if not fits and solver == "auto":
@@ -186,23 +189,23 @@ def plan_trace(
             f"budget {budget_bytes} bytes; {found}",
             f"use solver='auto' (plans from {lowest.peak_bytes} bytes) or raise the budget",
         )
-    best = min(fits, key=lambda c: (round(c.pred.overhead, 6), c.pred.peak_bytes))
-    notes = best.notes
+    chosen = best(fits)
+    notes = chosen.notes
     if solver == "auto":
-        picked = best.solver if best.solver != "auto" else best.notes
+        picked = chosen.solver if chosen.solver != "auto" else chosen.notes
         notes = f"auto picked {picked} of {len(tried)} plans; {notes}"
     return Plan(
         name=trace.name,
-        solver=best.solver,
+        solver=chosen.solver,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=best.pred.peak_bytes,
-        predicted_overhead=best.pred.overhead,
+        predicted_peak_bytes=chosen.pred.peak_bytes,
+        predicted_overhead=chosen.pred.overhead,
         baseline_peak_bytes=baseline,
-        peak_at=best.pred.peak_at,
+        peak_at=chosen.pred.peak_at,
         solve_seconds=seconds,
-        gap=best.gap,
-        regions=tuple(r for r, _ in best.regions),
-        tensors=decisions(step, best.regions, best.pred, best.solver),
+        gap=chosen.gap,
+        regions=tuple(r for r, _ in chosen.regions),
+        tensors=decisions(step, chosen.regions, chosen.pred, chosen.solver),
         ops=tuple(op.name for op in step.forward),
         modules=tuple(op.module for op in step.forward),
         notes=notes,

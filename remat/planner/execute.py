@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -43,7 +43,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
-from remat.planner.plan import Plan, Region
+from remat.planner.regions import Region
 from remat.policy import Decision, OpContext, RecomputeAll
 
 __all__ = ["UNCOUNTED", "apply"]
@@ -71,11 +71,19 @@ _RECOMPUTE = RecomputeAll()
 class _Runner(TorchDispatchMode):
     """Counts and checks the forward's ops and runs the plan's regions (see the module doc)."""
 
-    def __init__(self, plan: Plan, model: nn.Module, execute: Executor) -> None:
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        ops: Sequence[str],
+        modules: Sequence[str],
+        model: nn.Module,
+        execute: Executor,
+    ) -> None:
         super().__init__()
-        self.plan = plan
+        self.ops = ops
+        self.modules = modules
         self.execute = execute
-        self.starts = {r.first: r for r in plan.regions}
+        self.starts = {r.first: r for r in regions}
         self.position = 0
         self.active = False
         self.open: Region | None = None
@@ -128,14 +136,14 @@ class _Runner(TorchDispatchMode):
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
         self.leave()
-        if self.position != len(self.plan.ops):
+        if self.position != len(self.ops):
             nxt = self.position
             raise RecomputationError(
                 message(
                     "plan",
                     "the model ran fewer ops than the traced step",
-                    f"ran {nxt} of {len(self.plan.ops)}; op #{nxt} would be {self.plan.ops[nxt]} in "
-                    f"{self.plan.modules[nxt]}",
+                    f"ran {nxt} of {len(self.ops)}; op #{nxt} would be {self.ops[nxt]} in "
+                    f"{self.modules[nxt]}",
                     "plan again with inputs that take this path",
                 )
             )
@@ -155,12 +163,12 @@ class _Runner(TorchDispatchMode):
         self.stop()
         self.active = False
         where = self._running_module()
-        if position >= len(self.plan.ops):
-            given = f"op #{position} {func} in {where}, after the {len(self.plan.ops)} traced ops"
+        if position >= len(self.ops):
+            given = f"op #{position} {func} in {where}, after the {len(self.ops)} traced ops"
             rule = "the model ran more ops than the traced step"
         else:
             given = (
-                f"op #{position}: expected {self.plan.ops[position]} in {self.plan.modules[position]}, "
+                f"op #{position}: expected {self.ops[position]} in {self.modules[position]}, "
                 f"got {func} in {where}"
             )
             rule = "the model's forward diverged from the traced step"
@@ -179,7 +187,7 @@ class _Runner(TorchDispatchMode):
             return self.tape.record(func, args, kwargs) if self.tape is not None else func(*args, **kwargs)
         i = self.position
         self.position += 1
-        if i >= len(self.plan.ops) or self.plan.ops[i] != name:
+        if i >= len(self.ops) or self.ops[i] != name:
             raise self._diverged(i, func)
         if self.open is None and i in self.starts and torch.is_grad_enabled():
             self._start(self.starts[i])
@@ -197,8 +205,15 @@ class _Runner(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def apply(plan: Plan, model: nn.Module, replay: ReplayMode = "eager") -> Iterator[None]:
-    """See ``Plan.apply``."""
+def apply(
+    regions: Sequence[Region],
+    ops: Sequence[str],
+    modules: Sequence[str],
+    model: nn.Module,
+    replay: ReplayMode = "eager",
+) -> Iterator[None]:
+    """See ``Plan.apply``: run ``model``'s forward with ``regions`` recomputed, checking that it runs
+    ``ops`` (issued by ``modules``, one per op) in order."""
     execute = executor("plan.apply", replay)
     if not isinstance(model, nn.Module):
         raise RematTypeError(
@@ -206,7 +221,7 @@ def apply(plan: Plan, model: nn.Module, replay: ReplayMode = "eager") -> Iterato
                 "plan", "apply takes the model to run", f"got {type(model).__name__}", "pass an nn.Module"
             )
         )
-    runner = _Runner(plan, model, execute)
+    runner = _Runner(regions, ops, modules, model, execute)
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
     try:
         yield

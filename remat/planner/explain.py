@@ -9,51 +9,62 @@ from __future__ import annotations
 
 import io
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from remat._units import format_bytes
-from remat.planner.plan import Plan
-from remat.planner.problem import Action, stage_key
+from remat.planner.lowering import stage_key
+from remat.planner.regions import Region, TensorDecision
+from remat.policy import Decision
 
 __all__ = ["render"]
 
 
-def render(plan: Plan, file: Any = None) -> str:
-    """Print the table to ``file`` (default stdout) and return it as text."""
+def render(
+    title: str,
+    tensors: Sequence[TensorDecision],
+    regions: Sequence[Region],
+    modules: Sequence[str],
+    notes: str,
+    peak_at: str,
+    file: Any = None,
+) -> str:
+    """Print the table of a plan (its ``str()`` as ``title``, and its parts) to ``file`` (default
+    stdout) and return it as text."""
     from rich.console import Console
     from rich.table import Table
 
     rows: dict[str, list[int]] = {}  # block -> [saved tensors, kept bytes, recomputed bytes]
-    for t in plan.tensors:
+    for t in tensors:
         row = rows.setdefault(stage_key(t.module), [0, 0, 0])
         row[0] += 1
-        row[1 if t.action is Action.SAVE else 2] += t.nbytes
-    regions: dict[str, str] = {}
-    for region in plan.regions:
-        for key in dict.fromkeys(stage_key(m) for m in plan.modules[region.first : region.last + 1]):
-            regions.setdefault(key, region.name)
-    order = list(dict.fromkeys(stage_key(m) for m in plan.modules))
-    table = Table(title=str(plan), title_justify="left")
+        row[1 if t.action is Decision.SAVE else 2] += t.nbytes
+    region_of: dict[str, str] = {}
+    for region in regions:
+        for key in dict.fromkeys(stage_key(m) for m in modules[region.first : region.last + 1]):
+            region_of.setdefault(key, region.name)
+    order = list(dict.fromkeys(stage_key(m) for m in modules))
+    table = Table(title=title, title_justify="left")
     for column in ("module", "saved tensors", "kept", "recomputed", "region"):
         table.add_column(column, justify="left" if column in ("module", "region") else "right")
     for key in order:
         if key not in rows:
             continue
         n, kept, again = rows[key]
-        table.add_row(key, str(n), format_bytes(kept), format_bytes(again), regions.get(key, "-"))
+        table.add_row(key, str(n), format_bytes(kept), format_bytes(again), region_of.get(key, "-"))
     table.add_row(
         "total",
-        str(len(plan.tensors)),
-        format_bytes(plan.saved_bytes),
-        format_bytes(plan.recomputed_bytes),
-        f"{len(plan.regions)} regions",
+        str(len(tensors)),
+        format_bytes(sum(row[1] for row in rows.values())),
+        format_bytes(sum(row[2] for row in rows.values())),
+        f"{len(regions)} regions",
         style="bold",
     )
     buffer = io.StringIO()
     Console(file=buffer, width=120, force_terminal=False).print(table)
     console = Console(file=file or sys.stdout)
     console.print(table)
-    if plan.notes:
-        console.print(f"solver notes: {plan.notes}")
-    console.print(f"peak reached at {plan.peak_at}")
+    if notes:
+        console.print(f"solver notes: {notes}")
+    console.print(f"peak reached at {peak_at}")
     return buffer.getvalue()

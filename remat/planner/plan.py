@@ -26,51 +26,14 @@ from torch import nn
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
 from remat.manual.fused import ReplayMode
-from remat.planner.problem import Action
+from remat.planner.execute import apply
+from remat.planner.explain import render
+from remat.planner.regions import Region, TensorDecision
+from remat.policy import Decision
 
-__all__ = ["FORMAT", "Plan", "Region", "TensorDecision"]
+__all__ = ["FORMAT", "Plan"]
 
 FORMAT = "remat.plan/1"
-
-
-@dataclass(frozen=True)
-class TensorDecision:
-    """One tensor autograd saves for backward: made by forward op ``op`` (a position in
-    ``Plan.ops``) in ``module``; SAVE (kept from the forward) or RECOMPUTE (made again in
-    backward), and why."""
-
-    op: int
-    op_name: str
-    module: str
-    nbytes: int
-    action: Action
-    reason: str
-
-    def __str__(self) -> str:
-        size = format_bytes(self.nbytes)
-        return f"op {self.op} {self.op_name} ({self.module}), {size}: {self.action} ({self.reason})"
-
-
-@dataclass(frozen=True)
-class Region:
-    """Forward ops ``first`` .. ``last`` (positions, inclusive) run as one recomputed region:
-    what autograd saves inside it is dropped after the forward and replayed from the region's
-    inputs at its first use in backward, except the outputs of the ops in ``save``."""
-
-    name: str
-    first: int
-    last: int
-    save: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "save", frozenset(self.save))
-
-    def __contains__(self, position: object) -> bool:
-        return isinstance(position, int) and self.first <= position <= self.last
-
-    def __str__(self) -> str:
-        kept = f", keeps {len(self.save)} op outputs" if self.save else ""
-        return f"{self.name}: ops {self.first}-{self.last}{kept}"
 
 
 @dataclass(frozen=True)
@@ -105,12 +68,12 @@ class Plan:
     @property
     def saved_bytes(self) -> int:
         """Bytes of the saved-for-backward tensors the plan keeps."""
-        return sum(t.nbytes for t in self.tensors if t.action is Action.SAVE)
+        return sum(t.nbytes for t in self.tensors if t.action is Decision.SAVE)
 
     @property
     def recomputed_bytes(self) -> int:
         """Bytes of the saved-for-backward tensors the plan recomputes."""
-        return sum(t.nbytes for t in self.tensors if t.action is Action.RECOMPUTE)
+        return sum(t.nbytes for t in self.tensors if t.action is Decision.RECOMPUTE)
 
     def region_of(self, position: int) -> Region | None:
         """The region op ``position`` runs in, or None."""
@@ -121,7 +84,7 @@ class Plan:
 
     def __str__(self) -> str:
         gap = "heuristic" if self.gap is None else f"gap {self.gap:.2%}"
-        recomputed = sum(t.action is Action.RECOMPUTE for t in self.tensors)
+        recomputed = sum(t.action is Decision.RECOMPUTE for t in self.tensors)
         return (
             f"Plan({self.name or 'model'}, {self.solver}: peak {format_bytes(self.predicted_peak_bytes)} "
             f"of budget {format_bytes(self.budget_bytes)} (no recomputation: "
@@ -133,9 +96,9 @@ class Plan:
     def explain(self, file: Any = None) -> str:
         """Print (to ``file``, default stdout) and return a per-module table: what each module
         saves for backward, what the plan keeps and recomputes, and the regions."""
-        from remat.planner.explain import render
-
-        return render(self, file)
+        return render(
+            str(self), self.tensors, self.regions, self.modules, self.notes, self.peak_at, file=file
+        )
 
     # -- running it ---------------------------------------------------------------------------
 
@@ -148,9 +111,7 @@ class Plan:
         ``replay="compiled"``: the regions' runs of deterministic ops replay through
         ``torch.compile``d graphs, fused (see ``remat.scope``), compiled in the first backward. The
         predicted overhead stays that of eager replay, an upper bound of what fusion costs."""
-        from remat.planner.execute import apply
-
-        return apply(self, model, replay)
+        return apply(self.regions, self.ops, self.modules, model, replay)
 
     # -- storing it ---------------------------------------------------------------------------
 
@@ -160,7 +121,7 @@ class Plan:
         body["regions"] = [
             {"name": r.name, "first": r.first, "last": r.last, "save": sorted(r.save)} for r in self.regions
         ]
-        body["tensors"] = [{**asdict(t), "action": str(t.action)} for t in self.tensors]
+        body["tensors"] = [{**asdict(t), "action": t.action.value} for t in self.tensors]
         body["ops"] = list(self.ops)
         body["modules"] = list(self.modules)
         if self.gap is not None and not math.isfinite(self.gap):
@@ -182,7 +143,7 @@ class Plan:
                 for r in fields["regions"]
             )
             fields["tensors"] = tuple(
-                TensorDecision(**{**t, "action": Action(t["action"])}) for t in fields["tensors"]
+                TensorDecision(**{**t, "action": Decision(t["action"])}) for t in fields["tensors"]
             )
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])

@@ -1,12 +1,19 @@
 """Predict what a plan's regions cost when the executor runs them: replay the captured step with
 the regions' saved tensors dropped after the forward and replayed in backward.
 
-Why not take the solver's figures: a solver's model (NOTE [chain model], NOTE [graph model]) is
-coarse on purpose (no parameter gradients, no backward temporaries, one block per stage), which is
-what makes it fast to optimize over, but a user asks for a peak in bytes of the real step. This
-module replays the captured Trace event by event (NOTE [replay semantics] in
-``remat.trace.replay``) and changes exactly what the executor (``remat.planner.execute``, built on
-``remat.scope``'s tape) changes. ``remat.plan`` uses it to check, and correct, every solver's plan.
+Why not take the solver's figures: the planner's cost model (``remat.planner.cost_model``, NOTE
+[chain model], NOTE [DAG model]) is coarse on purpose (no parameter gradients, no backward
+temporaries, one block per stage), which is what makes it fast to optimize over, but a user asks
+for a peak in bytes of the real step. This module replays the captured Trace event by event (NOTE
+[replay semantics] in ``remat.trace.replay``) and changes exactly what the executor
+(``remat.planner.execute``, built on ``remat.scope``'s tape) changes; it evaluates one plan of
+regions, not a schedule a solver may choose, so the two models share no code: the cost model's
+values are blocks and nodes, this one's are the trace's storages. ``remat.plan`` uses it to check,
+and correct, every solver's plan.
+
+``predict`` runs in named steps: the facts of each region (``remat.planner.region_model``: what
+it keeps, drops and replays), the tapes' holds and snapshots (``_tape_holds``), then one walk over
+the step's events that counts the bytes alive (``_Walk``).
 
 NOTE [region model]
 - A region is a run of forward ops, recorded on a tape from just before its first op runs until
@@ -47,20 +54,22 @@ from dataclasses import dataclass
 import torch
 
 from remat import aten
+from remat.planner.region_model import (
+    RegionOps,
+    RegionPlans,
+    StepFacts,
+    kept_values,
+    region_targets,
+    replay_ops,
+    replay_points,
+    step_facts,
+)
 from remat.trace.types import Op, Phase, Trace
 
-__all__ = ["Prediction", "RegionOps", "predict"]
+__all__ = ["Prediction", "predict"]
 
 # What the tape copies of the CPU generator for each random op it records (``torch.get_rng_state``).
 _CPU_RNG_STATE_BYTES = torch.get_rng_state().untyped_storage().nbytes()
-
-
-@dataclass(frozen=True)
-class RegionOps:
-    """A region in trace op indices: its forward ops (in order) and those whose outputs it keeps."""
-
-    ops: tuple[int, ...]
-    save: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -97,253 +106,193 @@ def _where(op: Op, replaying: str = "") -> str:
     return f"{text}, replaying {replaying}" if replaying else text
 
 
+@dataclass(frozen=True)
+class _Holds:
+    """What the tapes and replay plans hold, by op: storages acquired at an op and released after
+    another, and the bytes of the snapshots they take."""
+
+    hold_at: dict[int, list[int]]
+    unhold_after: dict[int, list[int]]
+    snapshots: dict[int, int]
+    unsnap_after: dict[int, int]
+
+
 def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = ()) -> Prediction:
     """Replay ``trace`` under ``regions`` (NOTE [region model]); ``names`` label the regions."""
-    tensors = trace.tensors
-    root = [trace.root(t.id) for t in tensors]
-    use_measured = trace.total_cost > 0
-    cost = [op.cost if use_measured else op.est_cost for op in trace.ops]
-    saved_roots = {root[t] for t in trace.saved}
-    readers: dict[int, list[int]] = {}
-    maker: dict[int, int] = {}
-    for op in trace.ops:
-        if op.phase is not Phase.FORWARD:
-            continue
-        for t in op.inputs:
-            readers.setdefault(root[t], []).append(op.index)
-        for t in op.outputs:
-            if tensors[t].alias_of is None and not tensors[t].constant:
-                maker.setdefault(t, op.index)
-
-    region_of: dict[int, int] = {}
-    for g, region in enumerate(regions):
-        for i in region.ops:
-            region_of[i] = g
-    # what each region keeps: outputs of its SAVE ops that no later op of the region writes
-    written: set[int] = set()  # roots an op of their own region writes in place
-    for op in trace.ops:
-        g = region_of.get(op.index, -1)
-        for t in op.mutates:
-            if g >= 0 and region_of.get(maker.get(root[t], -1)) == g:
-                written.add(root[t])
-    kept: list[set[int]] = [set() for _ in regions]
-    for g, region in enumerate(regions):
-        for i in region.save:
-            for t in trace.ops[i].outputs:
-                r = root[t]
-                if maker.get(r) == i and r not in written:  # writers come after the maker
-                    kept[g].add(r)
-    # A save at position p (NOTE in ``Trace``) is in region g's tape when first < p <= last.
-    window: dict[int, int] = {}
-    for g, region in enumerate(regions):
-        for p in range(region.ops[0] + 1, region.ops[-1] + 1) if region.ops else ():
-            window[p] = g
-    packed: list[set[int]] = [set() for _ in regions]  # roots saved while the region records
-    held_by_autograd: set[int] = set()  # roots some save holds as in the plain step
-    for t, p in trace.saved_at:
-        r = root[t]
-        g = window.get(p, -1)
-        if g >= 0:
-            packed[g].add(r)
-        if g < 0 or r in kept[g] or region_of.get(maker.get(r, -1)) != g:
-            held_by_autograd.add(r)
-    targets: list[set[int]] = [set() for _ in regions]
-    drop_after: dict[int, list[int]] = {}  # forward op index -> dropped targets that die after it
-    for r in saved_roots:
-        g = region_of.get(maker.get(r, -1), -1)
-        if g < 0 or r in kept[g]:
-            continue
-        if trace.saved_at:
-            if r not in packed[g]:
-                continue
-            dropped_early = r not in held_by_autograd
-        else:  # when saves are not placed: those by an op of the region that reads the tensor
-            inside = [i for i in readers.get(r, ()) if region_of.get(i) == g]
-            if maker[r] == regions[g].ops[-1] or (not inside and readers.get(r)):
-                continue
-            dropped_early = all(region_of.get(i) == g for i in readers.get(r, ()))
-        targets[g].add(r)
-        if dropped_early:
-            drop_after.setdefault(max([maker[r], *readers.get(r, ())]), []).append(r)
-
-    replay_at: dict[int, list[int]] = {}  # backward op index -> regions replayed just before it
-    owner = {r: g for g, ts in enumerate(targets) for r in ts}
-    replayed: set[int] = set()
-    for op in trace.ops:
-        if op.phase is Phase.BACKWARD:
-            for t in op.inputs:
-                g = owner.get(root[t], -1)
-                if g >= 0 and g not in replayed:
-                    replayed.add(g)
-                    replay_at.setdefault(op.index, []).append(g)
+    facts = step_facts(trace, regions)
+    kept = kept_values(trace, regions, facts)
+    planned, packed, drop_after = region_targets(trace, regions, facts, kept)
+    replay_at = replay_points(trace, facts, planned)
+    replayed = {g for gs in replay_at.values() for g in gs}
     # a region whose targets backward never reads (a frozen block) is never replayed, but its
     # replay plan is made, and holds what it reads, all the same
-    planned = [set(ts) for ts in targets]
-    for g in range(len(regions)):
-        if g not in replayed:
-            targets[g].clear()
+    targets = [ts if g in replayed else set() for g, ts in enumerate(planned)]
+    need, held_by_plan = replay_ops(trace, regions, facts, kept, planned)
+    plans = RegionPlans(kept, packed, planned, targets, need, held_by_plan)
+    rng_bytes = _CPU_RNG_STATE_BYTES if trace.device == "cpu" else 0  # a CUDA state lives on the host
+    holds = _tape_holds(trace, regions, facts, plans, rng_bytes)
+    walk = _Walk(trace, regions, names, facts, plans, rng_bytes)
+    walk.run(replay_at, drop_after, holds)
+    costs = zip(trace.ops, facts.cost, strict=True)
+    base = math.fsum(c for op, c in costs if op.phase is not Phase.OPTIMIZER)
+    recomputed = tuple(frozenset(ts) for ts in targets)
+    return Prediction(walk.peak, walk.peak_op, walk.peak_at, base, walk.recompute, recomputed)
 
-    # The ops each replay runs: those that lead to the targets, stopping at kept values and at
-    # values from outside the region; what they read of those is held by the region's plan.
-    need: list[set[int]] = []
-    held_by_plan: list[set[int]] = []
-    for g, region in enumerate(regions):
-        wanted = set(planned[g])
-        ops_needed: set[int] = set()
-        outside: set[int] = set()
-        for i in reversed(region.ops):
-            op = trace.ops[i]
-            if not {root[t] for t in (*op.outputs, *op.mutates)} & wanted or any(
-                root[t] in kept[g] and maker.get(root[t]) == i for t in op.outputs
-            ):
-                continue
-            ops_needed.add(i)
-            for t in op.inputs:
-                r = root[t]
-                if tensors[r].constant:
-                    continue
-                if region_of.get(maker.get(r, -1)) == g and r not in kept[g]:
-                    wanted.add(r)
-                else:
-                    outside.add(r)
-        need.append(ops_needed)
-        held_by_plan.append(outside if planned[g] else set())
 
-    # Holds of the tapes (NOTE [region model]): acquired at an op, released after another.
+def _tape_holds(
+    trace: Trace, regions: Sequence[RegionOps], facts: StepFacts, plans: RegionPlans, rng_bytes: int
+) -> _Holds:
+    """Holds of the tapes and replay plans (NOTE [region model]), and the snapshots they take."""
+    root, tensors = facts.root, trace.tensors
     last_saved_read: dict[int, int] = {}
     for op in trace.ops:
         if op.phase is Phase.BACKWARD:
             for t in op.inputs:
                 last_saved_read[root[t]] = op.index
-    hold_at: dict[int, list[int]] = {}
-    unhold_after: dict[int, list[int]] = {}
-    snapshots: dict[int, int] = {}  # op -> bytes of the copies the tape takes of what it writes
-    unsnap_after: dict[int, int] = {}
+    holds = _Holds({}, {}, {}, {})
     end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
-    rng_bytes = _CPU_RNG_STATE_BYTES if trace.device == "cpu" else 0  # a CUDA state lives on the host
     for g, region in enumerate(regions):
         if not region.ops:
             continue
         first, last = region.ops[0], region.ops[-1]
+        packed = plans.packed[g]
         if not trace.saved_at:
-            packed[g] = kept[g] | targets[g]
+            packed = plans.kept[g] | plans.targets[g]
             for i in region.ops:
                 if i != first:
-                    packed[g].update(root[t] for t in trace.ops[i].inputs if root[t] in saved_roots)
-        death = max((last_saved_read.get(r, end) for r in packed[g] if r in saved_roots), default=last)
-        if not planned[g]:
+                    packed.update(root[t] for t in trace.ops[i].inputs if root[t] in facts.saved_roots)
+        death = max((last_saved_read.get(r, end) for r in packed if r in facts.saved_roots), default=last)
+        if not plans.planned[g]:
             death = last
         seen: set[int] = set()
         for i in region.ops:
             op = trace.ops[i]
-            written_outside = [t for t in _writes(op) if region_of.get(maker.get(root[t], -1)) != g]
+            written_outside = [t for t in _writes(op) if facts.region_made(root[t]) != g]
             copied = sum(tensors[t].view_bytes for t in written_outside) + (rng_bytes if op.random else 0)
             if copied:
-                snapshots[i] = snapshots.get(i, 0) + copied
-                after = death if i in need[g] else last
-                unsnap_after[after] = unsnap_after.get(after, 0) + copied
-            outs = [root[t] for t in op.outputs if maker.get(root[t]) == i]
-            reads = [root[t] for t in op.inputs]
-            for r in [*reads, *outs]:
+                holds.snapshots[i] = holds.snapshots.get(i, 0) + copied
+                after = death if i in plans.need[g] else last
+                holds.unsnap_after[after] = holds.unsnap_after.get(after, 0) + copied
+            outs = [root[t] for t in op.outputs if facts.maker.get(root[t]) == i]
+            for r in [*(root[t] for t in op.inputs), *outs]:
                 if r in seen or tensors[r].constant:
                     continue
-                if r in kept[g] or region_of.get(maker.get(r, -1)) != g:
+                if r in plans.kept[g] or facts.region_made(r) != g:
                     seen.add(r)
-                    hold_at.setdefault(i, []).append(r)
-                    unhold_after.setdefault(last, []).append(r)
-        for r in held_by_plan[g]:
-            hold_at.setdefault(last, []).append(r)
-            unhold_after.setdefault(death, []).append(r)
+                    holds.hold_at.setdefault(i, []).append(r)
+                    holds.unhold_after.setdefault(last, []).append(r)
+        for r in plans.held_by_plan[g]:
+            holds.hold_at.setdefault(last, []).append(r)
+            holds.unhold_after.setdefault(death, []).append(r)
+    return holds
 
-    handles = [0] * len(tensors)
-    for info in tensors:
-        if info.constant:
-            handles[root[info.id]] += 1
-    dropped: set[int] = set()
-    pending: set[int] = set()  # dropped targets another region's tape or plan still holds
-    copies: dict[int, int] = {}  # a kept target's replayed twin: root -> bytes
-    holds: dict[int, int] = {}  # root -> holds of tapes and replay plans on it
-    made = 0
-    peak, peak_op, peak_at = 0, -1, "start"
-    recompute = 0.0
 
-    def sample(op: Op, value: int, replaying: str = "") -> None:
-        nonlocal peak, peak_op, peak_at
-        if value > peak:
-            peak, peak_op, peak_at = value, op.index, _where(op, replaying)
+class _Walk:
+    """One pass over the step's events under the plan: the bytes alive after each op (storages
+    with a handle, snapshots, replayed copies) and the largest sample with where it happened."""
 
-    def replay(g: int, before: Op) -> None:
-        nonlocal made, recompute
-        ops = [trace.ops[i] for i in regions[g].ops if i in need[g]]
+    def __init__(
+        self,
+        trace: Trace,
+        regions: Sequence[RegionOps],
+        names: Sequence[str],
+        facts: StepFacts,
+        plans: RegionPlans,
+        rng_bytes: int,
+    ) -> None:
+        self.trace, self.regions, self.names = trace, regions, names
+        self.facts, self.plans, self.rng_bytes = facts, plans, rng_bytes
+        self.handles = [0] * len(trace.tensors)
+        for info in trace.tensors:
+            if info.constant:
+                self.handles[facts.root[info.id]] += 1
+        self.dropped: set[int] = set()
+        self.pending: set[int] = set()  # dropped targets another region's tape or plan still holds
+        self.copies: dict[int, int] = {}  # a kept target's replayed twin: root -> bytes
+        self.holds: dict[int, int] = {}  # root -> holds of tapes and replay plans on it
+        self.made = 0
+        self.peak, self.peak_op, self.peak_at = 0, -1, "start"
+        self.recompute = 0.0
+
+    def sample(self, op: Op, value: int, replaying: str = "") -> None:
+        if value > self.peak:
+            self.peak, self.peak_op, self.peak_at = value, op.index, _where(op, replaying)
+
+    def replay(self, g: int, before: Op) -> None:
+        """Region ``g``'s replay just before backward op ``before``."""
+        trace, root, tensors = self.trace, self.facts.root, self.trace.tensors
+        ops = [trace.ops[i] for i in self.regions[g].ops if i in self.plans.need[g]]
         last_use: dict[int, int] = {}
         for op in ops:
             for t in op.inputs:
                 last_use[root[t]] = op.index
         # the replay saves the generator's state and restores it after (``remat.manual.replay``)
-        transient: dict[int, int] = {-1: rng_bytes if any(op.random for op in ops) else 0}
-        name = names[g] if g < len(names) else f"region {g}"
+        transient: dict[int, int] = {-1: self.rng_bytes if any(op.random for op in ops) else 0}
+        name = self.names[g] if g < len(self.names) else f"region {g}"
         for op in ops:
-            recompute += cost[op.index]
+            self.recompute += self.facts.cost[op.index]
             for t in op.outputs:
                 r = root[t]
-                if tensors[t].alias_of is not None or tensors[t].constant or maker.get(r) != op.index:
+                if (
+                    tensors[t].alias_of is not None
+                    or tensors[t].constant
+                    or self.facts.maker.get(r) != op.index
+                ):
                     continue
-                if r in targets[g]:
-                    if r in dropped:
-                        dropped.discard(r)
-                        made += tensors[r].nbytes if handles[r] > 0 else 0
+                if r in self.plans.targets[g]:
+                    if r in self.dropped:
+                        self.dropped.discard(r)
+                        self.made += tensors[r].nbytes if self.handles[r] > 0 else 0
                     else:
-                        copies[r] = tensors[r].nbytes
-                        made += copies[r]
+                        self.copies[r] = tensors[r].nbytes
+                        self.made += self.copies[r]
                 else:
                     transient[r] = tensors[r].nbytes
-            sample(before, made + sum(transient.values()) + op.scratch, name)
+            self.sample(before, self.made + sum(transient.values()) + op.scratch, name)
             for r in [r for r in transient if r >= 0 and last_use.get(r, -1) <= op.index]:
                 del transient[r]
 
-    def release(r: int) -> None:
-        nonlocal made
-        handles[r] -= 1
-        if handles[r] == 0:
-            if not tensors[r].constant and r not in dropped:
-                made -= tensors[r].nbytes
-            made -= copies.pop(r, 0)
+    def release(self, r: int) -> None:
+        self.handles[r] -= 1
+        if self.handles[r] == 0:
+            if not self.trace.tensors[r].constant and r not in self.dropped:
+                self.made -= self.trace.tensors[r].nbytes
+            self.made -= self.copies.pop(r, 0)
 
-    def drop(r: int) -> None:
-        nonlocal made
-        if handles[r] > 0 and r not in dropped:
-            made -= tensors[r].nbytes
-        dropped.add(r)
+    def drop(self, r: int) -> None:
+        if self.handles[r] > 0 and r not in self.dropped:
+            self.made -= self.trace.tensors[r].nbytes
+        self.dropped.add(r)
 
-    for event in trace.events:
-        if isinstance(event, Op):
+    def run(self, replay_at: dict[int, list[int]], drop_after: dict[int, list[int]], holds: _Holds) -> None:
+        root, tensors = self.facts.root, self.trace.tensors
+        for event in self.trace.events:
+            if not isinstance(event, Op):
+                self.release(root[event.tensor])
+                continue
             for g in replay_at.get(event.index, ()):
-                replay(g, event)
+                self.replay(g, event)
             for t in event.outputs:
                 r = root[t]
-                if handles[r] == 0 and r not in dropped:
-                    made += tensors[r].nbytes
-                handles[r] += 1
-            for r in hold_at.get(event.index, ()):
-                if handles[r] > 0:
-                    handles[r] += 1
-                    holds[r] = holds.get(r, 0) + 1
-            made += snapshots.get(event.index, 0)
-            sample(event, made + event.scratch)
+                if self.handles[r] == 0 and r not in self.dropped:
+                    self.made += tensors[r].nbytes
+                self.handles[r] += 1
+            for r in holds.hold_at.get(event.index, ()):
+                if self.handles[r] > 0:
+                    self.handles[r] += 1
+                    self.holds[r] = self.holds.get(r, 0) + 1
+            self.made += holds.snapshots.get(event.index, 0)
+            self.sample(event, self.made + event.scratch)
             for r in drop_after.get(event.index, ()):
-                if holds.get(r, 0) > 0:
-                    pending.add(r)
+                if self.holds.get(r, 0) > 0:
+                    self.pending.add(r)
                 else:
-                    drop(r)
-            made -= unsnap_after.get(event.index, 0)
-            for r in unhold_after.get(event.index, ()):
-                if holds.get(r, 0) > 0:
-                    holds[r] -= 1
-                    release(r)
-                    if holds[r] == 0 and r in pending:
-                        pending.discard(r)
-                        drop(r)
-        else:
-            release(root[event.tensor])
-    base = math.fsum(c for op, c in zip(trace.ops, cost, strict=True) if op.phase is not Phase.OPTIMIZER)
-    return Prediction(peak, peak_op, peak_at, base, recompute, tuple(frozenset(ts) for ts in targets))
+                    self.drop(r)
+            self.made -= holds.unsnap_after.get(event.index, 0)
+            for r in holds.unhold_after.get(event.index, ()):
+                if self.holds.get(r, 0) > 0:
+                    self.holds[r] -= 1
+                    self.release(r)
+                    if self.holds[r] == 0 and r in self.pending:
+                        self.pending.discard(r)
+                        self.drop(r)

@@ -1,10 +1,11 @@
 """How ``remat.plan`` turns solver answers into regions of the step and picks one: the search.
 
 Why apart from the API: a solver answers over a coarse model of the step (NOTE [chain model],
-NOTE [graph model]), and a Plan must hold for the step itself. This module maps a Solution to
+NOTE [DAG model]), and a Plan must hold for the step itself. This module maps a Solution to
 regions of the model's forward ops, predicts each candidate on the captured step
 (``remat.planner.predict``), corrects the solver's budget while the step's peak is over the
-budget, and finds the smallest peak any plan reaches (the figure a too-small budget is told).
+budget, finds the smallest peak any plan reaches (the figure a too-small budget is told), and
+picks the plan to return (``best``, NOTE [plan ties]).
 """
 
 from __future__ import annotations
@@ -14,28 +15,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat._errors import RematValueError, message
+from remat.planner.chain_recursion import minimum_peak
+from remat.planner.cost_model import schedule_cost
 from remat.planner.execute import UNCOUNTED
-from remat.planner.plan import Region, TensorDecision
-from remat.planner.predict import Prediction, RegionOps, predict
-from remat.planner.problem import (
-    Action,
-    Chain,
-    ChainOp,
-    ChainSchedule,
-    Problem,
-    Solution,
-    stage_key,
-)
+from remat.planner.lowering import stage_key
+from remat.planner.predict import Prediction, predict
+from remat.planner.region_model import RegionOps
+from remat.planner.regions import Region, TensorDecision
+from remat.planner.single_level import chain_segments, dag_from_saved
 from remat.planner.solvers import get
-from remat.planner.solvers.chain_dp import minimum_peak
-from remat.planner.solvers.simulate import chain_segments, graph_from_saved, simulate
 from remat.planner.solvers.sqrt import split
-from remat.policy import COMPUTE_INTENSIVE_OPS
+from remat.planner.types import Chain, ChainOp, ChainSchedule, Problem, Solution
+from remat.policy import COMPUTE_INTENSIVE_OPS, Decision
 from remat.trace.types import Phase, Trace
 
 __all__ = [
     "Candidate",
     "Step",
+    "best",
     "decisions",
     "fail",
     "floor",
@@ -49,6 +46,13 @@ _ATTEMPTS = 6
 _REFINE_STEPS = 6
 _BISECTED = frozenset({"chain", "greedy"})  # fast enough to call a few times more
 _FLOOR_STEPS = 12
+# NOTE [plan ties] plans whose predicted overheads are within this fraction of the least are equal,
+# and go to the first solver of ``_SOLVER_ORDER`` (the exact one first; "auto" made the plain
+# checkpointing plans); then to the lower predicted peak; then to the first plan tried. Op costs
+# are measured on a machine doing other work too, so two plans a few ulps or a few microseconds
+# apart must not swap from run to run on a rounding.
+_TIE = 1e-3
+_SOLVER_ORDER = ("chain", "greedy", "milp", "sqrt", "auto")
 
 
 def fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValueError) -> Exception:
@@ -121,17 +125,17 @@ def chain_regions(step: Step, chain: Chain, schedule: ChainSchedule) -> list[tup
     return out
 
 
-def graph_regions(step: Step, solution: Solution) -> list[tuple[Region, RegionOps]]:
+def dag_regions(step: Step, solution: Solution) -> list[tuple[Region, RegionOps]]:
     """Per block with a recomputed node: one region keeping the outputs of its SAVE nodes."""
     trace = step.trace
-    recompute = {i for d in solution.decisions if d.action is Action.RECOMPUTE for i in d.ops}
+    recompute = {i for d in solution.decisions if d.action is Decision.RECOMPUTE for i in d.ops}
     # a SAVE block keeps only what autograd saves of it: pinning its other outputs would hold
     # temporaries the plain step frees
     saved = {trace.root(t) for t in trace.saved}
     keep = {
         i
         for d in solution.decisions
-        if d.action is Action.SAVE
+        if d.action is Decision.SAVE
         for i in d.ops
         if any(trace.root(t) in saved for t in trace.ops[i].outputs)
     }
@@ -148,7 +152,7 @@ def regions_of(step: Step, problem: Problem, solution: Solution) -> list[tuple[R
     if isinstance(problem, Chain):
         assert isinstance(solution.schedule, ChainSchedule)
         return chain_regions(step, problem, solution.schedule)
-    return graph_regions(step, solution)
+    return dag_regions(step, solution)
 
 
 def predicted(step: Step, regions: list[tuple[Region, RegionOps]]) -> Prediction:
@@ -158,8 +162,8 @@ def predicted(step: Step, regions: list[tuple[Region, RegionOps]]) -> Prediction
 def model_peak(problem: Problem) -> int:
     """The solver model's peak with nothing recomputed."""
     if isinstance(problem, Chain):
-        return simulate(problem, chain_segments(problem, [])).peak_bytes
-    return simulate(problem, graph_from_saved(problem, problem.saved)).peak_bytes
+        return schedule_cost(problem, chain_segments(problem, [])).peak_bytes
+    return schedule_cost(problem, dag_from_saved(problem, problem.saved)).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,15 @@ def floor(step: Step, chain: Chain) -> list[Candidate]:
     return out
 
 
+def best(fits: Sequence[Candidate]) -> Candidate:
+    """The plan to return of those that fit: the least predicted overhead, ties broken by
+    NOTE [plan ties]."""
+    least = min(c.pred.overhead for c in fits)
+    tied = [c for c in fits if c.pred.overhead <= least * (1 + _TIE)]
+    rank = {name: k for k, name in enumerate(_SOLVER_ORDER)}
+    return min(tied, key=lambda c: (rank.get(c.solver, len(rank)), c.pred.peak_bytes))
+
+
 def search(
     step: Step, solver: str, problem: Problem, budget: int, baseline: int, options: dict[str, Any]
 ) -> list[Candidate]:
@@ -316,15 +329,15 @@ def decisions(
         g = region_at.get(maker.index, -1)
         if r in recomputed:
             action, reason = (
-                Action.RECOMPUTE,
+                Decision.RECOMPUTE,
                 f"{solver}: dropped, replayed in backward with {regions[g][0].name}",
             )
         elif g < 0:
-            action, reason = Action.SAVE, f"{solver}: outside every recomputed region"
+            action, reason = Decision.SAVE, f"{solver}: outside every recomputed region"
         elif maker.index in regions[g][1].save:
-            action, reason = Action.SAVE, f"{solver}: kept inside {regions[g][0].name}"
+            action, reason = Decision.SAVE, f"{solver}: kept inside {regions[g][0].name}"
         else:
-            action, reason = Action.SAVE, f"saved by ops after {regions[g][0].name}"
+            action, reason = Decision.SAVE, f"saved by ops after {regions[g][0].name}"
         out.append(
             TensorDecision(step.position[maker.index], maker.name, maker.module, info.nbytes, action, reason)
         )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from models import assert_close, build, train, twin
-from test_plan_api import SCALARS, _measured_peak, _plan
+from plans import SCALARS, _measured_peak, _plan
 from torch import nn
 
 import remat

@@ -2,16 +2,14 @@
 
 Every solver is ``solve(problem, budget_bytes, **options) -> Solution``: ``chain`` (rotor's DP),
 ``milp`` (Checkmate), ``sqrt`` (Chen's baseline), ``greedy`` (knapsack baseline) and ``auto`` (picks
-one). Their figures all come from ``remat.planner.solvers.simulate``.
+one). Their figures all come from the planner's cost model (``remat.planner.cost_model``).
 """
 
-from remat.planner.problem import Problem, Solution
 from remat.planner.solvers import auto, chain_dp, greedy, milp, sqrt
 from remat.planner.solvers.registry import Solver, get, names, register
-from remat.planner.solvers.simulate import Simulation, simulate
+from remat.planner.types import Problem, Solution
 
 __all__ = [
-    "Simulation",
     "Solver",
     "auto",
     "chain_dp",
@@ -20,7 +18,6 @@ __all__ = [
     "milp",
     "names",
     "register",
-    "simulate",
     "solve",
     "sqrt",
 ]

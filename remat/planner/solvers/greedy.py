@@ -2,15 +2,15 @@
 plan fits.
 
 Why a heuristic next to exact solvers: the chain DP is cubic in the stages and the MILP exponential
-in the worst case, while a graph of thousands of ops needs an answer in seconds, and every optimal
+in the worst case, while a DAG of thousands of ops needs an answer in seconds, and every optimal
 plan should show what it gains over a knapsack rule. Candidates are the stages (chain) or the nodes
-backward reads (graph), ranked by bytes per unit of recompute cost: a stage's internals per its
+backward reads (DAG), ranked by bytes per unit of recompute cost: a stage's internals per its
 forward cost (the stage becoming a checkpointed segment of its own, as per-block checkpointing
 does), a node's bytes per the cost of recomputing it and the ancestors it would need (re-ranked
 lazily, since dropping a node makes its neighbours dearer). Each round drops candidates until their
-bytes cover the excess over the budget, then re-simulates; once the plan fits, the last round's
+bytes cover the excess over the budget, then re-evaluates; once the plan fits, the last round's
 candidates are put back, last first, wherever the plan still fits and costs no more. The plans are
-single-level (``chain_segments``, ``graph_from_saved``), so an executor runs them with plain
+single-level (``chain_segments``, ``dag_from_saved``), so an executor runs them with plain
 checkpointing, and the optimal solvers can only do as well or better.
 """
 
@@ -20,10 +20,11 @@ import heapq
 import math
 
 from remat._errors import RematValueError, message
-from remat.planner.problem import Chain, Problem, Schedule, Solution
-from remat.planner.solvers.bounds import require
+from remat.planner.bounds import require
+from remat.planner.cost_model import schedule_cost, solution
+from remat.planner.single_level import chain_segments, closure, dag_from_saved
 from remat.planner.solvers.registry import register
-from remat.planner.solvers.simulate import chain_segments, closure, graph_from_saved, simulate, solution
+from remat.planner.types import Chain, Problem, Schedule, Solution
 
 __all__ = ["GreedyFailed", "solve"]
 
@@ -43,7 +44,7 @@ def solve(problem: Problem, budget_bytes: int) -> Solution:
     def build(out: set[int]) -> Schedule:
         if isinstance(problem, Chain):
             return chain_segments(problem, [(k, k + 1) for k in out])
-        return graph_from_saved(problem, set(candidates) - out)
+        return dag_from_saved(problem, set(candidates) - out)
 
     def gain(c: int) -> int:
         return problem.stages[c].saved_bytes if isinstance(problem, Chain) else problem.nodes[c].bytes
@@ -59,10 +60,10 @@ def solve(problem: Problem, budget_bytes: int) -> Solution:
     saved = set(candidates)
     queue = [(-ratio(c), c) for c in candidates]
     heapq.heapify(queue)
-    sim = simulate(problem, build(dropped))
-    lowest = sim.peak_bytes
+    cost = schedule_cost(problem, build(dropped))
+    lowest = cost.peak_bytes
     batch: list[int] = []
-    while sim.peak_bytes > budget_bytes:
+    while cost.peak_bytes > budget_bytes:
         if not queue:
             raise GreedyFailed(
                 message(
@@ -73,7 +74,7 @@ def solve(problem: Problem, budget_bytes: int) -> Solution:
                 )
             )
         batch, freed = [], 0
-        while queue and freed < sim.peak_bytes - budget_bytes:
+        while queue and freed < cost.peak_bytes - budget_bytes:
             _, c = heapq.heappop(queue)
             fresh = -ratio(c)
             if queue and fresh > queue[0][0]:  # dearer than it was: re-rank
@@ -82,13 +83,13 @@ def solve(problem: Problem, budget_bytes: int) -> Solution:
             batch.append(c)
             dropped.add(c)
             freed += gain(c)
-        sim = simulate(problem, build(dropped))
-        lowest = min(lowest, sim.peak_bytes)
+        cost = schedule_cost(problem, build(dropped))
+        lowest = min(lowest, cost.peak_bytes)
     for c in reversed(batch):
-        trial = simulate(problem, build(dropped - {c}))
-        if trial.peak_bytes <= budget_bytes and trial.total_cost <= sim.total_cost:
+        trial = schedule_cost(problem, build(dropped - {c}))
+        if trial.peak_bytes <= budget_bytes and trial.total_cost <= cost.total_cost:
             dropped.discard(c)
-            sim = trial
+            cost = trial
     kind = "stages" if isinstance(problem, Chain) else "saved nodes"
     note = f"{len(dropped)} of {len(candidates)} {kind} recomputed"
     return solution(problem, build(dropped), "greedy", budget_bytes, None, note)

@@ -1,14 +1,14 @@
-"""Checkmate's MILP on a Graph: the optimal recomputation plan for a DAG at a byte budget.
+"""Checkmate's MILP on a Dag: the optimal recomputation plan for a DAG at a byte budget.
 
 Why an MILP where a chain has a DP: a DAG with skip connections (U-Net, DenseNet, attention's
 residuals) has no stage order to recurse on, and Checkmate (Jain et al., 2020) shows the exact
 problem is a compact integer program that a good solver handles for graphs of tens to a few hundred
 nodes. This one is solved by HiGHS through ``scipy.optimize.milp`` with a time limit; the reported
 gap is HiGHS's MIP gap. Larger graphs are coarsened first (``coarsen``), so the plan is optimal for
-the coarsened graph.
+the coarsened DAG.
 
-NOTE [graph MILP] Stages t = 0..T-1 (T = n forward stages + one per backward step), as in NOTE
-[graph model]. Binaries R[t,i] (compute node i in stage t; R[t,t] = 1 for t < n, no node after t in a
+NOTE [DAG MILP] Stages t = 0..T-1 (T = n forward stages + one per backward step), as in NOTE
+[DAG model]. Binaries R[t,i] (compute node i in stage t; R[t,t] = 1 for t < n, no node after t in a
 forward stage), S[t,i] (node i in memory at the start of stage t), FREE[t,i,k] (free i right after
 computing k in stage t). Rows:
 - deps: R[t,k] <= R[t,d] + S[t,d]; a backward step's reads: R[t,r] + S[t,r] >= 1;
@@ -18,8 +18,8 @@ computing k in stage t). Rows:
   value the stage's backward step reads is not freed before it;
 - memory: U[t,0] = live_bytes(t) + sum_i S[t,i] m_i + R[t,0] m_0,
   U[t,k] = U[t,k-1] - sum_i m_i FREE[t,i,k-1] + R[t,k] m_k, and U[t,k] <= budget.
-The samples U[t,k] are exactly the simulator's (a U[t,k] with k not computed equals the memory just
-before the next sample), so the MILP's peak is the simulated peak. Objective: total compute.
+The samples U[t,k] are exactly the cost model's (a U[t,k] with k not computed equals the memory just
+before the next sample), so the MILP's peak is the cost model's peak. Objective: total compute.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from remat._errors import RematValueError, message
-from remat.planner.problem import Graph, GraphSchedule, GraphStage, Solution, coarsen
-from remat.planner.solvers.registry import below_minimum, register
-from remat.planner.solvers.simulate import lower_bound, simulate, solution
+from remat.planner.bounds import below_minimum, lower_bound
+from remat.planner.cost_model import schedule_cost, solution
+from remat.planner.lowering import coarsen
+from remat.planner.solvers.registry import register
+from remat.planner.types import Dag, DagSchedule, DagStage, Solution
 
 __all__ = ["solve"]
 
@@ -42,11 +44,11 @@ Linear = tuple[dict[int, float], float]  # {column: coefficient}, constant
 
 @dataclass
 class _Model:
-    """The MILP of NOTE [graph MILP] for one graph, as columns and rows for ``scipy.optimize.milp``.
+    """The MILP of NOTE [DAG MILP] for one DAG, as columns and rows for ``scipy.optimize.milp``.
     R[t,i] and S[t,i] exist only where node i can still be of use (it or a descendant is computed
     or read at stage t or later); elsewhere they are 0, and R[t,t] of a forward stage is 1."""
 
-    graph: Graph
+    dag: Dag
     cost: list[float] = field(default_factory=list)
     integer: list[int] = field(default_factory=list)
     upper: list[float] = field(default_factory=list)
@@ -76,7 +78,7 @@ class _Model:
 
     def build(self, scale: float) -> None:
         """Columns and rows, bytes divided by ``scale``; R's cost is the node's compute."""
-        g, n = self.graph, len(self.graph.nodes)
+        g, n = self.dag, len(self.dag.nodes)
         stages = n + len(g.backward)
         ancestors: list[set[int]] = []
         for i, node in enumerate(g.nodes):
@@ -126,7 +128,7 @@ class _Model:
 
     def _memory(self, t: int, span: int, reads: set[int], scale: float) -> None:
         """U rows of stage t: one sample per node that may be computed, and one at the backward step."""
-        g, n = self.graph, len(self.graph.nodes)
+        g, n = self.dag, len(self.dag.nodes)
         live = g.backward[t - n].live_bytes if t >= n else 0
         state: Linear = ({}, live / scale)
         for i in range(span):
@@ -160,7 +162,7 @@ class _Model:
 
     def run(
         self, limit: float | None, time_limit: float, gap: float
-    ) -> tuple[GraphSchedule | None, float, int, float]:
+    ) -> tuple[DagSchedule | None, float, int, float]:
         """Solve with U <= ``limit`` (scaled), or minimizing the peak when ``limit`` is None.
         Returns the schedule (None when none was found), the MIP gap, scipy's status and the
         objective's dual bound."""
@@ -195,8 +197,8 @@ class _Model:
         x = np.round(result.x).astype(int)
         return self._schedule(x), float(getattr(result, "mip_gap", 0.0) or 0.0), result.status, bound
 
-    def _schedule(self, x: np.ndarray) -> GraphSchedule:
-        n, stages = len(self.graph.nodes), len(self.graph.nodes) + len(self.graph.backward)
+    def _schedule(self, x: np.ndarray) -> DagSchedule:
+        n, stages = len(self.dag.nodes), len(self.dag.nodes) + len(self.dag.backward)
         out = []
         for t in range(stages):
             compute = tuple(
@@ -204,8 +206,8 @@ class _Model:
             )
             alive = {i for i in range(n) if (t, i) in self.s and x[self.s[t, i]]} | set(compute)
             kept = {i for i in range(n) if (t + 1, i) in self.s and x[self.s[t + 1, i]]}
-            out.append(GraphStage(compute, tuple(sorted(alive - kept))))
-        return GraphSchedule(tuple(out))
+            out.append(DagStage(compute, tuple(sorted(alive - kept))))
+        return DagSchedule(tuple(out))
 
 
 def _sum(
@@ -222,44 +224,44 @@ def _sum(
     return coefs, const
 
 
-@register("milp", "Checkmate MILP on a graph (HiGHS), optimal up to its reported gap", (Graph,))
+@register("milp", "Checkmate MILP on a DAG (HiGHS), optimal up to its reported gap", (Dag,))
 def solve(
-    graph: Graph,
+    dag: Dag,
     budget_bytes: int,
     *,
     time_limit: float = 60.0,
     mip_rel_gap: float = 1e-4,
     max_nodes: int = 20,
 ) -> Solution:
-    """The cheapest schedule of ``graph`` (coarsened to ``max_nodes`` first) whose peak fits
-    ``budget_bytes``, within ``time_limit`` seconds and ``mip_rel_gap`` (see NOTE [graph MILP])."""
+    """The cheapest schedule of ``dag`` (coarsened to ``max_nodes`` first) whose peak fits
+    ``budget_bytes``, within ``time_limit`` seconds and ``mip_rel_gap`` (see NOTE [DAG MILP])."""
     notes = []
-    coarsened = len(graph.nodes) > max_nodes
+    coarsened = len(dag.nodes) > max_nodes
     if coarsened:
-        size = len(graph.nodes)
-        graph = coarsen(graph, max_nodes)
-        notes.append(f"coarsened from {size} to {len(graph.nodes)} nodes; decisions are per block")
-    model = _Model(graph)
+        size = len(dag.nodes)
+        dag = coarsen(dag, max_nodes)
+        notes.append(f"coarsened from {size} to {len(dag.nodes)} nodes; decisions are per block")
+    model = _Model(dag)
     model.build(float(budget_bytes))
-    if budget_bytes < lower_bound(graph)[0]:
-        raise _infeasible(model, graph, budget_bytes, time_limit, coarsened)  # skip the slow proof
+    if budget_bytes < lower_bound(dag)[0]:
+        raise _infeasible(model, dag, budget_bytes, time_limit, coarsened)  # skip the slow proof
     limit = float(budget_bytes)
     for _ in range(3):
         schedule, gap, status, _ = model.run(limit / budget_bytes, time_limit, mip_rel_gap)
         if schedule is None:
             if status == 2:
-                raise _infeasible(model, graph, budget_bytes, time_limit, coarsened)
+                raise _infeasible(model, dag, budget_bytes, time_limit, coarsened)
             raise RematValueError(
                 message(
                     "plan",
                     "the MILP found no plan within its time limit",
-                    f"time_limit={time_limit} s, {len(graph.nodes)} nodes",
+                    f"time_limit={time_limit} s, {len(dag.nodes)} nodes",
                     "raise time_limit, lower max_nodes, or use solver='greedy'",
                 )
             )
         verdict = "optimal" if status == 0 else "stopped at the time limit"
         notes.append(f"HiGHS {verdict}, MIP gap {gap:.2e}")
-        result = solution(graph, schedule, "milp", budget_bytes, gap, "; ".join(notes))
+        result = solution(dag, schedule, "milp", budget_bytes, gap, "; ".join(notes))
         if result.predicted_peak_bytes <= budget_bytes:
             return result
         # HiGHS's feasibility tolerance let a schedule a few bytes over through: tighten and retry
@@ -275,25 +277,23 @@ def solve(
     )
 
 
-def _infeasible(
-    model: _Model, graph: Graph, budget: int, time_limit: float, coarsened: bool
-) -> RematValueError:
-    """The error for a budget the graph cannot fit, with its smallest peak: exact when the
-    peak-minimizing MILP solves, else a bound. A coarsened graph's minimum is not the step's (its
+def _infeasible(model: _Model, dag: Dag, budget: int, time_limit: float, coarsened: bool) -> RematValueError:
+    """The error for a budget the DAG cannot fit, with its smallest peak: exact when the
+    peak-minimizing MILP solves, else a bound. A coarsened DAG's minimum is not the step's (its
     blocks are all-or-nothing), so that error says to coarsen less instead."""
     schedule, _, status, bound = model.run(None, time_limit, 0.0)
     if schedule is not None and status == 0:
-        sim = simulate(graph, schedule)
-        minimum, where, exact = sim.peak_bytes, sim.peak_at, True
+        cost = schedule_cost(dag, schedule)
+        minimum, where, exact = cost.peak_bytes, cost.peak_at, True
     else:
-        minimum, where = lower_bound(graph)
+        minimum, where = lower_bound(dag)
         minimum, exact = max(minimum, int(np.ceil(bound * budget - 1e-6))), False
     if not coarsened:
         return below_minimum(budget, minimum, where, exact)
     return RematValueError(
         message(
             "plan",
-            f"the graph coarsened to {len(graph.nodes)} blocks cannot fit the budget",
+            f"the DAG coarsened to {len(dag.nodes)} blocks cannot fit the budget",
             f"budget {budget} < {minimum} bytes{'' if exact else ' at least'}, needed by {where}",
             "pass a larger max_nodes (finer blocks) or use solver='greedy'",
         )

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._units import format_bytes, parse_bytes
-from remat.planner.problem import Chain, Graph, Problem, Solution
+from remat._units import parse_bytes
+from remat.planner.types import Chain, Dag, Problem, Solution
 
-__all__ = ["Solver", "below_minimum", "get", "names", "register"]
+__all__ = ["Solver", "get", "names", "register"]
 
 SolveFunction = Callable[..., Solution]
 
@@ -76,7 +76,7 @@ _SOLVERS: dict[str, Solver] = {}
 
 
 def register(
-    name: str, summary: str, problems: tuple[type, ...] = (Chain, Graph)
+    name: str, summary: str, problems: tuple[type, ...] = (Chain, Dag)
 ) -> Callable[[SolveFunction], SolveFunction]:
     """Decorator: make the function a solver known as ``name``."""
 
@@ -102,17 +102,3 @@ def get(name: str) -> Solver:
         raise RematValueError(
             message("plan", "unknown solver", f"got {name!r}", f"use one of {', '.join(names())}")
         ) from None
-
-
-def below_minimum(budget: int, minimum: int, where: str, exact: bool = True) -> RematValueError:
-    """The error for a budget no plan fits: the smallest feasible peak (or, when only a bound is
-    known, a peak no plan can beat) and the stage or op that needs it."""
-    figure = f"the minimum is {minimum} bytes" if exact else f"the minimum is at least {minimum} bytes"
-    return RematValueError(
-        message(
-            "plan",
-            "budget below the smallest feasible peak",
-            f"budget {budget} < {minimum} bytes, {format_bytes(minimum)}",
-            f"{figure} (needed by {where})",
-        )
-    )

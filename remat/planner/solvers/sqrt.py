@@ -2,9 +2,9 @@
 
 Why keep a rule that ignores the budget: it is what most users run (``checkpoint_sequential`` with
 sqrt(n) segments), so a plan is only worth its solve time if it beats this one. The stages (chain)
-or forward nodes in index order (graph) are cut into ~sqrt(n) equal segments; every segment but the
-last is checkpointed: only its input (chain) or its last node (graph) is kept, and the rest is
-recomputed before its backward. Its peak and cost are simulated under the same model as the other
+or forward nodes in index order (DAG) are cut into ~sqrt(n) equal segments; every segment but the
+last is checkpointed: only its input (chain) or its last node (DAG) is kept, and the rest is
+recomputed before its backward. Its peak and cost come from the same cost model as the other
 solvers'; when they do not fit the budget it says so rather than return a plan that does not fit.
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 
 from remat._errors import RematValueError, message
-from remat.planner.problem import Chain, Problem, Schedule, Solution
-from remat.planner.solvers.bounds import require
+from remat.planner.bounds import require
+from remat.planner.cost_model import solution
+from remat.planner.single_level import chain_segments, dag_from_saved
 from remat.planner.solvers.registry import register
-from remat.planner.solvers.simulate import chain_segments, graph_from_saved, solution
+from remat.planner.types import Chain, Problem, Schedule, Solution
 
 __all__ = ["solve", "split"]
 
@@ -40,7 +41,7 @@ def solve(problem: Problem, budget_bytes: int, *, segments: int | None = None) -
     else:
         parts, kind = split(len(problem.nodes), segments), "nodes"
         kept = {end - 1 for _, end in parts[:-1]} | {i for i in problem.saved if i >= parts[-1][0]}
-        schedule = graph_from_saved(problem, kept)
+        schedule = dag_from_saved(problem, kept)
     note = f"{len(parts)} segments of ~{parts[-1][1] / len(parts):.1f} {kind}"
     result = solution(problem, schedule, "sqrt", budget_bytes, None, note)
     if result.predicted_peak_bytes > budget_bytes:

@@ -6,12 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
+from plans import trace_with_fixed_costs
 
 from remat import Plan
 from remat.cli import main
 
 
-def test_plan_explains_and_saves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_explains_and_saves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace_with_fixed_costs(monkeypatch)  # which plan auto picks (chain's) must not depend on op timings
     path = tmp_path / "plan.json"
     args = ["plan", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "16", "--budget", "0.8"]
     assert main([*args, "--save", str(path)]) == 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat.planner.predict import RegionOps, predict
+from remat.planner.predict import predict
+from remat.planner.region_model import RegionOps
 from remat.trace.builder import TraceBuilder
 from remat.trace.types import Phase, Trace
 

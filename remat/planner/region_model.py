@@ -1,0 +1,196 @@
+"""NOTE [region model] per region, as data: what a plan's regions keep, drop, replay and hold.
+
+Why apart from the walk over the step (``remat.planner.predict``): these are the facts of the
+plan, read off the trace once before any memory is counted, each by one step with one question:
+what each region keeps (``kept_values``), hands autograd a handle for and drops early
+(``region_targets``), where it replays (``replay_points``) and what its replay runs and what its
+plan holds (``replay_ops``). ``predict`` adds the tapes' holds and walks the events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.trace.types import Phase, Trace
+
+__all__ = [
+    "RegionOps",
+    "RegionPlans",
+    "StepFacts",
+    "kept_values",
+    "region_targets",
+    "replay_ops",
+    "replay_points",
+    "step_facts",
+]
+
+
+@dataclass(frozen=True)
+class RegionOps:
+    """A region in trace op indices: its forward ops (in order) and those whose outputs it keeps."""
+
+    ops: tuple[int, ...]
+    save: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What every step reads of the trace: each tensor's storage (``root``), each op's cost, the
+    storages autograd saved, each storage's forward readers and maker, each op's region."""
+
+    root: list[int]
+    cost: list[float]
+    saved_roots: set[int]
+    readers: dict[int, list[int]]
+    maker: dict[int, int]
+    region_of: dict[int, int]
+
+    def region_made(self, r: int) -> int | None:
+        """The region of the op that made storage ``r``, if any."""
+        return self.region_of.get(self.maker.get(r, -1))
+
+
+@dataclass(frozen=True)
+class RegionPlans:
+    """Per region (NOTE [region model]): what it keeps, what autograd saved while it recorded
+    (``packed``), its replay plan's targets (``planned``) and those a backward op reads, which it
+    replays (``targets``), the ops its replay runs (``need``) and what its plan holds."""
+
+    kept: list[set[int]]
+    packed: list[set[int]]
+    planned: list[set[int]]
+    targets: list[set[int]]
+    need: list[set[int]]
+    held_by_plan: list[set[int]]
+
+
+def step_facts(trace: Trace, regions: Sequence[RegionOps]) -> StepFacts:
+    tensors = trace.tensors
+    root = [trace.root(t.id) for t in tensors]
+    use_measured = trace.total_cost > 0
+    cost = [op.cost if use_measured else op.est_cost for op in trace.ops]
+    readers: dict[int, list[int]] = {}
+    maker: dict[int, int] = {}
+    for op in trace.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        for t in op.inputs:
+            readers.setdefault(root[t], []).append(op.index)
+        for t in op.outputs:
+            if tensors[t].alias_of is None and not tensors[t].constant:
+                maker.setdefault(t, op.index)
+    region_of = {i: g for g, region in enumerate(regions) for i in region.ops}
+    return StepFacts(root, cost, {root[t] for t in trace.saved}, readers, maker, region_of)
+
+
+def kept_values(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts) -> list[set[int]]:
+    """What each region keeps: outputs of its SAVE ops that no later op of the region writes."""
+    root = facts.root
+    written: set[int] = set()  # roots an op of their own region writes in place
+    for op in trace.ops:
+        g = facts.region_of.get(op.index, -1)
+        for t in op.mutates:
+            if g >= 0 and facts.region_made(root[t]) == g:
+                written.add(root[t])
+    kept: list[set[int]] = [set() for _ in regions]
+    for g, region in enumerate(regions):
+        for i in region.save:
+            for t in trace.ops[i].outputs:
+                r = root[t]
+                if facts.maker.get(r) == i and r not in written:  # writers come after the maker
+                    kept[g].add(r)
+    return kept
+
+
+def region_targets(
+    trace: Trace, regions: Sequence[RegionOps], facts: StepFacts, kept: list[set[int]]
+) -> tuple[list[set[int]], list[set[int]], dict[int, list[int]]]:
+    """Per region its targets and what autograd saved while it recorded; and by forward op, the
+    dropped targets that die after it."""
+    # A save at position p (NOTE in ``Trace``) is in region g's tape when first < p <= last.
+    window: dict[int, int] = {}
+    for g, region in enumerate(regions):
+        for p in range(region.ops[0] + 1, region.ops[-1] + 1) if region.ops else ():
+            window[p] = g
+    packed: list[set[int]] = [set() for _ in regions]  # roots saved while the region records
+    held_by_autograd: set[int] = set()  # roots some save holds as in the plain step
+    for t, p in trace.saved_at:
+        r = facts.root[t]
+        g = window.get(p, -1)
+        if g >= 0:
+            packed[g].add(r)
+        if g < 0 or r in kept[g] or facts.region_made(r) != g:
+            held_by_autograd.add(r)
+    targets: list[set[int]] = [set() for _ in regions]
+    drop_after: dict[int, list[int]] = {}
+    readers = facts.readers
+    for r in facts.saved_roots:
+        made_in = facts.region_made(r)
+        if made_in is None or r in kept[made_in]:
+            continue
+        g = made_in
+        if trace.saved_at:
+            if r not in packed[g]:
+                continue
+            dropped_early = r not in held_by_autograd
+        else:  # when saves are not placed: those by an op of the region that reads the tensor
+            inside = [i for i in readers.get(r, ()) if facts.region_of.get(i) == g]
+            if facts.maker[r] == regions[g].ops[-1] or (not inside and readers.get(r)):
+                continue
+            dropped_early = all(facts.region_of.get(i) == g for i in readers.get(r, ()))
+        targets[g].add(r)
+        if dropped_early:
+            drop_after.setdefault(max([facts.maker[r], *readers.get(r, ())]), []).append(r)
+    return targets, packed, drop_after
+
+
+def replay_points(trace: Trace, facts: StepFacts, targets: list[set[int]]) -> dict[int, list[int]]:
+    """By backward op, the regions replayed just before it: at the first op reading a target."""
+    replay_at: dict[int, list[int]] = {}
+    owner = {r: g for g, ts in enumerate(targets) for r in ts}
+    replayed: set[int] = set()
+    for op in trace.ops:
+        if op.phase is Phase.BACKWARD:
+            for t in op.inputs:
+                g = owner.get(facts.root[t], -1)
+                if g >= 0 and g not in replayed:
+                    replayed.add(g)
+                    replay_at.setdefault(op.index, []).append(g)
+    return replay_at
+
+
+def replay_ops(
+    trace: Trace,
+    regions: Sequence[RegionOps],
+    facts: StepFacts,
+    kept: list[set[int]],
+    planned: list[set[int]],
+) -> tuple[list[set[int]], list[set[int]]]:
+    """The ops each replay runs: those that lead to the targets, stopping at kept values and at
+    values from outside the region; and what they read of those, which the region's plan holds."""
+    root = facts.root
+    need: list[set[int]] = []
+    held_by_plan: list[set[int]] = []
+    for g, region in enumerate(regions):
+        wanted = set(planned[g])
+        ops_needed: set[int] = set()
+        outside: set[int] = set()
+        for i in reversed(region.ops):
+            op = trace.ops[i]
+            if not {root[t] for t in (*op.outputs, *op.mutates)} & wanted or any(
+                root[t] in kept[g] and facts.maker.get(root[t]) == i for t in op.outputs
+            ):
+                continue
+            ops_needed.add(i)
+            for t in op.inputs:
+                r = root[t]
+                if trace.tensors[r].constant:
+                    continue
+                if facts.region_made(r) == g and r not in kept[g]:
+                    wanted.add(r)
+                else:
+                    outside.add(r)
+        need.append(ops_needed)
+        held_by_plan.append(outside if planned[g] else set())
+    return need, held_by_plan

@@ -1,0 +1,56 @@
+"""Where a Plan recomputes: the regions of the forward's ops, and the decision for each saved tensor.
+
+Why apart from the Plan: the executor (``remat.planner.execute``), the table (``remat.planner.explain``)
+and the search (``remat.planner.search``) read these parts of a plan, and the Plan itself calls the
+first two; holding the parts here lets every arrow point one way (plan -> execute, explain ->
+regions). Positions are those of ``Plan.ops``: an op's place among the ops the model's forward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat._units import format_bytes
+from remat.policy import Decision
+
+__all__ = ["Region", "TensorDecision"]
+
+
+@dataclass(frozen=True)
+class TensorDecision:
+    """One tensor autograd saves for backward: made by forward op ``op`` (a position in
+    ``Plan.ops``) in ``module``; SAVE (kept from the forward) or RECOMPUTE (made again in
+    backward), and why."""
+
+    op: int
+    op_name: str
+    module: str
+    nbytes: int
+    action: Decision
+    reason: str
+
+    def __str__(self) -> str:
+        size = format_bytes(self.nbytes)
+        return f"op {self.op} {self.op_name} ({self.module}), {size}: {self.action.value} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Region:
+    """Forward ops ``first`` .. ``last`` (positions, inclusive) run as one recomputed region:
+    what autograd saves inside it is dropped after the forward and replayed from the region's
+    inputs at its first use in backward, except the outputs of the ops in ``save``."""
+
+    name: str
+    first: int
+    last: int
+    save: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "save", frozenset(self.save))
+
+    def __contains__(self, position: object) -> bool:
+        return isinstance(position, int) and self.first <= position <= self.last
+
+    def __str__(self) -> str:
+        kept = f", keeps {len(self.save)} op outputs" if self.save else ""
+        return f"{self.name}: ops {self.first}-{self.last}{kept}"
