@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup demo test lint bench-manual clean
+.PHONY: setup demo test check-cuda lint bench-manual clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a machine with a GPU: every CUDA-marked test, then a short run of every form on CUDA.
+check-cuda: setup
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make check-cuda: no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine with a CUDA build of torch (TORCH_SPEC)')"
+	$(PY) -m pytest $(PYTEST_ARGS) -m cuda -rs
+	$(PY) benchmarks/cuda/run.py
 
 lint: setup
 	$(PY) -m ruff check remat tests benchmarks
