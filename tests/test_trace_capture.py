@@ -1,5 +1,5 @@
 """remat.trace.capture: what a captured step records (tensors, aliases, mutations, phases, modules,
-saved tensors, releases) and that replaying it gives the memory remat.memory.track measures."""
+saved tensors, releases) and that its liveness gives the memory remat.memory.track measures."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import remat
 from remat.trace import Op, Phase, Release, Trace, capture
-from remat.trace.replay import live_bytes
+from remat.trace.liveness import live_bytes
 
 
 def _op(trace: Trace, name: str, nth: int = 0) -> Op:
@@ -121,7 +121,7 @@ def test_measured_costs_are_positive_on_real_tensors() -> None:
 
 
 @pytest.mark.parametrize("optimizer", [None, "sgd"])
-def test_replay_follows_memory_track_op_by_op(optimizer: str | None) -> None:
+def test_liveness_follows_memory_track_op_by_op(optimizer: str | None) -> None:
     # remat.memory.track counts the same storages; with the capture's saved-tensor hooks installed
     # the two see the same ops, so the whole timeline must agree, not only the peak.
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def test_hooks_are_removed_even_when_the_step_fails() -> None:
 
 def test_scratch_is_what_the_allocator_sees_beyond_the_tensors() -> None:
     # A CPU convolution unfolds or reorders its input in buffers it frees before returning: no
-    # tensor of the trace, but memory. The capture measures it per op, and replaying the trace
+    # tensor of the trace, but memory. The capture measures it per op, and the trace's liveness
     # then gives the peak the allocator itself reports.
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(8, 4, 7, padding=3), nn.ReLU())

@@ -67,7 +67,7 @@ class _Invalid(Exception):
 class _Checker:
     """Consistency of a trace, fed one record at a time with where it came from ("line 7", "event 3").
 
-    See NOTE [replay semantics] in ``remat.trace.replay`` for the memory model the rules protect.
+    See NOTE [liveness semantics] in ``remat.trace.liveness`` for the memory model the rules protect.
     """
 
     def __init__(self) -> None:
