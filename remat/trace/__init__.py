@@ -8,10 +8,11 @@
 
 from remat.trace import cost, liveness
 from remat.trace.capture import capture
+from remat.trace.codec import load, save
 from remat.trace.cost import DeviceProfile
-from remat.trace.format import load, save, validate
 from remat.trace.liveness import Liveness
 from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
+from remat.trace.validator import validate
 
 __all__ = [
     "DeviceProfile",

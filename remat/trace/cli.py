@@ -60,7 +60,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     from remat import zoo
     from remat.trace.capture import capture
-    from remat.trace.format import save
+    from remat.trace.codec import save
 
     console = Console(stderr=True)
     try:
@@ -109,7 +109,7 @@ def _capture(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from remat.trace.format import load
+    from remat.trace.codec import load
 
     try:
         trace = load(args.file)
