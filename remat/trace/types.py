@@ -12,6 +12,9 @@ Conventions:
   recomputed.
 - A storage is freed when every tensor sharing it has been released.
 - Costs are in seconds.
+
+The parts of a Trace (Phase, TensorInfo, Op, Release) are defined in ``remat.trace.events`` and
+re-exported here; its live bytes with no budget come from ``remat.trace.liveness``.
 """
 
 from __future__ import annotations
