@@ -30,7 +30,7 @@ import torch
 from remat import zoo
 from remat.sim import Outcome, SimResult, simulate
 from remat.trace.capture import capture
-from remat.trace.format import load, save
+from remat.trace.codec import load, save
 from remat.trace.types import Op, Trace
 
 HERE = Path(__file__).parent

@@ -21,7 +21,7 @@ import torch
 from remat import zoo
 from remat._units import format_bytes
 from remat.trace import Phase, Trace, capture, cost, load
-from remat.trace.replay import live_bytes
+from remat.trace.liveness import live_bytes
 
 GiB = 2**30
 

@@ -5,7 +5,7 @@ Why not take the solver's figures: the planner's cost model (``remat.planner.cos
 [chain model], NOTE [DAG model]) is coarse on purpose (no parameter gradients, no backward
 temporaries, one block per stage), which is what makes it fast to optimize over, but a user asks
 for a peak in bytes of the real step. This module replays the captured Trace event by event (NOTE
-[replay semantics] in ``remat.trace.replay``) and changes exactly what the executor
+[liveness semantics] in ``remat.trace.liveness``) and changes exactly what the executor
 (``remat.planner.execute``, built on ``remat.scope``'s tape) changes; it evaluates one plan of
 regions, not a schedule a solver may choose, so the two models share no code: the cost model's
 values are blocks and nodes, this one's are the trace's storages. ``remat.plan`` uses it to check,

@@ -1,6 +1,6 @@
 """What a budget is measured against: a trace's unconstrained peak, base compute and working set.
 
-The *unconstrained peak* is ``Trace.peak_bytes`` (``remat.trace.replay``): no budget, constants
+The *unconstrained peak* is ``Trace.peak_bytes`` (``remat.trace.liveness``): no budget, constants
 included, a storage freed when its last handle goes. A ratio budget is a fraction of it.
 
 The *working set* is the most memory any single op needs at its first run under the runtime's own

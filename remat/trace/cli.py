@@ -60,7 +60,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     from remat import zoo
     from remat.trace.capture import capture
-    from remat.trace.format import save
+    from remat.trace.codec import save
 
     console = Console(stderr=True)
     try:
@@ -109,7 +109,7 @@ def _capture(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from remat.trace.format import load
+    from remat.trace.codec import load
 
     try:
         trace = load(args.file)
@@ -142,7 +142,7 @@ def _summary(trace: Any, top: int) -> None:
 
     ops = trace.ops
     made_by = {t: op for op in ops for t in op.outputs}
-    replay = trace.replay
+    live = trace.liveness
     facts = Table.grid(padding=(0, 2))
     facts.add_row("trace", f"{trace.name or '-'} ({trace.source}, {trace.device})")
     phases = ", ".join(
@@ -153,10 +153,10 @@ def _summary(trace: Any, top: int) -> None:
     aliases = sum(t.alias_of is not None for t in trace.tensors)
     kinds = f"{constants:,} constants, {aliases:,} aliases, {len(trace.saved):,} saved for backward"
     facts.add_row("tensors", f"{len(trace.tensors):,} ({kinds})")
-    facts.add_row("constants", format_bytes(replay.constant_bytes))
-    peak_at = f" at op {replay.peak_op} ({ops[replay.peak_op].name})" if replay.peak_op >= 0 else ""
-    facts.add_row("unconstrained peak", f"{format_bytes(replay.peak_bytes)} with constants")
-    facts.add_row("activation peak", f"{format_bytes(replay.activation_peak_bytes)}{peak_at}")
+    facts.add_row("constants", format_bytes(live.constant_bytes))
+    peak_at = f" at op {live.peak_op} ({ops[live.peak_op].name})" if live.peak_op >= 0 else ""
+    facts.add_row("unconstrained peak", f"{format_bytes(live.peak_bytes)} with constants")
+    facts.add_row("activation peak", f"{format_bytes(live.activation_peak_bytes)}{peak_at}")
     for label, seconds in (("measured cost", trace.total_cost), ("estimated cost", trace.total_est_cost)):
         facts.add_row(label, f"{seconds * 1e3:,.3f} ms" if seconds else "- (none in the trace)")
     console = Console()

@@ -4,7 +4,7 @@ The logs are real workloads that nobody here wrote, with op times measured on a 
 yardstick for the simulator (``remat.sim``): the DTR authors published what their own simulator makes
 of them. This module turns one log into a :class:`~remat.trace.types.Trace`, keeping the program as
 it was written and leaving every runtime decision (how a mutation is served, when a dead constant may
-go) to the replaying runtime.
+go) to the runtime that runs it.
 
 The format is one JSON object per line, ``INSTRUCTION`` saying which. These are all the kinds the
 artifact's own parser (``simrd/simrd/parse/parse.py``) accepts; ``data/dtr/README.md`` has the table:

@@ -1,4 +1,4 @@
-"""remat.zoo: every model builds, its captured step replays to the measured peak, fake tensors give
+"""remat.zoo: every model builds, its captured step's liveness peaks at the measured peak, fake tensors give
 the same trace as real ones, and bad names or sizes are refused clearly."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_the_registry_lists_every_model() -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_replay_peak_equals_measured_peak(name: str) -> None:
+def test_liveness_peak_equals_measured_peak(name: str) -> None:
     # NOTE: a model's first step differs from later ones (lazy caches in transformers, batch-norm
     # counters), so both runs follow a warm-up step and start without gradients.
     model, inputs, loss_fn = zoo.build(name, tiny=True)

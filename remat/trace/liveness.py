@@ -1,10 +1,10 @@
-"""Replay a Trace with no budget: the live bytes after every op, and their peak.
+"""The liveness of a Trace with no budget: the live bytes after every op, and their peak.
 
 This is the reference every budgeted simulation is measured against (a budget ratio is a fraction
 of this peak) and the check that a capture is faithful: for a real CPU step, the activation peak
-replayed here equals what ``remat.memory.track(allocator=True)`` measured around the same step.
+computed here equals what ``remat.memory.track(allocator=True)`` measured around the same step.
 
-NOTE [replay semantics] Constants are allocated before the first event. An op allocates each
+NOTE [liveness semantics] Constants are allocated before the first event. An op allocates each
 output that owns a storage; an alias output adds a handle to its storage and allocates nothing.
 A Release drops one handle; a storage is freed when its last handle is released. Live bytes are
 sampled after each op, as ``remat.memory.track`` samples them, so a storage an op makes and the
@@ -18,17 +18,30 @@ which is what ``remat.memory.track(allocator=True)`` reports, and without scratc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from remat._units import format_bytes
-from remat.trace.types import Op, Trace
+from remat.trace.events import Event, Op, TensorInfo
 
-__all__ = ["Replay", "activation_peak_bytes", "live_bytes", "peak_bytes", "replay"]
+__all__ = ["Liveness", "activation_peak_bytes", "live_bytes", "liveness", "peak_bytes"]
+
+
+class Steps(Protocol):
+    """What liveness reads of a ``remat.trace.Trace`` (which imports this module, so it is named
+    here by its shape): its tensors and its events."""
+
+    @property
+    def tensors(self) -> Sequence[TensorInfo]: ...
+
+    @property
+    def events(self) -> Sequence[Event]: ...
 
 
 @dataclass(frozen=True)
-class Replay:
-    """Figures of one unconstrained replay. ``peak_op`` is the op at which the activation peak
+class Liveness:
+    """Figures of a trace's liveness with no budget. ``peak_op`` is the op at which the activation peak
     was first reached (-1 for a trace without ops); ``end_bytes`` is live at the end, constants
     included."""
 
@@ -40,40 +53,41 @@ class Replay:
 
     def __str__(self) -> str:
         return (
-            f"Replay(peak {format_bytes(self.peak_bytes)}, "
+            f"Liveness(peak {format_bytes(self.peak_bytes)}, "
             f"activations {format_bytes(self.activation_peak_bytes)} at op {self.peak_op}, "
             f"constants {format_bytes(self.constant_bytes)}, "
             f"end {format_bytes(self.end_bytes)})"
         )
 
 
-def live_bytes(trace: Trace) -> list[tuple[int, int]]:
+def live_bytes(trace: Steps) -> list[tuple[int, int]]:
     """``(with constants, without constants)`` live bytes after each op, in op order."""
     return _walk(trace)[0]
 
 
-def replay(trace: Trace) -> Replay:
-    """Replay ``trace`` with no budget; see NOTE [replay semantics]."""
+def liveness(trace: Steps) -> Liveness:
+    """The live bytes of ``trace`` with no budget; see NOTE [liveness semantics]. ``Trace.liveness``
+    caches it."""
     samples, constants, end = _walk(trace)
     peak_op, peak, act_peak = -1, constants, 0
     for i, (total, made) in enumerate(samples):
         peak = max(peak, total)
         if made > act_peak:
             peak_op, act_peak = i, made
-    return Replay(peak, act_peak, constants, end, peak_op)
+    return Liveness(peak, act_peak, constants, end, peak_op)
 
 
-def peak_bytes(trace: Trace) -> int:
-    """Peak live bytes of the unconstrained replay, constants included."""
-    return trace.replay.peak_bytes
+def peak_bytes(trace: Steps) -> int:
+    """Peak live bytes with no budget, constants included."""
+    return liveness(trace).peak_bytes
 
 
-def activation_peak_bytes(trace: Trace) -> int:
+def activation_peak_bytes(trace: Steps) -> int:
     """Peak live bytes of the storages the step made, constants excluded."""
-    return trace.replay.activation_peak_bytes
+    return liveness(trace).activation_peak_bytes
 
 
-def _walk(trace: Trace) -> tuple[list[tuple[int, int]], int, int]:
+def _walk(trace: Steps) -> tuple[list[tuple[int, int]], int, int]:
     """The per-op samples, the constants' bytes at the start, and the live bytes at the end."""
     # alias_of always names an earlier tensor (the validator checks it), so one pass resolves chains.
     roots = list(range(len(trace.tensors)))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,6 +98,20 @@ def test_profiles() -> None:
         cost.profile("tpu")
 
 
-def test_calibrate_measures_this_machine() -> None:
+def test_calibrate_turns_the_timed_runs_into_a_roofline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fixed clock, not this machine's: with repeats=2, two 1024x1024 matmuls of 2 ms each, two
+    # copies of 2**24 floats of 10 ms each, then fifty one-element adds of 1 µs each.
+    runs = iter([2e-3] * 2 + [1e-2] * 2 + [1e-6] * 50)
+    now, calls = [0.0], itertools.count()
+
+    def clock() -> float:  # read twice around each run: at its start, then at its end
+        if next(calls) % 2:
+            now[0] += next(runs)
+        return now[0]
+
+    monkeypatch.setattr(cost, "time", SimpleNamespace(perf_counter=clock))
     dev = cost.calibrate("cpu", repeats=2)
-    assert dev.flops > 1e8 and dev.bandwidth > 1e8 and 0 < dev.overhead < 1e-2
+    assert dev.name == "calibrated-cpu"
+    assert dev.flops == pytest.approx(2 * 1024**3 / (2e-3 - 1e-6))
+    assert dev.bandwidth == pytest.approx(2 * 4 * 2**24 / (1e-2 - 1e-6))
+    assert dev.overhead == pytest.approx(1e-6)

@@ -1,9 +1,9 @@
-"""remat.trace.replay: the unconstrained replay of hand-made traces (see NOTE [replay semantics])."""
+"""remat.trace.liveness: the live bytes of hand-made traces with no budget (see NOTE [liveness semantics])."""
 
 from __future__ import annotations
 
 from remat.trace import Op, Release, TensorInfo, Trace
-from remat.trace.replay import activation_peak_bytes, live_bytes, peak_bytes, replay
+from remat.trace.liveness import activation_peak_bytes, live_bytes, liveness, peak_bytes
 
 
 def _trace(tensors: list[TensorInfo], events: list[Op | Release]) -> Trace:
@@ -16,7 +16,7 @@ def test_constants_count_from_the_start_and_outputs_after_their_op() -> None:
         [Op(0, "a", (0,), (1,)), Op(1, "b", (1,), (2,)), Release(1), Op(2, "c", (2,), ()), Release(2)],
     )
     assert live_bytes(trace) == [(110, 10), (130, 30), (120, 20)]
-    r = replay(trace)
+    r = liveness(trace)
     assert (r.peak_bytes, r.activation_peak_bytes, r.constant_bytes, r.end_bytes, r.peak_op) == (
         130,
         30,
@@ -49,7 +49,7 @@ def test_an_alias_keeps_its_storage_until_every_handle_is_released() -> None:
         ],
     )
     assert [made for _, made in live_bytes(trace)] == [64, 64, 64, 64, 0]
-    assert trace.replay.end_bytes == 8
+    assert trace.liveness.end_bytes == 8
 
 
 def test_a_released_constant_frees_its_bytes_but_not_the_activation_count() -> None:
@@ -63,5 +63,5 @@ def test_a_released_constant_frees_its_bytes_but_not_the_activation_count() -> N
 
 def test_an_empty_trace() -> None:
     trace = _trace([TensorInfo(0, 5, constant=True)], [])
-    r = trace.replay
+    r = trace.liveness
     assert (r.peak_bytes, r.activation_peak_bytes, r.end_bytes, r.peak_op) == (5, 0, 5, -1)

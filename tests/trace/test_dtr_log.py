@@ -11,7 +11,7 @@ import pytest
 from remat.trace import Op, Phase, Release, TensorInfo, load, validate
 from remat.trace.dtr_log import load_dtr_log, looks_like_dtr_log
 
-LOGS = Path(__file__).resolve().parents[1] / "data" / "dtr"
+LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
 NAMES = ("resnet32-56", "transformer-10", "lstm-128")
 
 

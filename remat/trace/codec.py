@@ -1,4 +1,4 @@
-"""The trace file format (JSON Lines, versioned): write, read and validate.
+"""The trace file format (JSON Lines, versioned): write and read.
 
 One JSON object a line, so that a trace can be streamed, diffed, grepped and cut by hand, and so
 that every error names the line at fault. The layout (docs/trace-format.md has the full
@@ -11,11 +11,10 @@ program order::
     {"op": 0, "name": "aten.t.default", "inputs": [0], "outputs": [1], "phase": "forward"}
     {"release": 1}
 
-Reading validates everything (``_Checker``): types and fields, ids, and that the events make a
-possible program: nothing is read before it is made or after it is released, nothing is made or
-released twice. ``validate`` applies the same checks to a Trace built in memory (an importer's),
-``save`` refuses to write a trace that would not read back, and ``load`` also reads a DTR op log
-through ``remat.trace.dtr_log``.
+Reading decodes each line (types and fields, here) and checks it as it comes with
+``remat.trace.validator`` (ids, and that the events make a possible program); ``save`` refuses to
+write a trace that would not read back, and ``load`` also reads a DTR op log through
+``remat.trace.dtr_log``.
 """
 
 from __future__ import annotations
@@ -23,15 +22,15 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import math
 import os
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from remat._errors import RematValueError, message
 from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
+from remat.trace.validator import Checker, Invalid, checked
 
-__all__ = ["FORMAT", "VERSION", "load", "save", "validate"]
+__all__ = ["FORMAT", "VERSION", "load", "save"]
 
 FORMAT = "remat-trace"
 VERSION = 1
@@ -55,181 +54,9 @@ _HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "e
 _PHASES = {p.value: p for p in Phase}
 
 
-class _Invalid(Exception):
-    """A check failed: ``rule`` (general) and ``detail`` (this record)."""
-
-    def __init__(self, rule: str, detail: str) -> None:
-        super().__init__(rule, detail)
-        self.rule = rule
-        self.detail = detail
-
-
-class _Checker:
-    """Consistency of a trace, fed one record at a time with where it came from ("line 7", "event 3").
-
-    See NOTE [replay semantics] in ``remat.trace.replay`` for the memory model the rules protect.
-    """
-
-    def __init__(self) -> None:
-        self.tensors: list[TensorInfo] = []
-        self.where: list[str] = []  # per tensor: where it was declared
-        self.made: dict[int, str] = {}  # tensor -> where it came to exist
-        self.released: dict[int, str] = {}  # tensor -> where it was released
-        self.roots: list[int] = []
-        self.handles: list[int] = []  # per root: live handles of its storage
-        self.ops = 0
-
-    def tensor(self, t: TensorInfo, where: str) -> None:
-        n = len(self.tensors)
-        if t.id < n:
-            raise _Invalid(
-                "tensor ids must be unique", f"duplicate tensor id {t.id}, first at {self.where[t.id]}"
-            )
-        if t.id != n:
-            raise _Invalid(
-                "tensor ids must be 0, 1, 2, ... in order", f"tensor {t.id} where {n} was expected"
-            )
-        if t.nbytes < 0:
-            raise _Invalid("nbytes must not be negative", f"tensor {t.id} has nbytes {t.nbytes}")
-        root = t.id
-        if t.alias_of is not None:
-            if not 0 <= t.alias_of < t.id:
-                raise _Invalid(
-                    "alias_of must name an earlier tensor",
-                    f"tensor {t.id} aliases unknown tensor {t.alias_of}",
-                )
-            if t.nbytes != 0:
-                raise _Invalid(
-                    "an alias owns no bytes (its storage's owner does)",
-                    f"tensor {t.id} has nbytes {t.nbytes}",
-                )
-            if t.constant and not self.tensors[t.alias_of].constant:
-                raise _Invalid(
-                    "a constant cannot alias a tensor the step makes",
-                    f"constant {t.id} aliases non-constant {t.alias_of}",
-                )
-            root = self.roots[t.alias_of]
-        self.tensors.append(t)
-        self.where.append(where)
-        self.roots.append(root)
-        self.handles.append(0)
-        if t.constant:
-            self.made[t.id] = where
-            self.handles[root] += 1
-
-    def event(self, e: Event, where: str) -> None:
-        if isinstance(e, Release):
-            self._known(e.tensor, "a release")
-            if e.tensor not in self.made:
-                raise _Invalid("a tensor can be released only after it exists", f"tensor {e.tensor}")
-            if e.tensor in self.released:
-                raise _Invalid(
-                    "a tensor can be released only once",
-                    f"tensor {e.tensor} was already released at {self.released[e.tensor]}",
-                )
-            self.released[e.tensor] = where
-            self.handles[self.roots[e.tensor]] -= 1
-            return
-        if e.index != self.ops:
-            raise _Invalid(
-                "ops must be numbered 0, 1, 2, ... in order", f"op {e.index} where {self.ops} was expected"
-            )
-        self.ops += 1
-        if not e.name:
-            raise _Invalid("an op needs a name", f"op {e.index} has an empty name")
-        for value, label in ((e.cost, "cost"), (e.est_cost, "est_cost")):
-            if not (math.isfinite(value) and value >= 0):
-                raise _Invalid("costs must be finite and not negative", f"op {e.index} has {label} {value}")
-        if e.scratch < 0:
-            raise _Invalid("scratch bytes must not be negative", f"op {e.index} has scratch {e.scratch}")
-        if e.state < 0:
-            raise _Invalid("state bytes must not be negative", f"op {e.index} has state {e.state}")
-        for t in e.inputs:
-            self._known(t, f"op {e.index} ({e.name})")
-            if t not in self.made:
-                raise _Invalid(
-                    "an op may read only tensors that exist",
-                    f"op {e.index} ({e.name}) reads tensor {t} before it is made",
-                )
-            if t in self.released:
-                raise _Invalid(
-                    "an op may read only live tensors",
-                    f"op {e.index} ({e.name}) reads tensor {t}, released at {self.released[t]}",
-                )
-        stray = set(e.mutates) - set(e.inputs)
-        if stray:
-            raise _Invalid(
-                "an op mutates only tensors among its inputs",
-                f"op {e.index} ({e.name}) mutates {sorted(stray)}",
-            )
-        for t in e.outputs:
-            self._known(t, f"op {e.index} ({e.name})")
-            if t in self.made:
-                raise _Invalid(
-                    "a tensor is made once, by one op or as a constant",
-                    f"op {e.index} ({e.name}) makes tensor {t}, which exists since {self.made[t]}",
-                )
-            root = self.roots[t]
-            if root != t and self.handles[root] == 0:
-                raise _Invalid(
-                    "an alias needs a live storage",
-                    f"op {e.index} ({e.name}) makes tensor {t}, an alias of freed storage {root}",
-                )
-            self.made[t] = where
-            self.handles[root] += 1
-
-    def saved(self, ids: frozenset[int], at: tuple[tuple[int, int], ...], ops: int) -> None:
-        unknown = sorted(t for t in ids if not 0 <= t < len(self.tensors))
-        if unknown:
-            raise _Invalid("saved tensors must be known tensors", f"unknown ids {unknown[:10]}")
-        missing = sorted(ids - {t for t, _ in at}) if at else []
-        if missing:
-            raise _Invalid(
-                "when saves are placed, every saved tensor needs a position",
-                f"saved tensors {missing[:10]} have no saved_at",
-            )
-        for t, position in at:
-            if t not in ids:
-                raise _Invalid("saved_at may name only saved tensors", f"tensor {t} is not saved")
-            if not 0 <= position <= ops:
-                raise _Invalid(
-                    "a save's position must be a number of ops of the trace",
-                    f"tensor {t} saved at {position}, the trace has {ops} ops",
-                )
-
-    def _known(self, t: int, who: str) -> None:
-        if not 0 <= t < len(self.tensors):
-            raise _Invalid("events may name only declared tensors", f"{who} names unknown tensor {t}")
-
-
-def validate(trace: Trace) -> Trace:
-    """Check that ``trace`` is consistent (see ``_Checker``); return it unchanged, or raise
-    ``RematValueError`` naming the tensor or event at fault."""
-    return _validate(trace, "trace.validate", trace.name or "trace")
-
-
-def _validate(trace: Trace, api: str, label: str) -> Trace:
-    checker = _Checker()
-    where = "tensor 0"
-    try:
-        for i, t in enumerate(trace.tensors):
-            where = f"tensor {i}"
-            checker.tensor(t, where)
-        for i, e in enumerate(trace.events):
-            where = f"event {i}"
-            checker.event(e, where)
-        where = "saved"
-        checker.saved(trace.saved, trace.saved_at, len(trace.ops))
-    except _Invalid as err:
-        raise RematValueError(
-            message(api, err.rule, f"{label}, {where}: {err.detail}", "fix the trace or capture it again")
-        ) from None
-    return trace
-
-
 def save(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` to ``path`` (gzip-compressed if the name ends in ``.gz``), after validating it."""
-    _validate(trace, "trace.save", trace.name or "trace")
+    checked(trace, "trace.save", trace.name or "trace")
     with _open(Path(path), "w") as f:
         header = {
             "format": FORMAT,
@@ -267,7 +94,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
     except ImportError:
         dtr_log = None  # type: ignore[assignment]
     if dtr_log is not None and dtr_log.looks_like_dtr_log(p):
-        return _validate(dtr_log.load_dtr_log(p), "trace.load", str(p))
+        return checked(dtr_log.load_dtr_log(p), "trace.load", str(p))
     raise RematValueError(
         message(
             "trace.load",
@@ -279,7 +106,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
 
 
 def _read(path: Path) -> Trace:
-    checker = _Checker()
+    checker = Checker()
     tensors: list[TensorInfo] = []
     events: list[Event] = []
     saved: set[int] = set()
@@ -297,7 +124,7 @@ def _read(path: Path) -> Trace:
                     header = _header(record)
                 elif "tensor" in record:
                     if events:
-                        raise _Invalid(
+                        raise Invalid(
                             "tensor lines must come before event lines", f"tensor {record['tensor']}"
                         )
                     t = _tensor(record)
@@ -311,21 +138,21 @@ def _read(path: Path) -> Trace:
                     checker.event(e, where)
                     events.append(e)
                 else:
-                    raise _Invalid(
+                    raise Invalid(
                         'each line after the header is a "tensor", "op" or "release"',
                         f"keys {sorted(record)}",
                     )
             where = "end of file"
             if not header:
-                raise _Invalid("the file must start with a header line", "the file is empty")
+                raise Invalid("the file must start with a header line", "the file is empty")
             checker.saved(frozenset(saved), tuple(saved_at), sum(isinstance(e, Op) for e in events))
             for key, got in (("tensors", len(tensors)), ("events", len(events))):
                 if header[key] != got:
-                    raise _Invalid(
+                    raise Invalid(
                         "the header's counts must match the file (is it truncated?)",
                         f"header announces {header[key]} {key}, the file has {got}",
                     )
-    except _Invalid as err:
+    except Invalid as err:
         raise RematValueError(
             message(
                 "trace.load",
@@ -359,7 +186,7 @@ def _dumps(record: dict[str, Any]) -> str:
 def _positions(record: dict[str, Any], tid: int) -> list[int]:
     positions = record.get("saved_at", [])
     if not (isinstance(positions, list) and all(_is_count(p) for p in positions)):
-        raise _Invalid("saved_at must be a list of op counts", f"tensor {tid} has saved_at {positions!r}")
+        raise Invalid("saved_at must be a list of op counts", f"tensor {tid} has saved_at {positions!r}")
     return positions
 
 
@@ -409,21 +236,21 @@ def _parse_line(line: str) -> dict[str, Any]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise _Invalid(
+        raise Invalid(
             "each line must be one JSON object", f"not JSON: {err.msg} at column {err.colno}"
         ) from None
     if not isinstance(record, dict):
-        raise _Invalid("each line must be one JSON object", f"got a {type(record).__name__}")
+        raise Invalid("each line must be one JSON object", f"got a {type(record).__name__}")
     return record
 
 
 def _header(record: dict[str, Any]) -> dict[str, Any]:
     if record.get("format") != FORMAT:
-        raise _Invalid(
+        raise Invalid(
             f'line 1 must be the header, with "format": "{FORMAT}"', f"format {record.get('format')!r}"
         )
     if record.get("version") != VERSION:
-        raise _Invalid(
+        raise Invalid(
             f"unsupported format version (this remat reads version {VERSION})",
             f"version {record.get('version')!r}",
         )
@@ -441,13 +268,13 @@ def _tensor(record: dict[str, Any]) -> TensorInfo:
     what = f"tensor {tid}"
     shape = record.get("shape")
     if shape is not None and not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
-        raise _Invalid("shape must be a list of non-negative integers", f"{what} has shape {shape!r}")
+        raise Invalid("shape must be a list of non-negative integers", f"{what} has shape {shape!r}")
     alias_of = record.get("alias_of")
     if alias_of is not None and not _is_count(alias_of):
-        raise _Invalid("alias_of must be a tensor id", f"{what} has alias_of {alias_of!r}")
+        raise Invalid("alias_of must be a tensor id", f"{what} has alias_of {alias_of!r}")
     dtype = record.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
-        raise _Invalid("dtype must be a string", f"{what} has dtype {dtype!r}")
+        raise Invalid("dtype must be a string", f"{what} has dtype {dtype!r}")
     return TensorInfo(
         id=tid,
         nbytes=_typed(record, "nbytes", int, what),
@@ -464,7 +291,7 @@ def _op(record: dict[str, Any]) -> Op:
     what = f"op {index}"
     phase = record.get("phase", Phase.UNKNOWN.value)
     if phase not in _PHASES:
-        raise _Invalid(f"phase must be one of {', '.join(_PHASES)}", f"{what} has phase {phase!r}")
+        raise Invalid(f"phase must be one of {', '.join(_PHASES)}", f"{what} has phase {phase!r}")
     return Op(
         index=index,
         name=_typed(record, "name", str, what),
@@ -485,14 +312,14 @@ def _release(record: dict[str, Any]) -> Release:
     _fields(record, {"release"}, "release line")
     tensor = record["release"]
     if not _is_count(tensor):
-        raise _Invalid("a release names one tensor id", f"release {tensor!r}")
+        raise Invalid("a release names one tensor id", f"release {tensor!r}")
     return Release(tensor)
 
 
 def _fields(record: dict[str, Any], allowed: set[str], what: str) -> None:
     unknown = sorted(set(record) - allowed)
     if unknown:
-        raise _Invalid(f"unknown field in a {what}", f"{', '.join(map(repr, unknown))}")
+        raise Invalid(f"unknown field in a {what}", f"{', '.join(map(repr, unknown))}")
 
 
 def _is_count(value: object) -> bool:
@@ -502,7 +329,7 @@ def _is_count(value: object) -> bool:
 def _count(record: dict[str, Any], key: str, what: str) -> int:
     value = record.get(key)
     if not _is_count(value):
-        raise _Invalid(f'"{key}" must be a non-negative integer', f"{what} has {key} {value!r}")
+        raise Invalid(f'"{key}" must be a non-negative integer', f"{what} has {key} {value!r}")
     return int(value)  # type: ignore[arg-type]
 
 
@@ -512,18 +339,18 @@ _MISSING = object()
 def _typed(record: dict[str, Any], key: str, kind: type, what: str, default: Any = _MISSING) -> Any:
     if key not in record:
         if default is _MISSING:
-            raise _Invalid(f'"{key}" is required', f"{what} has no {key}")
+            raise Invalid(f'"{key}" is required', f"{what} has no {key}")
         return default
     value = record[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _Invalid(f'"{key}" must be of type {kind.__name__}', f"{what} has {key} {value!r}")
+        raise Invalid(f'"{key}" must be of type {kind.__name__}', f"{what} has {key} {value!r}")
     return value
 
 
 def _number(record: dict[str, Any], key: str, what: str) -> float:
     value = record.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _Invalid(f'"{key}" must be a number of seconds', f"{what} has {key} {value!r}")
+        raise Invalid(f'"{key}" must be a number of seconds', f"{what} has {key} {value!r}")
     return float(value)
 
 
@@ -532,7 +359,7 @@ def _ids(record: dict[str, Any], key: str, what: str, required: bool = True) -> 
         return ()
     value = record.get(key)
     if not isinstance(value, list) or not all(_is_count(v) for v in value):
-        raise _Invalid(f'"{key}" must be a list of tensor ids', f"{what} has {key} {value!r}")
+        raise Invalid(f'"{key}" must be a list of tensor ids', f"{what} has {key} {value!r}")
     return tuple(value)
 
 

@@ -1,9 +1,11 @@
 """remat.trace.capture: what a captured step records (tensors, aliases, mutations, phases, modules,
-saved tensors, releases) and that replaying it gives the memory remat.memory.track measures."""
+saved tensors, releases) and that its liveness gives the memory remat.memory.track measures."""
 
 from __future__ import annotations
 
 import gc
+import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import remat
-from remat.trace import Op, Phase, Release, Trace, capture
-from remat.trace.replay import live_bytes
+from remat.trace import Op, Phase, Release, Trace, capture, recorder
+from remat.trace.liveness import live_bytes
 
 
 def _op(trace: Trace, name: str, nth: int = 0) -> Op:
@@ -114,14 +116,25 @@ def test_fake_tensors_have_estimated_costs_only() -> None:
     assert trace.activation_peak_bytes > 4096 * 32 * 4  # at least the hidden activations
 
 
-def test_measured_costs_are_positive_on_real_tensors() -> None:
+def test_measured_cost_is_the_median_of_the_timed_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fixed clock, not this machine's: the timed runs of an op take 1, 5 and 2 µs, in turn.
+    runs = itertools.cycle([1e-6, 5e-6, 2e-6])
+    now, calls = [0.0], itertools.count()
+
+    def clock() -> float:  # read twice around each run: at its start, then at its end
+        if next(calls) % 2:
+            now[0] += next(runs)
+        return now[0]
+
+    monkeypatch.setattr(recorder, "time", SimpleNamespace(perf_counter=clock))
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    trace = capture(lambda: a @ b, repeats=3)
-    assert all(op.cost > 0 for op in trace.ops)
+    trace = capture(lambda: a @ b, repeats=3, scratch=False)
+    assert [op.name for op in trace.ops] == ["aten.mm.default"]
+    assert trace.ops[0].cost == pytest.approx(2e-6)
 
 
 @pytest.mark.parametrize("optimizer", [None, "sgd"])
-def test_replay_follows_memory_track_op_by_op(optimizer: str | None) -> None:
+def test_liveness_follows_memory_track_op_by_op(optimizer: str | None) -> None:
     # remat.memory.track counts the same storages; with the capture's saved-tensor hooks installed
     # the two see the same ops, so the whole timeline must agree, not only the peak.
     torch.manual_seed(0)
@@ -171,7 +184,7 @@ def test_hooks_are_removed_even_when_the_step_fails() -> None:
 
 def test_scratch_is_what_the_allocator_sees_beyond_the_tensors() -> None:
     # A CPU convolution unfolds or reorders its input in buffers it frees before returning: no
-    # tensor of the trace, but memory. The capture measures it per op, and replaying the trace
+    # tensor of the trace, but memory. The capture measures it per op, and the trace's liveness
     # then gives the peak the allocator itself reports.
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(8, 4, 7, padding=3), nn.ReLU())

@@ -15,7 +15,7 @@ from torch import nn
 import remat
 from remat.trace import Op, Phase, Release, TensorInfo, Trace, capture, load, save, validate
 
-DTR_LOGS = Path(__file__).resolve().parents[1] / "data" / "dtr"
+DTR_LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
 
 GOOD = [
     '{"format":"remat-trace","version":1,"name":"t","device":"cpu","source":"test","tensors":3,"events":4}',

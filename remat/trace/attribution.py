@@ -1,0 +1,117 @@
+"""Which phase of the step and which module issued each captured op.
+
+The recorder (``remat.trace.recorder``) asks ``Attribution.where()`` at every op. Forward ops get
+the innermost module whose forward is running; backward ops get the module of the forward op that
+made the autograd node now running, stored on the node itself; ops outside any module or node get
+their phase at the end (``phases``).
+
+NOTE [phases] An op is BACKWARD while the autograd engine runs a node, OPTIMIZER inside
+``Optimizer.step``, FORWARD inside a module's forward. Other ops are FORWARD before the first
+backward op, BACKWARD up to the last one (gradient accumulation between nodes) and OPTIMIZER
+after it (gradient clipping, zero_grad).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from remat.trace.types import Phase
+
+__all__ = ["Attribution", "phases"]
+
+# Key under which a forward op's module path is stored on its autograd node, so that the backward
+# ops the node runs are attributed to the same module.
+_MODULE_KEY = "remat.trace.module"
+
+
+class Attribution:
+    """The module stack and optimizer depth of a running step, kept by global hooks."""
+
+    def __init__(self) -> None:
+        self.modules: list[str] = []
+        self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self.in_optimizer = 0
+
+    def where(self) -> tuple[Phase | None, str]:
+        """The phase and module of the op running now; phase None: decided by ``phases``."""
+        if self.in_optimizer:
+            return Phase.OPTIMIZER, self.modules[-1] if self.modules else ""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return Phase.BACKWARD, str(_metadata(node).get(_MODULE_KEY, ""))
+        if self.modules:
+            return Phase.FORWARD, self.modules[-1]
+        return None, ""
+
+    def tag_nodes(self, made_by: Iterable[tuple[torch.Tensor, str]]) -> None:
+        """Tag each tensor's autograd node with ``made_by``'s module (that of the op that made it)."""
+        # An op's outputs get their grad_fn only after the op returns, so each op tags the nodes of
+        # its inputs with the module of the op that made them.
+        for t, module in made_by:
+            node = t.grad_fn
+            if node is not None:
+                _metadata(node).setdefault(_MODULE_KEY, module)
+
+    def name_modules(self, root: nn.Module) -> None:
+        """Name ``root``'s modules by their qualified path (``root`` itself by its class)."""
+        for qualified, m in root.named_modules():
+            self.names.setdefault(m, qualified or type(root).__name__)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Follow module forwards and optimizer steps while the context is open."""
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._module_pre),
+            nn.modules.module.register_module_forward_hook(self._module_post, always_call=True),
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+            register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _module_pre(self, module: nn.Module, args: Any) -> None:
+        name = self.names.get(module)
+        if name is None:
+            if self.modules:
+                name = f"{self.modules[-1]}.{type(module).__name__}"
+            else:
+                self.name_modules(module)
+                name = self.names[module]
+        self.modules.append(name)
+
+    def _module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.modules:
+            self.modules.pop()
+
+    def _optimizer_pre(self, *args: Any) -> None:
+        self.in_optimizer += 1
+
+    def _optimizer_post(self, *args: Any) -> None:
+        self.in_optimizer -= 1
+
+
+def phases(found: Sequence[Phase | None]) -> list[Phase]:
+    """Each op's phase, in op order, from what ``where`` found: see NOTE [phases]."""
+    backward = [i for i, p in enumerate(found) if p is Phase.BACKWARD]
+    first, last = (backward[0], backward[-1]) if backward else (len(found), len(found))
+    resolved: list[Phase] = []
+    for i, p in enumerate(found):
+        if p is None:
+            p = Phase.FORWARD if i < first else Phase.BACKWARD if i < last else Phase.OPTIMIZER
+        resolved.append(p)
+    return resolved
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    # Node.metadata is a dict property at run time, typed as a method in torch's stubs.
+    return cast(dict[str, Any], node.metadata)

@@ -1,0 +1,317 @@
+"""Record one training step under a dispatch mode: every ATen op, the storages it reads, makes and
+mutates, and the moment the program lets go of each one.
+
+Why a dispatch mode and not a graph capture (torch.fx, torch.compile): what rematerialization
+trades is memory, and memory is decided by eager PyTorch itself: which tensors autograd saves,
+when its engine frees them, views, in-place ops, the optimizer's state. A TorchDispatchMode sees
+every ATen op that runs, forward, backward (the engine runs inside the mode) and optimizer alike,
+on real or fake tensors, and finalizers on storage objects say when memory dies. What an op is
+(its aliases, writes, randomness, purity) the recorder reads from ``remat.aten``; which phase and
+module issued it, from ``remat.trace.attribution``.
+
+NOTE [trace identity]
+- A storage is the unit of memory. PyTorch keeps a storage's Python object alive exactly as long as
+  the memory, so ``weakref.finalize`` on it fires when the memory is freed (as in
+  ``remat.memory``); the capture then releases every handle of that storage.
+- A TensorInfo is a handle made by an op: the first op output on a storage owns it, view outputs
+  (and outputs that share an existing storage) are aliases of the owner. Storages an op reads
+  without any op having made them existed before the step: constants.
+- Python tensor objects are no identity: autograd keeps only the C++ tensor of a saved output and
+  builds a new one when backward unpacks it. An op input is found by its TensorImpl address if
+  that still has the recorded storage and geometry, else by (storage, offset, shape, stride,
+  dtype), else it is taken as the storage's owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat import aten
+from remat._allocator import scratch_of
+from remat._scratch import known, learn, signature
+from remat.trace.attribution import Attribution, phases
+from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
+
+__all__ = ["Recorder"]
+
+
+@dataclass
+class _Storage:
+    owner: int
+    handles: list[int] = field(default_factory=list)
+    by_geometry: dict[aten.Geometry, int] = field(default_factory=dict)
+    impls: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _OpRecord:
+    name: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    mutates: tuple[int, ...]
+    cost: float
+    phase: Phase | None  # None: decided at the end, see NOTE [phases]
+    module: str
+    random: bool
+    scratch: int
+
+
+class Recorder(TorchDispatchMode):
+    """Records ops and storage deaths; see NOTE [trace identity]."""
+
+    def __init__(self, repeats: int, progress: Callable[[int], None] | None, scratch: bool = True) -> None:
+        super().__init__()
+        self.repeats = repeats
+        self.scratch = scratch
+        self.progress = progress
+        self.tensors: list[TensorInfo] = []
+        self.events: list[_OpRecord | Release] = []
+        self.storages: dict[int, _Storage] = {}
+        self.storage_key: list[int] = []
+        self.impl: dict[int, int] = {}
+        self.saved: set[int] = set()
+        self.saved_at: list[tuple[int, int]] = []
+        self.op_module: list[str] = []  # per tensor id: module path of the op that made it
+        self.attribution = Attribution()
+        self.finalizers: list[weakref.finalize] = []
+        self.device: str | None = None
+        self.fake = False
+        self.n_ops = 0
+
+    # -- tensors --------------------------------------------------------------------------------
+
+    def _new_handle(
+        self, t: torch.Tensor, key: int, nbytes: int, alias_of: int | None, constant: bool
+    ) -> int:
+        hid = len(self.tensors)
+        self.tensors.append(
+            TensorInfo(hid, nbytes, alias_of, constant, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        )
+        self.storage_key.append(key)
+        self.op_module.append("")
+        rec = self.storages[key]
+        rec.handles.append(hid)
+        rec.by_geometry[aten.geometry(t)] = hid
+        rec.impls.append(t._cdata)
+        self.impl[t._cdata] = hid
+        return hid
+
+    def _new_storage(self, t: torch.Tensor, storage: torch.UntypedStorage, constant: bool) -> int:
+        key = storage._cdata
+        self.storages[key] = _Storage(owner=len(self.tensors))
+        self.finalizers.append(weakref.finalize(storage, self._storage_died, key))
+        if self.device is None:
+            self.device = t.device.type
+            self.fake = is_fake(t)
+        return self._new_handle(t, key, storage.nbytes(), None, constant)
+
+    def _storage_died(self, key: int) -> None:
+        rec = self.storages.pop(key, None)
+        if rec is None:
+            return
+        for impl in rec.impls:
+            if self.impl.get(impl) in rec.handles:
+                del self.impl[impl]
+        self.events.extend(Release(h) for h in reversed(rec.handles))
+
+    def handle(self, t: torch.Tensor) -> int | None:
+        """The id of an existing tensor (an op input): see NOTE [trace identity]."""
+        storage = aten.storage_of(t)
+        if storage is None:
+            return None
+        key = storage._cdata
+        rec = self.storages.get(key)
+        if rec is None:
+            return self._new_storage(t, storage, constant=True)
+        geometry = aten.geometry(t)
+        hid = self.impl.get(t._cdata)
+        if hid is not None and self.storage_key[hid] == key and rec.by_geometry.get(geometry) == hid:
+            return hid
+        return rec.by_geometry.get(geometry, rec.owner)
+
+    def _output(self, t: torch.Tensor, is_view: bool) -> int | None:
+        storage = aten.storage_of(t)
+        if storage is None:
+            return None
+        key = storage._cdata
+        if key not in self.storages:
+            if not is_view:
+                return self._new_storage(t, storage, constant=False)
+            self._new_storage(t, storage, constant=True)  # a view of a storage that existed before
+        return self._new_handle(t, key, 0, self.storages[key].owner, constant=False)
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        facts = aten.facts(func)
+        if facts.skipped:
+            return func(*args, **kwargs)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        handles = [self.handle(t) for t in leaves]
+        written = [
+            (t, h)
+            for t in aten.written_tensors(facts.writes, args, kwargs)
+            if (h := self.handle(t)) is not None
+        ]
+        random = facts.random
+        pure = facts.pure  # safe to run again (NOTE [hidden writes] in ``remat.aten.schema``)
+        out, seconds = self._run(func, args, kwargs, leaves, repeat=pure)
+        scratch = self._scratch(func, args, kwargs, leaves) if pure and seconds > 0 else 0
+        for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
+            self._rebind(t, h)
+        returns = tuple(
+            (not fresh and not w, w)
+            for fresh, w in zip(facts.fresh_returns, facts.written_returns, strict=True)
+        )
+        outputs: list[int] = []
+        pairs = [(returns[0], out)] if len(returns) == 1 else zip(returns, out or (), strict=False)
+        for (is_view, is_write), result in pairs:
+            if is_write:  # returns the mutated argument itself, recorded in ``mutates``
+                continue
+            for t in tree_leaves(result):
+                if isinstance(t, torch.Tensor) and (made := self._output(t, is_view)) is not None:
+                    outputs.append(made)
+        phase, module = self.attribution.where()
+        for h in outputs:
+            self.op_module[h] = module
+        inputs = tuple(h for h in handles if h is not None)
+        mutates = tuple(dict.fromkeys(h for _, h in written))
+        self.events.append(
+            _OpRecord(str(func), inputs, tuple(outputs), mutates, seconds, phase, module, random, scratch)
+        )
+        if phase in (Phase.FORWARD, None) and torch.is_grad_enabled():
+            self.attribution.tag_nodes(
+                (t, self.op_module[h]) for t, h in zip(leaves, handles, strict=True) if h is not None
+            )
+        self.n_ops += 1
+        if self.progress is not None and self.n_ops % 256 == 0:
+            self.progress(self.n_ops)
+        return out
+
+    def _rebind(self, t: torch.Tensor, hid: int) -> None:
+        rec = self.storages.get(self.storage_key[hid])
+        if rec is not None:
+            rec.by_geometry[aten.geometry(t)] = hid
+            rec.impls.append(t._cdata)
+            self.impl[t._cdata] = hid
+
+    def _run(
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        leaves: list[torch.Tensor],
+        repeat: bool,
+    ) -> tuple[Any, float]:
+        cuda = any(t.is_cuda for t in leaves)
+        times = []
+        out = None
+        # The first call is the program's own; repeats (pure ATen ops only: no mutation, no RNG
+        # draw, no collective) run on the same inputs and their results are dropped at once.
+        for i in range(self.repeats if repeat else 1):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = func(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            if i == 0:
+                out = result
+                if any(
+                    isinstance(t, torch.Tensor) and (is_fake(t) or t.is_meta)
+                    for t in (*leaves, *tree_leaves(out))
+                ):
+                    return out, 0.0  # nothing ran: fake and meta tensors have no time
+            del result
+        return out, statistics.median(times)
+
+    def _scratch(
+        self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: list[torch.Tensor]
+    ) -> int:
+        """The bytes the op's kernel allocates and frees while it runs (``Op.scratch``), measured on
+        one more run of the op (pure ops only) under the allocator's account
+        (``remat._allocator``), once per signature: the op, its tensors' geometry and its other
+        arguments."""
+        if not self.scratch or not leaves:
+            return 0
+        key = signature(func, args, kwargs)
+        nbytes = known(key)
+        if nbytes is None:
+            measured = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
+            if measured is None:
+                return 0
+            nbytes = learn(key, measured)
+        return nbytes
+
+    # -- saved tensors, hooks, the trace ------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Saved-tensor hook: note that autograd saved ``t`` now, and keep ``t`` itself."""
+        h = self.handle(t)
+        if h is not None:
+            self.saved.add(h)
+            self.saved_at.append((h, self.n_ops))
+        return t
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Record while the context is open: this mode, the saved-tensor hook and attribution."""
+        try:
+            with (
+                self.attribution.hooks(),
+                torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t),
+                self,
+            ):
+                yield
+        finally:
+            for fin in self.finalizers:
+                fin.detach()
+
+    def trace(self, name: str) -> Trace:
+        """What was recorded, as a Trace named ``name`` (costs not yet estimated)."""
+        resolved = phases([e.phase for e in self.events if isinstance(e, _OpRecord)])
+        events: list[Op | Release] = []
+        index = 0
+        for e in self.events:
+            if isinstance(e, Release):
+                events.append(e)
+                continue
+            events.append(
+                Op(
+                    index,
+                    e.name,
+                    e.inputs,
+                    e.outputs,
+                    e.mutates,
+                    e.cost,
+                    0.0,
+                    resolved[index],
+                    e.module,
+                    e.random,
+                    e.scratch,
+                )
+            )
+            index += 1
+        source = "capture-fake" if self.fake else "capture"
+        return Trace(
+            tuple(self.tensors),
+            tuple(events),
+            frozenset(self.saved),
+            name,
+            self.device or "cpu",
+            source,
+            tuple(self.saved_at),
+        )
