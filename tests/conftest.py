@@ -1,12 +1,23 @@
-"""Shared test fixtures: a ``device`` parameter with CPU always present and CUDA when available."""
+"""Shared test fixtures: a ``device`` parameter with CPU always present and CUDA when available.
+
+Property tests draw the same examples on every run (Hypothesis' ``derandomize``), so that a test
+run's outcome never depends on chance; ``HYPOTHESIS_PROFILE=explore`` draws new ones, to search
+for counterexamples on purpose.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
