@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from remat._errors import RematValueError, message
+from remat.core import owners
 from remat.core.classes import EvictedClasses
 from remat.core.graph import NO_REUSE, Column, Graph, Record
 from remat.core.neighbourhood import Neighbourhoods
@@ -299,22 +300,22 @@ class Runtime:
                 self._allocate(storage, nbytes, end)
                 allocated += nbytes
             else:  # a by-product: an output already resident or no longer wanted
-                self._allocate(_transient(storage), nbytes, end)
+                self._allocate(owners.transient(storage), nbytes, end)
                 transient.append(storage)
                 allocated += nbytes
         scratch = record.op.scratch
         if scratch > 0:  # the kernel's own buffers, beside its inputs and outputs while it runs
-            self._allocate(_scratch(record.id), scratch, end)
+            self._allocate(owners.scratch(record.id), scratch, end)
         try:
             self.clock += self.backend.materialize(record, recompute)
         finally:
             if scratch > 0:
-                self.pool.free(_scratch(record.id))
+                self.pool.free(owners.scratch(record.id))
         for storage, old in takeovers:
             self.pool.transfer(old, storage)
             self._depart(old)
         for storage in transient:
-            self.pool.free(_transient(storage))
+            self.pool.free(owners.transient(storage))
             if not self.resident[storage]:
                 self.backend.free(storage)
         for storage in keep:
@@ -466,17 +467,3 @@ class Runtime:
             if self.locks[storage] == 0 and self._evictable(storage):
                 self.evictable.set(storage, True)
         frame.locked = []
-
-
-def _transient(storage: int) -> int:
-    """Pool owner of a by-product copy of ``storage`` (negative, apart from real storages)."""
-    return -2 - storage
-
-
-_SCRATCH_OWNERS = -(2**62)
-
-
-def _scratch(record: int) -> int:
-    """Pool owner of the scratch buffers of ``record``'s kernel while it runs (apart from storages
-    and their by-products)."""
-    return _SCRATCH_OWNERS - record

@@ -34,7 +34,7 @@ the trace leaves live.
 
 NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
 holds more than the pool counts: the op's results are first computed on meta tensors for their
-sizes (``Backend.plan``), the core evicts and places them, and the backend runs the op. The
+sizes (``AccountingBackend.plan``), the core evicts and places them, and the backend runs the op. The
 generator states a random op's recipe keeps are taken then too, just before it runs (their size is
 known beforehand: ``remat.aten.state_nbytes``). An op whose
 results cannot be sized that way (no meta kernel, sizes that depend on the data, results on another
@@ -62,7 +62,6 @@ events; ``trace()`` gives them back as a :class:`~remat.trace.types.Trace` for t
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -74,16 +73,15 @@ from torch.utils._pytree import tree_flatten
 
 from remat import _allocator, _scratch, aten
 from remat.aten import OpFacts, RngState
+from remat.core.driver import Thrashed
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
-from remat.dynamic.accounting import Backend, Pending, Thrashing
+from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned, swap
 from remat.dynamic.recipe import Recipe, Slot, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
-
-_DEPTH = 100_000  # recomputation chains recurse once per evicted ancestor
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -94,7 +92,12 @@ class Engine:
     """The state of one region: identity of storages, the core runtime, the recorded events."""
 
     def __init__(
-        self, pool: Pool, policy: EvictionPolicy, backend: Backend, device: torch.device, estimated: bool
+        self,
+        pool: Pool,
+        policy: EvictionPolicy,
+        backend: AccountingBackend,
+        device: torch.device,
+        estimated: bool,
     ) -> None:
         self.runtime = Runtime(pool, policy, backend, compact=not backend.places)
         self.backend = backend
@@ -114,7 +117,6 @@ class Engine:
         self.peak_in_program = 0
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
         self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
-        self.previous_depth = sys.getrecursionlimit()
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
@@ -190,7 +192,7 @@ class Engine:
             return func(*args, **kwargs)
         try:
             return self._run(func, schema, args, kwargs)
-        except (OutOfMemory, Thrashing) as failure:
+        except (OutOfMemory, Thrashed) as failure:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -344,11 +346,11 @@ class Engine:
         self.flush()
         telemetry, backend = self.runtime.telemetry, self.backend
         self.marks = (telemetry.evictions, telemetry.recomputations)
-        self.recompute_marks = (backend.recompute_seconds, backend.recompute_cost)
+        self.recompute_marks = (backend.recompute_seconds, backend.meter.recompute_cost)
         self.peak_in_program = telemetry.peak_bytes
         runtime, homes = self.runtime, self.backend.homes
         self.current = ""
-        backend.recompute_cost = 0.0  # the hand-over gets a thrash allowance of its own
+        backend.meter.allowance()  # the hand-over gets a thrash allowance of its own
         runtime.finish()
         held = [
             h

@@ -36,17 +36,18 @@ from torch import nn
 
 from remat._errors import RematError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
+from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
-from remat.core.pool import AddressPool, BytePool, Fit, Pool
+from remat.core.pool import Fit, Pool
 from remat.core.runtime import OutOfMemory
-from remat.dynamic.accounting import Backend, Thrashing
-from remat.dynamic.engine import _DEPTH, Engine, Interceptor
+from remat.dynamic import backends
+from remat.dynamic.accounting import AccountingBackend
+from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, rewind, take
 
 _API = "dynamic"
-BACKENDS = ("accounting", "arena")
 _UNLIMITED = 2**62
 _open: list[Dynamic] = []
 
@@ -71,21 +72,18 @@ class Dynamic:
         self.reserve = 0 if budget is None else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
         self.policy = _policy(policy, layout)
-        if backend not in BACKENDS:
+        kind = backends.get(backend, _API)
+        if kind.places and budget is None:
             raise RematValueError(
                 message(
-                    _API, "unknown memory backend", f"got {backend!r}", f"use one of {', '.join(BACKENDS)}"
+                    _API, f"the {backend} backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"'
                 )
             )
-        if backend == "arena" and budget is None:
-            raise RematValueError(
-                message(_API, "the arena backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"')
-            )
-        if backend == "arena" and not layout:
+        if kind.places and not layout:
             raise RematValueError(
                 message(
                     _API,
-                    "the arena backend places tensors at addresses",
+                    f"the {backend} backend places tensors at addresses",
                     "got layout=False",
                     "pass layout=True",
                 )
@@ -143,7 +141,7 @@ class Dynamic:
                 message(_API, "dynamic regions do not nest", "a region is already open", "close it first")
             )
         capacity = self.capacity
-        pool: Pool = AddressPool(capacity, self.fit) if self.layout else BytePool(capacity)
+        pool = make_pool(capacity, self.layout, self.fit)
         self._recorder = Recorder(self.policy)
         backend = self._make_backend(pool)
         self._recorder.moments = backend.moments
@@ -177,7 +175,7 @@ class Dynamic:
         backend.open()
         self._engine = engine
         self._mode = Interceptor(engine)
-        sys.setrecursionlimit(max(self._depth, _DEPTH))
+        self._depth = deepen()
         self._collecting = gc.isenabled()
         gc.disable()  # NOTE [releases] in ``engine``
         _open.append(self)
@@ -197,7 +195,7 @@ class Dynamic:
             elif error is None:
                 try:
                     engine.finish()
-                except (OutOfMemory, Thrashing, RematError) as failure:
+                except (OutOfMemory, Thrashed, RematError) as failure:
                     explained = (
                         failure if isinstance(failure, RematError) else _explain(failure, engine, self)
                     )
@@ -250,13 +248,11 @@ class Dynamic:
         else:
             error.add_note(f"remat.dynamic: {said}")
 
-    def _make_backend(self, pool: Pool) -> Backend:
-        if self.backend == "arena":
-            from remat.dynamic.arena import ArenaBackend
-
-            assert isinstance(pool, AddressPool)
-            return ArenaBackend(self.device, self.thrash_limit, pool, self.reserve)
-        return Backend(self.device, self.thrash_limit)
+    def _make_backend(self, pool: Pool) -> AccountingBackend:
+        backend: AccountingBackend = backends.get(self.backend, _API).create(
+            self.device, self.thrash_limit, pool, self.reserve
+        )
+        return backend
 
     def _make_stats(self, engine: Engine) -> DynamicStats:
         runtime, backend = engine.runtime, engine.backend
@@ -266,6 +262,7 @@ class Dynamic:
             policy=self.policy.name,
             backend=self.backend,
             layout=self.layout,
+            fit=self.fit,
             budget=self.budget,
             reserve=self.reserve,
             outside_bytes=engine.outside_bytes,
@@ -392,15 +389,15 @@ def members(keep: object) -> list[object]:
 
 def _explain(failure: BaseException, engine: Engine, region: Dynamic) -> Exception:
     budget = format_bytes(region.budget)
-    if isinstance(failure, Thrashing):
-        backend = engine.backend
+    if isinstance(failure, Thrashed):
+        meter = engine.backend.meter
         return RematValueError(
             message(
                 _API,
                 f"the budget makes policy {region.policy.name!r} thrash: recomputation passed "
                 f"thrash_limit={region.thrash_limit}",
-                f"budget {budget}; {backend.recomputed_ops} recomputations costing "
-                f"{backend.recompute_cost * 1e3:.1f} ms for {backend.base_cost * 1e3:.1f} ms of first runs, "
+                f"budget {budget}; {meter.recompute_ops} recomputations costing "
+                f"{meter.recompute_cost * 1e3:.1f} ms for {meter.base_cost * 1e3:.1f} ms of first runs, "
                 f"stopped at op {engine.ops} ({engine.current})",
                 "raise the budget, or thrash_limit if this overhead is acceptable",
             )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from remat.core.pool import BytePool, End
 from remat.core.runtime import Runtime
-from remat.sim.replay import replay
+from remat.sim.backend import run_trace
 from remat.trace.types import Op, Trace
 
 
@@ -40,7 +40,7 @@ def facts(trace: Trace, inplace: bool) -> Facts:
     key = (id(trace), inplace)
     found = _CACHE.get(key)
     if found is None:
-        runtime = replay(trace, BytePool(2**62), _Unbounded(inplace))
+        runtime = run_trace(trace, BytePool(2**62), _Unbounded(inplace))
         found = Facts(trace.peak_bytes, trace.total_cost, runtime.telemetry.working_set, len(trace.ops))
         _CACHE[key] = found
         weakref.finalize(trace, _CACHE.pop, key, None)
