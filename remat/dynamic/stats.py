@@ -16,6 +16,7 @@ from remat._units import format_bytes
 from remat.core.driver import make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import End, Fit
+from remat.core.residency import Residency
 from remat.core.runtime import Runtime
 from remat.sim.backend import SimBackend, drive
 from remat.trace.types import Op, Trace
@@ -44,7 +45,7 @@ class Recorder:
     def end(self, op: Op) -> End:
         return self.policy.end(op)
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         victims = self.policy.choose(runtime, nbytes)
         self.victims.extend(victims)
         now = time.time_ns()

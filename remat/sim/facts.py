@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass
 
 from remat.core.pool import BytePool, End
-from remat.core.runtime import Runtime
+from remat.core.residency import Residency
 from remat.sim.backend import run_trace
 from remat.trace.types import Op, Trace
 
@@ -58,5 +58,5 @@ class _Unbounded:
     def end(self, op: Op) -> End:
         return End.LOW
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         return []
