@@ -41,19 +41,6 @@ results cannot be sized that way (no meta kernel, sizes that depend on the data,
 device, the ops in ``NO_META``) runs first and is placed after: its outputs are beyond the pool's
 count until the core has evicted for them, which the region's reserve must cover.
 
-NOTE [replay bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs), its
-kernel's own buffers (learned per op signature on its first run, where the allocator's account can
-run: ``remat._scratch``; until the next region, the reserve covers them, so that the core and its
-trace see one figure per op), the generator state a recomputation of a random op saves for the
-caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
-(NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the
-region, like a constant) the generator states its recipe keeps. Generator states are
-host tensors: they count only in a region on the CPU.
-
-NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch's CPU allocator
-aligns its blocks: in the arena every block then starts on a 64-byte boundary, which BLAS kernels
-need to round exactly as they do on memory from the allocator.
-
 NOTE [same decisions] Each op is handed to the core as the simulator hands a trace op: ``call``
 with the outputs' sizes and the op's recorded cost. The clock of the core moves by recorded costs,
 in first runs and recomputations alike, so what the core decides depends only on the recorded
@@ -79,6 +66,7 @@ from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned, swap
+from remat.dynamic.op_bytes import recompute_bytes, state_bytes
 from remat.dynamic.recipe import Recipe, Slot, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
@@ -239,7 +227,7 @@ class Engine:
         leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
         scratch = _scratch.known(key)
         learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
-        extra = self._replay_bytes(func, args, default)
+        extra = recompute_bytes(func, args, default, self.device, self.managed)
 
         if metas is None:
             rng, generators = states()
@@ -262,7 +250,7 @@ class Engine:
             cost=seconds,
             random=schema.random,
             scratch=aligned(scratch or 0) + extra,
-            state=self._state_bytes(default, tuple(x for _, x in explicit)),
+            state=state_bytes(default, tuple(x for _, x in explicit), self.device),
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
             op = replace(op, cost=op_cost(op, self.tensors))
@@ -302,23 +290,6 @@ class Engine:
         named = [x for x in flat if isinstance(x, torch.device)]
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
-
-    def _replay_bytes(self, func: Any, args: Sequence[Any], default: torch.device | None) -> int:
-        """Bytes a recomputation of the op allocates beside its kernel (NOTE [replay bytes])."""
-        extra = 0
-        if default is not None and self.device.type == "cpu":
-            extra += aligned(aten.state_nbytes(default))
-        for i, _ in aten.facts(func).hidden_writes:
-            if i < len(args) and isinstance(args[i], torch.Tensor) and self.managed(args[i]):
-                extra += aligned(args[i].untyped_storage().nbytes())
-        return extra
-
-    def _state_bytes(self, default: torch.device | None, explicit: tuple[torch.Generator, ...]) -> int:
-        """Bytes the op's recipe keeps to the end on the region's device (NOTE [replay bytes])."""
-        if self.device.type != "cpu":
-            return 0  # generator states are host tensors
-        sources: list[aten.Source] = [*explicit, *([default] if default is not None else [])]
-        return sum(aligned(aten.state_nbytes(source)) for source in sources)
 
     def _written(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
         handles: list[int] = []

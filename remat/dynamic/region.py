@@ -28,13 +28,11 @@ from __future__ import annotations
 import gc
 import math
 import sys
-from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 import torch
-from torch import nn
 
-from remat._errors import RematError, RematTypeError, RematValueError, message
+from remat._errors import RematError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
@@ -44,10 +42,11 @@ from remat.core.runtime import OutOfMemory
 from remat.dynamic import backends
 from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
+from remat.dynamic.failures import explain
+from remat.dynamic.keep import API, members
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, rewind, take
 
-_API = "dynamic"
 _UNLIMITED = 2**62
 _open: list[Dynamic] = []
 
@@ -68,28 +67,28 @@ class Dynamic:
         device: torch.device,
         reserve: int | float | str,
     ) -> None:
-        self.budget = _UNLIMITED if budget is None else parse_bytes(budget, _API)
+        self.budget = _UNLIMITED if budget is None else parse_bytes(budget, API)
         self.reserve = 0 if budget is None else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
         self.policy = _policy(policy, layout)
-        kind = backends.get(backend, _API)
+        kind = backends.get(backend, API)
         if kind.places and budget is None:
             raise RematValueError(
                 message(
-                    _API, f"the {backend} backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"'
+                    API, f"the {backend} backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"'
                 )
             )
         if kind.places and not layout:
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     f"the {backend} backend places tensors at addresses",
                     "got layout=False",
                     "pass layout=True",
                 )
             )
         if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
-            raise RematValueError(message(_API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
+            raise RematValueError(message(API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
         if (
             isinstance(thrash_limit, bool)
             or not isinstance(thrash_limit, int | float)
@@ -97,14 +96,14 @@ class Dynamic:
         ):
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     "thrash_limit is an overhead and must be above 1",
                     f"got {thrash_limit!r}",
                     "pass e.g. 3.0",
                 )
             )
         if cost not in ("measured", "model"):
-            raise RematValueError(message(_API, "unknown cost", f"got {cost!r}", "use 'measured' or 'model'"))
+            raise RematValueError(message(API, "unknown cost", f"got {cost!r}", "use 'measured' or 'model'"))
         self.cost = cost
         self.backend = backend
         members(keep)  # refuse what it cannot hold now; the members are listed at each entry
@@ -127,7 +126,7 @@ class Dynamic:
         if self._stats is None:
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     "no region has completed yet",
                     "stats read too early",
                     "read it after the with block",
@@ -138,7 +137,7 @@ class Dynamic:
     def __enter__(self) -> Dynamic:
         if _open:
             raise RematValueError(
-                message(_API, "dynamic regions do not nest", "a region is already open", "close it first")
+                message(API, "dynamic regions do not nest", "a region is already open", "close it first")
             )
         capacity = self.capacity
         pool = make_pool(capacity, self.layout, self.fit)
@@ -146,7 +145,7 @@ class Dynamic:
         backend = self._make_backend(pool)
         self._recorder.moments = backend.moments
         engine = Engine(pool, self._recorder, backend, self.device, self.cost == "model")
-        engine.explain = lambda failure: self._fail(engine, _explain(failure, engine, self))
+        engine.explain = lambda failure: self._fail(engine, explain(failure, engine, self))
         kept = 0
         listed = members(self.keep)
         try:
@@ -158,7 +157,7 @@ class Dynamic:
             engine.close()
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     "the budget cannot even hold the tensors given in keep",
                     f"budget {format_bytes(self.budget)} less the reserve {format_bytes(self.reserve)}, "
                     f"keep holds {format_bytes(kept)} so far",
@@ -196,9 +195,7 @@ class Dynamic:
                 try:
                     engine.finish()
                 except (OutOfMemory, Thrashed, RematError) as failure:
-                    explained = (
-                        failure if isinstance(failure, RematError) else _explain(failure, engine, self)
-                    )
+                    explained = failure if isinstance(failure, RematError) else explain(failure, engine, self)
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
@@ -249,7 +246,7 @@ class Dynamic:
             error.add_note(f"remat.dynamic: {said}")
 
     def _make_backend(self, pool: Pool) -> AccountingBackend:
-        backend: AccountingBackend = backends.get(self.backend, _API).create(
+        backend: AccountingBackend = backends.get(self.backend, API).create(
             self.device, self.thrash_limit, pool, self.reserve
         )
         return backend
@@ -327,7 +324,7 @@ def dynamic(
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
-    return resolve(policy, layout, _API)
+    return resolve(policy, layout, API)
 
 
 def _reserve(reserve: object, budget: int) -> int:
@@ -338,90 +335,14 @@ def _reserve(reserve: object, budget: int) -> int:
     elif isinstance(reserve, int) and reserve == 0:
         amount = 0
     else:
-        amount = parse_bytes(reserve, _API)  # type: ignore[arg-type]
+        amount = parse_bytes(reserve, API)  # type: ignore[arg-type]
     if not 0 <= amount < budget:
         raise RematValueError(
             message(
-                _API,
+                API,
                 "the reserve is a part of the budget: a fraction in [0, 1) or fewer bytes than the budget",
                 f"got reserve={reserve!r} for a budget of {format_bytes(budget)}",
                 "pass e.g. reserve=0.05 or reserve='64MiB'",
             )
         )
     return amount
-
-
-def members(keep: object) -> list[object]:
-    """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
-    state tensors, in that order after their owner), from (nested) sequences or mappings."""
-    found: list[object] = []
-
-    def visit(item: object) -> None:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, nn.Module):
-            found.append(item)
-            found.extend(item.parameters())
-            found.extend(item.buffers())
-        elif isinstance(item, torch.optim.Optimizer):
-            found.append(item)
-            for state in item.state.values():
-                visit(list(state.values()))
-        elif isinstance(item, Mapping):
-            for value in item.values():
-                visit(value)
-        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
-            for value in item:
-                visit(value)
-        elif item is not None and not isinstance(item, (int, float, bool)):
-            raise RematTypeError(
-                message(
-                    _API,
-                    "keep takes modules, optimizers, tensors and collections of them",
-                    f"got {type(item).__name__}",
-                    "pass e.g. keep=(model, optimizer)",
-                )
-            )
-
-    visit(keep)
-    return found
-
-
-def _explain(failure: BaseException, engine: Engine, region: Dynamic) -> Exception:
-    budget = format_bytes(region.budget)
-    if isinstance(failure, Thrashed):
-        meter = engine.backend.meter
-        return RematValueError(
-            message(
-                _API,
-                f"the budget makes policy {region.policy.name!r} thrash: recomputation passed "
-                f"thrash_limit={region.thrash_limit}",
-                f"budget {budget}; {meter.recompute_ops} recomputations costing "
-                f"{meter.recompute_cost * 1e3:.1f} ms for {meter.base_cost * 1e3:.1f} ms of first runs, "
-                f"stopped at op {engine.ops} ({engine.current})",
-                "raise the budget, or thrash_limit if this overhead is acceptable",
-            )
-        )
-    assert isinstance(failure, OutOfMemory)
-    what = f"op {engine.ops} ({engine.current}) needs" if engine.current else "the program holds at its end"
-    if failure.needed > region.capacity:
-        least = region.least_budget(failure.needed)
-        return RematValueError(
-            message(
-                _API,
-                f"the budget cannot hold what {what} at once: it needs at least "
-                f"{failure.needed} bytes = {format_bytes(failure.needed)} beside the reserve",
-                f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes",
-                f"pass a budget of at least {least} bytes",
-            )
-        )
-    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
-    other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"
-    return RematValueError(
-        message(
-            _API,
-            f"{op} found no contiguous room: the free memory is split by pinned pieces",
-            f"budget {budget}, {failure}",
-            f"raise the budget{other} or pass layout=False",
-        )
-    )
