@@ -26,12 +26,12 @@ from dynamic_models import WORKLOADS, Result, assert_same, copies, train
 from torch import nn
 
 import remat
-from remat.dynamic import Dynamic, DynamicStats
+from remat.dynamic import Dynamic, DynamicStats, backends
 from remat.sim.result import Outcome
 from remat.sim.simulate import simulate
 
 POLICIES = ["dtr", "dte", "coop"]
-BACKENDS = ["accounting", "arena"]
+BACKENDS = backends.names()
 LADDER = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 RATIOS = (0.9, 0.7, 0.5)  # checked where feasible, and the smallest feasible one
 STEPS = 2
