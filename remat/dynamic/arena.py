@@ -36,7 +36,7 @@ from remat.dynamic.recipe import Recipe, result_leaves
 OutOverload = tuple[Any, tuple[str, ...]]
 
 # Computed, then copied in: matrix products, whose out= kernels gave results one rounding step
-# apart from the functional ones in a Llama step (tests/test_dynamic.py), where exact equality with
+# apart from the functional ones in a Llama step (tests/dynamic/test_dynamic.py), where exact equality with
 # the plain step is the rule.
 _FUNCTIONAL = frozenset({"aten::mm", "aten::bmm"})
 
