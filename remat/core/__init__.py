@@ -1,13 +1,14 @@
 """The device-free rematerialization core: memory pool, recomputation graph, runtime, policies.
 
 The simulator (:mod:`remat.sim`) drives it with recorded op times; an eager runtime drives the very
-same code with real tensors through :class:`~remat.core.runtime.Backend`.
+same code with real tensors through :class:`~remat.core.backend.Backend`.
 """
 
+from remat.core.backend import Backend
 from remat.core.graph import Graph, Record
 from remat.core.policies import EvictionPolicy, get, names
 from remat.core.pool import AddressPool, BytePool, End, Fit, Pool
-from remat.core.runtime import Backend, OutOfMemory, Runtime
+from remat.core.runtime import OutOfMemory, Runtime
 from remat.core.telemetry import Telemetry
 
 __all__ = [

@@ -1,9 +1,9 @@
 """The rematerialization runtime: keep tensors within a memory pool by evicting and recomputing.
 
 Device-free on purpose. The runtime decides what is resident, what to evict and what to recompute;
-the work itself goes through a :class:`Backend`: the simulator's backend only adds up recorded op
-times and checks values, an eager runtime runs real ops and frees real tensors. Both thereby share
-every decision this module makes.
+the work itself goes through a :class:`~remat.core.backend.Backend`: the simulator's backend only
+adds up recorded op times and checks values, an eager runtime runs real ops and frees real tensors.
+Both thereby share every decision this module makes.
 
 The program speaks in *handles* (trace tensor ids): :meth:`Runtime.constant`, :meth:`Runtime.call`,
 :meth:`Runtime.release`, and :meth:`Runtime.finish` at the end. Handles point at storages of the
@@ -34,32 +34,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 from remat._errors import RematValueError, message
-from remat.core.classes import EvictedClasses
-from remat.core.graph import NO_REUSE, Column, Graph, Record
-from remat.core.neighbourhood import Neighbourhoods
+from remat.core import owners
+from remat.core.backend import Backend
+from remat.core.graph import NO_REUSE, Record
+from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import End, Pool
-from remat.core.telemetry import Telemetry
+from remat.core.residency import Frame, Residency
 from remat.trace.types import Op, TensorInfo
-
-if TYPE_CHECKING:
-    from remat.core.policies.base import EvictionPolicy
-
-
-class Backend(Protocol):
-    """The work behind the runtime's decisions."""
-
-    def materialize(self, record: Record, recompute: bool) -> float:
-        """Run ``record`` (its inputs are resident, its outputs have memory) and return the seconds
-        it took."""
-        ...
-
-    def free(self, storage: int) -> None:
-        """The content of ``storage`` is gone (evicted, dead, or overwritten in place)."""
-        ...
 
 
 class OutOfMemory(Exception):
@@ -75,16 +58,7 @@ class OutOfMemory(Exception):
         )
 
 
-@dataclass
-class _Frame:
-    """One op being run or restored: the storages it has locked."""
-
-    locked: list[int] = field(default_factory=list)
-    relaxed: bool = False
-    firm: bool = False  # its locks are never relaxed (the storages the program ends holding)
-
-
-class Runtime:
+class Runtime(Residency):
     """Dynamic rematerialization of one program within ``pool``, choosing victims by ``policy``."""
 
     def __init__(self, pool: Pool, policy: EvictionPolicy, backend: Backend, compact: bool = False) -> None:
@@ -99,40 +73,22 @@ class Runtime:
                     "use an AddressPool",
                 )
             )
-        self.pool = pool
+        super().__init__(pool, backend, "classes" in policy.needs, "regions" in policy.needs)
         self.policy = policy
-        self.backend = backend
         # The pool's addresses are a model, not the memory (an eager runtime whose tensors live in
         # PyTorch's allocator): when only their pieces stand in the way, pack them (NOTE [model
         # addresses]).
         self.compact = compact
-        self.graph = Graph()
-        self.classes = EvictedClasses() if "classes" in policy.needs else None
-        self.regions = Neighbourhoods() if "regions" in policy.needs else None
-        self.telemetry = Telemetry()
-        self.clock = 0.0
-        self.resident: list[bool] = []
-        self.locks: list[int] = []
-        self.live: list[int] = []  # live handles per storage
-        self.last = Column()  # last access per storage, in op time
-        self.evictable = Column(bool)  # resident, unlocked, not constant, not empty
-        self.evicted_nearby = Column()  # cost of the non-resident neighbours: a bound for policies
-        self._counted: list[bool] = []  # storage adds its cost to its neighbours' evicted_nearby
-        self._members: list[list[int]] = []  # every handle ever pointed at a storage
-        self._storage_of: dict[int, int] = {}
-        self._frames: list[_Frame] = []
+        self._frames: list[Frame] = []
         self._constant_bytes = 0  # constants never leave the pool
 
     # -- the program's side ---------------------------------------------------------------------
-
-    def storage_of(self, handle: int) -> int:
-        return self._storage_of[handle]
 
     def constant(self, handle: int, nbytes: int) -> None:
         """A tensor from outside (parameter, input): resident from now on, never evicted."""
         storage = self._new_storage(nbytes, -1, True, ())
         if nbytes > 0:
-            self._frames.append(_Frame())
+            self._frames.append(Frame())
             try:
                 self._allocate(storage, nbytes, End.LOW)
             finally:
@@ -145,7 +101,7 @@ class Runtime:
         """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order. ``prepared``:
         :meth:`prepare` made the inputs resident just before, and their accesses are counted."""
         inputs = tuple(dict.fromkeys(self._storage_of[h] for h in op.inputs))
-        frame = _Frame()
+        frame = Frame()
         self._frames.append(frame)
         try:
             self._gather(frame, inputs, touch=not prepared)
@@ -192,7 +148,7 @@ class Runtime:
         its outputs, so it restores the inputs first; the :meth:`call` that follows finds them
         resident and decides everything else as it would have without this step."""
         inputs = tuple(dict.fromkeys(self._storage_of[h] for h in handles))
-        frame = _Frame()
+        frame = Frame()
         self._frames.append(frame)
         try:
             self._gather(frame, inputs)
@@ -228,7 +184,7 @@ class Runtime:
             self.pool.compact()
         # In the order they were made, each restored (the earlier ones' chains are the later ones'
         # ancestors) and then held firm, so that no restore undoes an earlier one.
-        frame = _Frame(firm=True)
+        frame = Frame(firm=True)
         self._frames.append(frame)
         try:
             for storage in live:
@@ -241,7 +197,7 @@ class Runtime:
 
     # -- restoring ------------------------------------------------------------------------------
 
-    def _gather(self, frame: _Frame, storages: Sequence[int], touch: bool = True) -> None:
+    def _gather(self, frame: Frame, storages: Sequence[int], touch: bool = True) -> None:
         """Make every storage of ``storages`` resident at once, locked by ``frame``; ``touch``: the
         ones already resident count as used now."""
         for storage in storages:
@@ -266,7 +222,7 @@ class Runtime:
         """Bring back evicted ``storage`` by re-running its producer (and its views)."""
         graph = self.graph
         record = graph.records[graph.producer[storage]]
-        frame = _Frame()
+        frame = Frame()
         self._frames.append(frame)
         try:
             needed = list(record.inputs)
@@ -281,7 +237,7 @@ class Runtime:
             self._unlock_all(frame)
             self._frames.pop()
 
-    def _run(self, frame: _Frame, record: Record, recompute: bool, keep: tuple[int, ...]) -> int:
+    def _run(self, frame: Frame, record: Record, recompute: bool, keep: tuple[int, ...]) -> int:
         """Give ``record``'s outputs memory, run it, and make ``keep`` resident. Returns the bytes
         it allocated."""
         graph = self.graph
@@ -299,22 +255,22 @@ class Runtime:
                 self._allocate(storage, nbytes, end)
                 allocated += nbytes
             else:  # a by-product: an output already resident or no longer wanted
-                self._allocate(_transient(storage), nbytes, end)
+                self._allocate(owners.transient(storage), nbytes, end)
                 transient.append(storage)
                 allocated += nbytes
         scratch = record.op.scratch
         if scratch > 0:  # the kernel's own buffers, beside its inputs and outputs while it runs
-            self._allocate(_scratch(record.id), scratch, end)
+            self._allocate(owners.scratch(record.id), scratch, end)
         try:
             self.clock += self.backend.materialize(record, recompute)
         finally:
             if scratch > 0:
-                self.pool.free(_scratch(record.id))
+                self.pool.free(owners.scratch(record.id))
         for storage, old in takeovers:
             self.pool.transfer(old, storage)
             self._depart(old)
         for storage in transient:
-            self.pool.free(_transient(storage))
+            self.pool.free(owners.transient(storage))
             if not self.resident[storage]:
                 self.backend.free(storage)
         for storage in keep:
@@ -325,7 +281,7 @@ class Runtime:
                     self.clock += self.backend.materialize(graph.records[view], True)
         return allocated
 
-    def _may_overwrite(self, old: int, frame: _Frame, record: Record) -> bool:
+    def _may_overwrite(self, old: int, frame: Frame, record: Record) -> bool:
         """An in-place op may reuse ``old``'s memory when the policy says so, no one else holds a
         lock on it, and it is not a constant.
 
@@ -379,104 +335,3 @@ class Runtime:
         self.telemetry.evictions += 1
         self.pool.free(storage)
         self._depart(storage)
-
-    def _dead(self, storage: int) -> None:
-        """No handle is left. Constants stay (recomputations may read them), and so do empty
-        storages (keeping them is free, losing them would cost a recomputation)."""
-        graph = self.graph
-        if (
-            self.resident[storage]
-            and not graph.constant[storage]
-            and graph.nbytes[storage] > 0
-            and self.locks[storage] == 0
-        ):
-            self.pool.free(storage)
-            self._depart(storage)
-
-    def _arrive(self, storage: int) -> None:
-        self.resident[storage] = True
-        self.last.set(storage, self.clock)
-        if self._counted[storage]:
-            self._count_nearby(storage, -1.0)
-        if self.classes is not None:
-            self.classes.restored(storage, self.graph)
-        if self.regions is not None:
-            self.regions.restored(storage)
-        if self.locks[storage] == 0 and self._evictable(storage):
-            self.evictable.set(storage, True)
-
-    def _depart(self, storage: int) -> None:
-        self.resident[storage] = False
-        self.evictable.set(storage, False)
-        self._count_nearby(storage, 1.0)
-        if self.classes is not None:
-            self.classes.evicted(storage, self.graph, self.resident)
-        if self.regions is not None:
-            self.regions.evicted(storage)
-        self.backend.free(storage)
-
-    def _count_nearby(self, storage: int, sign: float) -> None:
-        self._counted[storage] = sign > 0
-        cost, nearby = sign * self.graph.cost[storage], self.evicted_nearby
-        for neighbour in set(self.graph.neighbours(storage)):
-            nearby.set(neighbour, nearby.values[neighbour] + cost)
-
-    def _evictable(self, storage: int) -> bool:
-        return self.resident[storage] and not self.graph.constant[storage] and self.graph.nbytes[storage] > 0
-
-    # -- bookkeeping ----------------------------------------------------------------------------
-
-    def _new_storage(self, nbytes: int, producer: int, constant: bool, parents: tuple[int, ...]) -> int:
-        storage = self.graph.add_storage(nbytes, producer, constant, parents)
-        if self.regions is not None:
-            self.regions.created(storage, parents)
-        self.resident.append(False)
-        self.locks.append(0)
-        self.live.append(0)
-        self.last.append(self.clock)
-        self.evictable.append(False)
-        self.evicted_nearby.append(0.0)
-        self._counted.append(False)
-        self._members.append([])
-        return storage
-
-    def _bind(self, handle: int, storage: int) -> None:
-        self._storage_of[handle] = storage
-        self._members[storage].append(handle)
-        self.live[storage] += 1
-
-    def _move_handles(self, old: int, new: int) -> None:
-        """A mutation made ``new`` the current version of ``old``: every handle follows."""
-        for handle in self._members[old]:
-            self._storage_of[handle] = new
-        self._members[new].extend(self._members[old])
-        self._members[old] = []
-        self.live[new] += self.live[old]
-        self.live[old] = 0
-        self._dead(old)
-
-    def _lock(self, frame: _Frame, storage: int) -> None:
-        self.locks[storage] += 1
-        frame.locked.append(storage)
-        self.evictable.set(storage, False)
-
-    def _unlock_all(self, frame: _Frame) -> None:
-        for storage in frame.locked:
-            self.locks[storage] -= 1
-            if self.locks[storage] == 0 and self._evictable(storage):
-                self.evictable.set(storage, True)
-        frame.locked = []
-
-
-def _transient(storage: int) -> int:
-    """Pool owner of a by-product copy of ``storage`` (negative, apart from real storages)."""
-    return -2 - storage
-
-
-_SCRATCH_OWNERS = -(2**62)
-
-
-def _scratch(record: int) -> int:
-    """Pool owner of the scratch buffers of ``record``'s kernel while it runs (apart from storages
-    and their by-products)."""
-    return _SCRATCH_OWNERS - record

@@ -6,8 +6,9 @@
 (:mod:`remat.core`); this package binds it to real tensors.
 """
 
+from remat.dynamic import accounting, arena  # noqa: F401  (they register the memory backends)
 from remat.dynamic.module import DynamicModule
-from remat.dynamic.region import BACKENDS, Dynamic, dynamic
+from remat.dynamic.region import Dynamic, dynamic
 from remat.dynamic.stats import Comparison, DynamicStats
 
-__all__ = ["BACKENDS", "Comparison", "Dynamic", "DynamicModule", "DynamicStats", "dynamic"]
+__all__ = ["Comparison", "Dynamic", "DynamicModule", "DynamicStats", "dynamic"]

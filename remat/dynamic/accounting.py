@@ -21,7 +21,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat import _scratch
 from remat._errors import RecomputationError
+from remat.core import owners
+from remat.core.driver import ThrashMeter
 from remat.core.graph import NO_REUSE, Record
+from remat.core.pool import Pool
+from remat.dynamic.backends import register
 from remat.dynamic.homes import Homes, aligned
 from remat.dynamic.recipe import Recipe, result_leaves
 
@@ -62,12 +66,8 @@ def meta(x: Any) -> Any:
     return x
 
 
-class Thrashing(Exception):
-    """Recomputation passed the thrash limit."""
-
-
 class Pending:
-    """A first run on its way into the core: what :meth:`Backend.materialize` adopts."""
+    """A first run on its way into the core: what :meth:`AccountingBackend.materialize` adopts."""
 
     def __init__(self, fresh: list[int], written: list[int], saved: dict[int, torch.UntypedStorage]) -> None:
         self.fresh = fresh  # handles of the fresh outputs, in op order
@@ -84,11 +84,17 @@ class Pending:
         self.states: Callable[[], tuple[Any, Any]] | None = None
 
 
-class Backend:
+@register
+class AccountingBackend:
     """Runs and re-runs ops on real tensors for :class:`~remat.core.runtime.Runtime`."""
 
     name = "accounting"
     places = False  # the pool's addresses are a model: PyTorch's allocator places the tensors
+
+    @classmethod
+    def create(cls, device: torch.device, thrash_limit: float, pool: Pool, reserve: int) -> AccountingBackend:
+        """The backend of one region (the pool and the reserve are PyTorch's allocator's business)."""
+        return cls(device, thrash_limit)
 
     def __init__(self, device: torch.device, thrash_limit: float) -> None:
         self.device = device
@@ -97,11 +103,8 @@ class Backend:
         self.handle_of: dict[int, int] = {}  # core storage -> the handle it was made for
         self.runtime: Any = None  # set by the engine once the runtime exists
         self.pending: Pending | None = None
-        self.thrash_limit = thrash_limit
-        self.base_cost = 0.0  # first runs, at the cost the core counts
-        self.recompute_cost = 0.0  # recomputations, at the cost the core counts
+        self.meter = ThrashMeter(thrash_limit)  # first runs are added as they run
         self.recompute_seconds = 0.0  # recomputations: measured time of the ops themselves
-        self.recomputed_ops = 0
         self.moments: list[tuple[int, str]] = []  # (time.time_ns(), "evict" | "recompute")
 
     # -- the core's side ------------------------------------------------------------------------
@@ -111,10 +114,7 @@ class Backend:
             return self._adopt(record)
         self.moments.append((time.time_ns(), "recompute"))
         self._rerun(record, self.recipes[record.id])
-        self.recompute_cost += record.op.cost
-        self.recomputed_ops += 1
-        if self.recompute_cost > (self.thrash_limit - 1.0) * self.base_cost:
-            raise Thrashing
+        self.meter.recomputed(record.op.cost)
         return record.op.cost
 
     def free(self, storage: int) -> None:
@@ -245,7 +245,7 @@ class Backend:
             homes.hold(storage, handle)
         if not ran_here:
             self.placed(record, n)
-        self.base_cost += record.op.cost
+        self.meter.first(record.op.cost)
         return record.op.cost
 
     # -- recomputations -------------------------------------------------------------------------
@@ -263,7 +263,7 @@ class Backend:
                 graph.nbytes[new] > 0
                 and not resident[new]
                 and not pool.holds(new)
-                and not pool.holds(-2 - new)
+                and not pool.holds(owners.transient(new))
             ):
                 targets[old] = real  # in place, as Coop
                 moved.append((new, old))
@@ -293,8 +293,6 @@ class Backend:
     def _install(self, storage: int, content: torch.UntypedStorage) -> None:
         expected = self.runtime.graph.nbytes[storage]
         if aligned(content.nbytes()) != expected:
-            from remat._errors import RecomputationError
-
             raise RecomputationError(
                 f"recomputing storage {storage} gave {content.nbytes()} bytes instead of {expected}"
             )

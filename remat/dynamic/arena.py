@@ -25,16 +25,18 @@ import torch
 
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
+from remat.core import owners
 from remat.core.graph import NO_REUSE, Record
-from remat.core.pool import AddressPool
-from remat.dynamic.accounting import Backend, Pending
+from remat.core.pool import AddressPool, Pool
+from remat.dynamic.accounting import AccountingBackend, Pending
+from remat.dynamic.backends import register
 from remat.dynamic.homes import at, swap
 from remat.dynamic.recipe import Recipe, result_leaves
 
 OutOverload = tuple[Any, tuple[str, ...]]
 
 # Computed, then copied in: matrix products, whose out= kernels gave results one rounding step
-# apart from the functional ones in a Llama step (tests/test_dynamic.py), where exact equality with
+# apart from the functional ones in a Llama step (tests/dynamic/test_dynamic.py), where exact equality with
 # the plain step is the rule.
 _FUNCTIONAL = frozenset({"aten::mm", "aten::bmm"})
 
@@ -58,11 +60,18 @@ def out_overload(func: Any) -> OutOverload | None:
     return None
 
 
-class ArenaBackend(Backend):
+@register
+class ArenaBackend(AccountingBackend):
     """Places outputs in one preallocated buffer at the pool's addresses."""
 
     name = "arena"
     places = True
+
+    @classmethod
+    def create(cls, device: torch.device, thrash_limit: float, pool: Pool, reserve: int) -> ArenaBackend:
+        """The backend of one region: its arena is what ``pool`` leaves beside ``reserve``."""
+        assert isinstance(pool, AddressPool)
+        return cls(device, thrash_limit, pool, reserve)
 
     def __init__(self, device: torch.device, thrash_limit: float, pool: AddressPool, reserve: int) -> None:
         super().__init__(device, thrash_limit)
@@ -94,7 +103,7 @@ class ArenaBackend(Backend):
     def block(self, storage: int, nbytes: int) -> torch.UntypedStorage:
         """A non-owning storage of ``nbytes`` at the arena block holding ``storage`` (or its
         by-product)."""
-        owner = storage if self.pool.holds(storage) else -2 - storage
+        owner = storage if self.pool.holds(storage) else owners.transient(storage)
         return at(self.base + self.pool.address(owner), self.device, nbytes)
 
     def _inside(self, real: torch.UntypedStorage) -> bool:
@@ -187,7 +196,9 @@ class ArenaBackend(Backend):
             real = homes.get(old)
             if graph.nbytes[new] == 0:
                 targets[old] = real.clone()
-            elif not resident[new] and not self.pool.holds(new) and not self.pool.holds(-2 - new):
+            elif (
+                not resident[new] and not self.pool.holds(new) and not self.pool.holds(owners.transient(new))
+            ):
                 targets[old] = real  # in place: the new version takes over the old block
                 moved.add(new)
             else:

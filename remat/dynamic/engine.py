@@ -34,25 +34,12 @@ the trace leaves live.
 
 NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
 holds more than the pool counts: the op's results are first computed on meta tensors for their
-sizes (``Backend.plan``), the core evicts and places them, and the backend runs the op. The
+sizes (``AccountingBackend.plan``), the core evicts and places them, and the backend runs the op. The
 generator states a random op's recipe keeps are taken then too, just before it runs (their size is
 known beforehand: ``remat.aten.state_nbytes``). An op whose
 results cannot be sized that way (no meta kernel, sizes that depend on the data, results on another
 device, the ops in ``NO_META``) runs first and is placed after: its outputs are beyond the pool's
 count until the core has evicted for them, which the region's reserve must cover.
-
-NOTE [replay bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs), its
-kernel's own buffers (learned per op signature on its first run, where the allocator's account can
-run: ``remat._scratch``; until the next region, the reserve covers them, so that the core and its
-trace see one figure per op), the generator state a recomputation of a random op saves for the
-caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
-(NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the
-region, like a constant) the generator states its recipe keeps. Generator states are
-host tensors: they count only in a region on the CPU.
-
-NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch's CPU allocator
-aligns its blocks: in the arena every block then starts on a 64-byte boundary, which BLAS kernels
-need to round exactly as they do on memory from the allocator.
 
 NOTE [same decisions] Each op is handed to the core as the simulator hands a trace op: ``call``
 with the outputs' sizes and the op's recorded cost. The clock of the core moves by recorded costs,
@@ -62,7 +49,6 @@ events; ``trace()`` gives them back as a :class:`~remat.trace.types.Trace` for t
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -74,16 +60,16 @@ from torch.utils._pytree import tree_flatten
 
 from remat import _allocator, _scratch, aten
 from remat.aten import OpFacts, RngState
+from remat.core.driver import Thrashed
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
-from remat.dynamic.accounting import Backend, Pending, Thrashing
+from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned, swap
+from remat.dynamic.op_bytes import recompute_bytes, state_bytes
 from remat.dynamic.recipe import Recipe, Slot, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
-
-_DEPTH = 100_000  # recomputation chains recurse once per evicted ancestor
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -94,7 +80,12 @@ class Engine:
     """The state of one region: identity of storages, the core runtime, the recorded events."""
 
     def __init__(
-        self, pool: Pool, policy: EvictionPolicy, backend: Backend, device: torch.device, estimated: bool
+        self,
+        pool: Pool,
+        policy: EvictionPolicy,
+        backend: AccountingBackend,
+        device: torch.device,
+        estimated: bool,
     ) -> None:
         self.runtime = Runtime(pool, policy, backend, compact=not backend.places)
         self.backend = backend
@@ -114,7 +105,6 @@ class Engine:
         self.peak_in_program = 0
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
         self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
-        self.previous_depth = sys.getrecursionlimit()
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
@@ -190,7 +180,7 @@ class Engine:
             return func(*args, **kwargs)
         try:
             return self._run(func, schema, args, kwargs)
-        except (OutOfMemory, Thrashing) as failure:
+        except (OutOfMemory, Thrashed) as failure:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -237,7 +227,7 @@ class Engine:
         leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
         scratch = _scratch.known(key)
         learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
-        extra = self._replay_bytes(func, args, default)
+        extra = recompute_bytes(func, args, default, self.device, self.managed)
 
         if metas is None:
             rng, generators = states()
@@ -260,7 +250,7 @@ class Engine:
             cost=seconds,
             random=schema.random,
             scratch=aligned(scratch or 0) + extra,
-            state=self._state_bytes(default, tuple(x for _, x in explicit)),
+            state=state_bytes(default, tuple(x for _, x in explicit), self.device),
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
             op = replace(op, cost=op_cost(op, self.tensors))
@@ -301,23 +291,6 @@ class Engine:
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
 
-    def _replay_bytes(self, func: Any, args: Sequence[Any], default: torch.device | None) -> int:
-        """Bytes a recomputation of the op allocates beside its kernel (NOTE [replay bytes])."""
-        extra = 0
-        if default is not None and self.device.type == "cpu":
-            extra += aligned(aten.state_nbytes(default))
-        for i, _ in aten.facts(func).hidden_writes:
-            if i < len(args) and isinstance(args[i], torch.Tensor) and self.managed(args[i]):
-                extra += aligned(args[i].untyped_storage().nbytes())
-        return extra
-
-    def _state_bytes(self, default: torch.device | None, explicit: tuple[torch.Generator, ...]) -> int:
-        """Bytes the op's recipe keeps to the end on the region's device (NOTE [replay bytes])."""
-        if self.device.type != "cpu":
-            return 0  # generator states are host tensors
-        sources: list[aten.Source] = [*explicit, *([default] if default is not None else [])]
-        return sum(aligned(aten.state_nbytes(source)) for source in sources)
-
     def _written(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
         handles: list[int] = []
         for t in aten.written_tensors(schema.writes, args, kwargs):
@@ -344,11 +317,11 @@ class Engine:
         self.flush()
         telemetry, backend = self.runtime.telemetry, self.backend
         self.marks = (telemetry.evictions, telemetry.recomputations)
-        self.recompute_marks = (backend.recompute_seconds, backend.recompute_cost)
+        self.recompute_marks = (backend.recompute_seconds, backend.meter.recompute_cost)
         self.peak_in_program = telemetry.peak_bytes
         runtime, homes = self.runtime, self.backend.homes
         self.current = ""
-        backend.recompute_cost = 0.0  # the hand-over gets a thrash allowance of its own
+        backend.meter.allowance()  # the hand-over gets a thrash allowance of its own
         runtime.finish()
         held = [
             h

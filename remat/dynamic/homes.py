@@ -14,6 +14,10 @@ tensor on it, by a *private* storage that only recomputations read.
 NOTE [real bytes] ``real_bytes`` adds up ``nbytes()`` of the real storages as they are handed over,
 emptied and dropped: a count of the memory the runtime holds that does not come from the pool's
 own bookkeeping, so that tests can hold the two against each other.
+
+NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch's CPU allocator
+aligns its blocks: in the arena every block then starts on a 64-byte boundary, which BLAS kernels
+need to round exactly as they do on memory from the allocator.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ ALIGNMENT = 64
 
 
 def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to the allocator's alignment (NOTE [alignment] in ``engine``)."""
+    """``nbytes`` rounded up to the allocator's alignment (NOTE [alignment])."""
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 

@@ -48,7 +48,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One op call, replayable. ``leaves`` are the flat arguments with tensors set to None;
+    """One op call, ready to run again. ``leaves`` are the flat arguments with tensors set to None;
     ``outputs[i]`` is the index of the op's ``i``-th fresh output among its results
     (``engine.result_leaves``);
     ``generators`` holds the flat position, device and state before the run of each explicit

@@ -28,25 +28,25 @@ from __future__ import annotations
 import gc
 import math
 import sys
-from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 import torch
-from torch import nn
 
-from remat._errors import RematError, RematTypeError, RematValueError, message
+from remat._errors import RematError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
+from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
-from remat.core.pool import AddressPool, BytePool, Fit, Pool
+from remat.core.pool import Fit, Pool
 from remat.core.runtime import OutOfMemory
-from remat.dynamic.accounting import Backend, Thrashing
-from remat.dynamic.engine import _DEPTH, Engine, Interceptor
+from remat.dynamic import backends
+from remat.dynamic.accounting import AccountingBackend
+from remat.dynamic.engine import Engine, Interceptor
+from remat.dynamic.failures import explain
+from remat.dynamic.keep import API, members
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, rewind, take
 
-_API = "dynamic"
-BACKENDS = ("accounting", "arena")
 _UNLIMITED = 2**62
 _open: list[Dynamic] = []
 
@@ -67,31 +67,28 @@ class Dynamic:
         device: torch.device,
         reserve: int | float | str,
     ) -> None:
-        self.budget = _UNLIMITED if budget is None else parse_bytes(budget, _API)
+        self.budget = _UNLIMITED if budget is None else parse_bytes(budget, API)
         self.reserve = 0 if budget is None else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
         self.policy = _policy(policy, layout)
-        if backend not in BACKENDS:
+        kind = backends.get(backend, API)
+        if kind.places and budget is None:
             raise RematValueError(
                 message(
-                    _API, "unknown memory backend", f"got {backend!r}", f"use one of {', '.join(BACKENDS)}"
+                    API, f"the {backend} backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"'
                 )
             )
-        if backend == "arena" and budget is None:
-            raise RematValueError(
-                message(_API, "the arena backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"')
-            )
-        if backend == "arena" and not layout:
+        if kind.places and not layout:
             raise RematValueError(
                 message(
-                    _API,
-                    "the arena backend places tensors at addresses",
+                    API,
+                    f"the {backend} backend places tensors at addresses",
                     "got layout=False",
                     "pass layout=True",
                 )
             )
         if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
-            raise RematValueError(message(_API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
+            raise RematValueError(message(API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
         if (
             isinstance(thrash_limit, bool)
             or not isinstance(thrash_limit, int | float)
@@ -99,14 +96,14 @@ class Dynamic:
         ):
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     "thrash_limit is an overhead and must be above 1",
                     f"got {thrash_limit!r}",
                     "pass e.g. 3.0",
                 )
             )
         if cost not in ("measured", "model"):
-            raise RematValueError(message(_API, "unknown cost", f"got {cost!r}", "use 'measured' or 'model'"))
+            raise RematValueError(message(API, "unknown cost", f"got {cost!r}", "use 'measured' or 'model'"))
         self.cost = cost
         self.backend = backend
         members(keep)  # refuse what it cannot hold now; the members are listed at each entry
@@ -129,7 +126,7 @@ class Dynamic:
         if self._stats is None:
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     "no region has completed yet",
                     "stats read too early",
                     "read it after the with block",
@@ -140,15 +137,15 @@ class Dynamic:
     def __enter__(self) -> Dynamic:
         if _open:
             raise RematValueError(
-                message(_API, "dynamic regions do not nest", "a region is already open", "close it first")
+                message(API, "dynamic regions do not nest", "a region is already open", "close it first")
             )
         capacity = self.capacity
-        pool: Pool = AddressPool(capacity, self.fit) if self.layout else BytePool(capacity)
+        pool = make_pool(capacity, self.layout, self.fit)
         self._recorder = Recorder(self.policy)
         backend = self._make_backend(pool)
         self._recorder.moments = backend.moments
         engine = Engine(pool, self._recorder, backend, self.device, self.cost == "model")
-        engine.explain = lambda failure: self._fail(engine, _explain(failure, engine, self))
+        engine.explain = lambda failure: self._fail(engine, explain(failure, engine, self))
         kept = 0
         listed = members(self.keep)
         try:
@@ -160,7 +157,7 @@ class Dynamic:
             engine.close()
             raise RematValueError(
                 message(
-                    _API,
+                    API,
                     "the budget cannot even hold the tensors given in keep",
                     f"budget {format_bytes(self.budget)} less the reserve {format_bytes(self.reserve)}, "
                     f"keep holds {format_bytes(kept)} so far",
@@ -177,7 +174,7 @@ class Dynamic:
         backend.open()
         self._engine = engine
         self._mode = Interceptor(engine)
-        sys.setrecursionlimit(max(self._depth, _DEPTH))
+        self._depth = deepen()
         self._collecting = gc.isenabled()
         gc.disable()  # NOTE [releases] in ``engine``
         _open.append(self)
@@ -197,10 +194,8 @@ class Dynamic:
             elif error is None:
                 try:
                     engine.finish()
-                except (OutOfMemory, Thrashing, RematError) as failure:
-                    explained = (
-                        failure if isinstance(failure, RematError) else _explain(failure, engine, self)
-                    )
+                except (OutOfMemory, Thrashed, RematError) as failure:
+                    explained = failure if isinstance(failure, RematError) else explain(failure, engine, self)
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
@@ -250,13 +245,11 @@ class Dynamic:
         else:
             error.add_note(f"remat.dynamic: {said}")
 
-    def _make_backend(self, pool: Pool) -> Backend:
-        if self.backend == "arena":
-            from remat.dynamic.arena import ArenaBackend
-
-            assert isinstance(pool, AddressPool)
-            return ArenaBackend(self.device, self.thrash_limit, pool, self.reserve)
-        return Backend(self.device, self.thrash_limit)
+    def _make_backend(self, pool: Pool) -> AccountingBackend:
+        backend: AccountingBackend = backends.get(self.backend, API).create(
+            self.device, self.thrash_limit, pool, self.reserve
+        )
+        return backend
 
     def _make_stats(self, engine: Engine) -> DynamicStats:
         runtime, backend = engine.runtime, engine.backend
@@ -266,6 +259,7 @@ class Dynamic:
             policy=self.policy.name,
             backend=self.backend,
             layout=self.layout,
+            fit=self.fit,
             budget=self.budget,
             reserve=self.reserve,
             outside_bytes=engine.outside_bytes,
@@ -330,7 +324,7 @@ def dynamic(
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
-    return resolve(policy, layout, _API)
+    return resolve(policy, layout, API)
 
 
 def _reserve(reserve: object, budget: int) -> int:
@@ -341,90 +335,14 @@ def _reserve(reserve: object, budget: int) -> int:
     elif isinstance(reserve, int) and reserve == 0:
         amount = 0
     else:
-        amount = parse_bytes(reserve, _API)  # type: ignore[arg-type]
+        amount = parse_bytes(reserve, API)  # type: ignore[arg-type]
     if not 0 <= amount < budget:
         raise RematValueError(
             message(
-                _API,
+                API,
                 "the reserve is a part of the budget: a fraction in [0, 1) or fewer bytes than the budget",
                 f"got reserve={reserve!r} for a budget of {format_bytes(budget)}",
                 "pass e.g. reserve=0.05 or reserve='64MiB'",
             )
         )
     return amount
-
-
-def members(keep: object) -> list[object]:
-    """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
-    state tensors, in that order after their owner), from (nested) sequences or mappings."""
-    found: list[object] = []
-
-    def visit(item: object) -> None:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, nn.Module):
-            found.append(item)
-            found.extend(item.parameters())
-            found.extend(item.buffers())
-        elif isinstance(item, torch.optim.Optimizer):
-            found.append(item)
-            for state in item.state.values():
-                visit(list(state.values()))
-        elif isinstance(item, Mapping):
-            for value in item.values():
-                visit(value)
-        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
-            for value in item:
-                visit(value)
-        elif item is not None and not isinstance(item, (int, float, bool)):
-            raise RematTypeError(
-                message(
-                    _API,
-                    "keep takes modules, optimizers, tensors and collections of them",
-                    f"got {type(item).__name__}",
-                    "pass e.g. keep=(model, optimizer)",
-                )
-            )
-
-    visit(keep)
-    return found
-
-
-def _explain(failure: BaseException, engine: Engine, region: Dynamic) -> Exception:
-    budget = format_bytes(region.budget)
-    if isinstance(failure, Thrashing):
-        backend = engine.backend
-        return RematValueError(
-            message(
-                _API,
-                f"the budget makes policy {region.policy.name!r} thrash: recomputation passed "
-                f"thrash_limit={region.thrash_limit}",
-                f"budget {budget}; {backend.recomputed_ops} recomputations costing "
-                f"{backend.recompute_cost * 1e3:.1f} ms for {backend.base_cost * 1e3:.1f} ms of first runs, "
-                f"stopped at op {engine.ops} ({engine.current})",
-                "raise the budget, or thrash_limit if this overhead is acceptable",
-            )
-        )
-    assert isinstance(failure, OutOfMemory)
-    what = f"op {engine.ops} ({engine.current}) needs" if engine.current else "the program holds at its end"
-    if failure.needed > region.capacity:
-        least = region.least_budget(failure.needed)
-        return RematValueError(
-            message(
-                _API,
-                f"the budget cannot hold what {what} at once: it needs at least "
-                f"{failure.needed} bytes = {format_bytes(failure.needed)} beside the reserve",
-                f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes",
-                f"pass a budget of at least {least} bytes",
-            )
-        )
-    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
-    other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"
-    return RematValueError(
-        message(
-            _API,
-            f"{op} found no contiguous room: the free memory is split by pinned pieces",
-            f"budget {budget}, {failure}",
-            f"raise the budget{other} or pass layout=False",
-        )
-    )

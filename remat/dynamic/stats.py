@@ -1,8 +1,8 @@
 """What one dynamic region did, and the simulator's prediction for the same step.
 
 The region records its own events as a :class:`~remat.trace.types.Trace` (NOTE [same decisions] in
-:mod:`remat.dynamic.engine`), so :meth:`DynamicStats.compare` can replay exactly that step through
-the simulator and put the two side by side: the same evictions in the same order, and the overhead
+:mod:`remat.dynamic.engine`), so :meth:`DynamicStats.compare` can run exactly that step through the
+simulator and put the two side by side: the same evictions in the same order, and the overhead
 the simulator predicts from recorded op times next to the one measured.
 """
 
@@ -13,9 +13,12 @@ import time
 from dataclasses import dataclass, field
 
 from remat._units import format_bytes
+from remat.core.driver import make_pool
 from remat.core.policies.base import EvictionPolicy
-from remat.core.pool import End
+from remat.core.pool import End, Fit
+from remat.core.residency import Residency
 from remat.core.runtime import Runtime
+from remat.sim.backend import SimBackend, drive
 from remat.trace.types import Op, Trace
 
 
@@ -42,7 +45,7 @@ class Recorder:
     def end(self, op: Op) -> End:
         return self.policy.end(op)
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         victims = self.policy.choose(runtime, nbytes)
         self.victims.extend(victims)
         now = time.time_ns()
@@ -84,6 +87,7 @@ class DynamicStats:
     policy: str
     backend: str
     layout: bool
+    fit: Fit
     budget: int
     reserve: int  # of the budget, set aside for what the runtime cannot count ahead; the pool has the rest
     outside_bytes: int  # of the storages from before the region that it counted (constants)
@@ -118,19 +122,16 @@ class DynamicStats:
         return 1.0 + self.recompute_seconds / self.base_seconds if self.base_seconds else 1.0
 
     def compare(self) -> Comparison:
-        """Replay this region's trace through the simulator's core under the same budget, pool and
-        policy; see :class:`Comparison`."""
-        from remat.core.pool import AddressPool, BytePool, Fit
-        from remat.sim.replay import SimBackend, drive
-
+        """Run this region's trace through the simulator's core under the same budget, pool (its
+        fit included) and policy; see :class:`Comparison`."""
         recorder = Recorder(self.policy_object)
-        pool = AddressPool(self.capacity, Fit.BEST) if self.layout else BytePool(self.capacity)
+        pool = make_pool(self.capacity, self.layout, self.fit)
         backend = SimBackend(self.trace.total_cost, len(self.trace.ops), math.inf)
         compact = self.backend == "accounting"  # NOTE [model addresses] in ``remat.core.runtime``
         runtime = Runtime(pool, recorder, backend, compact=compact)
         drive(runtime, self.trace, backend, finish=False)  # up to the last op, as ``overhead``
         base = self.trace.total_cost
-        predicted = 1.0 + backend.recompute_seconds / base if base else 1.0
+        predicted = 1.0 + backend.meter.recompute_cost / base if base else 1.0
         measured = self.overhead
         return Comparison(predicted, measured, tuple(recorder.victims), self.evicted)
 

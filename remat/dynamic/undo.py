@@ -48,7 +48,8 @@ class Snapshot:
 
 
 def take(members: list[object]) -> Snapshot:
-    """The snapshot of the modules and optimizers among ``members`` (see ``region.members``)."""
+    """The snapshot of the modules and optimizers among ``members`` (see
+    :func:`remat.dynamic.keep.members`)."""
     optimizers = [m for m in members if isinstance(m, torch.optim.Optimizer)]
     params: dict[int, torch.Tensor] = {}
     buffers: dict[int, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""The simulator: replay a trace under a memory budget and an eviction policy, in seconds.
+"""The simulator: run a trace under a memory budget and an eviction policy, in seconds.
 
 It runs the device-free core of :mod:`remat.core` with recorded op times instead of real ops;
 ``remat sim`` (:mod:`remat.sim.cli`) sweeps traces, policies and budgets and plots the results.

@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "sim",
         help="simulate dynamic rematerialization of traces under budgets",
-        description="Replay traces under budget ratios with eviction policies; print, save and plot.",
+        description="Run traces under budget ratios with eviction policies; print, save and plot.",
     )
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (remat traces or DTR logs)")
     parser.add_argument(

@@ -16,8 +16,8 @@ import weakref
 from dataclasses import dataclass
 
 from remat.core.pool import BytePool, End
-from remat.core.runtime import Runtime
-from remat.sim.replay import replay
+from remat.core.residency import Residency
+from remat.sim.backend import run_trace
 from remat.trace.types import Op, Trace
 
 
@@ -40,7 +40,7 @@ def facts(trace: Trace, inplace: bool) -> Facts:
     key = (id(trace), inplace)
     found = _CACHE.get(key)
     if found is None:
-        runtime = replay(trace, BytePool(2**62), _Unbounded(inplace))
+        runtime = run_trace(trace, BytePool(2**62), _Unbounded(inplace))
         found = Facts(trace.peak_bytes, trace.total_cost, runtime.telemetry.working_set, len(trace.ops))
         _CACHE[key] = found
         weakref.finalize(trace, _CACHE.pop, key, None)
@@ -58,5 +58,5 @@ class _Unbounded:
     def end(self, op: Op) -> End:
         return End.LOW
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         return []

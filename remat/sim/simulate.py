@@ -1,4 +1,4 @@
-"""``simulate``: replay one trace under one budget and one eviction policy, and say what it cost.
+"""``simulate``: run one trace under one budget and one eviction policy, and say what it cost.
 
 The simulator is the rematerialization core (:mod:`remat.core`) with a backend that adds up recorded
 op times, so its decisions are the ones an eager runtime would take. Memory is modelled either with
@@ -13,12 +13,13 @@ from collections.abc import Callable, Sequence
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
+from remat.core.driver import Thrashed, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
-from remat.core.pool import AddressPool, BytePool, Fit, Pool
+from remat.core.pool import Fit
 from remat.core.runtime import OutOfMemory, Runtime
+from remat.sim.backend import SimBackend, drive
 from remat.sim.facts import Facts, facts
-from remat.sim.replay import SimBackend, Thrashed, drive
 from remat.sim.result import Outcome, SimResult
 from remat.trace.types import Trace
 
@@ -35,7 +36,7 @@ def simulate(
     fit: str = "best",
     compact: bool = False,
 ) -> SimResult:
-    """Replay ``trace`` within ``budget`` (bytes, a size string such as ``"6GB"``, or a float ratio
+    """Run ``trace`` within ``budget`` (bytes, a size string such as ``"6GB"``, or a float ratio
     in (0, 1] of the unconstrained peak, constants included), evicting by ``policy`` (a registered
     name, see :func:`remat.core.policies.names`, or a policy object). A run whose overhead passes
     ``thrash_limit`` is stopped and reported as thrashed. ``fit`` is the address pool's placement,
@@ -56,7 +57,7 @@ def simulate(
     if nbytes < known.working_set:
         reason = f"the budget is below the working set; it needs at least {format_bytes(known.working_set)}"
         return _result(trace, chosen, layout, nbytes, known, Outcome.OOM, reason=reason)
-    pool: Pool = AddressPool(nbytes, Fit(fit)) if layout else BytePool(nbytes)
+    pool = make_pool(nbytes, layout, fit)
     backend = SimBackend(known.base_compute, known.ops, limit)
     runtime = Runtime(pool, chosen, backend, compact=compact)
     try:
@@ -131,7 +132,7 @@ def _result(
     if outcome is Outcome.OOM or backend is None:
         overhead = math.nan
     elif known.base_compute > 0:
-        overhead = 1.0 + backend.recompute_seconds / known.base_compute
+        overhead = 1.0 + backend.meter.recompute_cost / known.base_compute
     else:
         overhead = 1.0
     return SimResult(

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from remat.core.pool import End
+from remat.core.residency import Residency
 from remat.trace.types import Op
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
 
 TICK = 1e-9
 """Smallest staleness (seconds): a storage touched just now is very dear, not infinitely so."""
@@ -46,20 +44,20 @@ class EvictionPolicy(Protocol):
 
     def end(self, op: Op) -> End: ...
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]: ...
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]: ...
 
 
-def candidates(runtime: Runtime) -> np.ndarray:
+def candidates(runtime: Residency) -> np.ndarray:
     """The evictable storages, in increasing id (ties then go to the oldest)."""
     return np.flatnonzero(runtime.evictable.array[: len(runtime.graph)])
 
 
-def staleness(runtime: Runtime, storages: np.ndarray) -> np.ndarray:
+def staleness(runtime: Residency, storages: np.ndarray) -> np.ndarray:
     """Seconds of op time since each storage was last used, at least :data:`TICK`."""
     return np.maximum(runtime.clock - runtime.last.array[storages], TICK)
 
 
-def lower_bound(runtime: Runtime, storages: np.ndarray) -> np.ndarray:
+def lower_bound(runtime: Residency, storages: np.ndarray) -> np.ndarray:
     """Own cost plus the cost of the evicted direct neighbours: no more than c' by the exact
     neighbourhood or by equivalence classes (each neighbour's class holds at least its cost)."""
     return runtime.graph.cost_array[storages] + runtime.evicted_nearby.array[storages]

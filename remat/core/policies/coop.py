@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,10 +33,8 @@ from remat.core.policies.base import TICK, lower_bound
 from remat.core.policies.dtr_eq import choose_by_classes
 from remat.core.policies.registry import register
 from remat.core.pool import FREE, AddressPool, End
+from remat.core.residency import Residency
 from remat.trace.types import Op
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
 
 _DENSE = re.compile(r"conv|matmul|linear|einsum|(?<![a-z])(?:add|b|baddb|addb)?mm(?![a-z])")
 
@@ -63,13 +60,13 @@ class Coop:
     def end(self, op: Op) -> End:
         return End.HIGH if self.op_guided and compute_dense(op.name) else End.LOW
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         if not self.layout:
             return choose_by_classes(runtime, adjacent_free=False)
         return cheapest_window(runtime, nbytes, self.per_byte)
 
 
-def cheapest_window(runtime: Runtime, nbytes: int, per_byte: bool = False) -> list[int]:
+def cheapest_window(runtime: Residency, nbytes: int, per_byte: bool = False) -> list[int]:
     """The storages of the least costly contiguous run of pieces holding ``nbytes``; [] if none.
     With ``per_byte``, the run of least cost per byte it holds, among the same candidates.
 

@@ -7,14 +7,11 @@ DTE favours it. It needs addresses (an address pool) for that; otherwise it is h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from remat.core.policies.base import Greedy
 from remat.core.policies.dtr_eq import choose_by_classes
 from remat.core.policies.registry import register
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
+from remat.core.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -22,7 +19,7 @@ class DTE(Greedy):
     name: str = "dte"
     needs: frozenset[str] = frozenset({"classes", "layout"})
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         return choose_by_classes(runtime, adjacent_free=True)
 
 

@@ -9,13 +9,10 @@ cached between searches (NOTE [neighbourhood cache]).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from remat.core.policies.base import Greedy, candidates, lower_bound, refine, staleness
 from remat.core.policies.registry import register
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
+from remat.core.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -23,7 +20,7 @@ class DTR(Greedy):
     name: str = "dtr"
     needs: frozenset[str] = frozenset({"regions"})
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         storages = candidates(runtime)
         graph, resident, regions = runtime.graph, runtime.resident, runtime.regions
         assert regions is not None

@@ -7,14 +7,11 @@ t's evicted neighbours (:mod:`remat.core.classes`), O(degree) instead of a graph
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from remat.core.policies.base import Greedy, candidates, lower_bound, refine, staleness
 from remat.core.policies.registry import register
 from remat.core.pool import AddressPool
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
+from remat.core.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -22,11 +19,11 @@ class DTREq(Greedy):
     name: str = "dtr-eq"
     needs: frozenset[str] = frozenset({"classes"})
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         return choose_by_classes(runtime, adjacent_free=False)
 
 
-def choose_by_classes(runtime: Runtime, adjacent_free: bool) -> list[int]:
+def choose_by_classes(runtime: Residency, adjacent_free: bool) -> list[int]:
     """argmin c'_eq / (m · s), where m counts the free bytes next to t when ``adjacent_free``
     (MegEngine's DTE)."""
     storages = candidates(runtime)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from remat.core.policies.base import Greedy, argmin, candidates, staleness
 from remat.core.policies.registry import register
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
+from remat.core.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -17,7 +14,7 @@ class DTRLocal(Greedy):
     name: str = "dtr-local"
     needs: frozenset[str] = frozenset()
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         storages = candidates(runtime)
         graph = runtime.graph
         scores = graph.cost_array[storages] / (graph.nbytes_array[storages] * staleness(runtime, storages))

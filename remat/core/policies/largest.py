@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from remat.core.policies.base import Greedy, argmin, candidates
 from remat.core.policies.registry import register
-
-if TYPE_CHECKING:
-    from remat.core.runtime import Runtime
+from remat.core.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -17,7 +14,7 @@ class Largest(Greedy):
     name: str = "largest"
     needs: frozenset[str] = frozenset()
 
-    def choose(self, runtime: Runtime, nbytes: int) -> list[int]:
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         storages = candidates(runtime)
         return argmin(storages, -runtime.graph.nbytes_array[storages])
 

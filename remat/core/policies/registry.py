@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from remat._errors import RematTypeError, RematValueError, message
-
-if TYPE_CHECKING:
-    from remat.core.policies.base import EvictionPolicy
+from remat.core.policies.base import EvictionPolicy
 
 _POLICIES: dict[str, EvictionPolicy] = {}
 

@@ -11,9 +11,9 @@ from dynamic_models import copies, workload
 from models import loss_of
 
 import remat
-from remat.dynamic import DynamicModule
+from remat.dynamic import DynamicModule, backends
 
-BACKENDS = ["accounting", "arena"]
+BACKENDS = backends.names()
 
 
 def _views_and_mutations(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,9 @@ def test_arena_memory_measured_stays_within_the_budget() -> None:
     w1.grad = w2.grad = None
     budget = 2_200_000
     with remat.memory.track(allocator=True) as measured:
-        region = remat.dynamic(budget, "coop", backend="arena", keep=(x, w1, w2, g), reserve=0.3)
+        region = remat.dynamic(
+            budget, "coop", backend="arena", keep=(x, w1, w2, g), cost="model", reserve=0.3
+        )
         with region:
             out = step()
     assert region.stats.copied_ops == ("aten.mm.default",)

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from remat.core.driver import Thrashed
 from remat.core.policies import get
 from remat.core.pool import AddressPool, End
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.sim import Outcome, facts, simulate
-from remat.sim.replay import SimBackend, Thrashed, drive
+from remat.sim.backend import SimBackend, drive
 from remat.sim.synthetic import random_program
 
 GREEDY = ["dtr", "dtr-eq", "dtr-local", "lru", "largest"]

@@ -26,7 +26,7 @@ def test_budget_below_the_working_set_names_the_op_and_the_figure() -> None:
             RematValueError,
             match=r"op \d+ \(aten\.mul\.Tensor\) needs at once: it needs at least (\d+) bytes",
         ),
-        remat.dynamic(20_000, "dtr"),
+        remat.dynamic(20_000, "dtr", cost="model"),
     ):
         _chain(x).backward()
     assert x.grad is None
@@ -40,7 +40,7 @@ def test_raising_the_budget_to_the_figures_named_converges() -> None:
         try:
             with (
                 remat.memory.track(allocator=True) as measured,
-                remat.dynamic(budget, "dtr", layout=False) as region,
+                remat.dynamic(budget, "dtr", layout=False, cost="model") as region,
             ):
                 y = _chain(x)
             break

@@ -11,7 +11,7 @@ from remat.core.policies import get
 from remat.core.pool import AddressPool, BytePool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.sim import Outcome, simulate
-from remat.sim.replay import SimBackend, drive, replay
+from remat.sim.backend import SimBackend, drive, run_trace
 from remat.sim.synthetic import Builder
 from remat.trace.types import Op, Trace
 
@@ -214,8 +214,8 @@ def test_runtime_refuses_a_policy_needing_addresses_over_a_byte_pool() -> None:
         Runtime(BytePool(100), get("coop"), Recording())
 
 
-def test_replay_with_room_for_everything_evicts_nothing() -> None:
-    runtime = replay(chain(), BytePool(10**9), get("dtr"))
+def test_a_run_with_room_for_everything_evicts_nothing() -> None:
+    runtime = run_trace(chain(), BytePool(10**9), get("dtr"))
     assert runtime.telemetry.evictions == runtime.telemetry.recomputations == 0
     assert runtime.telemetry.peak_bytes == 70 == chain().peak_bytes
 

@@ -1,6 +1,7 @@
-"""Replaying a trace through the rematerialization core, with a backend that only keeps accounts.
+"""The simulator's backend: running a trace through the rematerialization core, keeping accounts
+only.
 
-:class:`SimBackend` is the simulator's side of :class:`~remat.core.runtime.Backend`: running a record
+:class:`SimBackend` is the simulator's side of :class:`~remat.core.backend.Backend`: running a record
 costs its recorded time, and every storage gets a *value*, a hash of its recipe (the op, the output
 position and the values of the inputs). A recomputation must reproduce the value of the first run,
 and an op whose input is not resident has no value to read: both raise at once, so a simulation
@@ -10,22 +11,14 @@ that finishes has also checked that the core recomputes the right things in the 
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from remat._errors import RecomputationError
+from remat.core.driver import ThrashMeter, deep_recursion
 from remat.core.graph import Record
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import Runtime
 from remat.trace.types import Op, Trace
-
-_DEPTH = 200_000  # recomputation chains recurse once per evicted ancestor
-
-
-class Thrashed(Exception):
-    """Recomputation passed the limit the simulation was given."""
 
 
 class SimBackend:
@@ -34,12 +27,8 @@ class SimBackend:
     def __init__(self, base_compute: float, ops: int, thrash_limit: float) -> None:
         self.values: dict[int, int] = {}
         self.first: dict[int, int] = {}  # storage -> value at its first run
-        self.recompute_seconds = 0.0
-        self.recompute_ops = 0
-        # Past this much recomputation the run has thrashed; with no recorded times at all, count ops.
-        extra = thrash_limit - 1.0
-        self._limit = math.inf if math.isinf(extra) else extra * base_compute
-        self._op_limit = extra * ops if base_compute == 0 and not math.isinf(extra) else None
+        # The whole trace's first runs are known up front: past the limit the run has thrashed.
+        self.meter = ThrashMeter(thrash_limit, base_compute, ops)
 
     def constant(self, storage: int, handle: int) -> None:
         self.values[storage] = self.first[storage] = hash(("constant", handle))
@@ -62,12 +51,7 @@ class SimBackend:
             self.first.setdefault(storage, value)
             self.values[storage] = value
         if recompute:
-            self.recompute_seconds += record.op.cost
-            self.recompute_ops += 1
-            if self.recompute_seconds > self._limit or (
-                self._op_limit is not None and self.recompute_ops > self._op_limit
-            ):
-                raise Thrashed
+            self.meter.recomputed(record.op.cost)
         return record.op.cost
 
     def free(self, storage: int) -> None:
@@ -78,7 +62,7 @@ class SimBackend:
         return hash(tuple(self.first[s] for s in sorted(self.first)))
 
 
-def replay(
+def run_trace(
     trace: Trace,
     pool: Pool,
     policy: EvictionPolicy,
@@ -94,10 +78,10 @@ def replay(
 
 def drive(runtime: Runtime, trace: Trace, backend: SimBackend, finish: bool = True) -> None:
     """Feed every event of ``trace`` to ``runtime``, then (``finish``) restore what it leaves live.
-    Raises :class:`~remat.core.runtime.OutOfMemory` or :class:`Thrashed` when the run cannot
-    finish."""
+    Raises :class:`~remat.core.runtime.OutOfMemory` or :class:`~remat.core.driver.Thrashed` when
+    the run cannot finish."""
     tensors = trace.tensors
-    with _deep_recursion():
+    with deep_recursion():
         for tensor in tensors:
             if tensor.constant:
                 runtime.constant(tensor.id, tensor.nbytes)
@@ -109,13 +93,3 @@ def drive(runtime: Runtime, trace: Trace, backend: SimBackend, finish: bool = Tr
                 runtime.release(event.tensor)
         if finish:
             runtime.finish()
-
-
-@contextmanager
-def _deep_recursion() -> Iterator[None]:
-    previous = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(previous, _DEPTH))
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(previous)

@@ -13,7 +13,7 @@ from remat.sim import Outcome, SimResult, facts, simulate, sweep
 from remat.sim.synthetic import training_step
 from remat.trace import Trace, load
 
-LOGS = Path(__file__).resolve().parents[1] / "data" / "dtr"
+LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
 
 
 @functools.cache

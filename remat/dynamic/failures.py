@@ -1,0 +1,70 @@
+"""How a region's failure reads: thrashing and running out of room, told in the user's terms (the
+budget, the reserve, the op that failed) with what to do about it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from remat._errors import RematValueError, message
+from remat._units import format_bytes
+from remat.core.driver import Thrashed
+from remat.core.policies.base import EvictionPolicy
+from remat.core.runtime import OutOfMemory
+from remat.dynamic.engine import Engine
+from remat.dynamic.keep import API
+
+
+class Limits(Protocol):
+    """What the errors say of the region (:class:`~remat.dynamic.region.Dynamic`)."""
+
+    budget: int
+    reserve: int
+    policy: EvictionPolicy
+    thrash_limit: float
+
+    @property
+    def capacity(self) -> int: ...
+
+    def least_budget(self, needed: int) -> int: ...
+
+
+def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception:
+    """``failure`` (:class:`~remat.core.driver.Thrashed` or
+    :class:`~remat.core.runtime.OutOfMemory`) of ``engine``'s region as the error the user gets."""
+    budget = format_bytes(region.budget)
+    if isinstance(failure, Thrashed):
+        meter = engine.backend.meter
+        return RematValueError(
+            message(
+                API,
+                f"the budget makes policy {region.policy.name!r} thrash: recomputation passed "
+                f"thrash_limit={region.thrash_limit}",
+                f"budget {budget}; {meter.recompute_ops} recomputations costing "
+                f"{meter.recompute_cost * 1e3:.1f} ms for {meter.base_cost * 1e3:.1f} ms of first runs, "
+                f"stopped at op {engine.ops} ({engine.current})",
+                "raise the budget, or thrash_limit if this overhead is acceptable",
+            )
+        )
+    assert isinstance(failure, OutOfMemory)
+    what = f"op {engine.ops} ({engine.current}) needs" if engine.current else "the program holds at its end"
+    if failure.needed > region.capacity:
+        least = region.least_budget(failure.needed)
+        return RematValueError(
+            message(
+                API,
+                f"the budget cannot hold what {what} at once: it needs at least "
+                f"{failure.needed} bytes = {format_bytes(failure.needed)} beside the reserve",
+                f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes",
+                f"pass a budget of at least {least} bytes",
+            )
+        )
+    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
+    other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"
+    return RematValueError(
+        message(
+            API,
+            f"{op} found no contiguous room: the free memory is split by pinned pieces",
+            f"budget {budget}, {failure}",
+            f"raise the budget{other} or pass layout=False",
+        )
+    )

@@ -1,0 +1,50 @@
+"""What a region's ``keep`` names: the modules, optimizers and tensors registered before its
+first op, and the ones its undo snapshot covers (:mod:`remat.dynamic.undo`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from remat._errors import RematTypeError, message
+
+API = "dynamic"
+"""The API name in the errors of ``remat.dynamic``."""
+
+
+def members(keep: object) -> list[object]:
+    """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
+    state tensors, in that order after their owner), from (nested) sequences or mappings."""
+    found: list[object] = []
+
+    def visit(item: object) -> None:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, nn.Module):
+            found.append(item)
+            found.extend(item.parameters())
+            found.extend(item.buffers())
+        elif isinstance(item, torch.optim.Optimizer):
+            found.append(item)
+            for state in item.state.values():
+                visit(list(state.values()))
+        elif isinstance(item, Mapping):
+            for value in item.values():
+                visit(value)
+        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            for value in item:
+                visit(value)
+        elif item is not None and not isinstance(item, (int, float, bool)):
+            raise RematTypeError(
+                message(
+                    API,
+                    "keep takes modules, optimizers, tensors and collections of them",
+                    f"got {type(item).__name__}",
+                    "pass e.g. keep=(model, optimizer)",
+                )
+            )
+
+    visit(keep)
+    return found

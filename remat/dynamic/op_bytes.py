@@ -1,0 +1,50 @@
+"""What an op holds beside its tensors, as the dynamic runtime counts it for the core.
+
+NOTE [recompute bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs),
+its kernel's own buffers (learned per op signature on its first run, where the allocator's account
+can run: ``remat._scratch``; until the next region, the reserve covers them, so that the core and
+its trace see one figure per op), the generator state a recomputation of a random op saves for the
+caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
+(NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the
+region, like a constant) the generator states its recipe keeps. Generator states are host tensors:
+they count only in a region on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from remat import aten
+from remat.dynamic.homes import aligned
+
+
+def recompute_bytes(
+    func: Any,
+    args: Sequence[Any],
+    default: torch.device | None,
+    device: torch.device,
+    managed: Callable[[torch.Tensor], bool],
+) -> int:
+    """Bytes a recomputation of ``func`` allocates beside its kernel in a region on ``device``
+    (NOTE [recompute bytes]); ``default``: the device whose default generator it draws from;
+    ``managed``: whether a tensor is the region's."""
+    extra = 0
+    if default is not None and device.type == "cpu":
+        extra += aligned(aten.state_nbytes(default))
+    for i, _ in aten.facts(func).hidden_writes:
+        if i < len(args) and isinstance(args[i], torch.Tensor) and managed(args[i]):
+            extra += aligned(args[i].untyped_storage().nbytes())
+    return extra
+
+
+def state_bytes(
+    default: torch.device | None, explicit: tuple[torch.Generator, ...], device: torch.device
+) -> int:
+    """Bytes an op's recipe keeps to the end in a region on ``device`` (NOTE [recompute bytes])."""
+    if device.type != "cpu":
+        return 0  # generator states are host tensors
+    sources: list[aten.Source] = [*explicit, *([default] if default is not None else [])]
+    return sum(aligned(aten.state_nbytes(source)) for source in sources)
