@@ -6,7 +6,8 @@ same facts: which arguments an op writes (including writes its schema does not d
 batch norm's running statistics), which results alias an argument, whether it draws random
 numbers, which namespaces are not ops of the program at all, which generator a random op draws
 from and how to save and set that generator's state on any device, and a tensor's geometry. They
-read them here; a new mode adds facts here, never a copy of its own.
+read them here; a new mode adds facts here, never a copy of its own. What an op allocates beside
+its results, learned per op signature from the allocator, is here too (``scratch``).
 """
 
 from remat.aten.generators import (
@@ -20,7 +21,7 @@ from remat.aten.generators import (
     state_nbytes,
 )
 from remat.aten.schema import SKIPPED_NAMESPACES, OpFacts, facts, writes_hidden, written_tensors
-from remat.aten.tensors import Geometry, describe, geometry, storage_of
+from remat.aten.tensors import Geometry, describe, dtype_name, geometry, storage_of
 
 __all__ = [
     "SKIPPED_NAMESPACES",
@@ -31,6 +32,7 @@ __all__ = [
     "capture",
     "capture_all",
     "describe",
+    "dtype_name",
     "facts",
     "geometry",
     "replayed",

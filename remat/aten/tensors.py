@@ -24,6 +24,11 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``: how traces and errors name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def describe(dtype: torch.dtype, shape: Sequence[int]) -> str:
     """``float32[4, 8]``: how errors name a tensor."""
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+    return f"{dtype_name(dtype)}{list(shape)}"

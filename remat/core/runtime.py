@@ -178,6 +178,7 @@ class Runtime(Residency):
         Raises :class:`OutOfMemory` when they cannot fit together."""
         live = [s for s in range(len(self.graph)) if self.live[s] > 0]
         needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
+        self.telemetry.working_set = max(self.telemetry.working_set, needed + self._constant_bytes)
         if needed + self._constant_bytes > self.pool.capacity:
             raise OutOfMemory(needed, self._constant_bytes, self.pool.capacity, False)
         if self.compact:

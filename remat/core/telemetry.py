@@ -16,7 +16,9 @@ class Telemetry:
     evicting_allocations: int = 0  # allocations that had to evict before they fitted
     free_fraction_sum: float = 0.0  # sum over those of free bytes / capacity once placed
     peak_bytes: int = 0  # most bytes held by the pool at once
-    working_set: int = 0  # most bytes an op needed at its first run: constants, inputs, new outputs
+    working_set: int = (
+        0  # most bytes an op needed at its first run (constants, inputs, new outputs), or the end
+    )
 
     @property
     def fragmentation(self) -> float:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat import _scratch
 from remat._errors import RecomputationError
+from remat.aten import scratch
 from remat.core import owners
 from remat.core.driver import ThrashMeter
 from remat.core.graph import NO_REUSE, Record
@@ -131,7 +131,7 @@ class AccountingBackend:
     ) -> list[Any] | None:
         """The meta results of an op the backend runs in :meth:`materialize` once the core has
         placed them (NOTE [room first]); None: the engine runs the op first. ``key``: the op's
-        signature (``remat._scratch``), under which its meta results are kept for the next call
+        signature (``remat.aten.scratch``), under which its meta results are kept for the next call
         (a meta kernel written in Python can cost more than the op). ``sized``: the sizes of its
         results are known from an earlier run, whatever its meta kernel says."""
         if not any(fresh_returns):
@@ -166,7 +166,7 @@ class AccountingBackend:
         for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
             if graph.nbytes[new] > 0 and pool.holds(new):
                 pending.saved[handle] = self.copy_of(homes.get(old))
-        out, seconds = _scratch.timed(lambda: func(*args, **kwargs), pending.learn)
+        out, seconds = scratch.timed(lambda: func(*args, **kwargs), pending.learn)
         assert pending.recipe is not None
         leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
         for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):

@@ -58,8 +58,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat import _allocator, _scratch, aten
+from remat import _allocator, aten
 from remat.aten import OpFacts, RngState
+from remat.aten import scratch as op_scratch
 from remat.core.driver import Thrashed
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
@@ -70,10 +71,6 @@ from remat.dynamic.op_bytes import recompute_bytes, state_bytes
 from remat.dynamic.recipe import Recipe, Slot, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
 
 
 class Engine:
@@ -121,7 +118,7 @@ class Engine:
         storage = t.untyped_storage()
         handle = len(self.tensors)
         nbytes = aligned(storage.nbytes())
-        self.tensors.append(TensorInfo(handle, nbytes, None, True, tuple(t.shape), _dtype(t)))
+        self.tensors.append(TensorInfo(handle, nbytes, None, True, tuple(t.shape), aten.dtype_name(t.dtype)))
         self.handles[storage._cdata] = handle
         self.backend.homes.add_handle(handle, storage, pin=True)
         self.runtime.constant(handle, nbytes)
@@ -140,7 +137,9 @@ class Engine:
     def new_handle(self, t: torch.Tensor, nbytes: int) -> int:
         """A handle for a new storage of ``nbytes`` that ``t`` (real or meta) describes."""
         handle = len(self.tensors)
-        self.tensors.append(TensorInfo(handle, aligned(nbytes), shape=tuple(t.shape), dtype=_dtype(t)))
+        self.tensors.append(
+            TensorInfo(handle, aligned(nbytes), shape=tuple(t.shape), dtype=aten.dtype_name(t.dtype))
+        )
         return handle
 
     def bind(self, handle: int, t: torch.Tensor) -> bool:
@@ -195,8 +194,8 @@ class Engine:
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs)
-        key = _scratch.signature(func, args, kwargs)
-        sizes = _scratch.results(key)
+        key = op_scratch.signature(func, args, kwargs)
+        sizes = op_scratch.results(key)
         metas = None  # NOTE [room first]
         if self._outputs_here(flat, bool(positions)):
             metas = backend.plan(func, args, kwargs, schema.fresh_returns, key, sized=sizes is not None)
@@ -225,16 +224,16 @@ class Engine:
             return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
 
         leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
-        scratch = _scratch.known(key)
+        scratch = op_scratch.known(key)
         learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
         extra = recompute_bytes(func, args, default, self.device, self.managed)
 
         if metas is None:
             rng, generators = states()
-            out, seconds = _scratch.timed(lambda: func(*args, **kwargs), learn)
+            out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
-                _scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
+                op_scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
         else:  # the backend runs it once the core has placed the outputs
             rng, generators = None, ()
             out, seconds = None, 0.0

@@ -2,7 +2,7 @@
 
 NOTE [recompute bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs),
 its kernel's own buffers (learned per op signature on its first run, where the allocator's account
-can run: ``remat._scratch``; until the next region, the reserve covers them, so that the core and
+can run: ``remat.aten.scratch``; until the next region, the reserve covers them, so that the core and
 its trace see one figure per op), the generator state a recomputation of a random op saves for the
 caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
 (NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the

@@ -154,14 +154,14 @@ class Tape:
     def _written(
         self,
         info: OpFacts,
-        writes: tuple[tuple[int, str], ...],
+        places: tuple[tuple[int, str], ...],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> list[tuple[torch.Tensor, int | str, int, torch.Tensor | None]]:
-        """The tensors the op is about to write (``writes``, hidden ones included), each with its
+        """The tensors the op is about to write (at ``places``, hidden writes included), each with its
         place in the arguments and, for an external, a snapshot of its value before the write."""
         found: list[tuple[torch.Tensor, int | str, int, torch.Tensor | None]] = []
-        for pos, name in writes:
+        for pos, name in places:
             key: int | str = pos if pos < len(args) else name
             value = args[pos] if isinstance(key, int) else kwargs.get(name)
             items = [(-1, value)] if isinstance(value, torch.Tensor) else enumerate(value or ())
@@ -244,8 +244,8 @@ class Tape:
             else v
             for k, v in kwargs.items()
         }
-        writes = info.all_writes(args)
-        written = self._written(info, writes, args, kwargs) if writes else []
+        places = info.all_writes(args)
+        written = self._written(info, places, args, kwargs) if places else []
         rng = aten.capture((aten.source_of(args, kwargs),)) if info.random else None
 
         out = func(*args, **kwargs)

@@ -4,10 +4,12 @@ The *unconstrained peak* is ``Trace.peak_bytes`` (``remat.trace.liveness``): no 
 included, a storage freed when its last handle goes. A ratio budget is a fraction of it.
 
 The *working set* is the most memory any single op needs at its first run under the runtime's own
-rules: the constants it keeps, the op's inputs and its new outputs. Below it nothing can run; at or
-above it the runtime never runs out of memory when counting bytes (NOTE [relaxed locks] in
-:mod:`remat.core.runtime`). It depends on whether mutations copy, so it is found by running the
-runtime itself with room for everything.
+rules (the constants it keeps, the op's inputs and its new outputs), or the end of the run, where
+everything the program keeps is resident at once (``Runtime.finish``). Below it nothing can run
+to the end; at or above it the runtime does not run out of memory when counting bytes (NOTE
+[relaxed locks] in :mod:`remat.core.runtime`; the property tests check it on random programs). It
+depends on whether mutations copy, so it is found by running the runtime itself with room for
+everything.
 """
 
 from __future__ import annotations

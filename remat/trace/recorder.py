@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import aten
 from remat._allocator import scratch_of
-from remat._scratch import known, learn, signature
+from remat.aten.scratch import known, learn, signature
 from remat.trace.attribution import Attribution, phases
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
 
@@ -96,7 +96,7 @@ class Recorder(TorchDispatchMode):
     ) -> int:
         hid = len(self.tensors)
         self.tensors.append(
-            TensorInfo(hid, nbytes, alias_of, constant, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            TensorInfo(hid, nbytes, alias_of, constant, tuple(t.shape), aten.dtype_name(t.dtype))
         )
         self.storage_key.append(key)
         self.op_module.append("")

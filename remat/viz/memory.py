@@ -24,13 +24,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._tracker import MemoryTracker
 from remat._units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-    from remat.memory import MemoryTracker
 
 __all__ = ["KINDS", "plot"]
 
@@ -153,8 +152,6 @@ def _panel(
 def _check(
     runs: object, budget: object, marks: object, notes: object
 ) -> tuple[dict[str, MemoryTracker], dict[str, int], dict[str, list[tuple[int, str]]], dict[str, str]]:
-    from remat.memory import MemoryTracker
-
     if not isinstance(runs, Mapping) or not runs:
         raise RematValueError(
             message(_API, "needs at least one run", f"got {runs!r}", "pass {label: tracker, ...}")
