@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from remat.sim.result import Outcome
     from remat.sim.simulate import sweep
     from remat.trace import load
 
@@ -70,14 +71,15 @@ def run(args: argparse.Namespace) -> int:
                 task, advance=1, description=f"{result.trace} {result.policy}"
             ),
         )
-    table = Table(title=f"remat sim ({args.memory} memory)")
+    costs = ", ".join(sorted({f"{r.trace}: {r.costs} costs" for r in results}))
+    table = Table(title=f"remat sim ({args.memory} memory; {costs})")
     for column in ("trace", "policy"):  # names are never cut short
         table.add_column(column, min_width=max(len(getattr(r, column)) for r in results))
     table.add_column("outcome")
     for column in ("ratio", "overhead", "evictions", "frag.", "search ms"):
         table.add_column(column, justify="right")
     for r in results:
-        overhead = "" if math.isnan(r.overhead) else f"{r.overhead:.3f}"
+        overhead = f"{r.overhead:.3f}" if r.outcome is Outcome.OK else ""  # a stopped run has none
         table.add_row(
             r.trace,
             r.policy,

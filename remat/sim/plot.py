@@ -13,13 +13,16 @@ from remat.sim.result import Outcome, SimResult
 
 def plot_sweep(results: Sequence[SimResult], path: str | os.PathLike[str]) -> None:
     """Write a PNG: per trace, overhead (top) and fragmentation (bottom) against the budget ratio,
-    one line per policy, finished runs only; last column, the mean time spent finding victims per
-    allocation that had to evict, against the number of tensors of each trace."""
+    one line per policy through the finished runs, and the runs that did not finish marked at the
+    top of the overhead panel (x: thrashed, v: out of memory) in the policy's colour; last column,
+    the mean time spent finding victims per allocation that had to evict, against the number of
+    tensors of each trace."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
+    from matplotlib.transforms import blended_transform_factory
 
     traces = list(dict.fromkeys(r.trace for r in results))
     policies = list(dict.fromkeys(r.policy for r in results))
@@ -27,19 +30,27 @@ def plot_sweep(results: Sequence[SimResult], path: str | os.PathLike[str]) -> No
     fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 7), squeeze=False)
     for column, trace in enumerate(traces):
         top, bottom = axes[0][column], axes[1][column]
-        for policy in policies:
-            runs = sorted(
-                (r for r in results if r.trace == trace and r.policy == policy and r.outcome is Outcome.OK),
-                key=lambda r: r.ratio,
+        edge = blended_transform_factory(top.transData, top.transAxes)  # x: ratio, y: panel height
+        for k, policy in enumerate(policies):
+            mine = sorted(
+                (r for r in results if r.trace == trace and r.policy == policy), key=lambda r: r.ratio
             )
+            runs = [r for r in mine if r.outcome is Outcome.OK]
             ratios = [r.ratio for r in runs]
-            top.plot(ratios, [r.overhead for r in runs], marker="o", label=policy)
-            bottom.plot(ratios, [100 * r.fragmentation for r in runs], marker="o", label=policy)
-        top.set_title(trace)
+            colour = f"C{k}"
+            top.plot(ratios, [r.overhead for r in runs], marker="o", color=colour, label=policy)
+            bottom.plot(ratios, [100 * r.fragmentation for r in runs], marker="o", color=colour, label=policy)
+            for outcome, mark in ((Outcome.THRASHED, "x"), (Outcome.OOM, "v")):
+                failed = [r.ratio for r in mine if r.outcome is outcome]
+                top.scatter(
+                    failed, [0.97 - 0.03 * k] * len(failed), marker=mark, color=colour, transform=edge
+                )
+        costs = sorted({r.costs for r in results if r.trace == trace})
+        top.set_title(f"{trace} ({', '.join(costs)} costs)")
         top.set_ylabel("overhead (compute / base)")
         bottom.set_ylabel("fragmentation (% of budget free)")
         bottom.set_xlabel("budget ratio")
-        top.legend(fontsize="small")
+        top.legend(fontsize="small", title="x thrashed, v OOM", title_fontsize="x-small")
     search = axes[0][-1]
     for policy in policies:
         points: dict[int, list[float]] = {}

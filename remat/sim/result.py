@@ -25,7 +25,8 @@ class SimResult:
     once; for a thrashed run it is where the run was stopped, for OOM it is NaN. ``fragmentation``
     is the mean of free bytes / budget over the allocations that had to evict, taken once each was
     placed. ``digest`` hashes every value computed at a first run (equal across budgets when the
-    recomputations are right); it is 0 unless the run finished."""
+    recomputations are right); it is 0 unless the run finished. ``costs``: whether the op costs
+    added up were measured, or estimated by the cost model (a trace taken on fake tensors)."""
 
     trace: str
     policy: str
@@ -46,16 +47,18 @@ class SimResult:
     tensors: int
     digest: int = 0
     reason: str = ""
+    costs: str = "measured"
 
     def __str__(self) -> str:
         head = f"{self.policy} on {self.trace} at {self.ratio:.2f} ({format_bytes(self.budget)})"
         if self.outcome is Outcome.OOM:
             return f"{head}: OOM, {self.reason}"
-        state = "ok" if self.outcome is Outcome.OK else "thrashed"
+        counts = f"{self.evictions} evictions, {self.recomputations} recomputations"
+        if self.outcome is Outcome.THRASHED:  # stopped: its overhead so far says nothing
+            return f"{head}: thrashed (stopped past the thrash limit after {counts})"
         return (
-            f"{head}: {state}, overhead {self.overhead:.3f}, {self.evictions} evictions, "
-            f"{self.recomputations} recomputations, fragmentation {self.fragmentation:.1%}, "
-            f"search {self.search_seconds * 1e3:.1f} ms"
+            f"{head}: ok, overhead {self.overhead:.3f} ({self.costs} costs), {counts}, "
+            f"fragmentation {self.fragmentation:.1%}, search {self.search_seconds * 1e3:.1f} ms"
         )
 
     @property

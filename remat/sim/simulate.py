@@ -21,6 +21,7 @@ from remat.core.runtime import OutOfMemory, Runtime
 from remat.sim.backend import SimBackend, drive
 from remat.sim.facts import Facts, facts
 from remat.sim.result import Outcome, SimResult
+from remat.trace.cost import Costs, costed
 from remat.trace.types import Trace
 
 _API = "sim.simulate"
@@ -42,9 +43,11 @@ def simulate(
     ``thrash_limit`` is stopped and reported as thrashed. ``fit`` is the address pool's placement,
     ``"best"`` or ``"first"``. ``compact``: the addresses model a layout the memory does not have,
     as for ``remat.dynamic``'s accounting backend (NOTE [model addresses] in
-    ``remat.core.runtime``)."""
+    ``remat.core.runtime``). A trace with no measured costs (taken on fake tensors) runs on the
+    cost model's estimates, and the result says so (``SimResult.costs``)."""
     chosen = _policy(policy, layout)
     limit = _thrash_limit(thrash_limit)
+    trace, costs = costed(trace)
     if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
         raise RematValueError(message(_API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
     amount = parse_budget(budget, _API)
@@ -56,7 +59,7 @@ def simulate(
         )
     if nbytes < known.working_set:
         reason = f"the budget is below the working set; it needs at least {format_bytes(known.working_set)}"
-        return _result(trace, chosen, layout, nbytes, known, Outcome.OOM, reason=reason)
+        return _result(trace, chosen, layout, nbytes, known, costs, Outcome.OOM, reason=reason)
     pool = make_pool(nbytes, layout, fit)
     backend = SimBackend(known.base_compute, known.ops, limit)
     runtime = Runtime(pool, chosen, backend, compact=compact)
@@ -69,10 +72,12 @@ def simulate(
         else:  # enough bytes, but pinned pieces split them (address pools only)
             needed = known.working_set
             reason = f"{error}: the free memory is fragmented by pinned pieces; try layout=False or 'coop'"
-        return _result(trace, chosen, layout, nbytes, known, Outcome.OOM, runtime, backend, reason, needed)
+        return _result(
+            trace, chosen, layout, nbytes, known, costs, Outcome.OOM, runtime, backend, reason, needed
+        )
     except Thrashed:
-        return _result(trace, chosen, layout, nbytes, known, Outcome.THRASHED, runtime, backend)
-    return _result(trace, chosen, layout, nbytes, known, Outcome.OK, runtime, backend)
+        return _result(trace, chosen, layout, nbytes, known, costs, Outcome.THRASHED, runtime, backend)
+    return _result(trace, chosen, layout, nbytes, known, costs, Outcome.OK, runtime, backend)
 
 
 def sweep(
@@ -122,6 +127,7 @@ def _result(
     layout: bool,
     budget: int,
     known: Facts,
+    costs: Costs,
     outcome: Outcome,
     runtime: Runtime | None = None,
     backend: SimBackend | None = None,
@@ -155,4 +161,5 @@ def _result(
         tensors=len(trace.tensors),
         digest=backend.digest() if backend is not None and outcome is Outcome.OK else 0,
         reason=reason,
+        costs=costs,
     )

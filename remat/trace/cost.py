@@ -23,8 +23,10 @@ import dataclasses
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -124,6 +126,32 @@ def estimate(trace: Trace, device: DeviceProfile | str | None = None) -> Trace:
     return dataclasses.replace(trace, events=events)
 
 
+Costs = Literal["measured", "estimated"]
+
+_COSTED: dict[int, tuple[Trace, Costs]] = {}
+
+
+def costed(trace: Trace) -> tuple[Trace, Costs]:
+    """The trace whose op costs a simulation adds up, and which costs they are: ``trace`` itself
+    where it has measured costs; else (a trace taken on fake tensors, or an import that carries
+    none) a copy whose ``cost`` is each op's estimate (its ``est_cost``, or the cost model's for the
+    trace's device). Cached for as long as ``trace`` lives."""
+    if trace.total_cost > 0:
+        return trace, "measured"
+    found = _COSTED.get(id(trace))
+    if found is None:
+        dev = profile("cpu" if trace.device == "cpu" else "a100")
+        events = tuple(
+            dataclasses.replace(e, cost=e.est_cost or op_cost(e, trace.tensors, dev))
+            if isinstance(e, Op)
+            else e
+            for e in trace.events
+        )
+        found = _COSTED[id(trace)] = (dataclasses.replace(trace, events=events), "estimated")
+        weakref.finalize(trace, _COSTED.pop, id(trace), None)
+    return found
+
+
 def calibrate(device: torch.device | str = "cpu", repeats: int = 5) -> DeviceProfile:
     """Measure this machine's roofline in about a second: a square fp32 matmul (FLOP/s), a large
     copy (bytes/s, read plus write) and a one-element add (overhead), medians of ``repeats``."""
@@ -165,7 +193,7 @@ def _matmul(packet: str, ins: list[Shape], outs: list[Shape]) -> int:
     a = ins[1] if packet.startswith("add") or packet == "_addmm_activation" else ins[0]
     if packet == "dot":
         return 2 * math.prod(a)
-    return 2 * math.prod(outs[0]) * a[-1]
+    return 2 * math.prod(outs[0]) * (a[-1] if a else 1)  # a 0-d operand: a scalar product
 
 
 def _positions(shape: Shape) -> int:
