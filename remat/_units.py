@@ -23,12 +23,12 @@ _UNITS: dict[str, int] = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
     """Return a positive byte count from an int or a string such as ``"2GB"`` (10^9), ``"512MiB"``
-    (2^20) or ``"1.5 GiB"``. Floats are refused: a ratio is not a byte count."""
+    (2^20), ``"1.5 GiB"`` or ``"1e9"``. Floats are refused: a ratio is not a byte count."""
     if isinstance(value, (bool, float)):
         raise RematTypeError(
             message(
@@ -67,15 +67,19 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
         )
     size = math.floor(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise RematValueError(
-            message(api, "a byte count must be positive", f"got {value!r}", "pass a size above 0 bytes")
-        )
+        hint = "pass a size of at least 1 byte"
+        if 0 < float(match.group(1)) <= 1 and not unit:
+            hint = "a budget ratio is a number in (0, 1] such as 0.5, where a budget is asked for"
+        raise RematValueError(message(api, "a byte count must be positive", f"got {value!r}", hint))
     return size
 
 
 def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float:
     """A budget is either bytes (int or size string, see :func:`parse_bytes`) or a ratio: a float in
-    (0, 1] of the unconstrained peak. Returns an int for bytes and a float for a ratio."""
+    (0, 1] of the unconstrained peak, or a string of one with no unit (``"0.5"``, as a command line
+    gives it). Returns an int for bytes and a float for a ratio."""
+    if isinstance(value, str) and _RATIO.match(value):
+        value = float(value)
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
             raise RematValueError(
@@ -88,6 +92,9 @@ def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float
             )
         return value
     return parse_bytes(value, api)
+
+
+_RATIO = re.compile(r"^\s*(?:0?\.[0-9]+|0|1|1\.0*)\s*$")  # "0.5", ".25", "1.0": no unit, at most 1
 
 
 def format_bytes(n: float) -> str:

@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from remat._errors import RematError
+
 # Each module here defines ``register(subparsers)``; its subcommands set ``func`` on their parser.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "remat.trace.cli",
@@ -18,6 +20,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remat", description="Rematerialization for PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
@@ -25,9 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. remat's own errors (bad input, a budget no plan meets, ...) print as one
+    line on stderr with exit code 2, as argparse's do; ``--debug`` shows their traceback too."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except (RematError, OSError) as error:
+        if args.debug:
+            raise
+        detail = str(error) if isinstance(error, RematError) else f"remat {args.command}: {error}"
+        print(detail.splitlines()[0] if detail else type(error).__name__, file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

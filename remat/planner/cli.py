@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Any
 
+from remat._errors import RematError, message
+from remat._units import parse_budget
 from remat.planner.solvers import names
 
 
@@ -34,23 +36,55 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batch", type=int, help="batch size (default: the zoo's, or 2 with --tiny)")
     parser.add_argument("--seq", type=int, help="tokens per sample (text models)")
     parser.add_argument("--image", type=int, help="image side (vision models)")
-    parser.add_argument("--budget", default="0.5", help="bytes ('2GB') or a ratio of the plain peak (0.5)")
+    parser.add_argument(
+        "--budget", default=0.5, type=_budget, help="bytes ('2GB') or a ratio of the plain peak (0.5)"
+    )
     parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
     parser.add_argument("--pareto", action="store_true", help="sweep --ratios x --solvers and measure each")
-    parser.add_argument("--ratios", default="0.9,0.8,0.7,0.6,0.5,0.4,0.3", help="comma-separated ratios")
-    parser.add_argument("--solvers", default="chain,greedy,sqrt,milp", help="comma-separated solvers")
+    parser.add_argument(
+        "--ratios",
+        default=_ratios("0.9,0.8,0.7,0.6,0.5,0.4,0.3"),
+        type=_ratios,
+        help="comma-separated ratios",
+    )
+    parser.add_argument(
+        "--solvers", default=_solvers("chain,greedy,sqrt,milp"), type=_solvers, help="comma-separated solvers"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timing rounds per plan (default 3)")
     parser.add_argument("--out", metavar="FILE.png", help="with --pareto: plot the curve")
     parser.add_argument("--json", metavar="FILE", help="with --pareto: write every point as JSON")
     parser.set_defaults(func=run)
 
 
-def _budget(text: str) -> int | float | str:
+def _budget(text: str) -> int | float:
+    """The budget, checked before any work (a bad one is an argparse error: one line, exit 2)."""
     try:
-        return float(text) if "." in text else int(text)
+        return parse_budget(text, "plan")
+    except RematError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
-        return text
+        ratios = []
+    if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(
+            message("plan", "ratios must be numbers in (0, 1]", f"got {text!r}", "pass e.g. 0.9,0.7,0.5")
+        )
+    return ratios
+
+
+def _solvers(text: str) -> list[str]:
+    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in names()]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            message("plan", "unknown solver", f"got {text!r}", f"use {', '.join(names())}")
+        )
+    return chosen
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
-        plan = plan_trace(trace, _budget(args.budget), solver=args.solver)
+        plan = plan_trace(trace, args.budget, solver=args.solver)
         plan.explain()
         if args.save:
             plan.save(args.save)
@@ -103,20 +137,19 @@ def sweep(
     trace: Any, model: Any, inputs: Any, loss_fn: Any, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     """Plan and run every (solver, ratio); one point per plan found."""
-    from rich.console import Console
-
+    from remat._console import console
     from remat._errors import RematError
     from remat.planner.api import plan_trace
 
-    console = Console()
+    screen = console()
     plain = _measure(model, inputs, loss_fn, None)
     points: list[dict[str, Any]] = []
-    for solver in args.solvers.split(","):
-        for ratio in (float(r) for r in args.ratios.split(",")):
+    for solver in args.solvers:
+        for ratio in args.ratios:
             try:
                 plan = plan_trace(trace, ratio, solver=solver)
             except RematError as err:
-                console.print(f"{solver} at {ratio}: {err}")
+                screen.print(f"{solver} at {ratio}: {err}")
                 continue
             peak = _measure(model, inputs, loss_fn, plan)
             rounds = [
@@ -134,7 +167,7 @@ def sweep(
                 "measured_overhead": statistics.median(rounds),
                 "solve_seconds": plan.solve_seconds,
             }
-            console.print(point)
+            screen.print(point)
             points.append(point)
     return points
 

@@ -49,10 +49,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
+    from remat._console import console
     from remat.sim.result import Outcome
     from remat.sim.simulate import sweep
     from remat.trace import load
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r.fragmentation:.1%}",
             f"{1e3 * r.search_seconds:.1f}",
         )
-    Console().print(table)
+    console().print(table)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump([r.to_dict() for r in results], file, indent=1)

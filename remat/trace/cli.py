@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from remat._errors import RematError, RematValueError, message
+from remat._errors import RematValueError, message
 from remat._units import format_bytes
 
 OPTIMIZERS = ("none", "sgd", "adam")
@@ -55,89 +55,78 @@ def register(subparsers: Any) -> None:
 
 def _capture(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from remat import zoo
+    from remat._console import console
     from remat.trace.capture import capture
     from remat.trace.codec import save
 
-    console = Console(stderr=True)
-    try:
-        if args.model is None or args.out is None:
-            raise RematValueError(
-                message(
-                    "trace",
-                    "capturing needs --model and --out",
-                    f"got --model {args.model}, --out {args.out}",
-                    "run e.g. remat trace --model gpt2 --tiny --out gpt2.jsonl, or remat trace info FILE",
-                )
+    out = console(stderr=True)
+    if args.model is None or args.out is None:
+        raise RematValueError(
+            message(
+                "trace",
+                "capturing needs --model and --out",
+                f"got --model {args.model}, --out {args.out}",
+                "run e.g. remat trace --model gpt2 --tiny --out gpt2.jsonl, or remat trace info FILE",
             )
-        with Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
-        ) as bar:
-            what = f"{args.model}{' (tiny)' if args.tiny else ''}{' on fake tensors' if args.fake else ''}"
-            task = bar.add_task(f"building {what}", total=None)
-            model, inputs, loss_fn = zoo.build(
-                args.model, batch=args.batch, seq=args.seq, image=args.image, fake=args.fake, tiny=args.tiny
-            )
-            optimizer: torch.optim.Optimizer | None = None
-            if args.optimizer == "sgd":
-                optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            elif args.optimizer == "adam":
-                optimizer = torch.optim.Adam(model.parameters())
-            bar.update(task, description=f"capturing {what}")
-            trace = capture(
-                model,
-                inputs,
-                loss_fn,
-                optimizer=optimizer,
-                name=args.model,
-                repeats=args.repeats,
-                device=args.profile,
-                progress=lambda n: bar.update(task, description=f"capturing {what}: {n:,} ops"),
-            )
-            bar.update(task, description=f"writing {args.out}")
-            save(trace, args.out)
-    except RematError as err:
-        console.print(f"[red]{err}[/red]")
-        return 2
+        )
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out) as bar:
+        what = f"{args.model}{' (tiny)' if args.tiny else ''}{' on fake tensors' if args.fake else ''}"
+        task = bar.add_task(f"building {what}", total=None)
+        model, inputs, loss_fn = zoo.build(
+            args.model, batch=args.batch, seq=args.seq, image=args.image, fake=args.fake, tiny=args.tiny
+        )
+        optimizer: torch.optim.Optimizer | None = None
+        if args.optimizer == "sgd":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        elif args.optimizer == "adam":
+            optimizer = torch.optim.Adam(model.parameters())
+        bar.update(task, description=f"capturing {what}")
+        trace = capture(
+            model,
+            inputs,
+            loss_fn,
+            optimizer=optimizer,
+            name=args.model,
+            repeats=args.repeats,
+            device=args.profile,
+            progress=lambda n: bar.update(task, description=f"capturing {what}: {n:,} ops"),
+        )
+        bar.update(task, description=f"writing {args.out}")
+        save(trace, args.out)
     _summary(trace, top=5)
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from remat.trace.codec import load
 
-    try:
-        trace = load(args.file)
-    except RematError as err:
-        Console(stderr=True).print(f"[red]{err}[/red]")
-        return 2
+    trace = load(args.file)  # a RematError prints as one line (remat.cli.main)
     _summary(trace, top=args.top)
     return 0
 
 
 def _models(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from remat import zoo
+    from remat._console import console
 
     table = Table("name", "model", "input", "default batch", "default size")
     for name in zoo.names():
         spec = zoo.get(name)
         table.add_row(name, spec.summary, spec.input, str(spec.batch), str(spec.size))
-    Console().print(table)
+    console().print(table)
     return 0
 
 
 def _summary(trace: Any, top: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from remat._console import console
     from remat.trace.types import Phase
 
     ops = trace.ops
@@ -159,8 +148,8 @@ def _summary(trace: Any, top: int) -> None:
     facts.add_row("activation peak", f"{format_bytes(live.activation_peak_bytes)}{peak_at}")
     for label, seconds in (("measured cost", trace.total_cost), ("estimated cost", trace.total_est_cost)):
         facts.add_row(label, f"{seconds * 1e3:,.3f} ms" if seconds else "- (none in the trace)")
-    console = Console()
-    console.print(facts)
+    screen = console()
+    screen.print(facts)
     if top > 0:
         table = Table("tensor", "bytes", "shape", "dtype", "made by", title=f"{top} largest tensors")
         largest = sorted((t for t in trace.tensors if t.alias_of is None), key=lambda t: -t.nbytes)[:top]
@@ -170,4 +159,4 @@ def _summary(trace: Any, top: int) -> None:
             shape = "x".join(map(str, t.shape)) if t.shape is not None else "-"
             saved = " (saved)" if t.id in trace.saved else ""
             table.add_row(str(t.id), format_bytes(t.nbytes), shape, t.dtype or "-", origin + saved)
-        console.print(table)
+        screen.print(table)

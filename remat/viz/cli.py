@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from remat._errors import RematError, message
+from remat._errors import message
 
 if TYPE_CHECKING:
     from remat.viz.steps import StepRun
@@ -64,44 +64,38 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from remat import zoo
+    from remat._console import console
     from remat.viz.steps import draw, measure
 
-    console = Console(stderr=True)
+    err = console(stderr=True)
     what = f"{args.model}{'' if args.full else ' (tiny)'}"
-    try:
-        with Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
-        ) as bar:
-            task = bar.add_task(f"building {what}", total=None)
-            model, inputs, loss_fn = zoo.build(
-                args.model, batch=args.batch, seq=args.seq, image=args.image, tiny=not args.full
-            )
-            runs = measure(
-                model,
-                inputs,
-                lambda: loss_fn(model(*inputs)),
-                args.budget,
-                args.policy,
-                thrash_limit=args.thrash_limit,
-                progress=lambda label: bar.update(task, description=f"{what}: {label} step"),
-            )
-            bar.update(task, description=f"drawing {args.out}")
-            draw(runs, args.out, title=f"{what}: one training step, CPU allocator")
-    except RematError as error:
-        console.print(f"[red]{error}[/red]")
-        return 2
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
+        task = bar.add_task(f"building {what}", total=None)
+        model, inputs, loss_fn = zoo.build(
+            args.model, batch=args.batch, seq=args.seq, image=args.image, tiny=not args.full
+        )
+        runs = measure(
+            model,
+            inputs,
+            lambda: loss_fn(model(*inputs)),
+            args.budget,
+            args.policy,
+            thrash_limit=args.thrash_limit,
+            progress=lambda label: bar.update(task, description=f"{what}: {label} step"),
+        )
+        bar.update(task, description=f"drawing {args.out}")
+        draw(runs, args.out, title=f"{what}: one training step, CPU allocator")
     _summary(runs, args.out)
     return 0
 
 
 def _summary(runs: Sequence[StepRun], out: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from remat._console import console
     from remat.memory import format_bytes
     from remat.viz.memory import KINDS
 
@@ -124,14 +118,14 @@ def _summary(runs: Sequence[StepRun], out: str) -> None:
             ),
             "stopped" if r.failure else "ok",
         )
-    console = Console()
-    console.print(table)
+    screen = console()
+    screen.print(table)
     kept = next(
         (r.region_budget - r.budget for r in runs if r.region_budget is not None and r.budget is not None),
         None,
     )
     if kept is not None:
-        console.print(
+        screen.print(
             f"budget: what the step may hold beyond the {format_bytes(kept)} of parameters, buffers and "
             "inputs, which remat.dynamic also counts (its budget is the sum)",
             highlight=False,
@@ -139,8 +133,8 @@ def _summary(runs: Sequence[StepRun], out: str) -> None:
         )
     for r in runs:
         if r.failure:
-            console.print(f"{r.label} stopped: {r.failure}", highlight=False, soft_wrap=True)
-    console.print(f"picture: {out}", highlight=False, soft_wrap=True)
+            screen.print(f"{r.label} stopped: {r.failure}", highlight=False, soft_wrap=True)
+    screen.print(f"picture: {out}", highlight=False, soft_wrap=True)
 
 
 def ratio(text: str) -> float:

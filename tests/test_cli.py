@@ -1,0 +1,64 @@
+"""The ``remat`` command line: bad arguments are refused before any work, and remat's own errors
+print as one line with exit code 2 (a traceback only with ``--debug``); budget strings read as a
+user writes them."""
+
+from __future__ import annotations
+
+import pytest
+
+import remat
+from remat import cli
+from remat._units import parse_budget, parse_bytes
+
+
+def test_a_bad_budget_is_refused_before_the_model_is_traced(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traced = []
+    monkeypatch.setattr(remat.zoo, "build", lambda *a, **k: traced.append(a))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["plan", "--model", "gpt2", "--budget", "lots"])
+    assert stopped.value.code == 2 and not traced
+    err = capsys.readouterr().err
+    assert "remat.plan: cannot parse this byte size (got 'lots')" in err and "Traceback" not in err
+    for option, value in (("--ratios", "0.5,2"), ("--solvers", "chain,magic")):
+        with pytest.raises(SystemExit):
+            cli.main(["plan", "--model", "gpt2", option, value])
+        assert "remat.plan:" in capsys.readouterr().err
+    assert not traced
+
+
+def test_remat_errors_print_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["trace", "info", "/no/such/trace.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("remat.trace.load: no such file")
+    with pytest.raises(remat.RematError, match="no such file"):
+        cli.main(["--debug", "trace", "info", "/no/such/trace.jsonl"])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0.5", 0.5), (".25", 0.25), ("1.0", 1.0), ("1e9", 10**9), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29)],
+)
+def test_budget_strings_read_as_written(text: str, expected: float) -> None:
+    assert parse_budget(text, "plan") == expected
+    assert type(parse_budget(text, "plan")) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("-1GB", r"remat\.plan: a byte count must be positive \(got '-1GB'\)"),
+        ("0", r"remat\.plan: a ratio budget must lie in \(0, 1\] \(got 0\.0\)"),
+        ("0.5 B", r"a byte count must be positive \(got '0\.5 B'\); pass a size of at least 1 byte"),
+        ("lots", r"remat\.plan: cannot parse this byte size \(got 'lots'\)"),
+    ],
+)
+def test_bad_budget_strings_say_what_is_wrong(text: str, pattern: str) -> None:
+    with pytest.raises(remat.RematValueError, match=pattern):
+        parse_budget(text, "plan")
+
+
+def test_a_ratio_where_bytes_are_asked_for_says_so() -> None:
+    with pytest.raises(remat.RematValueError, match=r"positive \(got '0\.5'\); a budget ratio is a number"):
+        parse_bytes("0.5", "memory.parse_bytes")
