@@ -7,7 +7,7 @@ under a byte budget and applies it; ``remat.dynamic`` keeps eager training withi
 evicting and recomputing online. ``remat.memory`` measures what it all costs.
 """
 
-from remat import memory, policy, trace, zoo
+from remat import integrations, memory, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
 from remat.dynamic import dynamic
 from remat.manual.checkpoint import checkpoint
@@ -35,6 +35,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "dynamic",
+    "integrations",
     "memory",
     "plan",
     "policy",

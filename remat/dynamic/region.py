@@ -33,7 +33,7 @@ from types import TracebackType
 import torch
 
 from remat._errors import RematError, RematValueError, message
-from remat._units import format_bytes, parse_bytes
+from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
@@ -56,7 +56,7 @@ class Dynamic:
 
     def __init__(
         self,
-        budget: int | str | None,
+        budget: int | float | str | None,
         policy: str | EvictionPolicy,
         backend: str,
         keep: object,
@@ -66,16 +66,32 @@ class Dynamic:
         cost: str,
         device: torch.device,
         reserve: int | float | str,
+        peak: int | str | None = None,
     ) -> None:
-        self.budget = _UNLIMITED if budget is None else parse_bytes(budget, API)
-        self.reserve = 0 if budget is None else _reserve(reserve, self.budget)
+        amount = None if budget is None else parse_budget(budget, API)
+        # NOTE [ratio budgets] A ratio is of the plain step's peak: given (``peak``), or measured by
+        # the first block, which runs with no budget; later blocks run within the ratio of it.
+        self.ratio = amount if isinstance(amount, float) else None
+        if peak is not None and self.ratio is not None:
+            amount = max(1, int(self.ratio * parse_bytes(peak, API)))
+        elif peak is not None:
+            raise RematValueError(
+                message(
+                    API, "peak is for a ratio budget", f"got budget={budget!r}, peak={peak!r}", "drop peak"
+                )
+            )
+        self.budget = amount if isinstance(amount, int) else _UNLIMITED
+        self.reserve = 0 if self.budget == _UNLIMITED else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
         self.policy = _policy(policy, layout)
         kind = backends.get(backend, API)
-        if kind.places and budget is None:
+        if kind.places and self.budget == _UNLIMITED:
             raise RematValueError(
                 message(
-                    API, f"the {backend} backend needs a budget", "got budget=None", 'pass e.g. budget="2GB"'
+                    API,
+                    f"the {backend} backend needs a budget in bytes before its first block",
+                    f"got budget={budget!r}" + (" with no peak" if self.ratio is not None else ""),
+                    'pass e.g. budget="2GB", or a ratio with peak= the plain step\'s peak',
                 )
             )
         if kind.places and not layout:
@@ -199,6 +215,9 @@ class Dynamic:
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
+                if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
+                    self.budget = max(1, int(self.ratio * self._stats.peak_bytes))
+                    self.reserve = _reserve(self._reserve_spec, self.budget)
             else:
                 self._undo(engine, error)
         finally:
@@ -284,7 +303,7 @@ class Dynamic:
 
 
 def dynamic(
-    budget: int | str | None,
+    budget: int | float | str | None,
     policy: str | EvictionPolicy = "dtr",
     *,
     backend: str = "accounting",
@@ -295,13 +314,18 @@ def dynamic(
     cost: str = "measured",
     device: torch.device | str = "cpu",
     reserve: int | float | str = 0.05,
+    peak: int | str | None = None,
 ) -> Dynamic:
     """A region that keeps the memory of the ops it runs within ``budget`` by evicting and
     recomputing.
 
     ``budget``: bytes (an int or a size such as ``"6GB"``; ``None``: unlimited, to measure the
-    runtime itself). ``policy``: a registered eviction policy (``remat.core.policies.names()``:
-    ``"dtr"``, ``"dte"``, ``"coop"`` ...) or a policy object. ``backend``: ``"accounting"`` (tensors
+    runtime itself), or a ratio (a float in (0, 1], as ``remat.plan`` takes) of the plain step's
+    peak: ``peak`` gives it in bytes, else the region's first block measures it, running with no
+    budget (reuse the region object across steps; its ``budget`` is set once that block ends; state
+    an optimizer makes in its first step is not in that peak: pass ``peak`` where it matters).
+    ``policy``: a registered eviction policy (``remat.core.policies.names()``: ``"dtr"``, ``"dte"``,
+    ``"coop"`` ...) or a policy object. ``backend``: ``"accounting"`` (tensors
     stay in PyTorch's allocator, the core's pool keeps the accounts) or ``"arena"`` (one buffer of
     ``budget`` bytes allocated up front, outputs placed at the addresses the pool chooses).
     ``keep``: modules, optimizers and tensors to register as constants before the first op, in that
@@ -320,7 +344,7 @@ def dynamic(
     (:mod:`remat.dynamic.undo`).
     """
     dev = torch.device(device)
-    return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve)
+    return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve, peak)
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:

@@ -27,8 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from remat._errors import RematValueError, message
 from remat.planner.bounds import below_minimum, lower_bound
@@ -176,6 +174,10 @@ class _Model:
         else:
             for u in self.u:
                 upper[u] = limit
+        # scipy (HiGHS) loads when a MILP is solved, not when remat is imported: it takes seconds
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
         data = [(i, c, v) for i, (coefs, _, _) in enumerate(rows) for c, v in coefs.items()]
         matrix = coo_matrix(
             ([v for _, _, v in data], ([i for i, _, _ in data], [c for _, c, _ in data])),
