@@ -24,25 +24,26 @@ tensors are unpacked, and stops as soon as the last saved tensor has been produc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
-from remat._errors import RecomputationError, RematTypeError, RematValueError, message
-from remat.manual import autocast
+from remat._errors import RecomputationError, RematTypeError, message
+from remat.manual import autocast, keywords
 from remat.manual.buffers import buffers_shielded
-from remat.manual.checks import Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat.manual.keywords import Settings
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.policy import Policy, RecomputeAll
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "run"]
 
-Check = Literal["shapes", "values"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -84,6 +85,7 @@ class _Frame:
         kwargs: dict[str, Any],
         policy: Policy | None,
         check: Check,
+        preserve_rng: bool,
     ) -> None:
         self.fn = fn
         self.check = check
@@ -97,7 +99,7 @@ class _Frame:
         self.saver = _SaveInputs.apply(anchor, *tensors) if tensors else None
         for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
             flat[i] = None
-        self.rng = aten.capture_all()
+        self.rng = aten.capture_all() if preserve_rng else None
         self.autocast = autocast.capture_autocast()
         self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
         self.metas: list[TensorMeta] = []
@@ -155,7 +157,7 @@ class _Frame:
         replay = Replaying(self.cache, "checkpoint") if self.cache is not None else None
         try:
             with (
-                aten.replayed(self.rng),
+                aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
                 autocast.autocast_replayed(self.autocast),
                 buffers_shielded(),
                 torch.enable_grad(),
@@ -180,7 +182,7 @@ class _Frame:
 
     def verify(self, i: int, t: torch.Tensor) -> None:
         meta = TensorMeta.of(t)
-        if meta != self.metas[i]:
+        if self.check != "none" and meta != self.metas[i]:
             raise RecomputationError(
                 message(
                     "checkpoint",
@@ -207,12 +209,17 @@ def _unpack(handle: _Handle) -> torch.Tensor:
 
 
 def run(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Policy | None, check: Check
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policy: Policy | None,
+    check: Check,
+    preserve_rng: bool = True,
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, policy, check)
+    frame = _Frame(fn, args, kwargs, policy, check, preserve_rng)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
         if frame.provenance is not None:
             with frame.provenance.tracking(fn):
@@ -226,7 +233,7 @@ def run(
         return fn(*args, **kwargs)
 
 
-def _validate(fn: object, policy: object, check: object) -> None:
+def _validate(fn: object) -> None:
     if not callable(fn):
         raise RematTypeError(
             message(
@@ -236,41 +243,23 @@ def _validate(fn: object, policy: object, check: object) -> None:
                 "pass a function or an nn.Module, then its arguments",
             )
         )
-    if policy is not None and not hasattr(policy, "decide"):
-        raise RematTypeError(
-            message(
-                "checkpoint",
-                "policy must have a decide(ctx) method",
-                f"got {policy!r}",
-                "use one of remat.policies (RecomputeAll, SaveOps, SaveComputeIntensive)",
-            )
-        )
-    if check not in ("shapes", "values"):
-        raise RematValueError(
-            message(
-                "checkpoint",
-                "check must be 'shapes' or 'values'",
-                f"got {check!r}",
-                "use check='values' to compare recomputed values with the forward's",
-            )
-        )
 
 
-def _wrap(fn: F, policy: Policy | None, check: Check) -> F:
+def _wrap(fn: F, s: Settings) -> F:
     if isinstance(fn, nn.Module):
         module = fn
         forward = module.forward
 
         @functools.wraps(forward)
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            return run(forward, args, kwargs, policy, check)
+            return run(forward, args, kwargs, s.policy, s.check, s.preserve_rng)
 
         module.forward = checkpointed_forward  # type: ignore[method-assign]
         return fn
 
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return run(fn, args, kwargs, policy, check)
+        return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng)
 
     return checkpointed  # type: ignore[return-value]
 
@@ -278,7 +267,9 @@ def _wrap(fn: F, policy: Policy | None, check: Check) -> F:
 @overload
 def checkpoint(fn: F, /, *, policy: Policy | None = ..., check: Check = ...) -> F: ...
 @overload
-def checkpoint(fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ...) -> Callable[[F], F]: ...
+def checkpoint(
+    fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ..., **torch_keywords: Any
+) -> Callable[[F], F]: ...
 @overload
 def checkpoint(
     fn: Callable[..., Any], /, *args: Any, policy: Policy | None = ..., check: Check = ..., **kwargs: Any
@@ -292,15 +283,19 @@ def checkpoint(
 
     Three forms:
 
-    - ``y = remat.checkpoint(fn, x, mask=m)`` runs the call (``policy`` and ``check`` are reserved
-      keywords; everything else goes to ``fn``);
+    - ``y = remat.checkpoint(fn, x, mask=m)`` runs the call (``policy``, ``check`` and the keywords
+      of ``torch.utils.checkpoint.checkpoint`` are remat's, see ``remat.manual.keywords``;
+      everything else goes to ``fn``);
     - ``@remat.checkpoint`` or ``@remat.checkpoint(policy=...)`` decorates a function;
     - ``remat.checkpoint(module)`` wraps an ``nn.Module``'s forward in place and returns the module
       (its ``state_dict`` keys do not change).
 
     A call with no arguments returns the decorated form: write ``remat.checkpoint(fn)()`` to run a
-    function that takes none. Under ``torch.no_grad()`` or inference mode the function simply runs.
+    function that takes none, or pass one of torch's keywords (``remat.checkpoint(fn,
+    use_reentrant=False)`` runs ``fn()``, as torch's does). Under ``torch.no_grad()`` or inference
+    mode the function simply runs.
     """
+    torch_kwargs, kwargs = keywords.split(kwargs)
     if fn is None:
         if args or kwargs:
             raise RematTypeError(
@@ -311,9 +306,15 @@ def checkpoint(
                     "pass a function or an nn.Module, then its arguments",
                 )
             )
-        _validate(lambda: None, policy, check)
-        return lambda f: checkpoint(f, policy=policy, check=check)
-    _validate(fn, policy, check)
-    if not args and not kwargs:
-        return _wrap(fn, policy, check)
-    return run(fn, args, kwargs, policy, check)
+        s = keywords.settings("checkpoint", torch_kwargs, policy, check)
+
+        def decorate(f: F) -> F:
+            _validate(f)
+            return _wrap(f, s)
+
+        return decorate
+    _validate(fn)
+    s = keywords.settings("checkpoint", torch_kwargs, policy, check)
+    if not args and not kwargs and not torch_kwargs:
+        return _wrap(fn, s)
+    return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng)
