@@ -10,7 +10,9 @@ which is an error.
 A saved output may be written in place later in the region (``h = x @ w; h.mul_(2)``), or after
 it. Its version counter then differs from the one recorded with it: the recomputation runs that op
 again instead of handing back the written value (NOTE [written saved outputs]). Outputs written
-during the forward are dropped from the cache when the forward ends.
+during the forward are dropped from the cache when the forward ends; the others are kept as
+aliases made then, outside the mode, because only those share the output's version counter (an
+alias made inside a dispatch mode, below autograd, gets a counter of its own).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat._errors import RecomputationError, message
 from remat.policy import Decision, OpContext, Policy
@@ -56,7 +58,8 @@ class SaveCache:
         return self.policy.decide(ctx) is Decision.SAVE
 
     def keep(self, position: int, func: Any, out: Any) -> None:
-        self.entries[position] = (str(func), _detached(out), _versions(out))
+        """Hold ``out`` itself until ``seal``: an alias made here would not see later writes."""
+        self.entries[position] = (str(func), out, _versions(out))
 
     def current(self, position: int) -> tuple[str, Any] | None:
         """The saved output at ``position``, unless it was written in place since it was saved."""
@@ -70,10 +73,16 @@ class SaveCache:
             return None
         return name, saved
 
-    def drop_written(self) -> None:
-        """Forget the outputs written in place during the forward (they are recomputed)."""
-        for position in [p for p in self.entries if self.current(p) is None]:
-            del self.entries[position]
+    def seal(self) -> None:
+        """At the end of the forward: forget the outputs written in place during it (they are
+        recomputed), keep detached aliases of the others that share their version counters."""
+        with _disable_current_modes():
+            for position in list(self.entries):
+                if self.current(position) is None:
+                    del self.entries[position]
+                else:
+                    name, out, versions = self.entries[position]
+                    self.entries[position] = (name, _detached(out), versions)
 
 
 def _versions(out: Any) -> tuple[int, ...]:
@@ -107,7 +116,7 @@ class Recording(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self.cache.drop_written()
+        self.cache.seal()
 
 
 class Replaying(TorchDispatchMode):
