@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
@@ -34,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
-from remat._errors import RecomputationError, RematTypeError, message
+from remat._errors import RecomputationError, RematRuntimeError, RematTypeError, message
 from remat.manual import autocast, keywords
 from remat.manual.buffers import buffers_shielded
 from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
@@ -103,6 +104,7 @@ class _Frame:
         self.autocast = autocast.capture_autocast()
         self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
         self.metas: list[TensorMeta] = []
+        self.written: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self.prints: list[torch.Tensor] = []
         self.origins: list[str] = []
         self.provenance = Provenance() if check == "values" else None
@@ -112,7 +114,10 @@ class _Frame:
         nargs, keys, flat = self.structure
         flat = list(flat)
         if self.saver is not None:
-            saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            try:
+                saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            except RuntimeError as error:  # autograd's version check on the inputs
+                raise _written("an input of the checkpointed function", str(error)) from error
             for slot, t, rg in zip(self.tensor_slots, saved, self.requires_grad, strict=True):
                 flat[slot] = t.detach().requires_grad_(rg)
         return tuple(flat[:nargs]), dict(zip(keys, flat[nargs:], strict=True))
@@ -120,6 +125,7 @@ class _Frame:
     # forward side -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
         self.metas.append(TensorMeta.of(t))
+        self.written.append((weakref.ref(t), t._version))
         if self.provenance is not None:
             with _disable_current_modes():  # our own ops are not the program's
                 self.prints.append(fingerprint(t))
@@ -128,6 +134,15 @@ class _Frame:
 
     # backward side ------------------------------------------------------------------------
     def unpack(self, handle: _Handle) -> torch.Tensor:
+        # NOTE [saved and then written]: autograd refuses a saved tensor written in place after it
+        # was saved; the recomputation would hide the write, so remat checks the version itself.
+        ref, version = self.written[handle.index]
+        source = ref()
+        if source is not None and source._version != version:
+            where = self.origins[handle.index] if self.origins else f"saved tensor #{handle.index}"
+            raise _written(
+                where, f"{self.metas[handle.index]} at version {source._version}, saved at {version}"
+            )
         task = torch._C._current_graph_task_id()
         store = self.recomputed.get(task)
         if store is None or handle.index not in store:
@@ -202,6 +217,17 @@ class _Frame:
                     "fix it or exclude it from the checkpointed region",
                 )
             )
+
+
+def _written(what: str, given: str) -> RematRuntimeError:
+    return RematRuntimeError(
+        message(
+            "checkpoint",
+            f"a tensor saved for backward ({what}) was modified in place after it was saved",
+            given,
+            "clone it before modifying it, or modify it after backward (torch raises here too)",
+        )
+    )
 
 
 def _unpack(handle: _Handle) -> torch.Tensor:
