@@ -14,6 +14,9 @@ recomputed tensors. Differences from torch's version, each a bug report there:
 - ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names
   the op and module that diverged; shapes and dtypes are always checked.
 
+Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient
+penalty, MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is
+unchanged. A saved tensor written in place after it was saved is refused, as autograd refuses it.
 The recomputation runs once per backward pass (per autograd graph task), however many saved
 tensors are unpacked, and stops as soon as the last saved tensor has been produced again::
 
@@ -105,6 +108,10 @@ class _Frame:
         self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
         self.metas: list[TensorMeta] = []
         self.written: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # NOTE [backward inside the forward]: a function may differentiate its own graph (a
+        # gradient penalty, MAML's inner step); until it returns, saved tensors stay at hand for
+        # that. The recomputation keeps its own graph's tensors the same way.
+        self.live: list[torch.Tensor] | None = []
         self.prints: list[torch.Tensor] = []
         self.origins: list[str] = []
         self.provenance = Provenance() if check == "values" else None
@@ -126,6 +133,8 @@ class _Frame:
     def pack(self, t: torch.Tensor) -> _Handle:
         self.metas.append(TensorMeta.of(t))
         self.written.append((weakref.ref(t), t._version))
+        if self.live is not None:
+            self.live.append(t)
         if self.provenance is not None:
             with _disable_current_modes():  # our own ops are not the program's
                 self.prints.append(fingerprint(t))
@@ -143,6 +152,8 @@ class _Frame:
             raise _written(
                 where, f"{self.metas[handle.index]} at version {source._version}, saved at {version}"
             )
+        if self.live is not None:
+            return self.live[handle.index]
         task = torch._C._current_graph_task_id()
         store = self.recomputed.get(task)
         if store is None or handle.index not in store:
@@ -154,19 +165,20 @@ class _Frame:
         total = len(self.metas)
         counter = [0]
 
-        def pack_again(t: torch.Tensor) -> None:
+        def pack_again(t: torch.Tensor) -> torch.Tensor:
             i = counter[0]
             counter[0] += 1
             if i >= total:
                 raise _StopRecomputation
             with _disable_current_modes():  # our own ops are not the program's
                 self.verify(i, t)
-                store[i] = t.detach()
+                kept = store[i] = t.detach()
             if i == total - 1:
                 raise _StopRecomputation
+            return kept
 
-        def unpack_again(_: None) -> torch.Tensor:  # pragma: no cover - recompute never runs backward
-            raise RuntimeError("remat internal: a recomputation tried to run backward")
+        def unpack_again(kept: torch.Tensor) -> torch.Tensor:  # a backward inside the function
+            return kept
 
         args, kwargs = self.inputs()
         replay = Replaying(self.cache, "checkpoint") if self.cache is not None else None
@@ -246,17 +258,20 @@ def run(
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
     frame = _Frame(fn, args, kwargs, policy, check, preserve_rng)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
-        if frame.provenance is not None:
-            with frame.provenance.tracking(fn):
-                if frame.cache is not None:
-                    with Recording(frame.cache):
-                        return fn(*args, **kwargs)
-                return fn(*args, **kwargs)
-        if frame.cache is not None:
-            with Recording(frame.cache):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+            if frame.provenance is not None:
+                with frame.provenance.tracking(fn):
+                    if frame.cache is not None:
+                        with Recording(frame.cache):
+                            return fn(*args, **kwargs)
+                    return fn(*args, **kwargs)
+            if frame.cache is not None:
+                with Recording(frame.cache):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+    finally:
+        frame.live = None  # NOTE [backward inside the forward]
 
 
 def _validate(fn: object) -> None:
