@@ -92,3 +92,17 @@ def test_unwritten_saved_outputs_are_not_recomputed() -> None:
         out.sum().backward()
     assert "aten.mm.default" in calls
     assert counted.count("aten.mm.default") == 2  # backward's two matmuls; the forward's one is kept
+
+
+@pytest.mark.parametrize(
+    "policy", [remat.SaveOps(frozenset({"aten.mm"})), remat.SaveComputeIntensive()], ids=str
+)
+def test_saved_output_written_inside_a_scope(policy: remat.Policy) -> None:
+    x, w = _inputs()
+    expected = torch.autograd.grad(_written_inside(x, w).sum(), (x, w))
+    with remat.scope(policy=policy):
+        out = _written_inside(x, w)
+    for _ in range(2):
+        got = torch.autograd.grad(out.sum(), (x, w), retain_graph=True)
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)

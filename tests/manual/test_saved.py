@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -55,3 +56,34 @@ def test_writes_before_saving_are_fine() -> None:
     expected = torch.autograd.grad(fn(x).sum(), x)
     got = torch.autograd.grad(remat.checkpoint(fn, x).sum(), x)
     assert torch.equal(expected[0], got[0])
+
+
+def test_saved_tensors_of_a_custom_function_as_torch_hands_them_back() -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(a, b)
+            ctx.inputs = (a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ctx.saved_tensors
+            seen.append((a is ctx.inputs[0], b is ctx.inputs[1]))
+            return g * b, g * a
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return Mul.apply(a, b).sin()
+
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    grads = []
+    for run in (
+        lambda: torch.utils.checkpoint.checkpoint(fn, x, y, use_reentrant=False),
+        lambda: remat.checkpoint(fn, x, y, use_reentrant=False),
+    ):
+        grads.append(torch.autograd.grad(run().sum(), (x, y)))
+    assert seen[0] == seen[1]  # saved-tensor hooks hand back new objects, in torch as in remat
+    for e, g in zip(*grads, strict=True):
+        assert torch.equal(e, g)
