@@ -11,6 +11,7 @@ from remat import integrations, memory, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
 from remat.dynamic import dynamic
 from remat.manual.checkpoint import checkpoint
+from remat.manual.keywords import set_checkpoint_early_stop
 from remat.manual.scope import scope
 from remat.manual.sequential import checkpoint_sequential
 from remat.planner.api import plan
@@ -40,6 +41,7 @@ __all__ = [
     "plan",
     "policy",
     "scope",
+    "set_checkpoint_early_stop",
     "trace",
     "zoo",
 ]

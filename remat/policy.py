@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class Decision(enum.Enum):
@@ -22,13 +22,19 @@ class Decision(enum.Enum):
 @dataclass(frozen=True)
 class OpContext:
     """What a policy may look at: the ATen op (``aten.mm.default``), its packet (``aten.mm``),
-    the module path that issued it, the bytes of its outputs and whether it draws random numbers."""
+    the module path that issued it, the bytes of its outputs and whether it draws random numbers.
+    Where the form has them, ``overload``, ``args`` and ``kwargs`` are the op and the arguments it
+    was called with (what a ``torch.utils.checkpoint`` policy function reads); they take no part in
+    equality or hashing."""
 
     op: str
     packet: str
     module: str = ""
     out_bytes: int = 0
     random: bool = False
+    overload: Any = field(default=None, compare=False, repr=False)
+    args: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    kwargs: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @runtime_checkable

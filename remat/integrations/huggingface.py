@@ -6,6 +6,9 @@
 region form (``remat.scope``) there instead, with a policy, so batch-norm statistics, RNG,
 autocast and selective saving behave as remat documents, and nothing else about the model
 changes (``state_dict``, hooks, ``gradient_checkpointing_disable()`` all keep working).
+``activation_checkpointing_kwargs`` (or its older name ``gradient_checkpointing_kwargs``), what
+transformers users pass to ``gradient_checkpointing_enable`` today, is read as the keywords of
+``torch.utils.checkpoint`` (``remat.manual.keywords``): ``{"use_reentrant": False}`` above all.
 """
 
 from __future__ import annotations
@@ -17,20 +20,21 @@ from typing import Any, Literal
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat.manual.checkpoint import Check, run
+from remat.manual import keywords
+from remat.manual.checkpoint import run
+from remat.manual.checks import Check
 from remat.manual.fused import ReplayMode, executor
 from remat.policy import Policy
 
 Form = Literal["checkpoint", "scope"]
 
 
-def _checkpoint_func(
-    form: Form, policy: Policy | None, check: Check, replay: ReplayMode
-) -> Callable[..., Any]:
+def _checkpoint_func(form: Form, s: keywords.Settings, replay: ReplayMode) -> Callable[..., Any]:
+    policy = s.policy
     if form == "checkpoint":
 
         def remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return run(function, args, kwargs, policy, check)
+            return run(function, args, kwargs, s.policy, s.check, s.preserve_rng)
 
         return remat_checkpoint
 
@@ -50,6 +54,8 @@ def enable(
     check: Check = "shapes",
     every_n_layers: int = 1,
     replay: ReplayMode = "eager",
+    activation_checkpointing_kwargs: dict[str, Any] | None = None,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Turn on ``model``'s gradient checkpointing, executed by remat. Returns the model.
 
@@ -57,7 +63,35 @@ def enable(
     layer's ops and replays only what backward needs, with ``replay="compiled"`` through fused
     ``torch.compile``d graphs (see ``remat.scope``). ``policy`` (e.g.
     ``remat.SaveComputeIntensive()``) keeps chosen op outputs instead of recomputing them.
+    ``activation_checkpointing_kwargs`` / ``gradient_checkpointing_kwargs``: torch's checkpoint
+    keywords, as transformers takes them (``{"use_reentrant": False}``); the region form takes
+    ``use_reentrant`` and ``context_fn`` (a policy) only.
     """
+    api = "integrations.huggingface.enable"
+    if activation_checkpointing_kwargs is not None and gradient_checkpointing_kwargs is not None:
+        raise RematValueError(
+            message(
+                api,
+                "gradient_checkpointing_kwargs is the older name of activation_checkpointing_kwargs",
+                "got both",
+                "pass one of them",
+            )
+        )
+    given = dict(activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {})
+    torch_kwargs, unknown = keywords.split(given)
+    if unknown or (form == "scope" and set(torch_kwargs) - {"use_reentrant", "context_fn"}):
+        others = sorted(unknown) or sorted(set(torch_kwargs) - {"use_reentrant", "context_fn"})
+        raise RematValueError(
+            message(
+                api,
+                "these checkpoint keywords are not available here",
+                f"got {', '.join(others)} with form={form!r}",
+                "pass keywords of torch.utils.checkpoint.checkpoint (use_reentrant, preserve_rng_state, "
+                "context_fn, determinism_check, debug, early_stop); form='scope' takes use_reentrant "
+                "and context_fn",
+            )
+        )
+    s = keywords.settings(api, torch_kwargs, policy, check)
     setter = getattr(model, "_set_gradient_checkpointing", None)
     if (
         not isinstance(model, nn.Module)
@@ -100,7 +134,7 @@ def enable(
                 "pass 1 to checkpoint every layer",
             )
         )
-    func = _checkpoint_func(form, policy, check, replay)
+    func = _checkpoint_func(form, s, replay)
     if "every_n_layers" in inspect.signature(setter).parameters:
         setter(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
     elif every_n_layers == 1:

@@ -7,4 +7,6 @@ cuts a chain into segments of it; ``scope`` records the ATen ops of a block of c
 (``remat.policy``) decides per op what to keep; ``selective`` applies one inside ``checkpoint``.
 ``buffers``, ``checks`` and ``autocast`` hold what a recomputation run again from Python must get
 right: buffers written in forward, values checked against the forward, autocast settings.
+``keywords`` reads the keywords of ``torch.utils.checkpoint`` as remat settings, so that code
+written for torch runs on ``checkpoint`` and ``checkpoint_sequential`` unchanged.
 """

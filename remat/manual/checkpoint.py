@@ -14,6 +14,9 @@ recomputed tensors. Differences from torch's version, each a bug report there:
 - ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names
   the op and module that diverged; shapes and dtypes are always checked.
 
+Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient
+penalty, MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is
+unchanged. A saved tensor written in place after it was saved is refused, as autograd refuses it.
 The recomputation runs once per backward pass (per autograd graph task), however many saved
 tensors are unpacked, and stops as soon as the last saved tensor has been produced again::
 
@@ -24,25 +27,27 @@ tensors are unpacked, and stops as soon as the last saved tensor has been produc
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
-from remat._errors import RecomputationError, RematTypeError, RematValueError, message
-from remat.manual import autocast
+from remat._errors import RecomputationError, RematRuntimeError, RematTypeError, message
+from remat.manual import autocast, keywords
 from remat.manual.buffers import buffers_shielded
-from remat.manual.checks import Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat.manual.keywords import Settings
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.policy import Policy, RecomputeAll
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "run"]
 
-Check = Literal["shapes", "values"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -84,6 +89,7 @@ class _Frame:
         kwargs: dict[str, Any],
         policy: Policy | None,
         check: Check,
+        preserve_rng: bool,
     ) -> None:
         self.fn = fn
         self.check = check
@@ -97,10 +103,15 @@ class _Frame:
         self.saver = _SaveInputs.apply(anchor, *tensors) if tensors else None
         for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
             flat[i] = None
-        self.rng = aten.capture_all()
+        self.rng = aten.capture_all() if preserve_rng else None
         self.autocast = autocast.capture_autocast()
         self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
         self.metas: list[TensorMeta] = []
+        self.written: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # NOTE [backward inside the forward]: a function may differentiate its own graph (a
+        # gradient penalty, MAML's inner step); until it returns, saved tensors stay at hand for
+        # that. The recomputation keeps its own graph's tensors the same way.
+        self.live: list[torch.Tensor] | None = []
         self.prints: list[torch.Tensor] = []
         self.origins: list[str] = []
         self.provenance = Provenance() if check == "values" else None
@@ -110,7 +121,10 @@ class _Frame:
         nargs, keys, flat = self.structure
         flat = list(flat)
         if self.saver is not None:
-            saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            try:
+                saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            except RuntimeError as error:  # autograd's version check on the inputs
+                raise _written("an input of the checkpointed function", str(error)) from error
             for slot, t, rg in zip(self.tensor_slots, saved, self.requires_grad, strict=True):
                 flat[slot] = t.detach().requires_grad_(rg)
         return tuple(flat[:nargs]), dict(zip(keys, flat[nargs:], strict=True))
@@ -118,6 +132,9 @@ class _Frame:
     # forward side -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
         self.metas.append(TensorMeta.of(t))
+        self.written.append((weakref.ref(t), t._version))
+        if self.live is not None:
+            self.live.append(t)
         if self.provenance is not None:
             with _disable_current_modes():  # our own ops are not the program's
                 self.prints.append(fingerprint(t))
@@ -126,6 +143,17 @@ class _Frame:
 
     # backward side ------------------------------------------------------------------------
     def unpack(self, handle: _Handle) -> torch.Tensor:
+        # NOTE [saved and then written]: autograd refuses a saved tensor written in place after it
+        # was saved; the recomputation would hide the write, so remat checks the version itself.
+        ref, version = self.written[handle.index]
+        source = ref()
+        if source is not None and source._version != version:
+            where = self.origins[handle.index] if self.origins else f"saved tensor #{handle.index}"
+            raise _written(
+                where, f"{self.metas[handle.index]} at version {source._version}, saved at {version}"
+            )
+        if self.live is not None:
+            return self.live[handle.index]
         task = torch._C._current_graph_task_id()
         store = self.recomputed.get(task)
         if store is None or handle.index not in store:
@@ -137,25 +165,26 @@ class _Frame:
         total = len(self.metas)
         counter = [0]
 
-        def pack_again(t: torch.Tensor) -> None:
+        def pack_again(t: torch.Tensor) -> torch.Tensor:
             i = counter[0]
             counter[0] += 1
             if i >= total:
                 raise _StopRecomputation
             with _disable_current_modes():  # our own ops are not the program's
                 self.verify(i, t)
-                store[i] = t.detach()
+                kept = store[i] = t.detach()
             if i == total - 1:
                 raise _StopRecomputation
+            return kept
 
-        def unpack_again(_: None) -> torch.Tensor:  # pragma: no cover - recompute never runs backward
-            raise RuntimeError("remat internal: a recomputation tried to run backward")
+        def unpack_again(kept: torch.Tensor) -> torch.Tensor:  # a backward inside the function
+            return kept
 
         args, kwargs = self.inputs()
         replay = Replaying(self.cache, "checkpoint") if self.cache is not None else None
         try:
             with (
-                aten.replayed(self.rng),
+                aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
                 autocast.autocast_replayed(self.autocast),
                 buffers_shielded(),
                 torch.enable_grad(),
@@ -180,7 +209,7 @@ class _Frame:
 
     def verify(self, i: int, t: torch.Tensor) -> None:
         meta = TensorMeta.of(t)
-        if meta != self.metas[i]:
+        if self.check != "none" and meta != self.metas[i]:
             raise RecomputationError(
                 message(
                     "checkpoint",
@@ -202,31 +231,50 @@ class _Frame:
             )
 
 
+def _written(what: str, given: str) -> RematRuntimeError:
+    return RematRuntimeError(
+        message(
+            "checkpoint",
+            f"a tensor saved for backward ({what}) was modified in place after it was saved",
+            given,
+            "clone it before modifying it, or modify it after backward (torch raises here too)",
+        )
+    )
+
+
 def _unpack(handle: _Handle) -> torch.Tensor:
     return handle.frame.unpack(handle)
 
 
 def run(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Policy | None, check: Check
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policy: Policy | None,
+    check: Check,
+    preserve_rng: bool = True,
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, policy, check)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
-        if frame.provenance is not None:
-            with frame.provenance.tracking(fn):
-                if frame.cache is not None:
-                    with Recording(frame.cache):
-                        return fn(*args, **kwargs)
-                return fn(*args, **kwargs)
-        if frame.cache is not None:
-            with Recording(frame.cache):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+    frame = _Frame(fn, args, kwargs, policy, check, preserve_rng)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+            if frame.provenance is not None:
+                with frame.provenance.tracking(fn):
+                    if frame.cache is not None:
+                        with Recording(frame.cache):
+                            return fn(*args, **kwargs)
+                    return fn(*args, **kwargs)
+            if frame.cache is not None:
+                with Recording(frame.cache):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+    finally:
+        frame.live = None  # NOTE [backward inside the forward]
 
 
-def _validate(fn: object, policy: object, check: object) -> None:
+def _validate(fn: object) -> None:
     if not callable(fn):
         raise RematTypeError(
             message(
@@ -236,41 +284,23 @@ def _validate(fn: object, policy: object, check: object) -> None:
                 "pass a function or an nn.Module, then its arguments",
             )
         )
-    if policy is not None and not hasattr(policy, "decide"):
-        raise RematTypeError(
-            message(
-                "checkpoint",
-                "policy must have a decide(ctx) method",
-                f"got {policy!r}",
-                "use one of remat.policies (RecomputeAll, SaveOps, SaveComputeIntensive)",
-            )
-        )
-    if check not in ("shapes", "values"):
-        raise RematValueError(
-            message(
-                "checkpoint",
-                "check must be 'shapes' or 'values'",
-                f"got {check!r}",
-                "use check='values' to compare recomputed values with the forward's",
-            )
-        )
 
 
-def _wrap(fn: F, policy: Policy | None, check: Check) -> F:
+def _wrap(fn: F, s: Settings) -> F:
     if isinstance(fn, nn.Module):
         module = fn
         forward = module.forward
 
         @functools.wraps(forward)
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            return run(forward, args, kwargs, policy, check)
+            return run(forward, args, kwargs, s.policy, s.check, s.preserve_rng)
 
         module.forward = checkpointed_forward  # type: ignore[method-assign]
         return fn
 
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return run(fn, args, kwargs, policy, check)
+        return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng)
 
     return checkpointed  # type: ignore[return-value]
 
@@ -278,7 +308,9 @@ def _wrap(fn: F, policy: Policy | None, check: Check) -> F:
 @overload
 def checkpoint(fn: F, /, *, policy: Policy | None = ..., check: Check = ...) -> F: ...
 @overload
-def checkpoint(fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ...) -> Callable[[F], F]: ...
+def checkpoint(
+    fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ..., **torch_keywords: Any
+) -> Callable[[F], F]: ...
 @overload
 def checkpoint(
     fn: Callable[..., Any], /, *args: Any, policy: Policy | None = ..., check: Check = ..., **kwargs: Any
@@ -292,15 +324,19 @@ def checkpoint(
 
     Three forms:
 
-    - ``y = remat.checkpoint(fn, x, mask=m)`` runs the call (``policy`` and ``check`` are reserved
-      keywords; everything else goes to ``fn``);
+    - ``y = remat.checkpoint(fn, x, mask=m)`` runs the call (``policy``, ``check`` and the keywords
+      of ``torch.utils.checkpoint.checkpoint`` are remat's, see ``remat.manual.keywords``;
+      everything else goes to ``fn``);
     - ``@remat.checkpoint`` or ``@remat.checkpoint(policy=...)`` decorates a function;
     - ``remat.checkpoint(module)`` wraps an ``nn.Module``'s forward in place and returns the module
       (its ``state_dict`` keys do not change).
 
     A call with no arguments returns the decorated form: write ``remat.checkpoint(fn)()`` to run a
-    function that takes none. Under ``torch.no_grad()`` or inference mode the function simply runs.
+    function that takes none, or pass one of torch's keywords (``remat.checkpoint(fn,
+    use_reentrant=False)`` runs ``fn()``, as torch's does). Under ``torch.no_grad()`` or inference
+    mode the function simply runs.
     """
+    torch_kwargs, kwargs = keywords.split(kwargs)
     if fn is None:
         if args or kwargs:
             raise RematTypeError(
@@ -311,9 +347,15 @@ def checkpoint(
                     "pass a function or an nn.Module, then its arguments",
                 )
             )
-        _validate(lambda: None, policy, check)
-        return lambda f: checkpoint(f, policy=policy, check=check)
-    _validate(fn, policy, check)
-    if not args and not kwargs:
-        return _wrap(fn, policy, check)
-    return run(fn, args, kwargs, policy, check)
+        s = keywords.settings("checkpoint", torch_kwargs, policy, check)
+
+        def decorate(f: F) -> F:
+            _validate(f)
+            return _wrap(f, s)
+
+        return decorate
+    _validate(fn)
+    s = keywords.settings("checkpoint", torch_kwargs, policy, check)
+    if not args and not kwargs and not torch_kwargs:
+        return _wrap(fn, s)
+    return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng)

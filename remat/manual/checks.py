@@ -12,12 +12,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
+
+Check = Literal["none", "shapes", "values"]
+"""How a recomputation is checked against the forward: not at all, shapes and dtypes (free), or
+values too (a fingerprint per saved tensor; a mismatch names the op and the module)."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,13 @@ hands those outputs back instead of running the op again, so expensive ops (matm
 not recomputed while cheap pointwise ones are. The ops are matched by position and name; a
 different op at a saved position means the recomputation took another path than the forward,
 which is an error.
+
+A saved output may be written in place later in the region (``h = x @ w; h.mul_(2)``), or after
+it. Its version counter then differs from the one recorded with it: the recomputation runs that op
+again instead of handing back the written value (NOTE [written saved outputs]). Outputs written
+during the forward are dropped from the cache when the forward ends; the others are kept as
+aliases made then, outside the mode, because only those share the output's version counter (an
+alias made inside a dispatch mode, below autograd, gets a counter of its own).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat._errors import RecomputationError, message
 from remat.policy import Decision, OpContext, Policy
@@ -34,9 +41,9 @@ class SaveCache:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.entries: dict[int, tuple[str, Any]] = {}
+        self.entries: dict[int, tuple[str, Any, tuple[int, ...]]] = {}
 
-    def wants(self, func: Any, out: Any) -> bool:
+    def wants(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
         if not _cacheable(func):
             return False
         ctx = OpContext(
@@ -44,8 +51,43 @@ class SaveCache:
             packet=str(func.overloadpacket),
             out_bytes=_out_bytes(out),
             random=torch.Tag.nondeterministic_seeded in func.tags,
+            overload=func,
+            args=args,
+            kwargs=kwargs,
         )
         return self.policy.decide(ctx) is Decision.SAVE
+
+    def keep(self, position: int, func: Any, out: Any) -> None:
+        """Hold ``out`` itself until ``seal``: an alias made here would not see later writes."""
+        self.entries[position] = (str(func), out, _versions(out))
+
+    def current(self, position: int) -> tuple[str, Any] | None:
+        """The saved output at ``position``, unless it was written in place since it was saved."""
+        entry = self.entries.get(position)
+        if entry is None:
+            return None
+        name, saved, versions = entry
+        # NOTE [written saved outputs]: a version that moved means the value is no longer the op's
+        # output; running the op again gives it exactly.
+        if _versions(saved) != versions:
+            return None
+        return name, saved
+
+    def seal(self) -> None:
+        """At the end of the forward: forget the outputs written in place during it (they are
+        recomputed), keep detached aliases of the others that share their version counters."""
+        with _disable_current_modes():
+            for position in list(self.entries):
+                if self.current(position) is None:
+                    del self.entries[position]
+                else:
+                    name, out, versions = self.entries[position]
+                    self.entries[position] = (name, _detached(out), versions)
+
+
+def _versions(out: Any) -> tuple[int, ...]:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(o._version for o in outs if isinstance(o, torch.Tensor))
 
 
 def _detached(out: Any) -> Any:
@@ -65,11 +107,16 @@ class Recording(TorchDispatchMode):
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if self.cache.wants(func, out):
-            self.cache.entries[self.position] = (str(func), _detached(out))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.cache.wants(func, args, kwargs, out):
+            self.cache.keep(self.position, func, out)
         self.position += 1
         return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.cache.seal()
 
 
 class Replaying(TorchDispatchMode):
@@ -82,7 +129,7 @@ class Replaying(TorchDispatchMode):
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        entry = self.cache.entries.get(self.position)
+        entry = self.cache.current(self.position)
         self.position += 1
         if entry is None:
             return func(*args, **(kwargs or {}))

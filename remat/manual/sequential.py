@@ -3,7 +3,9 @@
 Chen et al.'s sublinear-memory recipe: with n layers in k segments, forward keeps the k segment
 inputs and backward recomputes one segment at a time, so activation memory is about
 ``k + n/k`` layers' worth — least at ``k = sqrt(n)`` (``segments="sqrt"``), for one extra forward.
-The last segment is not checkpointed: backward needs its activations at once.
+The last segment is not checkpointed: backward needs its activations at once. The keywords of
+``torch.utils.checkpoint.checkpoint_sequential`` are accepted and mean what they mean for
+``remat.checkpoint`` (``remat.manual.keywords``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any, Literal
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat.manual.checkpoint import Check, checkpoint
+from remat.manual import keywords
+from remat.manual.checkpoint import run
+from remat.manual.checks import Check
 from remat.policy import Policy
 
 __all__ = ["checkpoint_sequential", "segment_bounds"]
@@ -64,11 +68,28 @@ def checkpoint_sequential(
     modules: nn.Sequential | Iterable[nn.Module],
     segments: int | Literal["sqrt"],
     x: Any,
+    use_reentrant: bool | None = None,
     *,
     policy: Policy | None = None,
     check: Check = "shapes",
+    **torch_keywords: Any,
 ) -> Any:
-    """Run ``x`` through ``modules`` in order, checkpointing every segment but the last."""
+    """Run ``x`` through ``modules`` in order, checkpointing every segment but the last.
+
+    ``use_reentrant`` and the other keywords of ``torch.utils.checkpoint.checkpoint`` mean what
+    they mean for ``remat.checkpoint``.
+    """
+    ours, unknown = keywords.split(torch_keywords)
+    if unknown:
+        raise RematTypeError(
+            message(
+                "checkpoint_sequential",
+                "unknown keyword",
+                f"got {', '.join(sorted(unknown))}",
+                "pass policy=, check= or a keyword of torch.utils.checkpoint.checkpoint",
+            )
+        )
+    s = keywords.settings("checkpoint_sequential", {**ours, "use_reentrant": use_reentrant}, policy, check)
     layers = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
     if not layers or not all(callable(m) for m in layers):
         raise RematTypeError(
@@ -81,6 +102,6 @@ def checkpoint_sequential(
         )
     bounds = segment_bounds(len(layers), segments)
     for start, stop in bounds[:-1]:
-        x = checkpoint(_run_segment, layers[start:stop], x, policy=policy, check=check)
+        x = run(_run_segment, (layers[start:stop], x), {}, s.policy, s.check, s.preserve_rng)
     start, stop = bounds[-1]
     return _run_segment(layers[start:stop], x)

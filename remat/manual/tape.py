@@ -260,15 +260,27 @@ class Tape:
             outs = self._output(out, info.aliases[0] if info.aliases else None, targs, fresh)
         owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid]
         if owned:
-            self._decide(info, owned)
+            self._decide(info, owned, (func, args, kwargs))
         self.nodes.append(Node(func, targs, tkwargs, outs, tuple(reads), writes, tuple(after), rng))
         return out
 
-    def _decide(self, info: OpFacts, owned: list[tuple[int, torch.Tensor]]) -> None:
+    def _decide(
+        self,
+        info: OpFacts,
+        owned: list[tuple[int, torch.Tensor]],
+        call: tuple[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]],
+    ) -> None:
         """Ask the policy about the op's new, non-view outputs. Views are always recomputed: they
         own no memory, and replaying them is free."""
+        func, args, kwargs = call
         ctx = OpContext(
-            op=info.name, packet=info.packet, out_bytes=sum(t.nbytes for _, t in owned), random=info.random
+            op=info.name,
+            packet=info.packet,
+            out_bytes=sum(t.nbytes for _, t in owned),
+            random=info.random,
+            overload=func,
+            args=args,
+            kwargs=kwargs,
         )
         if self.policy.decide(ctx) is Decision.SAVE:
             for vid, t in owned:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from models import assert_close, assert_same, build, train, twin
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
 from remat.integrations import huggingface
@@ -87,3 +90,49 @@ def test_every_n_layers() -> None:
     assert flags == [True, False]
     assert_same(train(model, batch), train(wrapped, batch))
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("name", ["gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"])
+def test_enable_forwards_checkpointing_kwargs(name: str) -> None:
+    model, batch, _ = build("gpt2")
+    theirs = twin(model)
+    if hasattr(theirs, "activation_checkpointing_enable"):
+        theirs.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        theirs.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ours = huggingface.enable(twin(model), **{name: {"use_reentrant": False, "preserve_rng_state": True}})
+    assert_same(train(theirs, batch), train(ours, batch))
+
+
+def _save_addmm(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op == torch.ops.aten.addmm.default
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+@pytest.mark.parametrize("chosen", [[torch.ops.aten.addmm.default], _save_addmm], ids=["ops", "policy_fn"])
+@pytest.mark.parametrize("form", FORMS)
+def test_enable_takes_a_selective_context_fn(form: str, chosen: object) -> None:
+    model, batch, _ = build("gpt2")
+    context_fn = functools.partial(create_selective_checkpoint_contexts, chosen)
+    kwargs = {"use_reentrant": False, "context_fn": context_fn}
+    wrapped = huggingface.enable(twin(model), form=form, activation_checkpointing_kwargs=kwargs)  # type: ignore[arg-type]
+    assert_same(train(model, batch), train(wrapped, batch))
+
+
+def test_enable_checkpointing_kwargs_errors() -> None:
+    model, _, _ = build("gpt2")
+    with pytest.raises(remat.RematValueError, match=r"enable: remat's checkpoint is non-reentrant"):
+        huggingface.enable(model, gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(
+        remat.RematValueError, match=r"not available here \(got offload with form='checkpoint'\)"
+    ):
+        huggingface.enable(model, gradient_checkpointing_kwargs={"offload": True})
+    with pytest.raises(remat.RematValueError, match=r"not available here \(got debug with form='scope'\)"):
+        huggingface.enable(model, form="scope", activation_checkpointing_kwargs={"debug": True})
+    with pytest.raises(
+        remat.RematValueError, match=r"older name of activation_checkpointing_kwargs \(got both\)"
+    ):
+        huggingface.enable(model, gradient_checkpointing_kwargs={}, activation_checkpointing_kwargs={})

@@ -1,0 +1,108 @@
+"""In-place writes to an output a selective policy saves: the plain function's gradients, every time."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import remat
+
+
+def _save_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return (
+        CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "SaveOps": {"policy": remat.SaveOps(frozenset({"aten.mm"}))},
+    "SaveComputeIntensive": {"policy": remat.SaveComputeIntensive()},
+    "context_fn_ops": {
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    },
+    "context_fn_policy_fn": {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_mm)},
+}
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(5, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+
+
+def _written_inside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w  # saved by the policy ...
+    h.mul_(2)  # ... then written in place
+    h.add_(x.sum())
+    return h.tanh() * h
+
+
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_saved_output_written_inside_the_function(kind: str) -> None:
+    x, w = _inputs()
+    expected = torch.autograd.grad(_written_inside(x, w).sum(), (x, w))
+    out = remat.checkpoint(_written_inside, x, w, **POLICIES[kind])
+    for _ in range(2):  # the same gradients from one backward to the next
+        got = torch.autograd.grad(out.sum(), (x, w), retain_graph=True)
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)
+
+
+def _returns_saved(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x @ w
+    return h, h.exp()  # exp saves its output, not h: the caller may write h
+
+
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_saved_output_written_after_the_function(kind: str) -> None:
+    x, w = _inputs()
+
+    def loss(h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        h.add_(1)
+        return (h * 3).sum() + e.sum()
+
+    expected = torch.autograd.grad(loss(*_returns_saved(x, w)), (x, w))
+    got = torch.autograd.grad(loss(*remat.checkpoint(_returns_saved, x, w, **POLICIES[kind])), (x, w))
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+def test_unwritten_saved_outputs_are_not_recomputed() -> None:
+    x, w = _inputs()
+    calls: list[str] = []
+
+    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        calls.append(str(op))
+        return _save_mm(ctx, op)
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+    counted: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            counted.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    out = remat.checkpoint(lambda a, b: (a @ b).tanh(), x, w, context_fn=context_fn)
+    with Count():
+        out.sum().backward()
+    assert "aten.mm.default" in calls
+    assert counted.count("aten.mm.default") == 2  # backward's two matmuls; the forward's one is kept
+
+
+@pytest.mark.parametrize(
+    "policy", [remat.SaveOps(frozenset({"aten.mm"})), remat.SaveComputeIntensive()], ids=str
+)
+def test_saved_output_written_inside_a_scope(policy: remat.Policy) -> None:
+    x, w = _inputs()
+    expected = torch.autograd.grad(_written_inside(x, w).sum(), (x, w))
+    with remat.scope(policy=policy):
+        out = _written_inside(x, w)
+    for _ in range(2):
+        got = torch.autograd.grad(out.sum(), (x, w), retain_graph=True)
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)
