@@ -142,7 +142,7 @@ def settings(api: str, torch_kwargs: dict[str, Any], policy: Policy | None, chec
                 api,
                 "policy must have a decide(ctx) method",
                 f"got {policy!r}",
-                "use one of remat.policies (RecomputeAll, SaveOps, SaveComputeIntensive)",
+                "use a policy of remat.policy (RecomputeAll, SaveOps, SaveComputeIntensive)",
             )
         )
     if check not in ("none", "shapes", "values"):

@@ -92,7 +92,11 @@ def test_thrashing_stops_with_an_error() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        ({"budget": True}, RematTypeError, r"remat\.dynamic: a byte count is required, not a ratio or a bool"),
+        (
+            {"budget": True},
+            RematTypeError,
+            r"remat\.dynamic: a byte count is required, not a ratio or a bool",
+        ),
         ({"budget": -5}, RematValueError, r"remat\.dynamic: a byte count must be positive"),
         ({"budget": "lots"}, RematValueError, r"remat\.dynamic: cannot parse this byte size"),
         ({"policy": "nope"}, RematValueError, r"remat\.dynamic: unknown eviction policy \(got 'nope'\)"),
