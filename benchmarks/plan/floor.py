@@ -222,9 +222,8 @@ def main() -> None:
         result = bench(name, args.rounds, args.capture_repeats)
         results["families"].append(result)
         mib = 2**20
-        print(
-            f"{name}: floor {result['floor'] / mib:.1f} MiB, checkpoint {result['checkpoint_peak'] / mib:.1f} MiB"
-        )
+        ck = result["checkpoint_peak"]
+        print(f"{name}: floor {result['floor'] / mib:.1f} MiB, checkpoint {ck / mib:.1f} MiB")
         for k, row in result["rows"].items():
             if "refused" in row:
                 print(f"  {k}: {row['refused']}")
