@@ -14,6 +14,7 @@ checkpointing's measured peak. Peaks: the CPU allocator's count for one step
 step of the same round, median.
 
     .venv/bin/python benchmarks/plan/floor.py --rounds 5 --out benchmarks/plan/floor.json
+    .venv/bin/python benchmarks/plan/floor.py --table benchmarks/plan/floor.json
 """
 
 from __future__ import annotations
@@ -199,13 +200,41 @@ def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
     return {"family": name, "floor": floor, "checkpoint_peak": ck_peak, "capture_s": capture_s, "rows": rows}
 
 
+def table(results: dict[str, Any]) -> str:
+    """The README's table, from a ``--out`` file."""
+    mib = 2**20
+    lines = [
+        "| family | plain | checkpoint per layer: peak, overhead | plan's floor: predicted, measured, "
+        "overhead | plan at checkpointing's peak: measured, predicted overhead, overhead |",
+        "|---|---|---|---|---|",
+    ]
+    for f in results["families"]:
+        rows = f["rows"]
+        ck, low, at = (
+            rows["checkpoint per layer"],
+            rows["remat.plan at its floor"],
+            rows["remat.plan at checkpointing's peak"],
+        )
+        lines.append(
+            f"| {f['family']} | {rows['plain']['peak'] / mib:.1f} MiB "
+            f"| {ck['peak'] / mib:.1f} MiB, {ck['overhead']:.3f} "
+            f"| {low['predicted_peak'] / mib:.1f} MiB, {low['peak'] / mib:.1f} MiB, {low['overhead']:.3f} "
+            f"| {at['peak'] / mib:.1f} MiB, {at['predicted_overhead']:.3f}, {at['overhead']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--capture-repeats", type=int, default=2)
     parser.add_argument("--out")
+    parser.add_argument("--table", help="print the README's table from this --out file and stop")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
     torch.set_num_threads(1)
     import transformers
 
