@@ -38,7 +38,9 @@ NOTE [region model]
   node runs them), so a storage every block saves, such as a rotary table or a mask, does not keep
   the first block's plan alive to the last block's backward. A dropped target such a hold still
   holds dies when it ends.
-- Just before the first backward op that reads a target, the region is *replayed*: the region's
+- Just before the first backward op that reads a target and that a node of the region runs (of
+  one of the region's modules: only those unpack a handle, while a later block that saved the
+  same storage itself holds it as in the plain step), the region is *replayed*: the region's
   ops that lead to its targets run again (from its inputs and kept values) in forward order; each
   target comes back (a dropped one) or is made again beside the original (a kept one); values only
   the replay needs die after their last reader in it. A target then lives until the plain step
@@ -126,7 +128,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     facts = step_facts(trace, regions)
     kept = kept_values(trace, regions, facts)
     planned, packed, drop_after = region_targets(trace, regions, facts, kept)
-    replay_at = replay_points(trace, facts, planned)
+    replay_at = replay_points(trace, regions, facts, planned)
     replayed = {g for gs in replay_at.values() for g in gs}
     # a region whose targets backward never reads (a frozen block) is never replayed, but its
     # replay plan is made, and holds what it reads, all the same

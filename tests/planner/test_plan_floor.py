@@ -6,6 +6,7 @@ under the same prediction."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -168,3 +169,18 @@ def test_the_chain_solvers_notes_speak_bytes_within_the_budget() -> None:
     words = plan.notes.split()
     peak, budget = int(words[words.index("peak") + 1]), int(words[words.index("budget") + 1])
     assert peak <= budget
+
+
+def test_on_llama_the_plain_checkpointing_plans_measure_what_they_predict() -> None:
+    """A storage every layer saves (the rotary tables) neither keeps an earlier layer's region
+    alive to its own backward nor replays a region at a later layer's backward: the per-layer and
+    sqrt(n) plans are predicted at their measured peak (within the two tables' bytes: a region
+    that made them replays them beside the originals, NOTE [region model])."""
+    model, batch, trace, _, _ = _family("llama")
+    key = block_key(model)
+    base = plan_trace(trace, 1.0, block_key=key)
+    for candidate in simple(Step(trace, key), chain_from_trace(trace, key=key)):
+        plan = dataclasses.replace(base, regions=tuple(r for r, _ in candidate.regions))
+        measured = _peak(model, batch, plan)
+        assert measured <= candidate.pred.peak_bytes + SCALARS, candidate.notes
+        assert candidate.pred.peak_bytes <= measured * 1.01, candidate.notes
