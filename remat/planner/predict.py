@@ -33,8 +33,14 @@ NOTE [region model]
   reads; from the region's end, the values its replay reads from outside or kept stay held until
   the last backward op that reads a storage saved while the region recorded (the region, and its
   replay plan, live as long as autograd holds anything it packed; a save no backward op reads
-  lives to the end of the step). A dropped target such a hold still holds dies when it ends.
-- Just before the first backward op that reads a target, the region is *replayed*: the region's
+  lives to the end of the step). A save goes with the node that made it: its last read is the last
+  by a backward op of the region's modules (backward ops carry the module of the forward op whose
+  node runs them), so a storage every block saves, such as a rotary table or a mask, does not keep
+  the first block's plan alive to the last block's backward. A dropped target such a hold still
+  holds dies when it ends.
+- Just before the first backward op that reads a target and that a node of the region runs (of
+  one of the region's modules: only those unpack a handle, while a later block that saved the
+  same storage itself holds it as in the plain step), the region is *replayed*: the region's
   ops that lead to its targets run again (from its inputs and kept values) in forward order; each
   target comes back (a dropped one) or is made again beside the original (a kept one); values only
   the replay needs die after their last reader in it. A target then lives until the plain step
@@ -122,7 +128,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     facts = step_facts(trace, regions)
     kept = kept_values(trace, regions, facts)
     planned, packed, drop_after = region_targets(trace, regions, facts, kept)
-    replay_at = replay_points(trace, facts, planned)
+    replay_at = replay_points(trace, regions, facts, planned)
     replayed = {g for gs in replay_at.values() for g in gs}
     # a region whose targets backward never reads (a frozen block) is never replayed, but its
     # replay plan is made, and holds what it reads, all the same
@@ -139,16 +145,27 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     return Prediction(walk.peak, walk.peak_op, walk.peak_at, base, walk.recompute, recomputed)
 
 
+def _released(r: int, modules: set[str], last_read_in: dict[tuple[int, str], int], otherwise: int) -> int:
+    """When autograd lets go of storage ``r`` that a region with forward ops in ``modules``
+    packed: the save goes with its node, so after the last read by a backward op of those modules,
+    not by another region's node that saved the same storage (a rotary table, a mask); a storage
+    no backward op of the region reads is counted to ``otherwise``."""
+    mine = [last_read_in[r, m] for m in modules if (r, m) in last_read_in]
+    return max(mine) if mine else otherwise
+
+
 def _tape_holds(
     trace: Trace, regions: Sequence[RegionOps], facts: StepFacts, plans: RegionPlans, rng_bytes: int
 ) -> _Holds:
     """Holds of the tapes and replay plans (NOTE [region model]), and the snapshots they take."""
     root, tensors = facts.root, trace.tensors
     last_saved_read: dict[int, int] = {}
+    last_read_in: dict[tuple[int, str], int] = {}  # (storage, module of the reading node) -> op
     for op in trace.ops:
         if op.phase is Phase.BACKWARD:
             for t in op.inputs:
                 last_saved_read[root[t]] = op.index
+                last_read_in[root[t], op.module] = op.index
     holds = _Holds({}, {}, {}, {})
     end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
     for g, region in enumerate(regions):
@@ -161,7 +178,15 @@ def _tape_holds(
             for i in region.ops:
                 if i != first:
                     packed.update(root[t] for t in trace.ops[i].inputs if root[t] in facts.saved_roots)
-        death = max((last_saved_read.get(r, end) for r in packed if r in facts.saved_roots), default=last)
+        modules = {trace.ops[i].module for i in region.ops}
+        death = max(
+            (
+                _released(r, modules, last_read_in, last_saved_read.get(r, end))
+                for r in packed
+                if r in facts.saved_roots
+            ),
+            default=last,
+        )
         if not plans.planned[g]:
             death = last
         seen: set[int] = set()

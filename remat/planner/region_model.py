@@ -145,18 +145,30 @@ def region_targets(
     return targets, packed, drop_after
 
 
-def replay_points(trace: Trace, facts: StepFacts, targets: list[set[int]]) -> dict[int, list[int]]:
-    """By backward op, the regions replayed just before it: at the first op reading a target."""
-    replay_at: dict[int, list[int]] = {}
+def replay_points(
+    trace: Trace, regions: Sequence[RegionOps], facts: StepFacts, targets: list[set[int]]
+) -> dict[int, list[int]]:
+    """By backward op, the regions replayed just before it: at the first op reading a target that
+    a node of the region runs (its module is one of the region's: backward ops carry the module of
+    the forward op whose node runs them), since only those unpack a handle; a later block's node
+    that saved the same storage itself (a rotary table every layer reads) holds it as in the plain
+    step. A region none of whose modules reads a target replays at the first op that reads one."""
+    modules = [{trace.ops[i].module for i in region.ops} for region in regions]
+    first: dict[int, int] = {}  # region -> first backward op reading a target
+    own: dict[int, int] = {}  # region -> first such op of the region's own modules
     owner = {r: g for g, ts in enumerate(targets) for r in ts}
-    replayed: set[int] = set()
     for op in trace.ops:
         if op.phase is Phase.BACKWARD:
             for t in op.inputs:
                 g = owner.get(facts.root[t], -1)
-                if g >= 0 and g not in replayed:
-                    replayed.add(g)
-                    replay_at.setdefault(op.index, []).append(g)
+                if g < 0:
+                    continue
+                first.setdefault(g, op.index)
+                if op.module in modules[g]:
+                    own.setdefault(g, op.index)
+    replay_at: dict[int, list[int]] = {}
+    for g in sorted(first):
+        replay_at.setdefault(own.get(g, first[g]), []).append(g)
     return replay_at
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "fail",
     "floor",
     "keeping_compute",
+    "layers",
     "predicted",
     "search",
     "simple",
@@ -183,19 +184,35 @@ def checked(step: Step, problem: Problem, solution: Solution) -> Candidate:
     return Candidate(solution.solver, solution.gap, solution.notes, regions, predicted(step, regions))
 
 
+def layers(chain: Chain) -> list[int]:
+    """The stages that are layers of the model: children of a container, named ``<list>.<index>``
+    (``model.layers.3``, ``layer1.0``) — what per-layer checkpointing (transformers' switch, a loop
+    of ``torch.utils.checkpoint``) wraps."""
+    return [k for k, stage in enumerate(chain.stages) if stage.name.rpartition(".")[2].isdigit()]
+
+
 def simple(step: Step, chain: Chain) -> list[Candidate]:
     """The plans of plain checkpointing: every block its own region (with or without the model's
-    own ops between blocks), and sqrt(n) segments."""
+    own ops between blocks), every layer its own region (with or without the last), and sqrt(n)
+    segments. NOTE [checkpointing in the plan space] each is predicted like any solver's plan and
+    weighed beside them, so the plan returned is never worse, under the same prediction, than
+    per-layer checkpointing at a budget that checkpointing meets, and the smallest peak found is
+    never above checkpointing's."""
     last = len(chain) - 1
     # ops the model's own forward runs between blocks (pooling, concatenation) save little, and
     # replaying them costs their whole output again: leave them out as well
     inner = [(k, k + 1) for k in range(last) if chain.stages[k].name not in (step.trace.name, "(top level)")]
+    each = [(k, k + 1) for k in layers(chain)]
     out = []
     for what, segments in (
         ("every block checkpointed", [(k, k + 1) for k in range(last)]),
         ("every block checkpointed but the model's own ops", inner),
+        ("every layer checkpointed", each),
+        ("every layer checkpointed but the last", each[:-1]),
         ("sqrt(n) segments", split(len(chain))[:-1]),
     ):
+        if not segments and what.startswith("every layer"):
+            continue
         regions = chain_regions(step, chain, chain_segments(chain, segments))
         out.append(Candidate("auto", None, what, regions, predicted(step, regions)))
     return out

@@ -66,10 +66,16 @@ def solve(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
         if not math.isfinite(final[m]):
             break
         schedule = emit(sizes, m, lambda s, t, m: int(what[s, t][m]), single_level)
-        if schedule_cost(chain, schedule).peak_bytes <= budget_bytes:
+        peak = schedule_cost(chain, schedule).peak_bytes
+        if peak <= budget_bytes:
             cost = float(final[m])
             gap = (cost - bound) / cost if cost > 0 else 0.0
-            note = f"memory in units of {unit} bytes (sizes rounded up); the plan at {m} of {m_max} units"
+            # the table row m may pass m_max (NOTE [chain DP gap]): rounded units are the DP's, the
+            # user reads bytes of the chain model, where the plan fits
+            note = (
+                f"chain model's peak {peak} of the solver's budget {budget_bytes} bytes "
+                f"(sizes rounded up to units of {unit} bytes while solving)"
+            )
             return solution(chain, schedule, "chain", budget_bytes, gap, note)
     if single_level:
         raise RematValueError(

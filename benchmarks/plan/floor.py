@@ -1,0 +1,266 @@
+"""remat.plan against per-layer ``torch.utils.checkpoint`` on each model family: the lowest peak each
+reaches, and the overhead of each at checkpointing's peak (issue 16).
+
+Families: Llama (rotary embeddings, RMSNorm, SwiGLU, grouped-query attention), ViT, GPT-2 (tied
+embeddings), BERT, each built from its ``transformers`` config with random weights, and ResNet-50
+and U-Net from ``remat.zoo``. Per-layer checkpointing is transformers' switch
+(``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``) on the
+transformers, and ``torch.utils.checkpoint`` around every bottleneck / double convolution on the
+others (``run.per_block_checkpoint``). Strategies: the plain step, per-layer checkpointing,
+``remat.plan`` at its smallest feasible budget (the figure ``BudgetTooSmall`` names) and at
+checkpointing's measured peak. Peaks: the CPU allocator's count for one step
+(``remat.memory.track(allocator=True)``). Time: the process's CPU time with one intra-op thread,
+``--rounds`` rounds in which each strategy runs once, interleaved; overhead per round ÷ the plain
+step of the same round, median.
+
+    .venv/bin/python benchmarks/plan/floor.py --rounds 5 --out benchmarks/plan/floor.json
+    .venv/bin/python benchmarks/plan/floor.py --table benchmarks/plan/floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import blocks, per_block_checkpoint  # noqa: E402
+
+import remat  # noqa: E402
+from remat import zoo  # noqa: E402
+from remat.planner import BudgetTooSmall, Plan, plan_trace, trace_step  # noqa: E402
+from remat.planner.api import block_key  # noqa: E402
+
+Step = tuple[nn.Module, Callable[[nn.Module], torch.Tensor], Callable[[], Any]]
+
+
+def _hf(model: Any, batch: dict[str, Any]) -> Step:
+    def switch() -> Iterator[None]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            yield
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_disable()
+
+    return model, lambda m: m(**batch).loss, contextlib.contextmanager(switch)
+
+
+def llama() -> Step:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=2000,
+        max_position_embeddings=256,
+    )
+    ids = torch.randint(0, 2000, (4, 256))
+    return _hf(LlamaForCausalLM(config), {"input_ids": ids, "labels": ids, "use_cache": False})
+
+
+def vit() -> Step:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        num_hidden_layers=8,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        image_size=128,
+        patch_size=8,
+        num_labels=10,
+    )
+    batch = {"pixel_values": torch.randn(4, 3, 128, 128), "labels": torch.randint(0, 10, (4,))}
+    return _hf(ViTForImageClassification(config), batch)
+
+
+def gpt2() -> Step:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=8, n_embd=256, n_head=8, vocab_size=2000, n_positions=256)
+    ids = torch.randint(0, 2000, (4, 256))
+    return _hf(GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids, "use_cache": False})
+
+
+def bert() -> Step:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        num_hidden_layers=8,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        vocab_size=2000,
+        max_position_embeddings=256,
+    )
+    ids = torch.randint(0, 2000, (4, 256))
+    return _hf(BertForMaskedLM(config), {"input_ids": ids, "labels": ids})
+
+
+def _zoo(name: str, **size: int) -> Step:
+    wl = zoo.build(name, **size)
+    model = wl.model
+    return model, lambda m: wl.loss_fn(m(*wl.inputs)), lambda: per_block_checkpoint(blocks(name, model))
+
+
+FAMILIES: dict[str, Callable[[], Step]] = {
+    "llama": llama,
+    "vit": vit,
+    "gpt2": gpt2,
+    "bert": bert,
+    "resnet50": lambda: _zoo("resnet50", batch=4, image=128),
+    "unet": lambda: _zoo("unet", batch=2, image=128),
+}
+
+
+def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, loss_of, checkpointed = FAMILIES[name]()
+    model.train()
+
+    def run(ctx: Callable[[], Any]) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            with ctx():
+                loss_of(model).backward()
+
+        return step
+
+    def peak(step: Callable[[], None]) -> int:
+        with remat.memory.track(timeline=False, allocator=True) as tracked:
+            step()
+        return tracked.peak_bytes
+
+    steps: dict[str, Callable[[], None]] = {
+        "plain": run(contextlib.nullcontext),
+        "checkpoint per layer": run(checkpointed),
+    }
+    ck_peak = peak(steps["checkpoint per layer"])
+    start = time.perf_counter()
+    trace = trace_step(model, (), lambda m: loss_of(m), repeats=capture_repeats)
+    capture_s = time.perf_counter() - start
+    key = block_key(model)
+    try:
+        plan_trace(trace, 1, block_key=key)
+    except BudgetTooSmall as error:
+        floor = error.minimum_bytes
+    plans: dict[str, Plan | str] = {}
+    for label, budget in (
+        ("remat.plan at its floor", floor),
+        ("remat.plan at checkpointing's peak", ck_peak),
+    ):
+        try:
+            plans[label] = plan = plan_trace(trace, budget, block_key=key)
+            steps[label] = run(lambda plan=plan: plan.apply(model))  # type: ignore[misc]
+        except BudgetTooSmall as error:
+            plans[label] = f"refused: {error}"
+    rows: dict[str, dict[str, Any]] = {k: {"peak": peak(s), "ratios": []} for k, s in steps.items()}
+    for s in steps.values():  # warm-up
+        s()
+    for _ in range(rounds):
+        times = {}
+        for k, s in steps.items():
+            begin = time.process_time()
+            s()
+            times[k] = time.process_time() - begin
+        for k in steps:
+            rows[k]["ratios"].append(times[k] / times["plain"])
+        rows["plain"].setdefault("seconds", []).append(times["plain"])
+    for k, row in rows.items():
+        row["overhead"] = statistics.median(row["ratios"])
+        plan = plans.get(k)
+        if isinstance(plan, Plan):
+            row.update(
+                predicted_peak=plan.predicted_peak_bytes,
+                predicted_overhead=plan.predicted_overhead,
+                regions=[r.name for r in plan.regions],
+                notes=plan.notes,
+            )
+    for k, plan in plans.items():
+        if isinstance(plan, str):
+            rows[k] = {"refused": plan}
+    return {"family": name, "floor": floor, "checkpoint_peak": ck_peak, "capture_s": capture_s, "rows": rows}
+
+
+def table(results: dict[str, Any]) -> str:
+    """The README's table, from a ``--out`` file."""
+    mib = 2**20
+    lines = [
+        "| family | plain | checkpoint per layer: peak, overhead | plan's floor: predicted, measured, "
+        "overhead | plan at checkpointing's peak: measured, predicted overhead, overhead |",
+        "|---|---|---|---|---|",
+    ]
+    for f in results["families"]:
+        rows = f["rows"]
+        ck, low, at = (
+            rows["checkpoint per layer"],
+            rows["remat.plan at its floor"],
+            rows["remat.plan at checkpointing's peak"],
+        )
+        lines.append(
+            f"| {f['family']} | {rows['plain']['peak'] / mib:.1f} MiB "
+            f"| {ck['peak'] / mib:.1f} MiB, {ck['overhead']:.3f} "
+            f"| {low['predicted_peak'] / mib:.1f} MiB, {low['peak'] / mib:.1f} MiB, {low['overhead']:.3f} "
+            f"| {at['peak'] / mib:.1f} MiB, {at['predicted_overhead']:.3f}, {at['overhead']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--capture-repeats", type=int, default=2)
+    parser.add_argument("--out")
+    parser.add_argument("--table", help="print the README's table from this --out file and stop")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
+    torch.set_num_threads(1)
+    import transformers
+
+    results = {
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "machine": platform.machine(),
+        },
+        "families": [],
+    }
+    for name in args.families:
+        result = bench(name, args.rounds, args.capture_repeats)
+        results["families"].append(result)
+        mib = 2**20
+        ck = result["checkpoint_peak"]
+        print(f"{name}: floor {result['floor'] / mib:.1f} MiB, checkpoint {ck / mib:.1f} MiB")
+        for k, row in result["rows"].items():
+            if "refused" in row:
+                print(f"  {k}: {row['refused']}")
+            else:
+                print(f"  {k}: peak {row['peak'] / mib:.1f} MiB, overhead {row['overhead']:.3f}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
