@@ -20,10 +20,18 @@ from remat.aten.generators import (
     source_of,
     state_nbytes,
 )
-from remat.aten.schema import SKIPPED_NAMESPACES, OpFacts, facts, writes_hidden, written_tensors
+from remat.aten.schema import (
+    METADATA_PACKETS,
+    SKIPPED_NAMESPACES,
+    OpFacts,
+    facts,
+    writes_hidden,
+    written_tensors,
+)
 from remat.aten.tensors import Geometry, describe, dtype_name, geometry, storage_of
 
 __all__ = [
+    "METADATA_PACKETS",
     "SKIPPED_NAMESPACES",
     "Geometry",
     "OpFacts",

@@ -21,6 +21,27 @@ SKIPPED_NAMESPACES = frozenset({"profiler", "prim"})
 """Not ops of the program: ``record_function`` markers (``Optimizer.step`` has them) and the
 metadata queries fake tensors answer through dispatch (``prim.device``)."""
 
+METADATA_PACKETS = frozenset(
+    f"aten.{name}"
+    for name in (
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "size",
+        "stride",
+        "numel",
+        "dim",
+        "storage_offset",
+        "is_contiguous",
+        "is_non_overlapping_and_dense",
+        "is_strides_like_format",
+    )
+)
+"""Queries of a tensor's metadata that reach dispatch on some tensors only (subclasses with
+``sizes_strides_policy``, fake tensors): they read no data, and a mode that counts ops must not
+count them, or its counts differ between runs of the same code on different tensors."""
+
 # NOTE [hidden writes]: packet -> (written positions, the bool argument that gates the writes)
 _HIDDEN_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
     "aten.native_batch_norm": ((3, 4), 5),
@@ -57,6 +78,11 @@ class OpFacts:
     def skipped(self) -> bool:
         """Not an op of the program (``SKIPPED_NAMESPACES``)."""
         return self.namespace in SKIPPED_NAMESPACES
+
+    @property
+    def metadata(self) -> bool:
+        """A query of metadata (``METADATA_PACKETS``) or not an op of the program at all."""
+        return self.skipped or self.packet in METADATA_PACKETS
 
     @property
     def view_only(self) -> bool:

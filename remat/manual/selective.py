@@ -5,7 +5,8 @@ with the position of the op among all ops of the region. In the recomputation th
 hands those outputs back instead of running the op again, so expensive ops (matmul, attention) are
 not recomputed while cheap pointwise ones are. The ops are matched by position and name; a
 different op at a saved position means the recomputation took another path than the forward,
-which is an error.
+which is an error. Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
+position: some tensors send them through dispatch and some do not.
 
 A saved output may be written in place later in the region (``h = x @ w; h.mul_(2)``), or after
 it. Its version counter then differs from the one recorded with it: the recomputation runs that op
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from remat import aten
 from remat._errors import RecomputationError, message
 from remat.policy import Decision, OpContext, Policy
 
@@ -109,6 +111,8 @@ class Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if aten.facts(func).metadata:  # no position: some tensors dispatch these, some do not
+            return out
         if self.cache.wants(func, args, kwargs, out):
             self.cache.keep(self.position, func, out)
         self.position += 1
@@ -129,6 +133,8 @@ class Replaying(TorchDispatchMode):
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if aten.facts(func).metadata:
+            return func(*args, **(kwargs or {}))
         entry = self.cache.current(self.position)
         self.position += 1
         if entry is None:

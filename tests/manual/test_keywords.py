@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
+from remat import aten
 from remat.manual import keywords
 
 
@@ -214,3 +216,66 @@ def test_keyword_errors() -> None:
         remat.checkpoint(
             net, x, context_fn=functools.partial(create_selective_checkpoint_contexts, returns_string)
         )
+
+
+class _Sized(torch.Tensor):
+    """A wrapper subclass whose size and stride queries go through dispatch, as many do."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _Sized:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls,
+            elem.shape,
+            dtype=elem.dtype,
+            requires_grad=elem.requires_grad,
+            dispatch_sizes_strides_policy="sizes",
+        )
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.sym_size.default:
+            return args[0].elem.size()
+        if func is torch.ops.aten.sym_stride.default:
+            return args[0].elem.stride()
+
+        def unwrap(t: Any) -> Any:
+            return t.elem if isinstance(t, _Sized) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: _Sized(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+class _Asked(remat.SaveOps):
+    """Saves matrix products and remembers every op it was asked about."""
+
+    def __init__(self) -> None:
+        super().__init__(frozenset({"aten.mm"}))
+        object.__setattr__(self, "asked", [])
+
+    def decide(self, ctx: remat.OpContext) -> remat.Decision:
+        self.asked.append(ctx.packet)  # type: ignore[attr-defined]
+        return super().decide(ctx)
+
+
+def test_metadata_queries_take_no_position_in_a_selective_policy() -> None:
+    """A tensor subclass sends size queries (``is_contiguous`` under ``reshape``) through dispatch:
+    the policy is never asked about them, so its positions are those of the data ops, and the
+    gradients are the plain function's."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((x @ w).reshape(-1)).reshape(4, 6) @ w
+
+    x = torch.randn(4, 6)
+    w = torch.randn(6, 6, requires_grad=True)
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        return t.elem if isinstance(t, _Sized) else t
+
+    expected = plain(torch.autograd.grad(fn(_Sized(x), w).square().sum(), w)[0])
+    policy = _Asked()
+    out = remat.checkpoint(fn, _Sized(x), w, policy=policy)
+    got = plain(torch.autograd.grad(out.square().sum(), w)[0])
+    assert policy.asked and not set(policy.asked) & aten.METADATA_PACKETS  # type: ignore[attr-defined]
+    assert torch.equal(expected, got)
