@@ -270,6 +270,7 @@ def test_metadata_queries_take_no_position_in_a_selective_policy() -> None:
 
     x = torch.randn(4, 6)
     w = torch.randn(6, 6, requires_grad=True)
+
     def plain(t: torch.Tensor) -> torch.Tensor:
         return t.elem if isinstance(t, _Sized) else t
 
