@@ -18,7 +18,8 @@ import statistics
 import time
 from typing import Any
 
-from remat._errors import RematError, message
+from remat._arguments import names_in, ratio_range
+from remat._errors import RematError
 from remat._units import parse_budget
 from remat.planner.solvers import names
 
@@ -49,7 +50,10 @@ def register(subparsers: Any) -> None:
         help="comma-separated ratios",
     )
     parser.add_argument(
-        "--solvers", default=_solvers("chain,greedy,sqrt,milp"), type=_solvers, help="comma-separated solvers"
+        "--solvers",
+        default=["chain", "greedy", "sqrt", "milp"],
+        type=_solvers,
+        help="comma-separated solvers",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timing rounds per plan (default 3)")
     parser.add_argument("--out", metavar="FILE.png", help="with --pareto: plot the curve")
@@ -66,25 +70,11 @@ def _budget(text: str) -> int | float:
 
 
 def _ratios(text: str) -> list[float]:
-    try:
-        ratios = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        ratios = []
-    if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
-        raise argparse.ArgumentTypeError(
-            message("plan", "ratios must be numbers in (0, 1]", f"got {text!r}", "pass e.g. 0.9,0.7,0.5")
-        )
-    return ratios
+    return ratio_range(text, "plan")
 
 
 def _solvers(text: str) -> list[str]:
-    chosen = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in names()]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(
-            message("plan", "unknown solver", f"got {text!r}", f"use {', '.join(names())}")
-        )
-    return chosen
+    return names_in(text, names(), "plan", "solver")
 
 
 def run(args: argparse.Namespace) -> int:

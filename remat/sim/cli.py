@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
-from remat._errors import message
+from remat._arguments import names_in, ratio_range
 from remat.core.policies import names
 
 
@@ -26,7 +25,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (remat traces or DTR logs)")
     parser.add_argument(
         "--policies",
-        type=_policies,
+        type=lambda spec: names_in(spec, names(), "sim.cli", "eviction policy"),
         default=["dtr", "dte", "coop"],
         help=f"comma-separated, from: {', '.join(names())} (default: dtr,dte,coop)",
     )
@@ -99,35 +98,3 @@ def run(args: argparse.Namespace) -> int:
 
         plot_sweep(results, args.plot)
     return 0
-
-
-def ratio_range(spec: str) -> list[float]:
-    """``"0.2:0.9:0.1"`` -> [0.2, 0.3, ..., 0.9] (both ends included); ``"0.3,0.5"`` -> [0.3, 0.5]."""
-    try:
-        if ":" in spec:
-            start, stop, step = (float(x) for x in spec.split(":"))
-            if step <= 0 or stop < start:
-                raise ValueError
-            count = math.floor((stop - start) / step + 1e-9) + 1
-            ratios = [round(start + i * step, 10) for i in range(count)]
-        else:
-            ratios = [float(x) for x in spec.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            message("sim.cli", "cannot read the ratios", f"got {spec!r}", "write START:STOP:STEP or a,b,c")
-        ) from None
-    if not all(0.0 < r <= 1.0 for r in ratios):
-        raise argparse.ArgumentTypeError(
-            message("sim.cli", "ratios must lie in (0, 1]", f"got {spec!r}", "pass fractions of the peak")
-        )
-    return ratios
-
-
-def _policies(spec: str) -> list[str]:
-    chosen = [name.strip() for name in spec.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in names()]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(
-            message("sim.cli", "unknown eviction policy", f"got {spec!r}", f"use {', '.join(names())}")
-        )
-    return chosen

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from remat._arguments import ratio_range
 from remat.cli import main
-from remat.sim.cli import ratio_range
 from remat.sim.synthetic import training_step
 from remat.trace import save
 

@@ -1,0 +1,41 @@
+"""Argument types the command line's subcommands share: lists of registered names, budget ratios."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+
+from remat._errors import message
+
+
+def names_in(spec: str, known: Sequence[str], api: str, what: str) -> list[str]:
+    """``"a,b"`` -> ["a", "b"], each one of ``known`` (an argparse error naming them otherwise)."""
+    chosen = [name.strip() for name in spec.split(",") if name.strip()]
+    if not chosen or any(name not in known for name in chosen):
+        raise argparse.ArgumentTypeError(
+            message(api, f"unknown {what}", f"got {spec!r}", f"use {', '.join(known)}")
+        )
+    return chosen
+
+
+def ratio_range(spec: str, api: str = "sim.cli") -> list[float]:
+    """``"0.2:0.9:0.1"`` -> [0.2, 0.3, ..., 0.9] (both ends included); ``"0.3,0.5"`` -> [0.3, 0.5]."""
+    try:
+        if ":" in spec:
+            start, stop, step = (float(x) for x in spec.split(":"))
+            if step <= 0 or stop < start:
+                raise ValueError
+            count = math.floor((stop - start) / step + 1e-9) + 1
+            ratios = [round(start + i * step, 10) for i in range(count)]
+        else:
+            ratios = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            message(api, "cannot read the ratios", f"got {spec!r}", "write START:STOP:STEP or a,b,c")
+        ) from None
+    if not all(0.0 < r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(
+            message(api, "ratios must lie in (0, 1]", f"got {spec!r}", "pass fractions of the peak")
+        )
+    return ratios
