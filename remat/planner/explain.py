@@ -7,11 +7,11 @@ is which blocks are recomputed and what that buys; the per-tensor decisions stay
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from remat._console import PIPED_WIDTH
 from remat._units import format_bytes
 from remat.planner.lowering import stage_key
 from remat.planner.regions import Region, TensorDecision
@@ -28,9 +28,9 @@ def render(
     notes: str,
     peak_at: str,
     file: Any = None,
-) -> str:
+) -> None:
     """Print the table of a plan (its ``str()`` as ``title``, and its parts) to ``file`` (default
-    stdout) and return it as text."""
+    stdout)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -60,11 +60,10 @@ def render(
         f"{len(regions)} regions",
         style="bold",
     )
-    buffer = io.StringIO()
-    Console(file=buffer, width=120, force_terminal=False).print(table)
     console = Console(file=file or sys.stdout)
+    if not console.is_terminal:  # a file or a pipe: as wide as the table needs (``remat._console``)
+        console = Console(file=file or sys.stdout, width=PIPED_WIDTH)
     console.print(table)
     if notes:
         console.print(f"solver notes: {notes}")
     console.print(f"peak reached at {peak_at}")
-    return buffer.getvalue()

@@ -93,12 +93,11 @@ class Plan:
             f"{gap}, solved in {self.solve_seconds:.2f} s)"
         )
 
-    def explain(self, file: Any = None) -> str:
-        """Print (to ``file``, default stdout) and return a per-module table: what each module
-        saves for backward, what the plan keeps and recomputes, and the regions."""
-        return render(
-            str(self), self.tensors, self.regions, self.modules, self.notes, self.peak_at, file=file
-        )
+    def explain(self, file: Any = None) -> None:
+        """Print (to ``file``, default stdout) a per-module table: what each module saves for
+        backward, what the plan keeps and recomputes, and the regions. It returns nothing, so that
+        a REPL shows the table once."""
+        render(str(self), self.tensors, self.regions, self.modules, self.notes, self.peak_at, file=file)
 
     # -- running it ---------------------------------------------------------------------------
 
@@ -162,6 +161,10 @@ class Plan:
         """The plan ``save`` wrote to ``path``."""
         try:
             body = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise RematValueError(
+                message("plan.load", "no such file", str(path), "pass the path plan.save wrote")
+            ) from None
         except json.JSONDecodeError as err:
             raise RematValueError(
                 message(

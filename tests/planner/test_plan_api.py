@@ -4,6 +4,7 @@ and refuses clearly what it cannot do."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -104,7 +105,9 @@ def test_remat_plan_end_to_end_leaves_the_model_as_it_was(
 
 def test_explain_lists_blocks_and_regions() -> None:
     plan = _plan("gpt2", "chain")
-    text = plan.explain(file=open("/dev/null", "w"))  # noqa: SIM115 (closed with the process)
+    buffer = io.StringIO()
+    assert plan.explain(file=buffer) is None  # printed once, not also returned to a REPL
+    text = buffer.getvalue()
     for region in plan.regions:
         assert region.name.split("..")[0] in text
     assert "transformer.h.0" in text and "recomputed" in text and "total" in text
@@ -113,6 +116,8 @@ def test_explain_lists_blocks_and_regions() -> None:
     assert plan.region_of(first.first) == first and plan.region_of(first.last) == first
     assert plan.region_of(len(plan.ops)) is None
     assert plan.recomputed_bytes > 0 and plan.saved_bytes > 0
+    with pytest.raises(remat.RematValueError, match=r"remat\.plan\.load: no such file \(/no/such\.json\)"):
+        remat.Plan.load("/no/such.json")
 
 
 # -- errors ---------------------------------------------------------------------------------
