@@ -65,7 +65,12 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
                 "or KiB, MiB, GiB, TiB (powers of 1024)",
             )
         )
-    size = math.floor(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number):
+        raise RematValueError(
+            message(api, "cannot parse this byte size", f"got {value!r}", "pass a finite size such as '2GB'")
+        )
+    size = math.floor(number)
     if size <= 0:
         hint = "pass a size of at least 1 byte"
         if 0 < float(match.group(1)) <= 1 and not unit:
@@ -78,7 +83,7 @@ def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float
     """A budget is either bytes (int or size string, see :func:`parse_bytes`) or a ratio: a float in
     (0, 1] of the unconstrained peak, or a string of one with no unit (``"0.5"``, as a command line
     gives it). Returns an int for bytes and a float for a ratio."""
-    if isinstance(value, str) and _RATIO.match(value):
+    if isinstance(value, str) and _RATIO.match(value) or isinstance(value, str) and _FRACTION.match(value):
         value = float(value)
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
@@ -94,6 +99,7 @@ def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float
     return parse_bytes(value, api)
 
 
+_FRACTION = re.compile(r"^\s*[0-9]*\.[0-9]*[1-9][0-9]*\s*$")  # a number with a fractional part, no unit
 _RATIO = re.compile(r"^\s*(?:0?\.[0-9]+|0|1|1\.0*)\s*$")  # "0.5", ".25", "1.0": no unit, at most 1
 
 

@@ -53,17 +53,19 @@ class RngState:
 
 def source_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Source:
     """The generator a random op draws from: its ``generator`` argument, else the default one of
-    its first tensor's device (or of its ``device`` argument, or the CPU's)."""
+    its ``device`` argument's device, or of its first tensor's, or the CPU's."""
     generator = kwargs.get("generator")
     if generator is not None:
         return generator
     for a in args:
         if isinstance(a, torch.Generator):
             return a
+    if kwargs.get("device") is not None:  # ``rand_like(x, device=...)`` draws on that device
+        return torch.device(kwargs["device"])
     for a in args:
         if isinstance(a, torch.Tensor):
             return a.device
-    return torch.device(kwargs.get("device") or "cpu")
+    return torch.device("cpu")
 
 
 _NBYTES: dict[str, int] = {}  # device type -> bytes of a generator state there

@@ -70,7 +70,9 @@ class Dynamic:
     ) -> None:
         amount = None if budget is None else parse_budget(budget, API)
         # NOTE [ratio budgets] A ratio is of the plain step's peak: given (``peak``), or measured by
-        # the first block, which runs with no budget; later blocks run within the ratio of it.
+        # the first block, which runs with no budget (the pool's peak: what the block held, the
+        # undo snapshot's copies included); later blocks run within the ratio of it, the reserve
+        # taken from that budget as from any other (so 1.0 may still evict).
         self.ratio = amount if isinstance(amount, float) else None
         if peak is not None and self.ratio is not None:
             amount = max(1, int(self.ratio * parse_bytes(peak, API)))
@@ -216,8 +218,9 @@ class Dynamic:
                     raise explained from None
                 self._stats = self._make_stats(engine)
                 if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
-                    self.budget = max(1, int(self.ratio * self._stats.peak_bytes))
-                    self.reserve = _reserve(self._reserve_spec, self.budget)
+                    budget = max(1, int(self.ratio * self._stats.peak_bytes))
+                    self.reserve = _reserve(self._reserve_spec, budget)
+                    self.budget = budget
             else:
                 self._undo(engine, error)
         finally:
