@@ -83,7 +83,7 @@ def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float
     """A budget is either bytes (int or size string, see :func:`parse_bytes`) or a ratio: a float in
     (0, 1] of the unconstrained peak, or a string of one with no unit (``"0.5"``, as a command line
     gives it). Returns an int for bytes and a float for a ratio."""
-    if isinstance(value, str) and _RATIO.match(value) or isinstance(value, str) and _FRACTION.match(value):
+    if isinstance(value, str) and (_RATIO.match(value) or _FRACTION.match(value)):
         value = float(value)
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
