@@ -14,6 +14,7 @@ from remat.manual.checkpoint import checkpoint
 from remat.manual.keywords import set_checkpoint_early_stop
 from remat.manual.scope import scope
 from remat.manual.sequential import checkpoint_sequential
+from remat.offload.link import Link
 from remat.planner.api import plan
 from remat.planner.plan import Plan
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Decision",
+    "Link",
     "OpContext",
     "Plan",
     "Policy",

@@ -103,6 +103,52 @@ _FRACTION = re.compile(r"^\s*[0-9]*\.[0-9]*[1-9][0-9]*\s*$")  # a number with a 
 _RATIO = re.compile(r"^\s*(?:0?\.[0-9]+|0|1|1\.0*)\s*$")  # "0.5", ".25", "1.0": no unit, at most 1
 
 
+_RATE = re.compile(r"^\s*(.*?)\s*/\s*s\s*$")
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*(s|ms|us|µs|ns)?\s*$")
+_SECONDS = {"s": 1.0, "": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(value: object, api: str = "memory.parse_rate") -> float:
+    """Return a positive rate in bytes per second from a number or a string such as ``"25GB/s"``
+    or ``"12 GiB/s"`` (units as :func:`parse_bytes`)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (value > 0 and math.isfinite(value)):
+            raise RematValueError(
+                message(api, "a rate must be positive and finite", f"got {value!r}", 'pass e.g. "25GB/s"')
+            )
+        return float(value)
+    match = _RATE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise RematValueError(
+            message(api, "cannot parse this rate", f"got {value!r}", 'pass bytes per second such as "25GB/s"')
+        )
+    return float(parse_bytes(match.group(1), api))
+
+
+def parse_seconds(value: object, api: str = "memory.parse_seconds") -> float:
+    """Return a duration in seconds (at least 0) from a number of seconds or a string such as
+    ``"10us"``, ``"1.5ms"`` or ``"0s"``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (value >= 0 and math.isfinite(value)):
+            raise RematValueError(
+                message(api, "a duration must be at least 0 and finite", f"got {value!r}", 'pass e.g. "10us"')
+            )
+        return float(value)
+    text = value.strip() if isinstance(value, str) else ""
+    match = _DURATION.match(text)
+    if match is None:
+        raise RematValueError(
+            message(
+                api,
+                "cannot parse this duration",
+                f"got {value!r}",
+                "use a number with an optional unit: s, ms, us or ns (e.g. '10us')",
+            )
+        )
+    number = text[: len(text) - len(match.group(2) or "")].strip()
+    return float(number) * _SECONDS[match.group(2) or ""]
+
+
 def format_bytes(n: float) -> str:
     """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

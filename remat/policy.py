@@ -1,7 +1,8 @@
 """Per-op save-or-recompute policies shared by ``remat.checkpoint`` and ``remat.scope``.
 
 A policy answers one question for each ATen op run inside a recomputed region: keep its output for
-backward (SAVE) or drop it and compute it again (RECOMPUTE). Policies are small frozen dataclasses,
+backward (SAVE), drop it and compute it again (RECOMPUTE), or move it to host memory and bring it
+back before backward needs it (OFFLOAD). Policies are small frozen dataclasses,
 so they are hashable, comparable and print as what they are.
 """
 
@@ -17,6 +18,7 @@ class Decision(enum.Enum):
 
     SAVE = "save"
     RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
 
 
 @dataclass(frozen=True)
