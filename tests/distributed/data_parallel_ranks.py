@@ -1,0 +1,302 @@
+"""What each of the two ranks of ``test_data_parallel.py`` runs: every remat form inside DDP and FSDP2,
+compared with one process that runs the same global batch.
+
+Each rank takes half of the global batch. The reference runs in one process on every rank: one copy
+of the model per half, with the RNG seeded as that rank seeds it (the same dropout masks) and the
+batch-norm buffers that rank would hold (DDP broadcasts rank 0's at each forward; FSDP2 keeps each
+rank's own). Each half's loss is halved before backward, so the reference's gradient is g0/2 + g1/2,
+which is what the data-parallel average computes: halving is exact in floating point and a sum of
+two terms does not depend on their order, so the comparison is for equality, not closeness.
+
+Results (one line of text per check, ``"ok"`` or what differed) go to ``rank<r>.json``; the test
+asserts on them in the parent process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import remat
+from remat.integrations import huggingface
+from remat.integrations.distributed import broadcast_plan, hide_fsdp_hooks
+
+WORLD = 2
+STEPS = 2
+LR = 0.1
+
+Inputs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, its global batch per step and the blocks a form wraps."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[int], Inputs]
+    blocks: Callable[[nn.Module], list[nn.Module]]
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=96, n_positions=32)  # dropout 0.1
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).train()
+
+
+def _gpt2_batch(step: int) -> Inputs:
+    ids = torch.randint(0, 96, (2 * WORLD, 32), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+class _CNN(nn.Module):
+    """Convolutions with batch norm and dropout, the loss inside (``forward(x, y)``)."""
+
+    def __init__(self, c: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.Dropout(0.2))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return nn.functional.cross_entropy(self.head(h.mean((2, 3))), y)
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return _CNN().train()
+
+
+def _cnn_batch(step: int) -> Inputs:
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(2 * WORLD, 3, 16, 16, generator=g), "y": torch.randint(0, 5, (2 * WORLD,), generator=g)}
+
+
+CASES = {
+    "gpt2": Case("gpt2", _gpt2, _gpt2_batch, lambda m: list(m.transformer.h)),
+    "cnn": Case("cnn", _cnn, _cnn_batch, lambda m: list(m.layers)),
+}
+
+
+def half(inputs: Inputs, rank: int) -> Inputs:
+    n = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0] // WORLD
+    return {k: v[rank * n : (rank + 1) * n] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def seed(step: int, rank: int) -> None:
+    torch.manual_seed(1000 + 10 * step + rank)
+
+
+def loss_of(model: nn.Module, inputs: Inputs) -> torch.Tensor:
+    out = model(**inputs)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+@dataclass
+class Step:
+    """One step's figures: the mean loss over the global batch, the averaged gradients, and the
+    buffers of this rank after it."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+def reference(case: Case, rank: int, broadcast_buffers: bool) -> list[Step]:
+    copies = [case.build() for _ in range(WORLD)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in copies]
+    steps = []
+    for step in range(STEPS):
+        if broadcast_buffers:
+            for b, b0 in zip(copies[1].buffers(), copies[0].buffers(), strict=True):
+                b.copy_(b0)
+        losses = []
+        for r, model in enumerate(copies):
+            model.zero_grad(set_to_none=True)
+            seed(step, r)
+            loss = loss_of(model, half(case.batch(step), r))
+            (loss / WORLD).backward()
+            losses.append(loss.detach())
+        grads = {
+            name: sum((dict(m.named_parameters())[name].grad for m in copies), torch.tensor(0.0))
+            for name, _ in copies[0].named_parameters()
+        }
+        steps.append(
+            Step(
+                (losses[0] + losses[1]) / WORLD,
+                {k: g.clone() for k, g in grads.items()},
+                {k: b.clone() for k, b in copies[rank].named_buffers()},
+            )
+        )
+        for m, opt in zip(copies, optimizers, strict=True):
+            for name, p in m.named_parameters():
+                p.grad = grads[name].clone()
+            opt.step()
+    return steps
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 shards are DTensors
+
+
+def compare(got: Step, want: Step) -> str:
+    if not torch.equal(got.loss, want.loss):
+        return f"loss {got.loss.item()} != {want.loss.item()}"
+    for kind, a, b in (("grad", got.grads, want.grads), ("buffer", got.buffers, want.buffers)):
+        if a.keys() != b.keys():
+            return f"{kind} names differ: {sorted(a.keys() ^ b.keys())[:3]}"
+        for name in a:
+            if not torch.equal(a[name], b[name]):
+                return f"{kind} {name} differs by {(a[name] - b[name]).abs().max().item():.3g}"
+    return "ok"
+
+
+def train(
+    case: Case, wrapper: nn.Module, inner: nn.Module, rank: int, run: Callable[[Inputs], torch.Tensor]
+) -> tuple[list[Step], list[int]]:
+    """``STEPS`` steps of SGD on this rank's half; returns the steps and each step's allocator peak."""
+    opt = torch.optim.SGD(wrapper.parameters(), lr=LR)
+    steps, peaks = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        inputs = half(case.batch(step), rank)
+        seed(step, rank)
+        with remat.memory.track(allocator=True) as m:
+            loss = run(inputs)
+            loss.backward()
+        peaks.append(m.peak_bytes)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        steps.append(
+            Step(
+                total / WORLD,
+                {name: _full(p.grad).clone() for name, p in inner.named_parameters() if p.grad is not None},
+                {name: b.clone() for name, b in inner.named_buffers()},
+            )
+        )
+        opt.step()
+    return steps, peaks
+
+
+def _scoped(block: nn.Module) -> None:
+    forward = block.forward
+
+    def scoped_forward(*args: Any, **kwargs: Any) -> Any:
+        with remat.scope():
+            return forward(*args, **kwargs)
+
+    block.forward = scoped_forward  # type: ignore[method-assign]
+
+
+def _plan(case: Case) -> remat.Plan:
+    """Rank 0 plans on a plain copy with its half batch; every rank gets that plan."""
+    plan = remat.plan(case.build(), half(case.batch(0), 0), 0.7) if dist.get_rank() == 0 else None
+    return broadcast_plan(plan)
+
+
+def apply_form(case: Case, model: nn.Module, form: str) -> Callable[[nn.Module, Inputs], torch.Tensor]:
+    """Wrap the blocks of ``model`` for ``form``; returns how to run the parallel wrapper."""
+    if form == "checkpoint":
+        for block in case.blocks(model):
+            remat.checkpoint(block)
+    elif form == "scope":
+        for block in case.blocks(model):
+            _scoped(block)
+    elif form in ("hf-checkpoint", "hf-scope"):
+        huggingface.enable(model, form="checkpoint" if form == "hf-checkpoint" else "scope")
+    elif form == "whole-scope":
+
+        def in_scope(wrapper: nn.Module, inputs: Inputs) -> torch.Tensor:
+            with remat.scope():
+                return loss_of(wrapper, inputs)
+
+        return in_scope
+    elif form == "plan":
+        plan = _plan(case)
+
+        def planned(wrapper: nn.Module, inputs: Inputs) -> torch.Tensor:
+            with plan.apply(model):
+                return loss_of(wrapper, inputs)
+
+        return planned
+    return loss_of
+
+
+def ddp(case: Case, form: str, rank: int, **options: Any) -> tuple[list[Step], list[int]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = case.build()
+    run = apply_form(case, model, form)
+    wrapper = DistributedDataParallel(model, **options)
+    return train(case, wrapper, model, rank, lambda inputs: run(wrapper, inputs))
+
+
+def fsdp(case: Case, form: str, rank: int, reshard: bool) -> tuple[list[Step], list[int]]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = case.build()
+    run = apply_form(case, model, form)
+    for block in case.blocks(model):
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    hide_fsdp_hooks(model)
+    return train(case, model, model, rank, lambda inputs: run(model, inputs))
+
+
+def checks(rank: int) -> Iterator[tuple[str, Callable[[], tuple[list[Step], list[int]]], bool]]:
+    """(name, run, whether DDP broadcasts buffers) of every check."""
+    for name, case in CASES.items():
+        forms = ["plain", "checkpoint", "scope", "whole-scope", "plan"]
+        forms += ["hf-checkpoint", "hf-scope"] if name == "gpt2" else []
+        for form in forms:
+            yield (
+                f"ddp-static-{name}-{form}",
+                lambda c=case, f=form: ddp(c, f, rank, static_graph=True, find_unused_parameters=False),
+                True,
+            )
+            yield f"fsdp-reshard-{name}-{form}", lambda c=case, f=form: fsdp(c, f, rank, True), False
+        yield f"fsdp-keep-{name}-whole-scope", lambda c=case: fsdp(c, "whole-scope", rank, False), False
+        yield f"fsdp-keep-{name}-plan", lambda c=case: fsdp(c, "plan", rank, False), False
+
+
+def worker(rank: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    references: dict[tuple[str, bool], list[Step]] = {}
+    try:
+        for name, run, broadcast in checks(rank):
+            case = CASES[name.split("-")[2]]
+            key = (case.name, broadcast)
+            if key not in references:
+                references[key] = reference(case, rank, broadcast)
+            try:
+                steps, peaks = run()
+                verdict = next(
+                    (f"step {i}: {c}" for i, c in enumerate(map(compare, steps, references[key])) if c != "ok"),
+                    "ok",
+                )
+            except Exception as error:  # recorded for the parent, which asserts on it
+                verdict, peaks = f"{type(error).__name__}: {error}", []
+                dist.barrier()
+            results[name] = {"verdict": verdict, "peaks": peaks}
+    finally:
+        with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        dist.destroy_process_group()
