@@ -85,12 +85,19 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | N
     api = "integrations.distributed.broadcast_plan"
     if not dist.is_initialized():
         raise RematValueError(
-            message(api, "torch.distributed must be initialized", "no process group", "call init_process_group")
+            message(
+                api, "torch.distributed must be initialized", "no process group", "call init_process_group"
+            )
         )
     mine = dist.get_rank() == src
     if mine and not isinstance(plan, Plan):
         raise RematTypeError(
-            message(api, "the source rank must pass a Plan", f"rank {src} got {type(plan).__name__}", "pass remat.plan(...)")
+            message(
+                api,
+                "the source rank must pass a Plan",
+                f"rank {src} got {type(plan).__name__}",
+                "pass remat.plan(...)",
+            )
         )
     box: list[Any] = [plan.to_json() if mine and plan is not None else None]
     dist.broadcast_object_list(box, src=src, group=group)

@@ -14,10 +14,9 @@ asserts on them in the parent process.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +84,10 @@ def _cnn() -> nn.Module:
 
 def _cnn_batch(step: int) -> Inputs:
     g = torch.Generator().manual_seed(step)
-    return {"x": torch.randn(2 * WORLD, 3, 16, 16, generator=g), "y": torch.randint(0, 5, (2 * WORLD,), generator=g)}
+    return {
+        "x": torch.randn(2 * WORLD, 3, 16, 16, generator=g),
+        "y": torch.randint(0, 5, (2 * WORLD,), generator=g),
+    }
 
 
 CASES = {
@@ -206,7 +208,7 @@ def _scoped(block: nn.Module) -> None:
 
 def _plan(case: Case) -> remat.Plan:
     """Rank 0 plans on a plain copy with its half batch; every rank gets that plan."""
-    plan = remat.plan(case.build(), half(case.batch(0), 0), 0.7) if dist.get_rank() == 0 else None
+    plan = remat.plan(case.build(), half(case.batch(0), 0), 0.7, repeats=1) if dist.get_rank() == 0 else None
     return broadcast_plan(plan)
 
 
@@ -247,7 +249,7 @@ def ddp(case: Case, form: str, rank: int, **options: Any) -> tuple[list[Step], l
     return train(case, wrapper, model, rank, lambda inputs: run(wrapper, inputs))
 
 
-def fsdp(case: Case, form: str, rank: int, reshard: bool) -> tuple[list[Step], list[int]]:
+def fsdp(case: Case, form: str, rank: int, reshard: bool, hidden: bool) -> tuple[list[Step], list[int]]:
     from torch.distributed.fsdp import fully_shard
 
     model = case.build()
@@ -255,48 +257,69 @@ def fsdp(case: Case, form: str, rank: int, reshard: bool) -> tuple[list[Step], l
     for block in case.blocks(model):
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    hide_fsdp_hooks(model)
+    if hidden:
+        hide_fsdp_hooks(model)
     return train(case, model, model, rank, lambda inputs: run(model, inputs))
 
 
-def checks(rank: int) -> Iterator[tuple[str, Callable[[], tuple[list[Step], list[int]]], bool]]:
-    """(name, run, whether DDP broadcasts buffers) of every check."""
-    for name, case in CASES.items():
-        forms = ["plain", "checkpoint", "scope", "whole-scope", "plan"]
-        forms += ["hf-checkpoint", "hf-scope"] if name == "gpt2" else []
-        for form in forms:
-            yield (
-                f"ddp-static-{name}-{form}",
-                lambda c=case, f=form: ddp(c, f, rank, static_graph=True, find_unused_parameters=False),
-                True,
-            )
-            yield f"fsdp-reshard-{name}-{form}", lambda c=case, f=form: fsdp(c, f, rank, True), False
-        yield f"fsdp-keep-{name}-whole-scope", lambda c=case: fsdp(c, "whole-scope", rank, False), False
-        yield f"fsdp-keep-{name}-plan", lambda c=case: fsdp(c, "plan", rank, False), False
+# (parallelism, model, form) of every check; "fsdp" reshards after forward, "fsdp-keep" does not
+CHECKS = [
+    *[("ddp", "gpt2", f) for f in ("plain", "checkpoint", "scope", "whole-scope", "plan")],
+    *[("fsdp", "gpt2", f) for f in ("plain", "checkpoint", "scope", "hf-checkpoint", "plan", "whole-scope")],
+    ("fsdp-visible", "gpt2", "plan"),
+    ("fsdp-keep", "gpt2", "whole-scope"),
+    *[("ddp", "cnn", f) for f in ("plain", "checkpoint", "scope", "plan", "whole-scope")],
+    *[("fsdp", "cnn", f) for f in ("checkpoint", "scope")],
+]
+
+
+def run_check(parallelism: str, case: Case, form: str, rank: int) -> tuple[list[Step], list[int]]:
+    if parallelism == "ddp":
+        return ddp(case, form, rank, static_graph=True, find_unused_parameters=False)
+    return fsdp(case, form, rank, reshard=parallelism != "fsdp-keep", hidden=parallelism != "fsdp-visible")
 
 
 def worker(rank: int, folder: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank, world_size=WORLD
+    )
     results: dict[str, Any] = {}
     references: dict[tuple[str, bool], list[Step]] = {}
     try:
-        for name, run, broadcast in checks(rank):
-            case = CASES[name.split("-")[2]]
-            key = (case.name, broadcast)
+        for parallelism, model, form in CHECKS:
+            case = CASES[model]
+            key = (model, parallelism == "ddp")  # DDP broadcasts rank 0's buffers at each forward
             if key not in references:
-                references[key] = reference(case, rank, broadcast)
+                references[key] = reference(case, rank, key[1])
             try:
-                steps, peaks = run()
+                steps, peaks = run_check(parallelism, case, form, rank)
                 verdict = next(
-                    (f"step {i}: {c}" for i, c in enumerate(map(compare, steps, references[key])) if c != "ok"),
+                    (
+                        f"step {i}: {c}"
+                        for i, c in enumerate(map(compare, steps, references[key]))
+                        if c != "ok"
+                    ),
                     "ok",
                 )
             except Exception as error:  # recorded for the parent, which asserts on it
                 verdict, peaks = f"{type(error).__name__}: {error}", []
                 dist.barrier()
-            results[name] = {"verdict": verdict, "peaks": peaks}
+            results[f"{parallelism}-{model}-{form}"] = {"verdict": verdict, "peaks": peaks}
     finally:
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, indent=1)
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the figures of docs/distributed.md
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(folder,), nprocs=WORLD)
+        for r in range(WORLD):
+            with open(os.path.join(folder, f"rank{r}.json")) as f:
+                for name, result in json.load(f).items():
+                    print(f"rank {r}  {name:28} {result['peaks']}  {result['verdict'][:100]}")
