@@ -13,10 +13,13 @@ module's own ops only, and the parameters as tensors from outside the region, as
 Why recomputation stays exact under resharding: a recomputation of a region that lies inside one
 FSDP unit runs in that unit's backward, after FSDP2's pre-backward hook has all-gathered its
 parameters again into the same tensors (their storage is reallocated, their version counters are
-kept). A region that spans units (a scope around two sharded blocks, or a plan region across a
-block boundary) replays in the backward of its last unit, when the earlier units' parameters are
-freed: keep each region inside one unit (per-block ``remat.checkpoint`` or ``remat.scope``), or
-shard with ``reshard_after_forward=False``.
+kept). NOTE [regions across units]: a region that records one unit's forward and then the next
+unit's (a scope around two sharded blocks, or a plan region across a block boundary) replays in
+the backward of the later unit, when the earlier unit's parameters are freed; ``hide_fsdp_hooks``
+refuses it in forward, naming both units. Keep each region inside one unit (per-block
+``remat.checkpoint`` or ``remat.scope``), or shard with ``reshard_after_forward=False``. A region
+that starts outside a unit and ends inside it (a plan region from a residual add into the next
+block) replays after that unit's parameters are gathered again, and is exact.
 
 Plans are solved from measured op times, which differ from rank to rank; ``broadcast_plan`` gives
 every rank the plan one rank solved, so that all ranks recompute the same regions.
@@ -24,14 +27,16 @@ every rank the plan one rank solved, so that all ranks recompute the same region
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
-from remat._errors import RematTypeError, RematValueError, message
+from remat._errors import RematRuntimeError, RematTypeError, RematValueError, message
+from remat.manual.tape import Tape
 from remat.planner.plan import Plan
 
 __all__ = ["broadcast_plan", "hide_fsdp_hooks"]
@@ -39,15 +44,76 @@ __all__ = ["broadcast_plan", "hide_fsdp_hooks"]
 _FSDP = "torch.distributed.fsdp"
 
 
+class _Units:
+    """What the hooks of one model share: each FSDP2 unit's name, and the open regions in which a
+    unit freed its parameters after forward (region tape -> that unit)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {m: name or type(model).__name__ for name, m in model.named_modules()}
+        self.freed_in: weakref.WeakKeyDictionary[Tape, str] = weakref.WeakKeyDictionary()
+
+    def before(self, unit: nn.Module) -> None:
+        """A unit's forward starts: refuse it inside a region where another unit freed its
+        parameters (NOTE [regions across units])."""
+        for tape in _open_tapes():
+            freed = self.freed_in.get(tape)
+            if freed is not None:
+                raise RematRuntimeError(
+                    message(
+                        "integrations.distributed",
+                        "a recomputed region spans FSDP2 units that free their parameters after "
+                        "forward; it would recompute from freed parameters in backward",
+                        f"{freed} resharded, then {self.names.get(unit, type(unit).__name__)} ran "
+                        "in the same region",
+                        "recompute each unit in its own region (remat.checkpoint or remat.scope per "
+                        "block), or fully_shard with reshard_after_forward=False",
+                    )
+                )
+
+    def after(self, unit: nn.Module) -> None:
+        """A unit's forward ended: note the open regions, if it freed its parameters."""
+        from torch.distributed.tensor import DTensor  # imported by fully_shard already
+
+        if any(isinstance(p, DTensor) for p in _own_parameters(unit)):
+            for tape in _open_tapes():
+                self.freed_in.setdefault(tape, self.names.get(unit, type(unit).__name__))
+
+
+def _open_tapes() -> list[Tape]:
+    """The tapes of the regions recording now: a scope's recorder, or a plan's runner with a
+    region open (both keep it as ``tape``)."""
+    found = (getattr(mode, "tape", None) for mode in _get_current_dispatch_mode_stack())
+    return [tape for tape in found if isinstance(tape, Tape)]
+
+
+def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``unit`` shards itself: its own and its sub-modules', not those of the FSDP2
+    units inside it."""
+    from torch.distributed.fsdp import FSDPModule  # imported by fully_shard already
+
+    found = list(unit.parameters(recurse=False))
+    for child in unit.children():
+        if not isinstance(child, FSDPModule):
+            found += _own_parameters(child)
+    return found
+
+
 class _Hidden:
     """An FSDP2 forward hook, run outside every dispatch mode."""
 
-    def __init__(self, hook: Callable[..., Any]) -> None:
+    def __init__(self, hook: Callable[..., Any], units: _Units, pre: bool) -> None:
         self.hook = hook
+        self.units = units
+        self.pre = pre
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.pre:
+            self.units.before(module)
         with _disable_current_modes():
-            return self.hook(*args, **kwargs)
+            out = self.hook(module, *args, **kwargs)
+        if not self.pre:
+            self.units.after(module)
+        return out
 
 
 def _from_fsdp(hook: Any) -> bool:
@@ -59,8 +125,10 @@ def hide_fsdp_hooks(model: nn.Module) -> nn.Module:
     dispatch mode, so that ``remat.scope`` and ``plan.apply`` see only the model's own ops. Call it
     after the last ``fully_shard``; it returns the model, and a second call changes nothing.
 
-    Dispatch modes of the user's own (``remat.memory.track`` without ``allocator=True``) do not see
-    the all-gather buffers either; the allocator's account (``allocator=True``) does."""
+    A region that records past a unit that freed its parameters after forward and into the next
+    unit raises RematRuntimeError there, in forward. Dispatch modes of the user's own
+    (``remat.memory.track`` without ``allocator=True``) do not see the all-gather buffers; the
+    allocator's account (``allocator=True``) does."""
     if not isinstance(model, nn.Module):
         raise RematTypeError(
             message(
@@ -70,11 +138,12 @@ def hide_fsdp_hooks(model: nn.Module) -> nn.Module:
                 "pass the model after fully_shard",
             )
         )
+    units = _Units(model)
     for module in model.modules():
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for hooks, pre in ((module._forward_pre_hooks, True), (module._forward_hooks, False)):
             for key, hook in list(hooks.items()):
                 if _from_fsdp(hook):
-                    hooks[key] = _Hidden(hook)
+                    hooks[key] = _Hidden(hook, units, pre)
     return model
 
 

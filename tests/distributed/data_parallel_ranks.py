@@ -267,9 +267,10 @@ CHECKS = [
     *[("ddp", "gpt2", f) for f in ("plain", "checkpoint", "scope", "whole-scope", "plan")],
     *[("fsdp", "gpt2", f) for f in ("plain", "checkpoint", "scope", "hf-checkpoint", "plan", "whole-scope")],
     ("fsdp-visible", "gpt2", "plan"),
+    ("fsdp-visible", "gpt2", "whole-scope"),
     ("fsdp-keep", "gpt2", "whole-scope"),
     *[("ddp", "cnn", f) for f in ("plain", "checkpoint", "scope", "plan", "whole-scope")],
-    *[("fsdp", "cnn", f) for f in ("checkpoint", "scope")],
+    *[("fsdp", "cnn", f) for f in ("checkpoint", "scope", "plan")],
 ]
 
 
