@@ -14,6 +14,7 @@ asserts on them in the parent process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -206,8 +207,10 @@ def _scoped(block: nn.Module) -> None:
     block.forward = scoped_forward  # type: ignore[method-assign]
 
 
+@functools.cache
 def _plan(case: Case) -> remat.Plan:
-    """Rank 0 plans on a plain copy with its half batch; every rank gets that plan."""
+    """Rank 0 plans on a plain copy with its half batch; every rank gets that plan (once per model:
+    every rank asks in the same order)."""
     plan = remat.plan(case.build(), half(case.batch(0), 0), 0.7, repeats=1) if dist.get_rank() == 0 else None
     return broadcast_plan(plan)
 

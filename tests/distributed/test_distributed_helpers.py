@@ -3,6 +3,8 @@ and that hiding FSDP2's hooks leaves a model without them as it was."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,3 +51,24 @@ def test_broadcast_plan_in_a_group_of_one(tmp_path: object) -> None:
         assert broadcast_plan(plan).to_json() == plan.to_json()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="autograd saves batch norm's running_mean before the kernel writes it (a write the schema "
+    "does not declare); when an earlier op of the region wrote running_mean (DDP's buffer broadcast), "
+    "remat.manual.scope takes that hidden write for a write after the save",
+)
+def test_scope_around_a_buffer_copy_then_batch_norm() -> None:
+    torch.manual_seed(0)
+    bn, x = nn.BatchNorm1d(8), torch.randn(4, 8, requires_grad=True)
+    plain = copy.deepcopy(bn)
+    (plain(x * 2) ** 2).sum().backward()
+    want = x.grad
+    x.grad = None
+    with remat.scope():
+        with torch.no_grad():
+            bn.running_mean.copy_(torch.zeros(8))  # what DDP does with rank 0's buffers
+        y = bn(x * 2)
+    (y**2).sum().backward()
+    assert torch.equal(x.grad, want)
