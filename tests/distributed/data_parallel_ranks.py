@@ -14,6 +14,7 @@ asserts on them in the parent process.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -28,6 +29,7 @@ from torch import nn
 import remat
 from remat.integrations import huggingface
 from remat.integrations.distributed import broadcast_plan, hide_fsdp_hooks
+from remat.planner.regions import Region
 
 WORLD = 2
 STEPS = 2
@@ -232,8 +234,11 @@ def apply_form(case: Case, model: nn.Module, form: str) -> Callable[[nn.Module, 
                 return loss_of(wrapper, inputs)
 
         return in_scope
-    elif form == "plan":
+    elif form in ("plan", "merged-plan"):
         plan = _plan(case)
+        if form == "merged-plan":  # one region from the first planned op to the last, across blocks
+            first, last = plan.regions[0].first, plan.regions[-1].last
+            plan = dataclasses.replace(plan, regions=(Region("merged", first, last),))
 
         def planned(wrapper: nn.Module, inputs: Inputs) -> torch.Tensor:
             with plan.apply(model):
@@ -273,7 +278,7 @@ CHECKS = [
     ("fsdp-visible", "gpt2", "whole-scope"),
     ("fsdp-keep", "gpt2", "whole-scope"),
     *[("ddp", "cnn", f) for f in ("plain", "checkpoint", "scope", "plan", "whole-scope")],
-    *[("fsdp", "cnn", f) for f in ("checkpoint", "scope", "plan")],
+    *[("fsdp", "cnn", f) for f in ("checkpoint", "scope", "plan", "merged-plan")],
 ]
 
 

@@ -24,7 +24,9 @@ Results = list[dict[str, dict[str, Any]]]
 EXACT = [
     f"{p}-{m}-{f}"
     for p, m, f in CHECKS
-    if p != "fsdp-visible" and (p, f) != ("fsdp", "whole-scope") and (m, f) != ("cnn", "whole-scope")
+    if p != "fsdp-visible"
+    and (p, f) not in {("fsdp", "whole-scope"), ("fsdp", "merged-plan")}
+    and (m, f) != ("cnn", "whole-scope")
 ]
 LOWER = [
     (f"{p}-{m}-plain", f"{p}-{m}-{f}")
@@ -66,6 +68,12 @@ def test_region_across_resharded_units_is_refused_in_forward(results: Results) -
             "RematRuntimeError: remat.integrations.distributed: a recomputed region spans FSDP2 units"
         )
         assert "(transformer.h.0 resharded, then transformer.h.1 ran in the same region)" in verdict
+
+
+def test_plan_region_across_resharded_units_is_refused_in_forward(results: Results) -> None:
+    for verdict in verdicts(results, "fsdp-cnn-merged-plan"):
+        assert verdict.startswith("RematRuntimeError: remat.integrations.distributed: a recomputed region")
+        assert "(layers.0 resharded, then layers.1 ran in the same region)" in verdict
 
 
 def test_region_across_resharded_units_without_hidden_hooks_fails_in_backward(results: Results) -> None:
