@@ -169,9 +169,13 @@ class Offloader:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = OffloadStats()
 
-    def takes(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is big enough to move (``min_bytes``) and can move at all."""
-        return t.untyped_storage().nbytes() >= max(self.min_bytes, 1) and unmovable(t) is None
+    def takes(self, t: torch.Tensor, demanded: bool) -> bool:
+        """Whether to move ``t``: when it holds at least ``min_bytes``. One that cannot move
+        (``unmovable``) is taken only when a policy ``demanded`` it, so that ``out`` refuses it
+        with a clear error; otherwise it stays."""
+        if unmovable(t) is not None:
+            return demanded
+        return t.untyped_storage().nbytes() >= max(self.min_bytes, 1)
 
     def stats(self) -> OffloadStats:
         """What the offloader did so far."""

@@ -113,11 +113,7 @@ class OffloadRegion:
         self.demanded = demanded
 
     def pack(self, t: torch.Tensor) -> Kept | Parcel:
-        if self.makers.decision(t) is not Decision.OFFLOAD:
-            return Kept(t, t._version)
-        if self.demanded and unmovable(t) is not None:
-            return self.offloader.out(t)  # raises, naming the tensor
-        if not self.offloader.takes(t):
+        if self.makers.decision(t) is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
             return Kept(t, t._version)
         return self.offloader.out(t)
 
