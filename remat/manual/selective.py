@@ -101,11 +101,11 @@ class SaveCache:
                     name, out, versions = self.entries[position]
                     self.entries[position] = (name, _detached(out), versions)
             moving = sorted((p for p in self.offloaded if p in self.entries), reverse=True)
-            if moving and self.offloader is None:
-                self.offloader = Offloader()
-            for position in moving:
-                name, out, versions = self.entries[position]
-                self.entries[position] = (name, _moved(out, self.offloader), versions)
+            if moving:
+                offloader = self.offloader = self.offloader or Offloader()
+                for position in moving:
+                    name, out, versions = self.entries[position]
+                    self.entries[position] = (name, _moved(out, offloader), versions)
 
 
 def _versions(out: Any) -> tuple[int, ...]:
