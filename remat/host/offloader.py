@@ -90,12 +90,16 @@ class Parcel:
         "device",
         "dtype",
         "index",
+        "held",
+        "left",
         "offset",
         "read",
         "ready",
         "size",
+        "served",
         "source",
         "stride",
+        "uses",
         "version",
     )
 
@@ -111,6 +115,14 @@ class Parcel:
         self.version = t._version
         self.ready: torch.cuda.Event | None = None  # on CUDA: the copy out has finished
         self.read: list[torch.cuda.Event | None] = [None]  # on CUDA: the last copy back has finished
+        # NOTE [moved once, read twice]: autograd often saves one tensor for two nodes (a linear's
+        # input is the activation's output). ``out`` then returns the same parcel and counts a use;
+        # the first ``back`` of a backward keeps its copy for the other uses, so the bytes cross
+        # the link once each way, and the device holds them as long as without offload.
+        self.uses = 1
+        self.held: torch.Tensor | None = None
+        self.left = 0
+        self.served = -2  # the autograd graph task of the last ``back`` (-1: outside backward)
 
     @property
     def nbytes(self) -> int:
@@ -204,6 +216,7 @@ class Offloader:
                 source, parcel_ref, version = known
                 parcel = parcel_ref()
                 if parcel is not None and source() is t and t._version == version:
+                    parcel.uses += 1
                     return parcel
             nbytes = storage.nbytes()
             on_cuda = t.device.type == "cuda"
@@ -233,16 +246,23 @@ class Offloader:
         """A new device tensor equal to the one moved out (shape, strides, dtype, bits), from a
         prefetched copy if one is ready; then start the next prefetches."""
         with self._lock:
+            parcel.served = torch._C._current_graph_task_id()
+            data = parcel.held
+            if data is not None:  # NOTE [moved once, read twice]
+                parcel.left -= 1
+                if parcel.left <= 0:
+                    parcel.held = None
+                return _rebuilt(data, parcel)
             ahead = self._ahead.pop(parcel.index, None)
         data, done = ahead if ahead is not None else self._copy_back(parcel, prefetch=False)
         if done is not None:
             compute = torch.cuda.current_stream(parcel.device)
             compute.wait_event(done)  # only on the copy this tensor needs
             data.record_stream(compute)
+        if parcel.uses > 1:
+            parcel.held, parcel.left = data, parcel.uses - 1
         self._prefetch_before(parcel.index)
-        return torch.empty((0,), dtype=parcel.dtype, device=parcel.device).set_(
-            data.untyped_storage(), parcel.offset, parcel.size, parcel.stride
-        )
+        return _rebuilt(data, parcel)
 
     def _copy_back(self, parcel: Parcel, prefetch: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         nbytes = parcel.nbytes
@@ -269,11 +289,21 @@ class Offloader:
         if self.prefetch == 0:
             return
         with self._lock:
+            task = torch._C._current_graph_task_id()
             at = bisect.bisect_left(self._live, index)
-            wanted = [
-                i for i in reversed(self._live[max(at - self.prefetch, 0) : at]) if i not in self._ahead
-            ]
-            parcels = [p for p in (self._parcels[i]() for i in wanted) if p is not None]
+            parcels: list[Parcel] = []
+            in_flight = 0
+            # Backward's order is not always the reverse of the forward's (branches, a tensor saved
+            # twice): one already brought back in this backward is skipped, not fetched again.
+            for i in reversed(self._live[max(at - 4 * self.prefetch, 0) : at]):
+                parcel = self._parcels[i]()
+                if parcel is None or parcel.served == task:
+                    continue
+                if i not in self._ahead:
+                    parcels.append(parcel)
+                in_flight += 1
+                if in_flight == self.prefetch:
+                    break
         for parcel in parcels:
             copy = self._copy_back(parcel, prefetch=True)
             with self._lock:
@@ -309,3 +339,9 @@ class Offloader:
             if known is not None and known[1]() is None:
                 del self._same[key]
         self.pool.give(buffer, pinned, read[0])
+
+
+def _rebuilt(data: torch.Tensor, parcel: Parcel) -> torch.Tensor:
+    return torch.empty((0,), dtype=parcel.dtype, device=parcel.device).set_(
+        data.untyped_storage(), parcel.offset, parcel.size, parcel.stride
+    )
