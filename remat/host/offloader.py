@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
 from remat.aten import describe
 from remat.host.link import Link
@@ -154,7 +154,7 @@ class Offloader:
         min_bytes: int | str = 0,
     ) -> None:
         if link is not None and not isinstance(link, Link):
-            raise RematValueError(
+            raise RematTypeError(
                 message(
                     "offload", "link must be a remat.Link", f"got {link!r}", 'pass remat.Link(d2h="25GB/s")'
                 )

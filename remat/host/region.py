@@ -83,7 +83,7 @@ class Makers(TorchDispatchMode):
             ctx = OpContext(
                 op=info.name,
                 packet=info.packet,
-                out_bytes=sum(o.nbytes for o in fresh),
+                out_bytes=sum(o.nbytes for o in fresh if o.layout is torch.strided),
                 random=info.random,
                 overload=func,
                 args=args,

@@ -118,7 +118,7 @@ def test_batch_norm_statistics_are_updated_once_with_offload() -> None:
         remat.checkpoint(block, policy=remat.OffloadComputeIntensive())
     train(model, batch, steps=4)
     train(wrapped, batch, steps=4)
-    bn, plain_bn = wrapped.layers[0].bn, model.layers[0].bn
+    bn, plain_bn = wrapped.get_submodule("layers.0.bn"), model.get_submodule("layers.0.bn")
     assert bn.num_batches_tracked.item() == 4
     assert torch.equal(bn.running_mean, plain_bn.running_mean)
     assert torch.equal(bn.running_var, plain_bn.running_var)
