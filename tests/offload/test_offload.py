@@ -135,3 +135,18 @@ def test_a_second_backward_over_a_retained_graph_gets_the_same_gradients() -> No
     expected = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
     for a, b, c in zip(first, second, expected, strict=True):
         assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_checkpoint_sequential_with_offload_decisions_matches_plain() -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(6)])
+    x = torch.randn(8, 16, requires_grad=True)
+    params = [x, *layers.parameters()]
+    expected = torch.autograd.grad(layers(x).square().sum(), params)
+    offloader = remat.Offloader()
+    out = remat.checkpoint_sequential(
+        layers, 3, x, policy=remat.OffloadComputeIntensive(), offloader=offloader
+    )
+    got = torch.autograd.grad(out.square().sum(), params)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert offloader.stats().moved == 4  # the linear outputs of the two checkpointed segments
