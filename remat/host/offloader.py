@@ -236,6 +236,7 @@ class Offloader:
                 buffer.copy_(raw, non_blocking=True)
                 parcel.ready = torch.cuda.Event()
                 parcel.ready.record(side)
+            parcel.read[0] = parcel.ready  # a buffer freed unread is reused after this copy
             raw.record_stream(side)  # the device memory is not reused before the copy is done
         else:
             buffer.copy_(raw)

@@ -81,6 +81,7 @@ class TapedRegion:
         self.cache: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.lock = threading.Lock()
         self.offloader: Offloader | None = tape.offloader
+        self.moved_packs: dict[int, int] = {}  # value id of an offloaded tensor -> times packed
 
     def pack(self, t: torch.Tensor) -> _Kept | _Handle | Parcel:
         tape = self.tape
@@ -89,6 +90,7 @@ class TapedRegion:
         if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
             return _Kept(t, t._version)
         if vid in tape.moved:
+            self.moved_packs[vid] = self.moved_packs.get(vid, 0) + 1
             return tape.moved[vid]
         group = tape.group[vid]
         writer = tape.writers.get(group)
@@ -112,6 +114,11 @@ class TapedRegion:
             self.writers = tape.writers
         if tape is not None:
             self.offloader = tape.offloader
+            # NOTE [moved once, read twice]: per backward, each offloaded value is read by the
+            # replay (if it reads it) and by each unpack; the first read keeps its copy for the rest
+            replayed = self.plan.moved if self.plan is not None else {}
+            for vid, parcel in tape.moved.items():
+                parcel.uses = max(self.moved_packs.get(vid, 0) + (vid in replayed), 1)
 
     def unpack(self, packed: _Kept | _Handle | Parcel) -> torch.Tensor:
         if isinstance(packed, Parcel):
