@@ -40,7 +40,7 @@ from remat.aten import describe
 from remat.host.link import Link
 from remat.host.pool import HostPool
 
-__all__ = ["OffloadStats", "Offloader", "Parcel", "unmovable"]
+__all__ = ["Cargo", "OffloadStats", "Offloader", "Parcel", "unmovable"]
 
 
 @dataclass(frozen=True)
@@ -81,44 +81,33 @@ def unmovable(t: torch.Tensor) -> str | None:
     return None
 
 
-class Parcel:
-    """A tensor moved to host memory: its bytes there and how to rebuild it on its device."""
+class Cargo:
+    """The bytes of one storage in host memory, shared by the parcels of every view of it."""
 
     __slots__ = (
         "__weakref__",
         "buffer",
         "device",
-        "dtype",
-        "index",
         "held",
+        "index",
         "left",
-        "offset",
         "read",
         "ready",
-        "size",
         "served",
-        "source",
-        "stride",
         "uses",
-        "version",
     )
 
-    def __init__(self, t: torch.Tensor, index: int, buffer: torch.Tensor) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, device: torch.device) -> None:
         self.index = index
         self.buffer = buffer
-        self.device = t.device
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.source = weakref.ref(t)
-        self.version = t._version
+        self.device = device
         self.ready: torch.cuda.Event | None = None  # on CUDA: the copy out has finished
-        self.read: list[torch.cuda.Event | None] = [None]  # on CUDA: the last copy back has finished
+        self.read: list[torch.cuda.Event | None] = [None]  # on CUDA: the last copy has finished
         # NOTE [moved once, read twice]: autograd often saves one tensor for two nodes (a linear's
-        # input is the activation's output). ``out`` then returns the same parcel and counts a use;
-        # the first ``back`` of a backward keeps its copy for the other uses, so the bytes cross
-        # the link once each way, and the device holds them as long as without offload.
+        # input is the activation's output), or views of one storage (attention's query, key and
+        # value). ``out`` then reuses the cargo and counts a use; the first ``back`` of a backward
+        # keeps its copy for the other uses, so the bytes cross the link once each way, and the
+        # device holds them as long as without offload.
         self.uses = 1
         self.held: torch.Tensor | None = None
         self.left = 0
@@ -128,13 +117,33 @@ class Parcel:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+
+class Parcel:
+    """A tensor moved to host memory: its storage's bytes there (``cargo``) and how to rebuild it."""
+
+    __slots__ = ("cargo", "dtype", "offset", "size", "source", "stride", "version")
+
+    def __init__(self, t: torch.Tensor, cargo: Cargo) -> None:
+        self.cargo = cargo
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.source = weakref.ref(t)
+        self.version = t._version
+
+    @property
+    def nbytes(self) -> int:
+        return self.cargo.nbytes
+
     def written(self) -> bool:
         """Whether the tensor moved out is still alive and was written in place since."""
         source = self.source()
         return source is not None and source._version != self.version
 
     def __repr__(self) -> str:
-        return f"Parcel({describe(self.dtype, self.size)} on {self.device}, {format_bytes(self.nbytes)})"
+        where = self.cargo.device
+        return f"Parcel({describe(self.dtype, self.size)} on {where}, {format_bytes(self.nbytes)})"
 
 
 class Offloader:
@@ -174,10 +183,11 @@ class Offloader:
         self.pool = HostPool(None if host_budget is None else parse_bytes(host_budget, "offload"))
         self._lock = threading.RLock()
         self._next = 0
-        self._live: list[int] = []  # indices of the parcels alive, in the order they moved out
-        self._parcels: dict[int, weakref.ref[Parcel]] = {}
+        self._live: list[int] = []  # indices of the cargos alive, in the order they moved out
+        self._cargos: dict[int, weakref.ref[Cargo]] = {}
         self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self._same: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], weakref.ref[Parcel], int]] = {}
+        # (device, storage address) -> (storage, its cargo, the version when it moved)
+        self._same: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[Cargo], int]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = OffloadStats()
 
@@ -209,24 +219,24 @@ class Offloader:
                 )
             )
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.dtype, t.size(), t.stride(), t.storage_offset(), t.device)
+        key = (t.device, storage.data_ptr())
         with self._lock:
             known = self._same.get(key)
             if known is not None:
-                source, parcel_ref, version = known
-                parcel = parcel_ref()
-                if parcel is not None and source() is t and t._version == version:
-                    parcel.uses += 1
-                    return parcel
+                storage_ref, cargo_ref, version = known
+                cargo = cargo_ref()
+                if cargo is not None and storage_ref() is storage and t._version == version:
+                    cargo.uses += 1
+                    return Parcel(t, cargo)
             nbytes = storage.nbytes()
             on_cuda = t.device.type == "cuda"
             buffer = self.pool.take(nbytes, pinned=on_cuda)
-            parcel = Parcel(t, self._next, buffer)
+            cargo = Cargo(self._next, buffer, t.device)
             self._next += 1
-            self._live.append(parcel.index)
-            self._parcels[parcel.index] = weakref.ref(parcel)
-            self._same[key] = (weakref.ref(t), weakref.ref(parcel), t._version)
-            weakref.finalize(parcel, self._forget, parcel.index, key, buffer, on_cuda, parcel.read)
+            self._live.append(cargo.index)
+            self._cargos[cargo.index] = weakref.ref(cargo)
+            self._same[key] = (weakref.ref(storage), weakref.ref(cargo), t._version)
+            weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
         raw = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
         if on_cuda:
@@ -234,56 +244,57 @@ class Offloader:
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
                 buffer.copy_(raw, non_blocking=True)
-                parcel.ready = torch.cuda.Event()
-                parcel.ready.record(side)
-            parcel.read[0] = parcel.ready  # a buffer freed unread is reused after this copy
+                cargo.ready = torch.cuda.Event()
+                cargo.ready.record(side)
+            cargo.read[0] = cargo.ready  # a buffer freed unread is reused after this copy
             raw.record_stream(side)  # the device memory is not reused before the copy is done
         else:
             buffer.copy_(raw)
-        return parcel
+        return Parcel(t, cargo)
 
     # back --------------------------------------------------------------------------------------
     def back(self, parcel: Parcel) -> torch.Tensor:
         """A new device tensor equal to the one moved out (shape, strides, dtype, bits), from a
         prefetched copy if one is ready; then start the next prefetches."""
+        cargo = parcel.cargo
         with self._lock:
-            parcel.served = torch._C._current_graph_task_id()
-            data = parcel.held
+            cargo.served = torch._C._current_graph_task_id()
+            data = cargo.held
             if data is not None:  # NOTE [moved once, read twice]
-                parcel.left -= 1
-                if parcel.left <= 0:
-                    parcel.held = None
+                cargo.left -= 1
+                if cargo.left <= 0:
+                    cargo.held = None
                 return _rebuilt(data, parcel)
-            ahead = self._ahead.pop(parcel.index, None)
-        data, done = ahead if ahead is not None else self._copy_back(parcel, prefetch=False)
+            ahead = self._ahead.pop(cargo.index, None)
+        data, done = ahead if ahead is not None else self._copy_back(cargo, prefetch=False)
         if done is not None:
-            compute = torch.cuda.current_stream(parcel.device)
+            compute = torch.cuda.current_stream(cargo.device)
             compute.wait_event(done)  # only on the copy this tensor needs
             data.record_stream(compute)
-        if parcel.uses > 1:
-            parcel.held, parcel.left = data, parcel.uses - 1
-        self._prefetch_before(parcel.index)
+        if cargo.uses > 1:
+            cargo.held, cargo.left = data, cargo.uses - 1
+        self._prefetch_before(cargo.index)
         return _rebuilt(data, parcel)
 
-    def _copy_back(self, parcel: Parcel, prefetch: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        nbytes = parcel.nbytes
+    def _copy_back(self, cargo: Cargo, prefetch: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        nbytes = cargo.nbytes
         with self._lock:
             self._charge(
                 bytes_back=nbytes, h2d_seconds=self.link.h2d_seconds(nbytes), prefetched=int(prefetch)
             )
-        if parcel.device.type != "cuda":
-            data = torch.empty((nbytes,), dtype=torch.uint8, device=parcel.device)
-            data.copy_(parcel.buffer)
+        if cargo.device.type != "cuda":
+            data = torch.empty((nbytes,), dtype=torch.uint8, device=cargo.device)
+            data.copy_(cargo.buffer)
             return data, None
-        side = self._side(parcel.device)
-        if parcel.ready is not None:
-            side.wait_event(parcel.ready)
+        side = self._side(cargo.device)
+        if cargo.ready is not None:
+            side.wait_event(cargo.ready)
         with torch.cuda.stream(side):
-            data = torch.empty((nbytes,), dtype=torch.uint8, device=parcel.device)
-            data.copy_(parcel.buffer, non_blocking=True)
+            data = torch.empty((nbytes,), dtype=torch.uint8, device=cargo.device)
+            data.copy_(cargo.buffer, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        parcel.read[0] = done  # the buffer is reused only after this copy
+        cargo.read[0] = done  # the buffer is reused only after this copy
         return data, done
 
     def _prefetch_before(self, index: int) -> None:
@@ -292,23 +303,23 @@ class Offloader:
         with self._lock:
             task = torch._C._current_graph_task_id()
             at = bisect.bisect_left(self._live, index)
-            parcels: list[Parcel] = []
+            cargos: list[Cargo] = []
             in_flight = 0
             # Backward's order is not always the reverse of the forward's (branches, a tensor saved
             # twice): one already brought back in this backward is skipped, not fetched again.
             for i in reversed(self._live[max(at - 4 * self.prefetch, 0) : at]):
-                parcel = self._parcels[i]()
-                if parcel is None or parcel.served == task:
+                cargo = self._cargos[i]()
+                if cargo is None or cargo.served == task:
                     continue
                 if i not in self._ahead:
-                    parcels.append(parcel)
+                    cargos.append(cargo)
                 in_flight += 1
                 if in_flight == self.prefetch:
                     break
-        for parcel in parcels:
-            copy = self._copy_back(parcel, prefetch=True)
+        for cargo in cargos:
+            copy = self._copy_back(cargo, prefetch=True)
             with self._lock:
-                self._ahead[parcel.index] = copy
+                self._ahead[cargo.index] = copy
 
     # bookkeeping -------------------------------------------------------------------------------
     def _side(self, device: torch.device) -> torch.cuda.Stream:
@@ -331,7 +342,7 @@ class Offloader:
         read: list[torch.cuda.Event | None],
     ) -> None:
         with self._lock:
-            self._parcels.pop(index, None)
+            self._cargos.pop(index, None)
             self._ahead.pop(index, None)
             at = bisect.bisect_left(self._live, index)
             if at < len(self._live) and self._live[at] == index:
@@ -343,6 +354,6 @@ class Offloader:
 
 
 def _rebuilt(data: torch.Tensor, parcel: Parcel) -> torch.Tensor:
-    return torch.empty((0,), dtype=parcel.dtype, device=parcel.device).set_(
+    return torch.empty((0,), dtype=parcel.dtype, device=data.device).set_(
         data.untyped_storage(), parcel.offset, parcel.size, parcel.stride
     )

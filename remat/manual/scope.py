@@ -118,7 +118,8 @@ class TapedRegion:
             # replay (if it reads it) and by each unpack; the first read keeps its copy for the rest
             replayed = self.plan.moved if self.plan is not None else {}
             for vid, parcel in tape.moved.items():
-                parcel.uses = max(self.moved_packs.get(vid, 0) + (vid in replayed), 1)
+                reads = self.moved_packs.get(vid, 0) + (vid in replayed)
+                parcel.cargo.uses = max(parcel.cargo.uses + reads - 1, 1)  # ``out`` counted one
 
     def unpack(self, packed: _Kept | _Handle | Parcel) -> torch.Tensor:
         if isinstance(packed, Parcel):

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import build, loss_of
 from torch import nn
 
 import remat
@@ -116,3 +117,17 @@ def test_offload_decisions_leave_less_than_save_decisions_by_the_bytes_moved(for
         moved = offloader.stats().bytes_out
     assert moved == 4 * WIDTH * WIDTH * 4  # the four linear outputs
     assert leaves["save"] - leaves["offload"] == moved
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+def test_on_real_models_the_forward_leaves_less_by_exactly_the_bytes_moved(name: str) -> None:
+    model, batch, _ = build(name)
+    with remat.memory.track(allocator=True) as plain:
+        loss = loss_of(model(**batch(0)))
+    del loss
+    with remat.memory.track(allocator=True) as m, remat.offload() as offloader:
+        loss = loss_of(model(**batch(0)))
+    del loss
+    moved = offloader.stats().bytes_out
+    assert moved > 0.9 * plain.current_bytes  # nearly all of it: every activation, mask and view
+    assert plain.current_bytes - m.current_bytes == moved

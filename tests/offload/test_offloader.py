@@ -36,12 +36,12 @@ def test_a_tensor_comes_back_bit_for_bit_with_its_strides(make: functools.partia
     assert back.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
-def test_the_link_model_charges_each_copy_and_the_same_tensor_moves_once() -> None:
+def test_the_link_model_charges_each_copy_and_the_same_storage_moves_once() -> None:
     link = remat.Link(d2h="1GB/s", h2d="2GB/s", latency="1ms")
     offloader = Offloader(link=link, prefetch=0)
     t = torch.randn(1000)
     first, again = offloader.out(t), offloader.out(t)
-    assert first is again and first.uses == 2
+    assert first.cargo is again.cargo and first.cargo.uses == 2
     offloader.back(first)
     offloader.back(first)  # the second use takes the copy the first brought back
     stats = offloader.stats()
@@ -217,7 +217,7 @@ def test_on_cuda_a_tensor_goes_to_pinned_memory_on_a_side_stream_and_comes_back(
     t = torch.randn(1024, 64, device="cuda")[:, ::2]
     offloader = Offloader(prefetch=0)
     parcel = offloader.out(t)
-    assert parcel.buffer.is_pinned() and parcel.ready is not None
+    assert parcel.cargo.buffer.is_pinned() and parcel.cargo.ready is not None
     back = offloader.back(parcel)
     assert back.device == t.device and back.stride() == t.stride()
     assert torch.equal(back, t)
@@ -243,3 +243,15 @@ def test_on_cuda_the_region_matches_plain_and_lowers_the_allocator_peak() -> Non
     grads, peak, moved = step(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
     assert moved > 0 and peak < plain_peak
+
+
+def test_views_of_one_storage_share_its_host_copy() -> None:
+    qkv = torch.randn(8, 3 * 16)
+    q, k, v = qkv.split(16, dim=1)
+    offloader = Offloader(prefetch=0)
+    parcels = [offloader.out(t) for t in (q, k, v)]
+    assert len({id(p.cargo) for p in parcels}) == 1 and parcels[0].cargo.uses == 3
+    for parcel, t in zip(parcels, (q, k, v), strict=True):
+        assert torch.equal(offloader.back(parcel), t)
+    stats = offloader.stats()
+    assert stats.bytes_out == stats.bytes_back == qkv.nbytes
