@@ -7,9 +7,11 @@ Every form of offload in remat (the ``remat.offload`` region, OFFLOAD decisions 
     t2 = offloader.back(parcel)    # backward: host buffer -> a new device tensor, equal to t bit for bit
 
 ``out`` moves the whole storage of ``t`` (so any strided view comes back with its strides, offset
-and dtype) and keeps a weak reference to ``t`` with its version, so a caller can refuse a tensor
-written in place after it was moved (``Parcel.written``), as autograd does. The host buffer goes
-back to the pool when the parcel dies (autograd frees saved tensors as backward runs).
+and dtype) into a ``Cargo``, which every parcel of a view of that storage shares while the storage
+is unchanged: the bytes cross once however many views autograd saves. A parcel keeps a weak
+reference to ``t`` with its version, so a caller can refuse a tensor written in place after it was
+moved (``Parcel.written``), as autograd does. The host buffer goes back to the pool when the last
+parcel of its cargo dies (autograd frees saved tensors as backward runs).
 
 Copies and streams. On CUDA, ``out`` runs the copy on a side stream that first waits for the
 compute stream (the tensor was just made there) and records an event; ``back`` copies into memory
@@ -19,8 +21,8 @@ early). On CPU the copies are plain ``copy_`` calls; no time passes on a link, s
 ``Link`` model predicts is charged instead (``OffloadStats.d2h_seconds``, ``h2d_seconds``).
 
 Prefetch. Backward needs offloaded tensors in the reverse of the order they were moved out, so after
-each ``back`` the offloader starts bringing back the next ``prefetch`` parcels in that order
-(parcels older than the one just asked for). On CUDA the copies overlap with backward's compute; on
+each ``back`` the offloader starts bringing back the next ``prefetch`` cargos in that order (older
+than the one just asked for, and not yet brought back in this backward). On CUDA the copies overlap with backward's compute; on
 CPU they are made at once, so the device holds them from then on, as it would on CUDA.
 """
 
