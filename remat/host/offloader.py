@@ -22,8 +22,9 @@ early). On CPU the copies are plain ``copy_`` calls; no time passes on a link, s
 
 Prefetch. Backward needs offloaded tensors in the reverse of the order they were moved out, so after
 each ``back`` the offloader starts bringing back the next ``prefetch`` cargos in that order (older
-than the one just asked for, and not yet brought back in this backward). On CUDA the copies overlap with backward's compute; on
-CPU they are made at once, so the device holds them from then on, as it would on CUDA.
+than the one just asked for, and not yet brought back in this backward). On CUDA the copies overlap
+with backward's compute; on CPU they are made at once, so the device holds them from then on, as it
+would on CUDA.
 """
 
 from __future__ import annotations
