@@ -55,7 +55,7 @@ class SaveCache:
         self.entries: dict[int, tuple[str, Any, tuple[int, ...]]] = {}
         self.offloaded: set[int] = set()  # positions whose outputs go to host memory at ``seal``
 
-    def wants(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
+    def decision(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
         if not _cacheable(func):
             return Decision.RECOMPUTE
         ctx = OpContext(
@@ -167,7 +167,7 @@ class Recording(TorchDispatchMode):
         out = func(*args, **kwargs)
         if aten.facts(func).metadata:  # no position: some tensors dispatch these, some do not
             return out
-        decision = self.cache.wants(func, args, kwargs, out)
+        decision = self.cache.decision(func, args, kwargs, out)
         if decision is not Decision.RECOMPUTE:
             self.cache.keep(self.position, func, out, decision)
         self.position += 1

@@ -150,3 +150,18 @@ def test_checkpoint_sequential_with_offload_decisions_matches_plain() -> None:
     got = torch.autograd.grad(out.square().sum(), params)
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert offloader.stats().moved == 4  # the linear outputs of the two checkpointed segments
+
+
+def test_offloaded_random_outputs_pass_the_value_check() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *net.parameters()]
+    torch.manual_seed(3)
+    expected = torch.autograd.grad(net(x).sum(), params)
+    torch.manual_seed(3)
+    offloader = remat.Offloader()
+    out = remat.checkpoint(net, x, policy=remat.OffloadLarger(1), check="values", offloader=offloader)
+    got = torch.autograd.grad(out.sum(), params)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert offloader.stats().moved >= 4  # the linear and tanh outputs and the dropout mask
