@@ -9,8 +9,8 @@ and ``remat.scope`` move the outputs a policy decides ``Decision.OFFLOAD`` throu
 """
 
 from remat.host.link import Link
-from remat.host.offloader import Offloader, OffloadStats, Parcel, unmovable
+from remat.host.offloader import Cargo, Offloader, OffloadStats, Parcel, unmovable
 from remat.host.pool import HostPool
 from remat.host.region import offload
 
-__all__ = ["HostPool", "Link", "OffloadStats", "Offloader", "Parcel", "offload", "unmovable"]
+__all__ = ["Cargo", "HostPool", "Link", "OffloadStats", "Offloader", "Parcel", "offload", "unmovable"]

@@ -58,7 +58,7 @@ def _owner(t: torch.Tensor) -> tuple[Hashable, Any]:
 
 
 class Makers(TorchDispatchMode):
-    """Notes the memory the block's ops make (NOTE: by storage, so views of it count as it), with
+    """Notes the memory the block's ops make, by storage (so a view counts as what it views), with
     the policy's decision for each op."""
 
     def __init__(self, policy: Policy | None) -> None:
