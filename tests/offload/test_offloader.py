@@ -255,3 +255,14 @@ def test_views_of_one_storage_share_its_host_copy() -> None:
         assert torch.equal(offloader.back(parcel), t)
     stats = offloader.stats()
     assert stats.bytes_out == stats.bytes_back == qkv.nbytes
+
+
+def test_a_host_budget_too_small_for_a_checkpoint_and_a_bad_threshold_are_clear_errors() -> None:
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    offloader = Offloader(host_budget="4KiB")
+    with pytest.raises(remat.RematRuntimeError, match=r"remat\.offload: the host budget is too small"):
+        remat.checkpoint(net, torch.randn(32, 64), policy=remat.OffloadLarger(1), offloader=offloader)
+    with pytest.raises(
+        remat.RematValueError, match=r"remat\.policy: a byte count must be positive \(got -1\)"
+    ):
+        remat.OffloadLarger(-1)
