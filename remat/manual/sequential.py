@@ -17,6 +17,7 @@ from typing import Any, Literal
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat.host.offloader import Offloader
 from remat.manual import keywords
 from remat.manual.checkpoint import run
 from remat.manual.checks import Check
@@ -72,12 +73,13 @@ def checkpoint_sequential(
     *,
     policy: Policy | None = None,
     check: Check = "shapes",
+    offloader: Offloader | None = None,
     **torch_keywords: Any,
 ) -> Any:
     """Run ``x`` through ``modules`` in order, checkpointing every segment but the last.
 
-    ``use_reentrant`` and the other keywords of ``torch.utils.checkpoint.checkpoint`` mean what
-    they mean for ``remat.checkpoint``.
+    ``use_reentrant`` and the other keywords of ``torch.utils.checkpoint.checkpoint``, ``policy``,
+    ``check`` and ``offloader`` mean what they mean for ``remat.checkpoint``.
     """
     ours, unknown = keywords.split(torch_keywords)
     if unknown:
@@ -86,10 +88,12 @@ def checkpoint_sequential(
                 "checkpoint_sequential",
                 "unknown keyword",
                 f"got {', '.join(sorted(unknown))}",
-                "pass policy=, check= or a keyword of torch.utils.checkpoint.checkpoint",
+                "pass policy=, check=, offloader= or a keyword of torch.utils.checkpoint.checkpoint",
             )
         )
-    s = keywords.settings("checkpoint_sequential", {**ours, "use_reentrant": use_reentrant}, policy, check)
+    s = keywords.settings(
+        "checkpoint_sequential", {**ours, "use_reentrant": use_reentrant}, policy, check, offloader
+    )
     layers = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
     if not layers or not all(callable(m) for m in layers):
         raise RematTypeError(
@@ -102,6 +106,6 @@ def checkpoint_sequential(
         )
     bounds = segment_bounds(len(layers), segments)
     for start, stop in bounds[:-1]:
-        x = run(_run_segment, (layers[start:stop], x), {}, s.policy, s.check, s.preserve_rng)
+        x = run(_run_segment, (layers[start:stop], x), {}, s.policy, s.check, s.preserve_rng, s.offloader)
     start, stop = bounds[-1]
     return _run_segment(layers[start:stop], x)

@@ -1,0 +1,362 @@
+"""The offloader: copy a tensor's bytes to the host pool now, bring them back when they are needed.
+
+Every form of offload in remat (the ``remat.offload`` region, OFFLOAD decisions in
+``remat.checkpoint`` and ``remat.scope``, a plan's offloaded tensors) ends here, in two calls::
+
+    parcel = offloader.out(t)      # forward: t's storage -> host buffer; t's device memory can go
+    t2 = offloader.back(parcel)    # backward: host buffer -> a new device tensor, equal to t bit for bit
+
+``out`` moves the whole storage of ``t`` (so any strided view comes back with its strides, offset
+and dtype) into a ``Cargo``, which every parcel of a view of that storage shares while the storage
+is unchanged: the bytes cross once however many views autograd saves. A parcel keeps a weak
+reference to ``t`` with its version, so a caller can refuse a tensor written in place after it was
+moved (``Parcel.written``), as autograd does. The host buffer goes back to the pool when the last
+parcel of its cargo dies (autograd frees saved tensors as backward runs).
+
+Copies and streams. On CUDA, ``out`` runs the copy on a side stream that first waits for the
+compute stream (the tensor was just made there) and records an event; ``back`` copies into memory
+allocated on the side stream after that event, and the compute stream waits only on the event of
+the copy it needs (``record_stream`` keeps the caching allocator from reusing either memory too
+early). On CPU the copies are plain ``copy_`` calls; no time passes on a link, so the time the
+``Link`` model predicts is charged instead (``OffloadStats.d2h_seconds``, ``h2d_seconds``).
+
+Prefetch. Backward needs offloaded tensors in the reverse of the order they were moved out, so after
+each ``back`` the offloader starts bringing back the next ``prefetch`` cargos in that order (older
+than the one just asked for, and not yet brought back in this backward). On CUDA the copies overlap
+with backward's compute; on CPU they are made at once, so the device holds them from then on, as it
+would on CUDA.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes, parse_bytes
+from remat.aten import describe
+from remat.host.link import Link
+from remat.host.pool import HostPool
+
+__all__ = ["Cargo", "OffloadStats", "Offloader", "Parcel", "unmovable"]
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What an offloader did: tensors moved out, bytes each way (prefetches included), the time the
+    link model predicts for those copies, copies made ahead by prefetch, and the host pool's peak."""
+
+    moved: int = 0
+    bytes_out: int = 0
+    bytes_back: int = 0
+    d2h_seconds: float = 0.0
+    h2d_seconds: float = 0.0
+    prefetched: int = 0
+    host_peak_bytes: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"offloaded {self.moved} tensors, {format_bytes(self.bytes_out)} out "
+            f"({self.d2h_seconds * 1e3:.3f} ms), {format_bytes(self.bytes_back)} back "
+            f"({self.h2d_seconds * 1e3:.3f} ms), {self.prefetched} prefetched, host peak "
+            f"{format_bytes(self.host_peak_bytes)}"
+        )
+
+
+def unmovable(t: torch.Tensor) -> str | None:
+    """Why ``t`` cannot be offloaded, or None if it can: only dense strided tensors of plain type
+    on a CPU or CUDA device, without a lazy conjugate or negative bit, have bytes to move."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return f"a tensor subclass ({type(t).__name__})"
+    if t.layout is not torch.strided:
+        return f"a {t.layout} tensor"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"a tensor on {t.device}"
+    if t.is_conj() or t.is_neg():
+        return "a tensor with a lazy conjugate or negative bit"
+    if t.is_quantized or t.is_nested:
+        return "a quantized or nested tensor"
+    return None
+
+
+class Cargo:
+    """The bytes of one storage in host memory, shared by the parcels of every view of it."""
+
+    __slots__ = (
+        "__weakref__",
+        "buffer",
+        "device",
+        "held",
+        "index",
+        "left",
+        "read",
+        "ready",
+        "served",
+        "uses",
+    )
+
+    def __init__(self, index: int, buffer: torch.Tensor, device: torch.device) -> None:
+        self.index = index
+        self.buffer = buffer
+        self.device = device
+        self.ready: torch.cuda.Event | None = None  # on CUDA: the copy out has finished
+        self.read: list[torch.cuda.Event | None] = [None]  # on CUDA: the last copy has finished
+        # NOTE [moved once, read twice]: autograd often saves one tensor for two nodes (a linear's
+        # input is the activation's output), or views of one storage (attention's query, key and
+        # value). ``out`` then reuses the cargo and counts a use; the first ``back`` of a backward
+        # keeps its copy for the other uses, so the bytes cross the link once each way, and the
+        # device holds them as long as without offload.
+        self.uses = 1
+        self.held: torch.Tensor | None = None
+        self.left = 0
+        self.served = -2  # the autograd graph task of the last ``back`` (-1: outside backward)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+class Parcel:
+    """A tensor moved to host memory: its storage's bytes there (``cargo``) and how to rebuild it."""
+
+    __slots__ = ("cargo", "dtype", "offset", "size", "source", "stride", "version")
+
+    def __init__(self, t: torch.Tensor, cargo: Cargo) -> None:
+        self.cargo = cargo
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.source = weakref.ref(t)
+        self.version = t._version
+
+    @property
+    def nbytes(self) -> int:
+        return self.cargo.nbytes
+
+    def written(self) -> bool:
+        """Whether the tensor moved out is still alive and was written in place since."""
+        source = self.source()
+        return source is not None and source._version != self.version
+
+    def __repr__(self) -> str:
+        where = self.cargo.device
+        return f"Parcel({describe(self.dtype, self.size)} on {where}, {format_bytes(self.nbytes)})"
+
+
+class Offloader:
+    """Moves tensors to a host pool and back (see the module's docstring).
+
+    ``link``: the link model that charges time on CPU (default ``remat.Link()``). ``prefetch``: how
+    many parcels to bring back ahead, in backward order. ``host_budget``: bytes the host pool may hold
+    (a size such as ``"8GiB"``), None for no limit; past it ``out`` raises. ``min_bytes``: tensors
+    smaller than this stay on the device (``takes``).
+    """
+
+    def __init__(
+        self,
+        link: Link | None = None,
+        prefetch: int = 2,
+        host_budget: int | str | None = None,
+        min_bytes: int | str = 0,
+    ) -> None:
+        if link is not None and not isinstance(link, Link):
+            raise RematTypeError(
+                message(
+                    "offload", "link must be a remat.Link", f"got {link!r}", 'pass remat.Link(d2h="25GB/s")'
+                )
+            )
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise RematValueError(
+                message(
+                    "offload",
+                    "prefetch must be a whole number of tensors, 0 or more",
+                    f"got {prefetch!r}",
+                    "pass e.g. prefetch=2",
+                )
+            )
+        self.link = Link() if link is None else link
+        self.prefetch = prefetch
+        self.min_bytes = 0 if min_bytes in (0, "0") else parse_bytes(min_bytes, "offload")
+        self.pool = HostPool(None if host_budget is None else parse_bytes(host_budget, "offload"))
+        self._lock = threading.RLock()
+        self._next = 0
+        self._live: list[int] = []  # indices of the cargos alive, in the order they moved out
+        self._cargos: dict[int, weakref.ref[Cargo]] = {}
+        self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # (device, storage address) -> (storage, its cargo, the version when it moved)
+        self._same: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[Cargo], int]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._stats = OffloadStats()
+
+    def takes(self, t: torch.Tensor, demanded: bool) -> bool:
+        """Whether to move ``t``: when it holds at least ``min_bytes``. One that cannot move
+        (``unmovable``) is taken only when a policy ``demanded`` it, so that ``out`` refuses it
+        with a clear error; otherwise it stays."""
+        if unmovable(t) is not None:
+            return demanded
+        return t.untyped_storage().nbytes() >= max(self.min_bytes, 1)
+
+    def stats(self) -> OffloadStats:
+        """What the offloader did so far."""
+        with self._lock:
+            return replace(self._stats, host_peak_bytes=self.pool.peak_bytes)
+
+    # out ---------------------------------------------------------------------------------------
+    def out(self, t: torch.Tensor) -> Parcel:
+        """Copy ``t``'s storage to the host pool. The same tensor moved twice (unchanged) gives the
+        same parcel. Raises for a tensor that cannot move (``unmovable``)."""
+        reason = unmovable(t)
+        if reason is not None:
+            raise RematValueError(
+                message(
+                    "offload",
+                    "this tensor cannot be moved to host memory",
+                    f"{reason}: {describe(t.dtype, t.shape)}",
+                    "keep it on the device: decide SAVE or RECOMPUTE for the op that makes it",
+                )
+            )
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        with self._lock:
+            known = self._same.get(key)
+            if known is not None:
+                storage_ref, cargo_ref, version = known
+                cargo = cargo_ref()
+                if cargo is not None and storage_ref() is storage and t._version == version:
+                    cargo.uses += 1
+                    return Parcel(t, cargo)
+            nbytes = storage.nbytes()
+            on_cuda = t.device.type == "cuda"
+            buffer = self.pool.take(nbytes, pinned=on_cuda)
+            cargo = Cargo(self._next, buffer, t.device)
+            self._next += 1
+            self._live.append(cargo.index)
+            self._cargos[cargo.index] = weakref.ref(cargo)
+            self._same[key] = (weakref.ref(storage), weakref.ref(cargo), t._version)
+            weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
+            self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
+        raw = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
+        if on_cuda:
+            side = self._side(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(side):
+                buffer.copy_(raw, non_blocking=True)
+                cargo.ready = torch.cuda.Event()
+                cargo.ready.record(side)
+            cargo.read[0] = cargo.ready  # a buffer freed unread is reused after this copy
+            raw.record_stream(side)  # the device memory is not reused before the copy is done
+        else:
+            buffer.copy_(raw)
+        return Parcel(t, cargo)
+
+    # back --------------------------------------------------------------------------------------
+    def back(self, parcel: Parcel) -> torch.Tensor:
+        """A new device tensor equal to the one moved out (shape, strides, dtype, bits), from a
+        prefetched copy if one is ready; then start the next prefetches."""
+        cargo = parcel.cargo
+        with self._lock:
+            cargo.served = torch._C._current_graph_task_id()
+            data = cargo.held
+            if data is not None:  # NOTE [moved once, read twice]
+                cargo.left -= 1
+                if cargo.left <= 0:
+                    cargo.held = None
+                return _rebuilt(data, parcel)
+            ahead = self._ahead.pop(cargo.index, None)
+        data, done = ahead if ahead is not None else self._copy_back(cargo, prefetch=False)
+        if done is not None:
+            compute = torch.cuda.current_stream(cargo.device)
+            compute.wait_event(done)  # only on the copy this tensor needs
+            data.record_stream(compute)
+        if cargo.uses > 1:
+            cargo.held, cargo.left = data, cargo.uses - 1
+        self._prefetch_before(cargo.index)
+        return _rebuilt(data, parcel)
+
+    def _copy_back(self, cargo: Cargo, prefetch: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        nbytes = cargo.nbytes
+        with self._lock:
+            self._charge(
+                bytes_back=nbytes, h2d_seconds=self.link.h2d_seconds(nbytes), prefetched=int(prefetch)
+            )
+        if cargo.device.type != "cuda":
+            data = torch.empty((nbytes,), dtype=torch.uint8, device=cargo.device)
+            data.copy_(cargo.buffer)
+            return data, None
+        side = self._side(cargo.device)
+        if cargo.ready is not None:
+            side.wait_event(cargo.ready)
+        with torch.cuda.stream(side):
+            data = torch.empty((nbytes,), dtype=torch.uint8, device=cargo.device)
+            data.copy_(cargo.buffer, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        cargo.read[0] = done  # the buffer is reused only after this copy
+        return data, done
+
+    def _prefetch_before(self, index: int) -> None:
+        if self.prefetch == 0:
+            return
+        with self._lock:
+            task = torch._C._current_graph_task_id()
+            at = bisect.bisect_left(self._live, index)
+            cargos: list[Cargo] = []
+            in_flight = 0
+            # Backward's order is not always the reverse of the forward's (branches, a tensor saved
+            # twice): one already brought back in this backward is skipped, not fetched again.
+            for i in reversed(self._live[max(at - 4 * self.prefetch, 0) : at]):
+                cargo = self._cargos[i]()
+                if cargo is None or cargo.served == task:
+                    continue
+                if i not in self._ahead:
+                    cargos.append(cargo)
+                in_flight += 1
+                if in_flight == self.prefetch:
+                    break
+        for cargo in cargos:
+            copy = self._copy_back(cargo, prefetch=True)
+            with self._lock:
+                self._ahead[cargo.index] = copy
+
+    # bookkeeping -------------------------------------------------------------------------------
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _charge(self, **add: float) -> None:
+        self._stats = replace(
+            self._stats, **{name: getattr(self._stats, name) + value for name, value in add.items()}
+        )
+
+    def _forget(
+        self,
+        index: int,
+        key: tuple[Any, ...],
+        buffer: torch.Tensor,
+        pinned: bool,
+        read: list[torch.cuda.Event | None],
+    ) -> None:
+        with self._lock:
+            self._cargos.pop(index, None)
+            self._ahead.pop(index, None)
+            at = bisect.bisect_left(self._live, index)
+            if at < len(self._live) and self._live[at] == index:
+                del self._live[at]
+            known = self._same.get(key)
+            if known is not None and known[1]() is None:
+                del self._same[key]
+        self.pool.give(buffer, pinned, read[0])
+
+
+def _rebuilt(data: torch.Tensor, parcel: Parcel) -> torch.Tensor:
+    return torch.empty((0,), dtype=parcel.dtype, device=data.device).set_(
+        data.untyped_storage(), parcel.offset, parcel.size, parcel.stride
+    )
