@@ -83,6 +83,18 @@ def replay(
                     "clone it before modifying it, or modify it after backward",
                 )
             )
+        if t.numel() and t.untyped_storage().nbytes() == 0:
+            raise RecomputationError(
+                message(
+                    "scope",
+                    "a tensor the region read was freed before backward recomputed from it (its "
+                    "storage was resized to 0, as FSDP2 does with the parameters of a unit that "
+                    "reshards after forward)",
+                    describe(t.dtype, t.shape),
+                    "recompute each FSDP2 unit in its own region (remat.checkpoint or remat.scope "
+                    "per block) or call remat.integrations.distributed.hide_fsdp_hooks(model)",
+                )
+            )
         env[vid] = t
     if cut.moved:
         assert offloader is not None, "moved values come from the tape's offloader"

@@ -62,6 +62,7 @@ class _Handle(NamedTuple):
     vid: int
     group: int
     writer: int | None
+    declared: int | None
     shape: torch.Size
     dtype: torch.dtype
 
@@ -74,7 +75,7 @@ class TapedRegion:
         self.tape: Tape | None = tape
         self.execute = execute
         self.plan: Slice | None = None
-        self.writers: dict[int, int] = {}  # the tape's final writers, for the check at unpack
+        self.declared: dict[int, int] = {}  # the tape's final declared writers, checked at unpack
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
         self.writers_needed: set[int] = set()
         # graph task -> value id -> (recomputed tensor, unpacks left)
@@ -104,14 +105,14 @@ class TapedRegion:
                 raise stale_view_error(t)
             self.writers_needed.add(writer)
         self.handles[vid] = self.handles.get(vid, 0) + 1
-        return _Handle(vid, group, writer, t.shape, t.dtype)
+        return _Handle(vid, group, writer, tape.declared.get(group), t.shape, t.dtype)
 
     def finish(self) -> None:
         """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
         tape, self.tape = self.tape, None
         if tape is not None and self.handles:
             self.plan = tape.slice(self.handles, self.writers_needed)
-            self.writers = tape.writers
+            self.declared = tape.declared
         if tape is not None:
             self.offloader = tape.offloader
             # NOTE [moved once, read twice]: per backward, each offloaded value is read by the
@@ -134,7 +135,11 @@ class TapedRegion:
                     f" at version {packed.tensor._version}, saved at version {packed.version}",
                 )
             return packed.tensor
-        if self.writers.get(packed.group) != packed.writer:
+        # NOTE [hidden writes after a save]: autograd saves batch norm's running statistics before
+        # the kernel updates them, a write the schema does not declare; the plain backward reads
+        # them without a version check, and batch norm's backward in training does not use them.
+        # Only a declared write after the save changes what backward may read.
+        if self.declared.get(packed.group) != packed.declared:
             raise RecomputationError(
                 message(
                     "scope",

@@ -124,6 +124,7 @@ class Tape:
         self.group: list[int] = []  # value id -> its storage group (NOTE [aliasing])
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # value id -> (tensor, version)
         self.writers: dict[int, int] = {}  # group -> last node that wrote it (-1: refused)
+        self.declared: dict[int, int] = {}  # group -> last node that wrote it as its schema says
         self._saved_in_group: dict[int, list[int]] = {}
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
 
@@ -194,7 +195,7 @@ class Tape:
         return found
 
     def _commit_write(
-        self, t: torch.Tensor, key: int | str, index: int, snapshot: torch.Tensor | None
+        self, t: torch.Tensor, key: int | str, index: int, snapshot: torch.Tensor | None, hidden: bool
     ) -> Write:
         node = len(self.nodes)
         old = self.lookup(t)
@@ -208,6 +209,8 @@ class Tape:
             self.kept.pop(vid, None)
             self.moved.pop(vid, None)
         self.writers[group] = node
+        if not hidden:
+            self.declared[group] = node
         return Write(key, index, self._bind(t, node, group), False)
 
     def _output(
@@ -258,7 +261,9 @@ class Tape:
 
         out = func(*args, **kwargs)
 
-        writes = tuple([self._commit_write(*w) for w in written]) if written else ()
+        writes = (
+            tuple([self._commit_write(*w, w[1] in _keys(info, args)) for w in written]) if written else ()
+        )
         fresh: list[tuple[int, torch.Tensor]] = []
         outs: int | tuple[int, ...]
         if isinstance(out, (tuple, list)):
@@ -355,3 +360,9 @@ class Recorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         return self.tape.record(func, args, kwargs or {})
+
+
+def _keys(info: OpFacts, args: tuple[Any, ...]) -> set[int | str]:
+    """Where ``info``'s hidden writes sit in a call with positional ``args`` (as ``_written`` keys
+    them)."""
+    return {pos if pos < len(args) else name for pos, name in info.hidden_writes}

@@ -76,27 +76,10 @@ def test_plan_region_across_resharded_units_is_refused_in_forward(results: Resul
         assert "(layers.0 resharded, then layers.1 ran in the same region)" in verdict
 
 
-def test_region_across_resharded_units_without_hidden_hooks_fails_in_backward(results: Results) -> None:
-    for verdict in verdicts(results, "fsdp-visible-gpt2-whole-scope"):
-        assert verdict.startswith("RuntimeError: The tensor has a non-zero number of elements")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="without hide_fsdp_hooks a scope spanning FSDP2 units replays in the backward of its last "
-    "unit, when the earlier units' parameters are freed: torch's own error, not remat's; "
-    "remat.manual.replay should refuse a kept tensor whose storage is smaller than it needs",
-)
 def test_region_across_resharded_units_without_hidden_hooks_says_why(results: Results) -> None:
     for verdict in verdicts(results, "fsdp-visible-gpt2-whole-scope"):
         assert verdict.startswith("RecomputationError") and "freed" in verdict
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DDP copies rank 0's buffers into the model inside the scope; batch norm then saves "
-    "running_mean before writing it (a hidden write), which remat.manual.scope takes for a write "
-    "after the save",
-)
 def test_scope_around_ddp_with_batch_norm(results: Results) -> None:
     assert verdicts(results, "ddp-cnn-whole-scope") == ["ok"] * WORLD
