@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -163,14 +162,17 @@ class AccountingBackend:
         and the op runs first from then on."""
         n = len(pending.fresh)
         graph, homes, pool = self.runtime.graph, self.homes, self.runtime.pool
-        for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
-            if graph.nbytes[new] > 0 and pool.holds(new):
-                pending.saved[handle] = self.copy_of(homes.get(old))
+        if pending.written:
+            for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
+                if graph.nbytes[new] > 0 and pool.holds(new):
+                    pending.saved[handle] = self.copy_of(homes.get(old))
         out, seconds = scratch.timed(lambda: func(*args, **kwargs), pending.learn)
         assert pending.recipe is not None
         leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
+        on_cpu = self.device.type == "cpu"
         for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):
-            if not isinstance(leaf, torch.Tensor) or leaf.device != self.device:
+            here = isinstance(leaf, torch.Tensor) and (leaf.is_cpu if on_cpu else leaf.device == self.device)
+            if not here:
                 raise RecomputationError(
                     f"remat.dynamic: {func} returned {type(leaf).__name__} where its meta kernel "
                     "returned a tensor on the region's device; please report this op"
@@ -219,17 +221,17 @@ class AccountingBackend:
         if pending.run is not None:
             if pending.states is not None:  # its room is made: the states may be taken now
                 rng, generators = pending.states()
-                pending.recipe = replace(pending.recipe, rng=rng, generators=generators)
+                pending.recipe = pending.recipe._replace(rng=rng, generators=generators)
                 pending.states = None
             pending.out, pending.seconds = pending.run(record)
             pending.run = None  # it refers to ``pending``: no cycle may keep the outputs alive
             if pending.measure:
                 self.runtime.graph.set_cost(record, pending.seconds)
         self.recipes[record.id] = pending.recipe
-        homes, pool = self.homes, self.runtime.pool
+        homes, pool, handle_of = self.homes, self.runtime.pool, self.handle_of
         n = len(pending.fresh)
         for storage, handle in zip(record.outputs[:n], pending.fresh, strict=True):
-            self.handle_of[storage] = handle
+            handle_of[storage] = handle
             homes.hold(storage, handle)
         for storage, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
             self.handle_of[storage] = handle

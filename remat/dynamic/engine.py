@@ -13,13 +13,13 @@ base's handle, and a mutation moves the handle to a new version inside the core.
 are all views of their inputs (``view``, ``t``, ``expand`` ...) read no data and never reach the
 core: a view of an evicted tensor stays evicted until something reads it.
 
-NOTE [releases] A finalizer on each fresh storage tells when the program (autograd included) drops
-its last tensor on it. The release is queued and given to the core at the next op boundary, never
-in the middle of a decision of the core. The cycle collector is paused for the whole region (the
-region turns it back on at its end): it could free a program storage in the middle of an op, one
-the core may be about to read for a recomputation, and it runs at moments that depend on the
-history of the process, which would make the releases, and hence the decisions, differ from run to
-run. Tensors caught in reference cycles therefore stay until the region ends.
+NOTE [releases] A weak reference with a callback on each fresh storage tells when the program
+(autograd included) drops its last tensor on it. The release is queued and given to the core at
+the next op boundary, never in the middle of a decision of the core. The cycle collector is
+paused for the whole region (the region turns it back on at its end): it could free a program
+storage in the middle of an op, one the core may be about to read for a recomputation, and it runs
+at moments that depend on the history of the process, which would make the releases, and hence the
+decisions, differ from run to run. Tensors caught in reference cycles therefore stay until the region ends.
 
 NOTE [hand-over] At the end of the region every storage the program still holds is handed back
 to it: the core restores the evicted ones while the others stay, so that all are resident at once
@@ -49,14 +49,12 @@ events; ``trace()`` gives them back as a :class:`~remat.trace.types.Trace` for t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from remat import _allocator, aten
 from remat.aten import OpFacts, RngState
@@ -68,7 +66,7 @@ from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned, swap
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes
-from remat.dynamic.recipe import Recipe, Slot, result_leaves
+from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
 
@@ -88,10 +86,10 @@ class Engine:
         self.backend = backend
         backend.runtime = self.runtime
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.handles: dict[int, int] = {}  # storage key -> handle
         self.tensors: list[TensorInfo] = []
         self.events: list[Event] = []
-        self.finalizers: list[weakref.finalize] = []
         self.released: list[int] = []
         self.current: str = ""  # the op being run, for errors
         self.peak_real_bytes = 0
@@ -110,6 +108,8 @@ class Engine:
     # -- identity -------------------------------------------------------------------------------
 
     def managed(self, t: torch.Tensor) -> bool:
+        if self.on_cpu:  # the same test, cheaper: on every tensor argument of every op
+            return t.is_cpu and t.layout == torch.strided
         return t.device == self.device and t.layout == torch.strided and not t.is_meta
 
     def constant(self, t: torch.Tensor, outside: bool = True) -> int:
@@ -137,9 +137,8 @@ class Engine:
     def new_handle(self, t: torch.Tensor, nbytes: int) -> int:
         """A handle for a new storage of ``nbytes`` that ``t`` (real or meta) describes."""
         handle = len(self.tensors)
-        self.tensors.append(
-            TensorInfo(handle, aligned(nbytes), shape=tuple(t.shape), dtype=aten.dtype_name(t.dtype))
-        )
+        info = TensorInfo(handle, aligned(nbytes), None, False, tuple(t.shape), _dtype_name(t.dtype))
+        self.tensors.append(info)
         return handle
 
     def bind(self, handle: int, t: torch.Tensor) -> bool:
@@ -149,9 +148,9 @@ class Engine:
         if storage._cdata in self.handles:
             self.released.append(handle)
             return False
-        self.handles[storage._cdata] = handle
-        self.backend.homes.add_handle(handle, storage, pin=False)
-        self.finalizers.append(weakref.finalize(storage, self._died, storage._cdata, handle))
+        key = storage._cdata
+        self.handles[key] = handle
+        self.backend.homes.add_handle(handle, storage, pin=False, died=lambda _: self._died(key, handle))
         return True
 
     def fresh(self, t: torch.Tensor) -> int:
@@ -166,16 +165,20 @@ class Engine:
 
     def flush(self) -> None:
         """Give queued releases to the core (NOTE [releases])."""
-        while self.released:
-            handle = self.released.pop(0)
-            self.events.append(Release(handle))
-            self.runtime.release(handle)
+        released, events, release = self.released, self.events, self.runtime.release
+        while released:
+            handle = released.pop(0)
+            events.append(Release(handle))
+            release(handle)
 
     # -- ops ------------------------------------------------------------------------------------
 
     def run(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         schema = aten.facts(func)
-        if schema.view_only or schema.skipped or self.failed:
+        passed = _PASSED.get(func)
+        if passed is None:
+            passed = _PASSED[func] = schema.view_only or schema.skipped
+        if passed or self.failed:
             return func(*args, **kwargs)
         try:
             return self._run(func, schema, args, kwargs)
@@ -183,21 +186,40 @@ class Engine:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        self.flush()
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and self.managed(x)]
-        if not positions and any(isinstance(x, torch.Tensor) for x in flat):
+        if self.released:
+            self.flush()
+        flat, spec = flatten(args, kwargs)
+        positions: list[int] = []
+        explicit: list[tuple[int, torch.Generator]] = []
+        named: list[torch.device] = []
+        leaves = list(flat)  # the flat arguments with tensors and generators set to None
+        tensors = False
+        managed, on_cpu, strided = self.managed, self.on_cpu, torch.strided
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                tensors = True
+                leaves[i] = None
+                if (x.is_cpu and x.layout == strided) if on_cpu else managed(x):
+                    positions.append(i)
+            elif isinstance(x, torch.Generator):
+                leaves[i] = None
+                explicit.append((i, x))
+            elif isinstance(x, torch.device):
+                named.append(x)
+        if tensors and not positions:
             return func(*args, **kwargs)  # only tensors of another device: not the region's memory
         runtime, backend = self.runtime, self.backend
-        self.current = str(func)
-        handles = [self.handle(flat[i]) for i in positions]
+        self.current = schema.name
+        known = self.handles
+        found = [known.get(flat[i].untyped_storage()._cdata) for i in positions]
+        handles = [self.handle(flat[i]) for i in positions] if None in found else cast(list[int], found)
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
-        written = self._written(schema, args, kwargs)
-        key = op_scratch.signature(func, args, kwargs)
+        written = self._written(schema, args, kwargs) if schema.writes else []
+        key = op_scratch.signature_of(schema.name, flat)
         sizes = op_scratch.results(key)
         metas = None  # NOTE [room first]
-        if self._outputs_here(flat, bool(positions)):
+        if self._outputs_here(named, bool(positions)):
             metas = backend.plan(func, args, kwargs, schema.fresh_returns, key, sized=sizes is not None)
         if metas is not None and sizes is not None and len(sizes) != len(metas):
             metas = None
@@ -209,13 +231,12 @@ class Engine:
                     runtime.graph.constant[storage] or not runtime.overwrites(handle)
                 ):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
+        storage_of, geometry = runtime.storage_of, aten.geometry
         slots = tuple(
-            Slot(i, runtime.storage_of(h), *aten.geometry(flat[i]))
-            for i, h in zip(positions, handles, strict=True)
+            [Slot(i, storage_of(h), *geometry(flat[i])) for i, h in zip(positions, handles, strict=True)]
         )
         source = aten.source_of(args, kwargs) if schema.random else None
         default = source if isinstance(source, torch.device) else None
-        explicit = tuple((i, x) for i, x in enumerate(flat) if isinstance(x, torch.Generator))
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
             """The generator states the recipe keeps: a device's default one as ``rng``, explicit
@@ -223,10 +244,12 @@ class Engine:
             rng = aten.capture((default,)) if default is not None else None
             return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
 
-        leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
         scratch = op_scratch.known(key)
-        learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
-        extra = recompute_bytes(func, args, default, self.device, self.managed)
+        learn = key if scratch is None and self.on_cpu and _allocator.available() else None
+        drawn = default is not None or bool(explicit)
+        extra = 0
+        if drawn or schema.hidden_writes:
+            extra = recompute_bytes(func, args, default, self.device, self.managed)
 
         if metas is None:
             rng, generators = states()
@@ -242,14 +265,14 @@ class Engine:
             positions_out = list(range(len(metas)))
         op = Op(
             self.ops,
-            str(func),
+            schema.name,
             inputs,
             tuple(fresh),
             tuple(written),
             cost=seconds,
             random=schema.random,
             scratch=aligned(scratch or 0) + extra,
-            state=state_bytes(default, tuple(x for _, x in explicit), self.device),
+            state=state_bytes(default, tuple(x for _, x in explicit), self.device) if drawn else 0,
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
             op = replace(op, cost=op_cost(op, self.tensors))
@@ -258,7 +281,7 @@ class Engine:
         pending.recipe = Recipe(
             func,
             schema.fresh_returns,
-            leaves,
+            tuple(leaves),
             spec,
             slots,
             tuple(positions_out),
@@ -270,23 +293,27 @@ class Engine:
             pending.run = lambda record: backend.first_run(func, args, kwargs, record, pending, self.bind)
             pending.measure = not self.estimated
             pending.metas = metas
-            pending.states = states if default is not None or explicit else None
+            pending.states = states if drawn else None
         backend.pending = pending
-        runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
+        tensors_info = self.tensors
+        runtime.call(op, [tensors_info[h] for h in fresh], prepared=True)
         if metas is not None:
             out, seconds = pending.out, pending.seconds
             pending.out = pending.run = None
         self.base_seconds += seconds
         self.events.append(runtime.graph.records[-1].op)
         self.ops += 1
-        self.flush()
-        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.real_bytes)
+        if self.released:
+            self.flush()
+        real = backend.homes.real_bytes
+        if real > self.peak_real_bytes:
+            self.peak_real_bytes = real
         return out
 
-    def _outputs_here(self, flat: list[Any], reads_here: bool) -> bool:
+    def _outputs_here(self, named: list[torch.device], reads_here: bool) -> bool:
         """Whether the op's results are on the region's device, as far as its arguments tell
-        (meta results do not say): a device argument names it, else its tensors or the default."""
-        named = [x for x in flat if isinstance(x, torch.device)]
+        (meta results do not say): a device argument (``named``) names it, else its tensors or the
+        default."""
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
 
@@ -372,15 +399,23 @@ class Engine:
 
     def close(self) -> None:
         self.backend.close()
-        for fin in self.finalizers:
-            fin.detach()
-        self.finalizers.clear()
         self.backend.homes.clear()
         self.backend.recipes.clear()
 
     def trace(self, name: str = "dynamic") -> Trace:
         """What ran, as the simulator reads it (NOTE [same decisions])."""
         return Trace(tuple(self.tensors), tuple(self.events), frozenset(), name, self.device.type, "dynamic")
+
+
+_PASSED: dict[Any, bool] = {}  # overload -> it reads no data or is no op of the program (cached)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # aten.dtype_name, cached
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = aten.dtype_name(dtype)
+    return name
 
 
 def _same_device(a: torch.device | str, b: torch.device) -> bool:
