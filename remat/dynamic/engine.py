@@ -219,7 +219,7 @@ class Engine:
         key = op_scratch.signature_of(schema.name, flat)
         sizes = op_scratch.results(key)
         metas = None  # NOTE [room first]
-        if self._outputs_here(named, bool(positions)):
+        if (positions and not named) or self._outputs_here(named, bool(positions)):
             metas = backend.plan(func, args, kwargs, schema.fresh_returns, key, sized=sizes is not None)
         if metas is not None and sizes is not None and len(sizes) != len(metas):
             metas = None
