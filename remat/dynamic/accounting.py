@@ -36,6 +36,7 @@ ALIASING = {"aten::_unsafe_view"}  # of those, the ones whose results may share 
 
 
 _METAS: dict[tuple[Any, ...], list[torch.Tensor] | None] = {}  # by op signature (see ``plan``)
+_UNKNOWN = object()  # a signature not in _METAS yet
 
 
 def _meta_results(
@@ -67,6 +68,20 @@ def meta(x: Any) -> Any:
 
 class Pending:
     """A first run on its way into the core: what :meth:`AccountingBackend.materialize` adopts."""
+
+    __slots__ = (
+        "fresh",
+        "written",
+        "saved",
+        "recipe",
+        "run",
+        "metas",
+        "measure",
+        "out",
+        "seconds",
+        "learn",
+        "states",
+    )
 
     def __init__(self, fresh: list[int], written: list[int], saved: dict[int, torch.UntypedStorage]) -> None:
         self.fresh = fresh  # handles of the fresh outputs, in op order
@@ -137,9 +152,10 @@ class AccountingBackend:
             return []
         if not all(fresh_returns) or not self.placeable(func, sized):
             return None
-        if key not in _METAS:
-            _METAS[key] = _meta_results(func, args, kwargs, fresh_returns)
-        return _METAS[key]
+        metas = _METAS.get(key, _UNKNOWN)
+        if metas is _UNKNOWN:
+            metas = _METAS[key] = _meta_results(func, args, kwargs, fresh_returns)
+        return metas  # type: ignore[return-value]
 
     def placeable(self, func: Any, sized: bool = False) -> bool:
         """Whether ``func``'s meta results may be trusted for its real ones (their sizes aside,
