@@ -66,7 +66,7 @@ from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned, swap
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes
-from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves
+from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves, scan
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
 
@@ -137,7 +137,7 @@ class Engine:
     def new_handle(self, t: torch.Tensor, nbytes: int) -> int:
         """A handle for a new storage of ``nbytes`` that ``t`` (real or meta) describes."""
         handle = len(self.tensors)
-        info = TensorInfo(handle, aligned(nbytes), None, False, tuple(t.shape), _dtype_name(t.dtype))
+        info = TensorInfo(handle, aligned(nbytes), None, False, tuple(t.shape), aten.dtype_name(t.dtype))
         self.tensors.append(info)
         return handle
 
@@ -165,11 +165,10 @@ class Engine:
 
     def flush(self) -> None:
         """Give queued releases to the core (NOTE [releases])."""
-        released, events, release = self.released, self.events, self.runtime.release
-        while released:
-            handle = released.pop(0)
-            events.append(Release(handle))
-            release(handle)
+        while self.released:
+            handle = self.released.pop(0)
+            self.events.append(Release(handle))
+            self.runtime.release(handle)
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -186,32 +185,14 @@ class Engine:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if self.released:
-            self.flush()
+        self.flush()
         flat, spec = flatten(args, kwargs)
-        positions: list[int] = []
-        explicit: list[tuple[int, torch.Generator]] = []
-        named: list[torch.device] = []
-        leaves = list(flat)  # the flat arguments with tensors and generators set to None
-        tensors = False
-        managed, on_cpu, strided = self.managed, self.on_cpu, torch.strided
-        for i, x in enumerate(flat):
-            if isinstance(x, torch.Tensor):
-                tensors = True
-                leaves[i] = None
-                if (x.is_cpu and x.layout == strided) if on_cpu else managed(x):
-                    positions.append(i)
-            elif isinstance(x, torch.Generator):
-                leaves[i] = None
-                explicit.append((i, x))
-            elif isinstance(x, torch.device):
-                named.append(x)
+        positions, explicit, named, leaves, tensors = scan(flat, self.managed)
         if tensors and not positions:
             return func(*args, **kwargs)  # only tensors of another device: not the region's memory
         runtime, backend = self.runtime, self.backend
         self.current = schema.name
-        known = self.handles
-        found = [known.get(flat[i].untyped_storage()._cdata) for i in positions]
+        found = [self.handles.get(flat[i].untyped_storage()._cdata) for i in positions]
         handles = [self.handle(flat[i]) for i in positions] if None in found else cast(list[int], found)
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
@@ -239,8 +220,8 @@ class Engine:
         default = source if isinstance(source, torch.device) else None
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
-            """The generator states the recipe keeps: a device's default one as ``rng``, explicit
-            ones as ``generators``. Taken just before the op runs (NOTE [room first])."""
+            """The generator states the recipe keeps (``rng``: a device's default one), taken just
+            before the op runs (NOTE [room first])."""
             rng = aten.capture((default,)) if default is not None else None
             return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
 
@@ -250,7 +231,6 @@ class Engine:
         extra = 0
         if drawn or schema.hidden_writes:
             extra = recompute_bytes(func, args, default, self.device, self.managed)
-
         if metas is None:
             rng, generators = states()
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
@@ -258,8 +238,7 @@ class Engine:
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
                 op_scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
         else:  # the backend runs it once the core has placed the outputs
-            rng, generators = None, ()
-            out, seconds = None, 0.0
+            rng, generators, out, seconds = None, (), None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
             fresh = [self.new_handle(m, n) for m, n in zip(metas, nbytes, strict=True)]
             positions_out = list(range(len(metas)))
@@ -295,25 +274,20 @@ class Engine:
             pending.metas = metas
             pending.states = states if drawn else None
         backend.pending = pending
-        tensors_info = self.tensors
-        runtime.call(op, [tensors_info[h] for h in fresh], prepared=True)
+        runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
         if metas is not None:
             out, seconds = pending.out, pending.seconds
             pending.out = pending.run = None
         self.base_seconds += seconds
         self.events.append(runtime.graph.records[-1].op)
         self.ops += 1
-        if self.released:
-            self.flush()
-        real = backend.homes.real_bytes
-        if real > self.peak_real_bytes:
-            self.peak_real_bytes = real
+        self.flush()
+        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.real_bytes)
         return out
 
     def _outputs_here(self, named: list[torch.device], reads_here: bool) -> bool:
-        """Whether the op's results are on the region's device, as far as its arguments tell
-        (meta results do not say): a device argument (``named``) names it, else its tensors or the
-        default."""
+        """Whether the op's results are on the region's device, as far as its arguments tell (meta
+        results do not say): a device argument (``named``) names it, else its tensors or the default."""
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
 
@@ -408,14 +382,6 @@ class Engine:
 
 
 _PASSED: dict[Any, bool] = {}  # overload -> it reads no data or is no op of the program (cached)
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # aten.dtype_name, cached
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = aten.dtype_name(dtype)
-    return name
 
 
 def _same_device(a: torch.device | str, b: torch.device) -> bool:

@@ -72,6 +72,37 @@ def unflatten(flat: Sequence[Any], spec: Spec) -> tuple[list[Any], dict[str, Any
     return values[:split], dict(zip(names, values[split:], strict=True))
 
 
+class Scan(NamedTuple):
+    """What an op's flat arguments hold, found in one pass (:func:`scan`)."""
+
+    positions: list[int]  # of the tensors of the region
+    explicit: list[tuple[int, torch.Generator]]  # (position, generator) of each generator
+    named: list[torch.device]  # device arguments
+    leaves: list[Any]  # the flat arguments with tensors and generators set to None
+    tensors: bool  # any tensor at all, the region's or not
+
+
+def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
+    """:class:`Scan` of ``flat``; ``managed``: whether a tensor is the region's."""
+    positions: list[int] = []
+    explicit: list[tuple[int, torch.Generator]] = []
+    named: list[torch.device] = []
+    leaves = list(flat)
+    tensors = False
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            tensors = True
+            leaves[i] = None
+            if managed(x):
+                positions.append(i)
+        elif isinstance(x, torch.Generator):
+            leaves[i] = None
+            explicit.append((i, x))
+        elif isinstance(x, torch.device):
+            named.append(x)
+    return Scan(positions, explicit, named, leaves, tensors)
+
+
 class Slot(NamedTuple):
     """A tensor argument: flat position, the core storage (version) it read, and its geometry."""
 
