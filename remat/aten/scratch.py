@@ -12,7 +12,7 @@ same call allocates the same scratch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat._allocator import account
 
-__all__ = ["known", "learn", "learn_results", "results", "signature", "timed"]
+__all__ = ["known", "learn", "learn_results", "results", "signature", "signature_of", "timed"]
 
 _KNOWN: dict[tuple[Any, ...], int] = {}
 _RESULTS: dict[tuple[Any, ...], tuple[int, ...]] = {}
@@ -28,13 +28,19 @@ _RESULTS: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
 def signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
     """The key under which ``func(*args, **kwargs)``'s scratch is kept."""
+    return signature_of(str(func), tree_leaves((args, kwargs)))
+
+
+def signature_of(name: str, leaves: Iterable[Any]) -> tuple[Any, ...]:
+    """:func:`signature` of the op named ``name`` (``str(func)``) from the leaves of its arguments,
+    for a dispatch mode that has them flat already (the key is built on every op: no copies)."""
     return (
-        str(func),
+        name,
         torch.get_num_threads(),
-        *(
-            (t.device, t.dtype, tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else repr(t)
-            for t in tree_leaves((args, kwargs))
-        ),
+        *[
+            (t.device, t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else repr(t)
+            for t in leaves
+        ],
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+@functools.cache  # a dispatch mode names the dtype of every new tensor
 def dtype_name(dtype: torch.dtype) -> str:
     """``float32``: how traces and errors name a dtype."""
     return str(dtype).removeprefix("torch.")

@@ -12,7 +12,7 @@ The graph only grows; what is resident, locked or alive is the runtime's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,23 +37,53 @@ class Record:
     reuse: tuple[int, ...]
 
 
+def with_cost(op: Op, cost: float) -> Op:
+    """``dataclasses.replace(op, cost=cost)`` at a fraction of its price (an eager runtime learns
+    the cost of every op it runs): a frozen dataclass with no ``__post_init__`` is its fields, so
+    a copy of them with the cost changed is the same value."""
+    copy = object.__new__(Op)
+    copy.__dict__.update(op.__dict__)
+    copy.__dict__["cost"] = cost
+    return copy
+
+
 class Column:
-    """Per-storage numbers kept twice: a list for fast scalar reads, and a growable numpy array
-    (amortized O(1) append) for vectorized policy scoring."""
+    """Per-storage numbers kept twice: a list for fast scalar reads and writes, and a numpy array for
+    vectorized policy scoring, brought up to date when it is read (:attr:`array`, at each victim
+    search). Between two searches a write costs a list write and a set insertion, not a numpy
+    scalar write: an eager runtime writes columns a dozen times per op and may search rarely."""
 
     def __init__(self, dtype: type = float) -> None:
         self.values: list = []  # type: ignore[type-arg]
-        self.array: np.ndarray = np.zeros(1024, dtype=dtype)
+        self._array: np.ndarray = np.zeros(1024, dtype=dtype)
+        self._synced = 0  # values[:_synced] are in the array, but for the indices in _dirty
+        self._dirty: set[int] = set()
+
+    @property
+    def array(self) -> np.ndarray:
+        """The values as a numpy array (at least as long; zeros beyond). Valid until the next write."""
+        values, n = self.values, len(self.values)
+        if n > len(self._array):
+            grown = np.zeros(max(2 * len(self._array), n), dtype=self._array.dtype)
+            grown[: self._synced] = self._array[: self._synced]
+            self._array = grown
+        if self._dirty:
+            dirty = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+            self._array[dirty] = [values[i] for i in dirty.tolist()]
+            self._dirty.clear()
+        if self._synced < n:
+            self._array[self._synced : n] = values[self._synced : n]
+            self._synced = n
+        return self._array
 
     def append(self, value: float) -> None:
-        if len(self.values) == len(self.array):
-            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
-        self.array[len(self.values)] = value
+        """The same as ``values.append(value)``, which hot paths call directly."""
         self.values.append(value)
 
     def set(self, index: int, value: float) -> None:
         self.values[index] = value
-        self.array[index] = value
+        if index < self._synced:
+            self._dirty.add(index)
 
 
 class Graph:
@@ -84,8 +114,8 @@ class Graph:
 
     def add_storage(self, nbytes: int, producer: int, constant: bool, parents: tuple[int, ...]) -> int:
         storage = len(self.nbytes)
-        self._nbytes.append(nbytes)
-        self._cost.append(0.0 if producer < 0 else self.records[producer].op.cost)
+        self.nbytes.append(nbytes)  # the columns' values: appending there is Column.append
+        self.cost.append(0.0 if producer < 0 else self.records[producer].op.cost)
         self.producer.append(producer)
         self.constant.append(constant)
         self.parents.append(list(parents))
@@ -114,7 +144,7 @@ class Graph:
         """``record``'s op took ``cost`` seconds: an eager runtime learns it only once the op ran,
         after its outputs were added with the op's provisional cost."""
         delta = cost - record.op.cost
-        record.op = replace(record.op, cost=cost)
+        record.op = with_cost(record.op, cost)
         for storage in record.outputs:
             self._cost.set(storage, self.cost[storage] + delta)
 

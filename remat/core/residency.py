@@ -109,9 +109,9 @@ class Residency:
         self.resident.append(False)
         self.locks.append(0)
         self.live.append(0)
-        self.last.append(self.clock)
-        self.evictable.append(False)
-        self.evicted_nearby.append(0.0)
+        self.last.values.append(self.clock)  # Column.append
+        self.evictable.values.append(False)
+        self.evicted_nearby.values.append(0.0)
         self._counted.append(False)
         self._members.append([])
         return storage
@@ -137,8 +137,10 @@ class Residency:
         self.evictable.set(storage, False)
 
     def _unlock_all(self, frame: Frame) -> None:
+        locks, resident, constant, nbytes = self.locks, self.resident, self.graph.constant, self.graph.nbytes
         for storage in frame.locked:
-            self.locks[storage] -= 1
-            if self.locks[storage] == 0 and self._evictable(storage):
+            locks[storage] -= 1
+            # ``_evictable``, inlined: every op unlocks its inputs
+            if locks[storage] == 0 and resident[storage] and not constant[storage] and nbytes[storage] > 0:
                 self.evictable.set(storage, True)
         frame.locked = []

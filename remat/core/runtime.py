@@ -100,7 +100,8 @@ class Runtime(Residency):
     def call(self, op: Op, outputs: Sequence[TensorInfo], prepared: bool = False) -> None:
         """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order. ``prepared``:
         :meth:`prepare` made the inputs resident just before, and their accesses are counted."""
-        inputs = tuple(dict.fromkeys(self._storage_of[h] for h in op.inputs))
+        storage_of = self._storage_of
+        inputs = tuple(dict.fromkeys([storage_of[h] for h in op.inputs]))
         frame = Frame()
         self._frames.append(frame)
         try:
@@ -127,9 +128,13 @@ class Runtime(Residency):
                             self.regions.clear()
                         break
             allocated = self._run(frame, record, recompute=False, keep=record.outputs)
-            read = sum(self.graph.nbytes[s] for s in inputs if not self.graph.constant[s])
-            need = self._constant_bytes + allocated + read
-            self.telemetry.working_set = max(self.telemetry.working_set, need)
+            need = self._constant_bytes + allocated
+            sizes, constants = self.graph.nbytes, self.graph.constant
+            for s in inputs:
+                if not constants[s]:
+                    need += sizes[s]
+            if need > self.telemetry.working_set:
+                self.telemetry.working_set = need
         finally:
             self._unlock_all(frame)
             self._frames.pop()
@@ -147,7 +152,17 @@ class Runtime(Residency):
         reading them, and leave them unlocked. An eager runtime must run an op to learn the sizes of
         its outputs, so it restores the inputs first; the :meth:`call` that follows finds them
         resident and decides everything else as it would have without this step."""
-        inputs = tuple(dict.fromkeys(self._storage_of[h] for h in handles))
+        storage_of, resident = self._storage_of, self.resident
+        inputs = tuple(dict.fromkeys([storage_of[h] for h in handles]))
+        if not self._frames:  # all resident: gathering them would only touch them (locks undone)
+            for storage in inputs:
+                if not resident[storage]:
+                    break
+            else:
+                last, clock = self.last, self.clock
+                for storage in inputs:
+                    last.set(storage, clock)
+                return
         frame = Frame()
         self._frames.append(frame)
         try:

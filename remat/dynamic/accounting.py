@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ ALIASING = {"aten::_unsafe_view"}  # of those, the ones whose results may share 
 
 
 _METAS: dict[tuple[Any, ...], list[torch.Tensor] | None] = {}  # by op signature (see ``plan``)
+_UNKNOWN = object()  # a signature not in _METAS yet
 
 
 def _meta_results(
@@ -68,6 +68,20 @@ def meta(x: Any) -> Any:
 
 class Pending:
     """A first run on its way into the core: what :meth:`AccountingBackend.materialize` adopts."""
+
+    __slots__ = (
+        "fresh",
+        "written",
+        "saved",
+        "recipe",
+        "run",
+        "metas",
+        "measure",
+        "out",
+        "seconds",
+        "learn",
+        "states",
+    )
 
     def __init__(self, fresh: list[int], written: list[int], saved: dict[int, torch.UntypedStorage]) -> None:
         self.fresh = fresh  # handles of the fresh outputs, in op order
@@ -138,9 +152,10 @@ class AccountingBackend:
             return []
         if not all(fresh_returns) or not self.placeable(func, sized):
             return None
-        if key not in _METAS:
-            _METAS[key] = _meta_results(func, args, kwargs, fresh_returns)
-        return _METAS[key]
+        metas = _METAS.get(key, _UNKNOWN)
+        if metas is _UNKNOWN:
+            metas = _METAS[key] = _meta_results(func, args, kwargs, fresh_returns)
+        return metas  # type: ignore[return-value]
 
     def placeable(self, func: Any, sized: bool = False) -> bool:
         """Whether ``func``'s meta results may be trusted for its real ones (their sizes aside,
@@ -163,14 +178,17 @@ class AccountingBackend:
         and the op runs first from then on."""
         n = len(pending.fresh)
         graph, homes, pool = self.runtime.graph, self.homes, self.runtime.pool
-        for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
-            if graph.nbytes[new] > 0 and pool.holds(new):
-                pending.saved[handle] = self.copy_of(homes.get(old))
+        if pending.written:
+            for new, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
+                if graph.nbytes[new] > 0 and pool.holds(new):
+                    pending.saved[handle] = self.copy_of(homes.get(old))
         out, seconds = scratch.timed(lambda: func(*args, **kwargs), pending.learn)
         assert pending.recipe is not None
         leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
+        on_cpu = self.device.type == "cpu"
         for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):
-            if not isinstance(leaf, torch.Tensor) or leaf.device != self.device:
+            here = isinstance(leaf, torch.Tensor) and (leaf.is_cpu if on_cpu else leaf.device == self.device)
+            if not here:
                 raise RecomputationError(
                     f"remat.dynamic: {func} returned {type(leaf).__name__} where its meta kernel "
                     "returned a tensor on the region's device; please report this op"
@@ -219,17 +237,17 @@ class AccountingBackend:
         if pending.run is not None:
             if pending.states is not None:  # its room is made: the states may be taken now
                 rng, generators = pending.states()
-                pending.recipe = replace(pending.recipe, rng=rng, generators=generators)
+                pending.recipe = pending.recipe._replace(rng=rng, generators=generators)
                 pending.states = None
             pending.out, pending.seconds = pending.run(record)
             pending.run = None  # it refers to ``pending``: no cycle may keep the outputs alive
             if pending.measure:
                 self.runtime.graph.set_cost(record, pending.seconds)
         self.recipes[record.id] = pending.recipe
-        homes, pool = self.homes, self.runtime.pool
+        homes, pool, handle_of = self.homes, self.runtime.pool, self.handle_of
         n = len(pending.fresh)
         for storage, handle in zip(record.outputs[:n], pending.fresh, strict=True):
-            self.handle_of[storage] = handle
+            handle_of[storage] = handle
             homes.hold(storage, handle)
         for storage, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
             self.handle_of[storage] = handle

@@ -13,13 +13,13 @@ base's handle, and a mutation moves the handle to a new version inside the core.
 are all views of their inputs (``view``, ``t``, ``expand`` ...) read no data and never reach the
 core: a view of an evicted tensor stays evicted until something reads it.
 
-NOTE [releases] A finalizer on each fresh storage tells when the program (autograd included) drops
-its last tensor on it. The release is queued and given to the core at the next op boundary, never
-in the middle of a decision of the core. The cycle collector is paused for the whole region (the
-region turns it back on at its end): it could free a program storage in the middle of an op, one
-the core may be about to read for a recomputation, and it runs at moments that depend on the
-history of the process, which would make the releases, and hence the decisions, differ from run to
-run. Tensors caught in reference cycles therefore stay until the region ends.
+NOTE [releases] A weak reference with a callback on each fresh storage tells when the program
+(autograd included) drops its last tensor on it. The release is queued and given to the core at
+the next op boundary, never in the middle of a decision of the core. The cycle collector is
+paused for the whole region (the region turns it back on at its end): it could free a program
+storage in the middle of an op, one the core may be about to read for a recomputation, and it runs
+at moments that depend on the history of the process, which would make the releases, and hence the
+decisions, differ from run to run. Tensors caught in reference cycles therefore stay until the region ends.
 
 NOTE [hand-over] At the end of the region every storage the program still holds is handed back
 to it: the core restores the evicted ones while the others stay, so that all are resident at once
@@ -49,14 +49,12 @@ events; ``trace()`` gives them back as a :class:`~remat.trace.types.Trace` for t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from remat import _allocator, aten
 from remat.aten import OpFacts, RngState
@@ -68,7 +66,7 @@ from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned, swap
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes
-from remat.dynamic.recipe import Recipe, Slot, result_leaves
+from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves, scan
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
 
@@ -88,10 +86,10 @@ class Engine:
         self.backend = backend
         backend.runtime = self.runtime
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.handles: dict[int, int] = {}  # storage key -> handle
         self.tensors: list[TensorInfo] = []
         self.events: list[Event] = []
-        self.finalizers: list[weakref.finalize] = []
         self.released: list[int] = []
         self.current: str = ""  # the op being run, for errors
         self.peak_real_bytes = 0
@@ -110,6 +108,8 @@ class Engine:
     # -- identity -------------------------------------------------------------------------------
 
     def managed(self, t: torch.Tensor) -> bool:
+        if self.on_cpu:  # the same test, cheaper: on every tensor argument of every op
+            return t.is_cpu and t.layout == torch.strided
         return t.device == self.device and t.layout == torch.strided and not t.is_meta
 
     def constant(self, t: torch.Tensor, outside: bool = True) -> int:
@@ -137,9 +137,8 @@ class Engine:
     def new_handle(self, t: torch.Tensor, nbytes: int) -> int:
         """A handle for a new storage of ``nbytes`` that ``t`` (real or meta) describes."""
         handle = len(self.tensors)
-        self.tensors.append(
-            TensorInfo(handle, aligned(nbytes), shape=tuple(t.shape), dtype=aten.dtype_name(t.dtype))
-        )
+        info = TensorInfo(handle, aligned(nbytes), None, False, tuple(t.shape), aten.dtype_name(t.dtype))
+        self.tensors.append(info)
         return handle
 
     def bind(self, handle: int, t: torch.Tensor) -> bool:
@@ -149,9 +148,9 @@ class Engine:
         if storage._cdata in self.handles:
             self.released.append(handle)
             return False
-        self.handles[storage._cdata] = handle
-        self.backend.homes.add_handle(handle, storage, pin=False)
-        self.finalizers.append(weakref.finalize(storage, self._died, storage._cdata, handle))
+        key = storage._cdata
+        self.handles[key] = handle
+        self.backend.homes.add_handle(handle, storage, pin=False, died=lambda _: self._died(key, handle))
         return True
 
     def fresh(self, t: torch.Tensor) -> int:
@@ -175,7 +174,10 @@ class Engine:
 
     def run(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         schema = aten.facts(func)
-        if schema.view_only or schema.skipped or self.failed:
+        passed = _PASSED.get(func)
+        if passed is None:
+            passed = _PASSED[func] = schema.view_only or schema.skipped
+        if passed or self.failed:
             return func(*args, **kwargs)
         try:
             return self._run(func, schema, args, kwargs)
@@ -184,20 +186,21 @@ class Engine:
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         self.flush()
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and self.managed(x)]
-        if not positions and any(isinstance(x, torch.Tensor) for x in flat):
+        flat, spec = flatten(args, kwargs)
+        positions, explicit, named, leaves, tensors = scan(flat, self.managed)
+        if tensors and not positions:
             return func(*args, **kwargs)  # only tensors of another device: not the region's memory
         runtime, backend = self.runtime, self.backend
-        self.current = str(func)
-        handles = [self.handle(flat[i]) for i in positions]
+        self.current = schema.name
+        found = [self.handles.get(flat[i].untyped_storage()._cdata) for i in positions]
+        handles = [self.handle(flat[i]) for i in positions] if None in found else cast(list[int], found)
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
-        written = self._written(schema, args, kwargs)
-        key = op_scratch.signature(func, args, kwargs)
+        written = self._written(schema, args, kwargs) if schema.writes else []
+        key = op_scratch.signature_of(schema.name, flat)
         sizes = op_scratch.results(key)
         metas = None  # NOTE [room first]
-        if self._outputs_here(flat, bool(positions)):
+        if (positions and not named) or self._outputs_here(named, bool(positions)):
             metas = backend.plan(func, args, kwargs, schema.fresh_returns, key, sized=sizes is not None)
         if metas is not None and sizes is not None and len(sizes) != len(metas):
             metas = None
@@ -209,25 +212,25 @@ class Engine:
                     runtime.graph.constant[storage] or not runtime.overwrites(handle)
                 ):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
+        storage_of, geometry = runtime.storage_of, aten.geometry
         slots = tuple(
-            Slot(i, runtime.storage_of(h), *aten.geometry(flat[i]))
-            for i, h in zip(positions, handles, strict=True)
+            [Slot(i, storage_of(h), *geometry(flat[i])) for i, h in zip(positions, handles, strict=True)]
         )
         source = aten.source_of(args, kwargs) if schema.random else None
         default = source if isinstance(source, torch.device) else None
-        explicit = tuple((i, x) for i, x in enumerate(flat) if isinstance(x, torch.Generator))
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
-            """The generator states the recipe keeps: a device's default one as ``rng``, explicit
-            ones as ``generators``. Taken just before the op runs (NOTE [room first])."""
+            """The generator states the recipe keeps (``rng``: a device's default one), taken just
+            before the op runs (NOTE [room first])."""
             rng = aten.capture((default,)) if default is not None else None
             return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
 
-        leaves = tuple(None if isinstance(x, (torch.Tensor, torch.Generator)) else x for x in flat)
         scratch = op_scratch.known(key)
-        learn = key if scratch is None and self.device.type == "cpu" and _allocator.available() else None
-        extra = recompute_bytes(func, args, default, self.device, self.managed)
-
+        learn = key if scratch is None and self.on_cpu and _allocator.available() else None
+        drawn = default is not None or bool(explicit)
+        extra = 0
+        if drawn or schema.hidden_writes:
+            extra = recompute_bytes(func, args, default, self.device, self.managed)
         if metas is None:
             rng, generators = states()
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
@@ -235,21 +238,20 @@ class Engine:
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
                 op_scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
         else:  # the backend runs it once the core has placed the outputs
-            rng, generators = None, ()
-            out, seconds = None, 0.0
+            rng, generators, out, seconds = None, (), None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
             fresh = [self.new_handle(m, n) for m, n in zip(metas, nbytes, strict=True)]
             positions_out = list(range(len(metas)))
         op = Op(
             self.ops,
-            str(func),
+            schema.name,
             inputs,
             tuple(fresh),
             tuple(written),
             cost=seconds,
             random=schema.random,
             scratch=aligned(scratch or 0) + extra,
-            state=state_bytes(default, tuple(x for _, x in explicit), self.device),
+            state=state_bytes(default, tuple(x for _, x in explicit), self.device) if drawn else 0,
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
             op = replace(op, cost=op_cost(op, self.tensors))
@@ -258,7 +260,7 @@ class Engine:
         pending.recipe = Recipe(
             func,
             schema.fresh_returns,
-            leaves,
+            tuple(leaves),
             spec,
             slots,
             tuple(positions_out),
@@ -270,7 +272,7 @@ class Engine:
             pending.run = lambda record: backend.first_run(func, args, kwargs, record, pending, self.bind)
             pending.measure = not self.estimated
             pending.metas = metas
-            pending.states = states if default is not None or explicit else None
+            pending.states = states if drawn else None
         backend.pending = pending
         runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
         if metas is not None:
@@ -283,10 +285,9 @@ class Engine:
         self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.real_bytes)
         return out
 
-    def _outputs_here(self, flat: list[Any], reads_here: bool) -> bool:
-        """Whether the op's results are on the region's device, as far as its arguments tell
-        (meta results do not say): a device argument names it, else its tensors or the default."""
-        named = [x for x in flat if isinstance(x, torch.device)]
+    def _outputs_here(self, named: list[torch.device], reads_here: bool) -> bool:
+        """Whether the op's results are on the region's device, as far as its arguments tell (meta
+        results do not say): a device argument (``named``) names it, else its tensors or the default."""
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
 
@@ -372,15 +373,15 @@ class Engine:
 
     def close(self) -> None:
         self.backend.close()
-        for fin in self.finalizers:
-            fin.detach()
-        self.finalizers.clear()
         self.backend.homes.clear()
         self.backend.recipes.clear()
 
     def trace(self, name: str = "dynamic") -> Trace:
         """What ran, as the simulator reads it (NOTE [same decisions])."""
         return Trace(tuple(self.tensors), tuple(self.events), frozenset(), name, self.device.type, "dynamic")
+
+
+_PASSED: dict[Any, bool] = {}  # overload -> it reads no data or is no op of the program (cached)
 
 
 def _same_device(a: torch.device | str, b: torch.device) -> bool:

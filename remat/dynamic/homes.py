@@ -23,6 +23,7 @@ need to round exactly as they do on memory from the allocator.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -68,8 +69,16 @@ class Homes:
         self.real_bytes = 0
         self.peak_real_bytes = 0
 
-    def add_handle(self, handle: int, storage: torch.UntypedStorage, pin: bool) -> None:
-        self.program[handle] = weakref.ref(storage)
+    def add_handle(
+        self,
+        handle: int,
+        storage: torch.UntypedStorage,
+        pin: bool,
+        died: Callable[[weakref.ref[torch.UntypedStorage]], None] | None = None,
+    ) -> None:
+        """Follow ``storage``, the program storage of ``handle``; ``died`` is called when it dies,
+        unless the handle was dropped first (:meth:`clear`, or ``del program[handle]``)."""
+        self.program[handle] = weakref.ref(storage, died)
         if pin:
             self.pinned[handle] = storage
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from remat import aten
 from remat.aten import RngState
@@ -34,8 +32,78 @@ def result_leaves(returns: tuple[bool, ...], out: Any) -> list[tuple[int, Any]]:
     return leaves
 
 
-@dataclass(frozen=True)
-class Slot:
+Spec = tuple[tuple[tuple[type, int] | None, ...], tuple[str, ...]]
+"""How :func:`flatten` laid an op's arguments out: per argument, positional then keyword, None
+(one leaf) or the container it was (``list`` or ``tuple``) and its length, its items inline; and
+the keyword names."""
+
+
+def flatten(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[Any], Spec]:
+    """The leaves of an ATen op's arguments, in the order ``torch.utils._pytree.tree_leaves((args,
+    kwargs))`` gives them, and how to put them back (:func:`unflatten`). ATen arguments nest one
+    deep at most (``Tensor[]``, ``int[]``), so this skips pytree's general walk, which costs more
+    than the rest of the runtime's work on a small op."""
+    flat: list[Any] = []
+    kinds: list[tuple[type, int] | None] = []
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind is list or kind is tuple:
+            flat.extend(value)
+            kinds.append((kind, len(value)))
+        else:
+            flat.append(value)
+            kinds.append(None)
+    return flat, (tuple(kinds), tuple(kwargs))
+
+
+def unflatten(flat: Sequence[Any], spec: Spec) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments :func:`flatten` made ``flat`` of, as ``(args, kwargs)``."""
+    kinds, names = spec
+    values: list[Any] = []
+    at = 0
+    for kind in kinds:
+        if kind is None:
+            values.append(flat[at])
+            at += 1
+        else:
+            values.append(kind[0](flat[at : at + kind[1]]))
+            at += kind[1]
+    split = len(values) - len(names)
+    return values[:split], dict(zip(names, values[split:], strict=True))
+
+
+class Scan(NamedTuple):
+    """What an op's flat arguments hold, found in one pass (:func:`scan`)."""
+
+    positions: list[int]  # of the tensors of the region
+    explicit: list[tuple[int, torch.Generator]]  # (position, generator) of each generator
+    named: list[torch.device]  # device arguments
+    leaves: list[Any]  # the flat arguments with tensors and generators set to None
+    tensors: bool  # any tensor at all, the region's or not
+
+
+def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
+    """:class:`Scan` of ``flat``; ``managed``: whether a tensor is the region's."""
+    positions: list[int] = []
+    explicit: list[tuple[int, torch.Generator]] = []
+    named: list[torch.device] = []
+    leaves = list(flat)
+    tensors = False
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            tensors = True
+            leaves[i] = None
+            if managed(x):
+                positions.append(i)
+        elif isinstance(x, torch.Generator):
+            leaves[i] = None
+            explicit.append((i, x))
+        elif isinstance(x, torch.device):
+            named.append(x)
+    return Scan(positions, explicit, named, leaves, tensors)
+
+
+class Slot(NamedTuple):
     """A tensor argument: flat position, the core storage (version) it read, and its geometry."""
 
     position: int
@@ -46,8 +114,7 @@ class Slot:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
-class Recipe:
+class Recipe(NamedTuple):
     """One op call, ready to run again. ``leaves`` are the flat arguments with tensors set to None;
     ``outputs[i]`` is the index of the op's ``i``-th fresh output among its results
     (``engine.result_leaves``);
@@ -57,7 +124,7 @@ class Recipe:
     func: Any
     returns: tuple[bool, ...]  # per return of the schema: a new tensor
     leaves: tuple[Any, ...]
-    spec: TreeSpec
+    spec: Spec
     slots: tuple[Slot, ...]
     outputs: tuple[int, ...]
     rng: RngState | None
@@ -73,8 +140,7 @@ class Recipe:
             generator = torch.Generator(device=where)
             generator.set_state(state)
             flat[position] = generator
-        args, kwargs = tree_unflatten(flat, self.spec)
-        return list(args), dict(kwargs)
+        return unflatten(flat, self.spec)
 
     def meta(self) -> Any:
         """The op's results on meta tensors: their sizes, without running it."""
