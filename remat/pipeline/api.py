@@ -1,0 +1,231 @@
+"""``remat.pipeline.plan``: cut a model into stages and plan each stage's recomputation within its
+rank's budget, given how many micro-batches the schedule makes that rank hold at once.
+
+Why per stage: under 1F1B, rank s of P holds up to P - s micro-batches (under GPipe all M), so
+one policy for every stage recomputes too much on late stages and may not fit early ones. Each
+stage's step on one micro-batch is traced (``remat.planner.trace_step``) and planned
+(``plan_trace``) with the budget of one micro-batch::
+
+    budget for one micro-batch = rank budget - (held - 1) x saved bytes of one micro-batch
+
+where the saved bytes are those of the plan itself; starting from the plain step's, the budget
+rises as the plan saves less, a few rounds, and the pipeline model (``remat.pipeline.timeline``)
+checks each candidate's peak on the rank. Where the budget allows, the last micro-batch runs
+without recomputation (torchgpipe's ``except_last``: its backward follows at once). A budget that
+no plan meets on some rank raises before any process starts, naming what each rank needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes, parse_bytes
+from remat.pipeline.plan import PipelinePlan, StagePlan
+from remat.pipeline.schedule import Schedule, build
+from remat.pipeline.split import BALANCES, balance, profile
+from remat.pipeline.timeline import walk
+from remat.planner.api import BudgetTooSmall, block_key, plan_trace, trace_step
+from remat.trace.events import Phase
+from remat.trace.types import Trace
+
+__all__ = ["plan"]
+
+_UNLIMITED = 2**62
+_ROUNDS = 4
+
+
+def _fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValueError) -> Exception:
+    return kind(message("pipeline.plan", rule, given, todo))
+
+
+def _cut(
+    model: nn.Module | Sequence[nn.Module],
+    example: torch.Tensor,
+    order: Schedule,
+    boundaries: Sequence[int] | None,
+    by: str,
+) -> tuple[list[nn.Module], tuple[int, ...]]:
+    """The stage modules and the cut points (empty for given stages)."""
+    p = order.n_stages
+    if not isinstance(model, nn.Module):
+        stages = list(model)
+        if len(stages) != p or not all(isinstance(s, nn.Module) for s in stages):
+            raise _fail(
+                "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
+            )
+        return stages, ()
+    children = list(model.children())
+    if boundaries is not None:
+        cuts = (0, *boundaries, len(children))
+        if len(cuts) != p + 1 or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False)):
+            raise _fail(
+                "boundaries are the first child of each stage after the first, increasing",
+                f"{list(boundaries)} for {p} stages of {len(children)} children",
+                f"pass {p - 1} increasing indices between 1 and {len(children) - 1}",
+            )
+    else:
+        costs = profile(children, example)
+        if by == "time":
+            cuts = balance([c.seconds for c in costs], [1] * p)
+        else:
+            cuts = balance([c.saved_bytes for c in costs], [order.in_flight(s) for s in range(p)])
+    return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
+
+
+def _seconds(trace: Trace, phase: Phase) -> float:
+    return math.fsum(op.cost for op in trace.ops if op.phase is phase)
+
+
+def _rank_peak(order: Schedule, sp: StagePlan) -> int:
+    """The pipeline model's peak on ``sp``'s rank (a rank's memory depends on its stages only)."""
+    m = order.n_microbatches
+    costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for _ in range(order.n_stages))
+    return walk(order, costs).peak_bytes[sp.rank]
+
+
+def _choose(
+    order: Schedule, stage: int, trace: Trace, module: nn.Module, sizes: tuple[int, int], budget: int
+) -> tuple[StagePlan | None, int]:
+    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank (or
+    None), and the least peak found on the rank. ``sizes``: the bytes of the stage's input and
+    output for one micro-batch."""
+    key = block_key(module)
+    plain = plan_trace(trace, _UNLIMITED, block_key=key)
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
+    held = order.in_flight(stage)
+    base = StagePlan(
+        stage, order.rank_of(stage), held, None, False, f, b, 0.0,
+        plain.saved_bytes, plain.predicted_peak_bytes, plain.saved_bytes, plain.predicted_peak_bytes,
+        sizes[1], grads, 2 * (sizes[1] + (sizes[0] if stage > 0 else 0)),
+    )  # fmt: skip
+    lowest = _rank_peak(order, base)
+    if lowest <= budget:
+        return base, lowest
+    saved, fits = plain.saved_bytes, []
+    for _ in range(_ROUNDS):
+        try:
+            found = plan_trace(trace, max(budget - (held - 1) * saved, 1), block_key=key)
+        except BudgetTooSmall as error:
+            found = plan_trace(trace, error.minimum_bytes, block_key=key)
+        sp = replace(
+            base,
+            plan=found,
+            recompute_s=max(found.predicted_overhead - 1.0, 0.0) * (f + b),
+            saved_bytes=found.saved_bytes,
+            peak_bytes=found.predicted_peak_bytes,
+        )
+        need = _rank_peak(order, sp)
+        lowest = min(lowest, need)
+        if need <= budget:
+            fits.append(sp)
+        elif fits or found.saved_bytes >= saved:
+            break
+        saved = found.saved_bytes
+    if not fits:
+        return None, lowest
+    chosen = min(fits, key=lambda sp: sp.recompute_s)
+    last = replace(chosen, except_last=True)
+    return (last if _rank_peak(order, last) <= budget else chosen), lowest
+
+
+def _plan_stages(
+    modules: Sequence[nn.Module],
+    order: Schedule,
+    example: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    budget: int,
+) -> tuple[list[StagePlan | None], list[int]]:
+    """Each stage's plan (None where none fits) and the least peak found on its rank, the stages
+    fed one after another from ``example``."""
+    chosen: list[StagePlan | None] = []
+    needs: list[int] = []
+    x = example.detach()
+    for s, module in enumerate(modules):
+        last = s == len(modules) - 1
+        inputs = x.requires_grad_(s > 0 and x.is_floating_point())
+
+        def step_loss(m: nn.Module, x: torch.Tensor, last: bool = last) -> torch.Tensor:
+            return loss_fn(m(x), target) if last else m(x).sum()
+
+        trace = trace_step(module, (inputs,), step_loss)
+        with torch.no_grad():
+            out = module(x).detach()
+        sizes = (x.numel() * x.element_size(), out.numel() * out.element_size())
+        sp, need = _choose(order, s, trace, module, sizes, budget)
+        chosen.append(sp)
+        needs.append(need)
+        x = out
+    return chosen, needs
+
+
+def plan(
+    model_or_stages: nn.Module | Sequence[nn.Module],
+    example_microbatch: torch.Tensor,
+    *,
+    n_stages: int,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    budget_per_rank: int | str,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+    boundaries: Sequence[int] | None = None,
+    balance_by: str = "time",
+) -> PipelinePlan:
+    """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks (one stage each).
+
+    ``model_or_stages`` is a chain (an ``nn.Sequential`` or any module whose children run in
+    order), cut into stages ``balance_by`` ``"time"`` or ``"memory"`` (the saved bytes weighed by
+    the micro-batches each stage holds) unless ``boundaries`` (the first child of each stage after
+    the first) fix the cut; or the list of stage modules itself. ``example_microbatch`` and
+    ``target`` are one micro-batch's input and target; ``loss_fn(output, target)`` is the loss the
+    torch schedule computes on the last stage. ``budget_per_rank`` (bytes, or ``"2GB"``) bounds
+    the bytes a step adds on each rank: activations, gradients, the plan's recomputation
+    (``remat.memory.track(allocator=True)`` around ``schedule.step``), parameters not counted.
+    ``schedule`` is one of ``remat.pipeline.SCHEDULES``. The model's buffers, gradients and the
+    RNG are left as they were.
+    """
+    if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise _fail(
+            "example_microbatch and target must be tensors",
+            f"got {type(example_microbatch).__name__}, {type(target).__name__}",
+            "pass one micro-batch's input and target",
+            RematTypeError,
+        )
+    if not callable(loss_fn):
+        raise _fail(
+            "loss_fn must be callable", type(loss_fn).__name__, "pass loss_fn(output, target)", RematTypeError
+        )
+    if balance_by not in BALANCES:
+        raise _fail("unknown balance", repr(balance_by), f"use one of {', '.join(BALANCES)}")
+    budget = parse_bytes(budget_per_rank, "pipeline.plan")
+    order = build(schedule, n_stages, n_microbatches)
+    modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        chosen, needs = _plan_stages(modules, order, example_microbatch, target, loss_fn, budget)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        torch.random.set_rng_state(rng)
+    if any(sp is None for sp in chosen):
+        each = ", ".join(
+            f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)
+        )
+        raise _fail(
+            "budget_per_rank below what some rank needs under any plan",
+            f"budget {budget} bytes; {each}",
+            "raise budget_per_rank, or use more stages or smaller micro-batches",
+        )
+    plans = tuple(sp for sp in chosen if sp is not None)
+    model = model_or_stages if isinstance(model_or_stages, nn.Module) else tuple(model_or_stages)
+    return PipelinePlan(order, cuts, budget, plans, balance_by if boundaries is None else "given", model)
