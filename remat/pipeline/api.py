@@ -90,11 +90,18 @@ def _rank_peak(order: Schedule, sp: StagePlan) -> int:
 
 
 def _choose(
-    order: Schedule, stage: int, trace: Trace, module: nn.Module, sizes: tuple[int, int], budget: int
+    order: Schedule,
+    stage: int,
+    trace: Trace,
+    module: nn.Module,
+    ends: tuple[torch.Tensor, torch.Tensor],
+    budget: int,
 ) -> tuple[StagePlan | None, int]:
     """The stage's plan with the least predicted overhead that fits ``budget`` on its rank (or
-    None), and the least peak found on the rank. ``sizes``: the bytes of the stage's input and
-    output for one micro-batch."""
+    None), and the least peak found on the rank. ``ends``: the stage's input and output for one
+    micro-batch."""
+    sizes = [t.numel() * t.element_size() for t in ends]
+    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in ends]
     key = block_key(module)
     plain = plan_trace(trace, _UNLIMITED, block_key=key)
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -103,7 +110,7 @@ def _choose(
     base = StagePlan(
         stage, order.rank_of(stage), held, None, False, f, b, 0.0,
         plain.saved_bytes, plain.predicted_peak_bytes, plain.saved_bytes, plain.predicted_peak_bytes,
-        sizes[1], grads, 2 * (sizes[1] + (sizes[0] if stage > 0 else 0)),
+        sizes[1], grads, 2 * (sizes[1] + (sizes[0] if stage > 0 else 0)), shapes[0], shapes[1],
     )  # fmt: skip
     lowest = _rank_peak(order, base)
     if lowest <= budget:
@@ -158,8 +165,7 @@ def _plan_stages(
         trace = trace_step(module, (inputs,), step_loss)
         with torch.no_grad():
             out = module(x).detach()
-        sizes = (x.numel() * x.element_size(), out.numel() * out.element_size())
-        sp, need = _choose(order, s, trace, module, sizes, budget)
+        sp, need = _choose(order, s, trace, module, (x, out), budget)
         chosen.append(sp)
         needs.append(need)
         x = out

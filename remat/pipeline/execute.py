@@ -24,7 +24,7 @@ from torch import nn
 from remat._errors import RematValueError, message
 from remat.pipeline.plan import StagePlan
 
-__all__ = ["PlannedStage", "pipeline_stages", "torch_schedule"]
+__all__ = ["PlannedStage", "pipeline_stages", "torch_schedule", "torch_stage"]
 
 
 class PlannedStage(nn.Module):
@@ -48,20 +48,42 @@ class PlannedStage(nn.Module):
             return self.body(*args)
 
 
+def torch_stage(
+    module: nn.Module,
+    stage_plan: StagePlan,
+    n_stages: int,
+    device: torch.device,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> Any:
+    """A torch ``PipelineStage`` running ``module`` as ``stage_plan``'s stage, told the shapes it
+    receives and sends (a stage left to infer them runs a forward on empty tensors, which would
+    count as a micro-batch and update batch norm's statistics with garbage)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    def meta(end: tuple[tuple[int, ...], str], grad: bool) -> torch.Tensor:
+        t = torch.empty(end[0], dtype=getattr(torch, end[1]), device="meta")
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    return PipelineStage(
+        module,
+        stage_plan.stage,
+        n_stages,
+        device,
+        input_args=meta(stage_plan.inputs, stage_plan.stage > 0),
+        output_args=meta(stage_plan.outputs, True),
+        group=group,
+    )
+
+
 def pipeline_stages(
-    stages: Sequence[tuple[int, nn.Module, StagePlan]],
+    stages: Sequence[tuple[nn.Module, StagePlan]],
     n_stages: int,
     n_microbatches: int,
     device: torch.device,
     group: torch.distributed.ProcessGroup | None,
 ) -> list[Any]:
-    """A torch ``PipelineStage`` per ``(stage index, module, stage plan)``."""
-    from torch.distributed.pipelining import PipelineStage
-
-    return [
-        PipelineStage(PlannedStage(module, sp, n_microbatches), index, n_stages, device, group=group)
-        for index, module, sp in stages
-    ]
+    """A torch ``PipelineStage`` per ``(module, stage plan)``, running the plan."""
+    return [torch_stage(PlannedStage(m, sp, n_microbatches), sp, n_stages, device, group) for m, sp in stages]
 
 
 def torch_schedule(

@@ -2,11 +2,11 @@
 measured: gradients, buffers, the allocator's peak, forward ops run, CPU time.
 
 Why one launcher for the tests, the demo and the benchmark: starting a process group costs
-seconds, so one spawn runs a warm-up step and the measured steps, and every rank writes its
-results to a file the caller reads; the model is built in each process by ``Job.build`` (seeded
-alike), and the plan travels as its JSON. Each measured step starts from the same buffers, with
-gradients cleared and every rank's generator seeded with ``seed + rank``, so a single-process
-reference can reproduce it (``reference``).
+seconds, so one spawn runs every job given (a warm-up step and the measured steps each), and
+every rank writes its results to a file the caller reads; the model is built in each process
+by ``Job.build`` (seeded alike), and the plan travels as its JSON. Each measured step starts from
+the same buffers, with gradients cleared and every rank's generator seeded with ``seed + rank``,
+so a single-process reference can reproduce it (``reference``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.memory import track
+from remat.pipeline.execute import torch_stage
 from remat.pipeline.plan import PipelinePlan
 
 __all__ = ["Job", "RankResult", "reference", "run"]
@@ -55,7 +56,8 @@ class Job:
 class RankResult:
     """What one rank measured: its stage's ``grads`` and ``buffers`` by the model's names, the
     allocator's ``peak_bytes`` over the measured steps, ``counts`` of the counted ops per step,
-    and the median ``cpu_seconds`` of a step."""
+    the median ``cpu_seconds`` of a step, and ``order``: the forwards and backwards its stage
+    ran in the last step, as actions (``"0F1"``)."""
 
     rank: int
     grads: dict[str, torch.Tensor]
@@ -63,6 +65,7 @@ class RankResult:
     peak_bytes: int
     counts: dict[str, int]
     cpu_seconds: float
+    order: tuple[str, ...]
 
 
 class _Counter(TorchDispatchMode):
@@ -77,72 +80,89 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank: int, job: Job, n_ranks: int, workdir: str) -> None:
+def _order(module: nn.Module, rank: int, n_microbatches: int, log: list[str]) -> None:
+    """Log ``module``'s forwards and backwards (when its output's gradient arrives) as actions."""
+    count = [0]
+
+    def forward(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        i = count[0] % n_microbatches
+        count[0] += 1
+        log.append(f"{rank}F{i}")
+        if out.requires_grad:
+            out.register_hook(lambda grad: log.append(f"{rank}B{i}"))  # type: ignore[func-returns-value]
+
+    module.register_forward_hook(forward)
+
+
+def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
+    torch.manual_seed(job.seed)
+    model = job.build()
+    plan = PipelinePlan.from_json(job.plan, model)
+    if job.wrap is None:
+        stages = plan.stages(rank, "cpu")
+    else:
+        module = job.wrap(plan.stage_modules()[rank])
+        stages = [torch_stage(module, plan.stage_plans[rank], n_ranks, torch.device("cpu"))]
+    log: list[str] = []
+    _order(stages[0].submod, rank, plan.order.n_microbatches, log)
+    schedule = plan.schedule(stages, job.loss_fn)
+    first, last = rank == 0, rank == n_ranks - 1
+    start = {k: v.detach().clone() for k, v in model.named_buffers()}
+
+    def step() -> None:
+        kwargs: dict[str, Any] = {"target": job.target, "losses": []} if last else {}
+        schedule.step(*((job.inputs,) if first else ()), **kwargs)
+
+    step()
+    peak, seconds, counts = 0, [], {}
+    for _ in range(job.steps):
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(start[name])
+        model.zero_grad(set_to_none=True)
+        log.clear()
+        torch.manual_seed(job.seed + rank)
+        dist.barrier()
+        counter = _Counter(job.counted)
+        clock = time.process_time()
+        with track(allocator=True) as memory, counter:
+            step()
+        seconds.append(time.process_time() - clock)
+        peak, counts = max(peak, memory.peak_bytes), counter.counts
+    params = {id(p) for p in stages[0].submod.parameters()}
+    buffers = {id(b) for b in stages[0].submod.buffers()}
+    return RankResult(
+        rank,
+        {
+            n: p.grad.detach().clone()
+            for n, p in model.named_parameters()
+            if id(p) in params and p.grad is not None
+        },
+        {n: b.detach().clone() for n, b in model.named_buffers() if id(b) in buffers},
+        peak,
+        counts,
+        statistics.median(seconds),
+        tuple(log),
+    )
+
+
+def _worker(rank: int, jobs: Sequence[Job], n_ranks: int, workdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=n_ranks)
     try:
-        torch.manual_seed(job.seed)
-        model = job.build()
-        plan = PipelinePlan.from_json(job.plan, model)
-        if job.wrap is None:
-            stages = plan.stages(rank, "cpu")
-        else:
-            from torch.distributed.pipelining import PipelineStage
-
-            module = job.wrap(plan.stage_modules()[rank])
-            stages = [PipelineStage(module, rank, n_ranks, torch.device("cpu"))]
-        schedule = plan.schedule(stages, job.loss_fn)
-        first, last = rank == 0, rank == n_ranks - 1
-        start = {k: v.detach().clone() for k, v in model.named_buffers()}
-
-        def step() -> None:
-            kwargs: dict[str, Any] = {"target": job.target, "losses": []} if last else {}
-            schedule.step(*((job.inputs,) if first else ()), **kwargs)
-
-        step()
-        peak, seconds, counts = 0, [], {}
-        for _ in range(job.steps):
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    b.copy_(start[name])
-            model.zero_grad(set_to_none=True)
-            torch.manual_seed(job.seed + rank)
-            dist.barrier()
-            counter = _Counter(job.counted)
-            clock = time.process_time()
-            with track(allocator=True) as memory, counter:
-                step()
-            seconds.append(time.process_time() - clock)
-            peak, counts = max(peak, memory.peak_bytes), counter.counts
-        mine = set(id(p) for p in stages[0].submod.parameters())
-        result = RankResult(
-            rank,
-            {
-                n: p.grad.detach().clone()
-                for n, p in model.named_parameters()
-                if id(p) in mine and p.grad is not None
-            },
-            {
-                n: b.detach().clone()
-                for n, b in model.named_buffers()
-                if any(b is x for x in stages[0].submod.buffers())
-            },
-            peak,
-            counts,
-            statistics.median(seconds),
-        )
-        torch.save(result, Path(workdir) / f"rank{rank}.pt")
+        torch.save([_one(job, rank, n_ranks) for job in jobs], Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run(job: Job, n_ranks: int, workdir: str | os.PathLike[str]) -> list[RankResult]:
-    """Run ``job`` on ``n_ranks`` spawned CPU processes over gloo (files in ``workdir``)."""
+def run(jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str]) -> list[list[RankResult]]:
+    """Run ``jobs`` one after another on ``n_ranks`` spawned CPU processes over gloo (files in
+    ``workdir``); per job, each rank's result."""
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    init = Path(workdir) / "init"
-    init.unlink(missing_ok=True)
-    mp.spawn(_worker, args=(job, n_ranks, str(workdir)), nprocs=n_ranks, join=True)
-    return [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
+    (Path(workdir) / "init").unlink(missing_ok=True)
+    mp.spawn(_worker, args=(list(jobs), n_ranks, str(workdir)), nprocs=n_ranks, join=True)
+    per_rank = [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
+    return [[per_rank[r][j] for r in range(n_ranks)] for j in range(len(jobs))]
 
 
 def reference(job: Job, n_ranks: int, n_microbatches: int) -> nn.Module:

@@ -41,7 +41,9 @@ class StagePlan:
     ``recompute_s`` (seconds), ``saved_bytes`` / ``peak_bytes`` under the plan and
     ``plain_saved_bytes`` / ``plain_peak_bytes`` without it; ``output_bytes`` of the stage's
     output, ``grad_bytes`` of its parameters' gradients, ``transfer_bytes`` held by the
-    schedule's sends and receives (``remat.pipeline.timeline``)."""
+    schedule's sends and receives (``remat.pipeline.timeline``); ``inputs`` and ``outputs``, the
+    shape and dtype of what the stage receives and sends for one micro-batch (torch's stage then
+    needs no forward to learn them)."""
 
     stage: int
     rank: int
@@ -58,6 +60,8 @@ class StagePlan:
     output_bytes: int
     grad_bytes: int
     transfer_bytes: int
+    inputs: tuple[tuple[int, ...], str]
+    outputs: tuple[tuple[int, ...], str]
 
     def recomputes(self, microbatch: int, n_microbatches: int) -> bool:
         """Whether ``microbatch`` runs under the plan."""
@@ -175,7 +179,7 @@ class PipelinePlan:
             )
         modules = self.stage_modules()
         return pipeline_stages(
-            [(sp.stage, modules[sp.stage], sp) for sp in mine],
+            [(modules[sp.stage], sp) for sp in mine],
             self.order.n_stages,
             self.order.n_microbatches,
             torch.device(device),
@@ -219,7 +223,14 @@ class PipelinePlan:
             )
         try:
             stage_plans = tuple(
-                StagePlan(**{**sp, "plan": None if sp["plan"] is None else Plan.from_json(sp["plan"])})
+                StagePlan(
+                    **{
+                        **sp,
+                        "plan": None if sp["plan"] is None else Plan.from_json(sp["plan"]),
+                        "inputs": (tuple(sp["inputs"][0]), sp["inputs"][1]),
+                        "outputs": (tuple(sp["outputs"][0]), sp["outputs"][1]),
+                    }
+                )
                 for sp in body["stage_plans"]
             )
             plan = cls(
