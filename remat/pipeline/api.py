@@ -8,9 +8,10 @@ stage's step on one micro-batch is traced (``remat.planner.trace_step``) and pla
 
     budget for one micro-batch = rank budget - (held - 1) x saved bytes of one micro-batch
 
-where the saved bytes are those of the plan itself; starting from the plain step's, the budget
-rises as the plan saves less, a few rounds, and the pipeline model (``remat.pipeline.timeline``)
-checks each candidate's peak on the rank. Where the budget allows, the last micro-batch runs
+where the saved bytes are those of the plan itself: starting from the plain step's, the pipeline
+model (``remat.pipeline.timeline``) checks each candidate's peak on the rank and the budget of one
+micro-batch moves by what the rank has left or lacks, a few rounds; the fitting candidate that
+recomputes least wins. Where the budget allows, the last micro-batch runs
 without recomputation (torchgpipe's ``except_last``: its backward follows at once). A budget that
 no plan meets on some rank raises before any process starts, naming what each rank needs.
 """
@@ -115,12 +116,16 @@ def _choose(
     lowest = _rank_peak(order, base)
     if lowest <= budget:
         return base, lowest
-    saved, fits = plain.saved_bytes, []
+    target, fits, tried = budget - (held - 1) * plain.saved_bytes, [], set()
     for _ in range(_ROUNDS):
+        if target in tried:
+            break
+        tried.add(target)
         try:
-            found = plan_trace(trace, max(budget - (held - 1) * saved, 1), block_key=key)
+            found = plan_trace(trace, max(target, 1), block_key=key)
         except BudgetTooSmall as error:
             found = plan_trace(trace, error.minimum_bytes, block_key=key)
+            target = error.minimum_bytes
         sp = replace(
             base,
             plan=found,
@@ -132,9 +137,10 @@ def _choose(
         lowest = min(lowest, need)
         if need <= budget:
             fits.append(sp)
-        elif fits or found.saved_bytes >= saved:
-            break
-        saved = found.saved_bytes
+        elif found.regions and target <= found.predicted_peak_bytes:
+            break  # the floor of the one-micro-batch plans: lowering the target finds no other
+        # move the one-micro-batch budget by what the rank has left (or lacks)
+        target += budget - need
     if not fits:
         return None, lowest
     chosen = min(fits, key=lambda sp: sp.recompute_s)
