@@ -75,7 +75,8 @@ def _cut(
         if by == "time":
             cuts = balance([c.seconds for c in costs], [1] * p)
         else:
-            cuts = balance([c.saved_bytes for c in costs], [order.in_flight(s) for s in range(p)])
+            held = [order.in_flight(s) for s in range(p)]
+            cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs])
     return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
 
 
@@ -189,13 +190,14 @@ def plan(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     target: torch.Tensor,
     boundaries: Sequence[int] | None = None,
-    balance_by: str = "time",
+    balance_by: str = "memory",
 ) -> PipelinePlan:
     """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks (one stage each).
 
     ``model_or_stages`` is a chain (an ``nn.Sequential`` or any module whose children run in
-    order), cut into stages ``balance_by`` ``"time"`` or ``"memory"`` (the saved bytes weighed by
-    the micro-batches each stage holds) unless ``boundaries`` (the first child of each stage after
+    order), cut into stages balanced by ``"memory"`` (the saved bytes weighed by the
+    micro-batches each stage holds, plus the gradients) or ``"time"`` (``balance_by``) unless
+    ``boundaries`` (the first child of each stage after
     the first) fix the cut; or the list of stage modules itself. ``example_microbatch`` and
     ``target`` are one micro-batch's input and target; ``loss_fn(output, target)`` is the loss the
     torch schedule computes on the last stage. ``budget_per_rank`` (bytes, or ``"2GB"``) bounds

@@ -2,9 +2,10 @@
 
 Why a partition of our own rather than torchgpipe's ``balance_by_time``: under 1F1B a stage does
 not hold one micro-batch but as many as the schedule keeps in flight there (P - s on stage s), so
-balancing memory weighs each stage's saved bytes by that count; balancing time weighs every stage
-alike. Both are the same exact minimax over contiguous cuts (a small dynamic program over the
-children), with costs measured once per child on the example micro-batch::
+balancing memory weighs each stage's saved bytes by that count (its gradients count once);
+balancing time weighs every stage alike. Both are the same exact minimax over contiguous cuts (a
+small dynamic program over the children), with costs measured once per child on the example
+micro-batch::
 
     children:   c0 c1 c2 | c3 c4 | c5 c6 c7        cut so that the largest of
     stage:          0         1        2           weight(s) * sum(cost of its children) is least
@@ -29,11 +30,12 @@ BALANCES: tuple[str, ...] = ("time", "memory")
 
 @dataclass(frozen=True)
 class ChildCost:
-    """One child's forward+backward CPU seconds and the bytes autograd saves for its backward
-    (parameters left out) on the example micro-batch."""
+    """One child's forward+backward CPU seconds, the bytes autograd saves for its backward
+    (parameters left out) on the example micro-batch, and its parameters' gradient bytes."""
 
     seconds: float
     saved_bytes: int
+    grad_bytes: int
 
 
 def _saved_bytes(child: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -68,7 +70,8 @@ def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int =
                 if y.requires_grad:
                     y.backward(torch.ones_like(y))
                 times.append(time.process_time() - start)
-            out.append(ChildCost(statistics.median(times), saved))
+            grad_bytes = sum(p.numel() * p.element_size() for p in child.parameters() if p.requires_grad)
+            out.append(ChildCost(statistics.median(times), saved, grad_bytes))
             x = y
     finally:
         with torch.no_grad():
@@ -80,9 +83,12 @@ def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int =
     return out
 
 
-def balance(costs: Sequence[float], weights: Sequence[int]) -> tuple[int, ...]:
+def balance(
+    costs: Sequence[float], weights: Sequence[int], fixed: Sequence[float] | None = None
+) -> tuple[int, ...]:
     """The cut points (``len(weights) + 1`` of them, first 0, last ``len(costs)``) that minimize
-    the largest ``weights[s] * sum(costs of stage s)``, every stage non-empty."""
+    the largest ``weights[s] * sum(costs of stage s) + sum(fixed of stage s)``, every stage
+    non-empty."""
     n, parts = len(costs), len(weights)
     if parts > n:
         raise RematValueError(
@@ -93,9 +99,10 @@ def balance(costs: Sequence[float], weights: Sequence[int]) -> tuple[int, ...]:
                 "pass fewer stages or a model with more children",
             )
         )
-    prefix = [0.0]
-    for c in costs:
+    prefix, once = [0.0], [0.0]
+    for c, f in zip(costs, fixed or [0.0] * n, strict=True):
         prefix.append(prefix[-1] + c)
+        once.append(once[-1] + f)
     inf = float("inf")
     # best[s][i]: least largest cost with stages 0..s-1 covering children 0..i-1
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
@@ -104,7 +111,7 @@ def balance(costs: Sequence[float], weights: Sequence[int]) -> tuple[int, ...]:
     for s in range(1, parts + 1):
         for i in range(s, n - (parts - s) + 1):
             for j in range(s - 1, i):
-                value = max(best[s - 1][j], weights[s - 1] * (prefix[i] - prefix[j]))
+                value = max(best[s - 1][j], weights[s - 1] * (prefix[i] - prefix[j]) + once[i] - once[j])
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
     bounds = [n]
