@@ -35,7 +35,7 @@ from remat.planner.api import BudgetTooSmall, block_key, plan_trace, trace_step
 from remat.trace.events import Phase
 from remat.trace.types import Trace
 
-__all__ = ["plan"]
+__all__ = ["measure", "plan"]
 
 _UNLIMITED = 2**62
 _ROUNDS = 4
@@ -91,33 +91,50 @@ def _rank_peak(order: Schedule, sp: StagePlan) -> int:
     return walk(order, costs).peak_bytes[sp.rank]
 
 
-def _choose(
+def measure(
     order: Schedule,
     stage: int,
-    trace: Trace,
     module: nn.Module,
-    ends: tuple[torch.Tensor, torch.Tensor],
-    budget: int,
-) -> tuple[StagePlan | None, int]:
-    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank (or
-    None), and the least peak found on the rank. ``ends``: the stage's input and output for one
-    micro-batch."""
-    sizes = [t.numel() * t.element_size() for t in ends]
-    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in ends]
-    key = block_key(module)
-    plain = plan_trace(trace, _UNLIMITED, block_key=key)
+    x: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[StagePlan, Trace, torch.Tensor]:
+    """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
+    micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
+    step, the trace, and its output (detached; the buffers and the RNG are the caller's to
+    restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
+    last = stage == order.n_stages - 1
+    inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
+
+    def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return loss_fn(m(x), target) if last else m(x).sum()
+
+    trace = trace_step(module, (inputs,), step_loss)
+    with torch.no_grad():
+        out = module(inputs).detach()
+    sizes = [t.numel() * t.element_size() for t in (inputs, out)]
+    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
+    plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
-    held = order.in_flight(stage)
     base = StagePlan(
-        stage, order.rank_of(stage), held, None, False, f, b, 0.0,
+        stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         plain.saved_bytes, plain.predicted_peak_bytes, plain.saved_bytes, plain.predicted_peak_bytes,
         sizes[1], grads, 2 * (sizes[1] + (sizes[0] if stage > 0 else 0)), shapes[0], shapes[1],
     )  # fmt: skip
+    return base, trace, out
+
+
+def _choose(
+    order: Schedule, base: StagePlan, trace: Trace, key: Callable[[str], str], budget: int
+) -> tuple[StagePlan | None, int]:
+    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank (or
+    None), and the least peak found on the rank, from ``base`` (nothing planned)."""
+    f, b, held = base.forward_s, base.backward_s, base.in_flight
     lowest = _rank_peak(order, base)
     if lowest <= budget:
         return base, lowest
-    target, fits, tried = budget - (held - 1) * plain.saved_bytes, [], set()
+    target, fits, tried = budget - (held - 1) * base.plain_saved_bytes, [], set()
     for _ in range(_ROUNDS):
         if target in tried:
             break
@@ -163,19 +180,10 @@ def _plan_stages(
     needs: list[int] = []
     x = example.detach()
     for s, module in enumerate(modules):
-        last = s == len(modules) - 1
-        inputs = x.requires_grad_(s > 0 and x.is_floating_point())
-
-        def step_loss(m: nn.Module, x: torch.Tensor, last: bool = last) -> torch.Tensor:
-            return loss_fn(m(x), target) if last else m(x).sum()
-
-        trace = trace_step(module, (inputs,), step_loss)
-        with torch.no_grad():
-            out = module(x).detach()
-        sp, need = _choose(order, s, trace, module, (x, out), budget)
+        base, trace, x = measure(order, s, module, x, target, loss_fn)
+        sp, need = _choose(order, base, trace, block_key(module), budget)
         chosen.append(sp)
         needs.append(need)
-        x = out
     return chosen, needs
 
 
