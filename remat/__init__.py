@@ -3,11 +3,12 @@
 Manual forms: ``remat.checkpoint`` (a function or module), ``remat.checkpoint_sequential`` (a chain
 cut into segments) and ``remat.scope`` (a region of code, recorded and replayed). Policies in
 ``remat.policy`` choose per op what to keep. ``remat.plan`` solves for the cheapest recomputation
-under a byte budget and applies it; ``remat.dynamic`` keeps eager training within a budget by
+under a byte budget and applies it; ``remat.pipeline`` plans it per stage and micro-batch of a
+pipeline across processes; ``remat.dynamic`` keeps eager training within a budget by
 evicting and recomputing online. ``remat.memory`` measures what it all costs.
 """
 
-from remat import integrations, memory, policy, trace, zoo
+from remat import integrations, memory, pipeline, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
 from remat.dynamic import dynamic
 from remat.manual.checkpoint import checkpoint
@@ -40,6 +41,7 @@ __all__ = [
     "dynamic",
     "integrations",
     "memory",
+    "pipeline",
     "plan",
     "policy",
     "scope",

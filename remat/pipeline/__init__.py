@@ -9,8 +9,9 @@ torch.distributed.pipelining is imported only when stages are built.
 """
 
 from remat.pipeline.api import plan
-from remat.pipeline.plan import PipelinePlan, StagePlan
+from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import SCHEDULES, Action, Schedule, build
+from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import Cost, Span, Timeline, walk
 
 __all__ = [

@@ -27,9 +27,10 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
-from remat.pipeline.plan import PipelinePlan, StagePlan
+from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import BALANCES, balance, profile
+from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import walk
 from remat.planner.api import BudgetTooSmall, block_key, plan_trace, trace_step
 from remat.trace.events import Phase

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematValueError, message
-from remat.pipeline.plan import StagePlan
+from remat.pipeline.stage_plan import StagePlan
 
 __all__ = ["PlannedStage", "pipeline_stages", "torch_schedule", "torch_stage"]
 

@@ -8,31 +8,39 @@ once, what its plan recomputes and the time the model predicts. rich is imported
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from remat._console import PIPED_WIDTH
 from remat._units import format_bytes
+from remat.pipeline.schedule import Schedule
+from remat.pipeline.stage_plan import StagePlan
+from remat.pipeline.timeline import Timeline
 from remat.policy import Decision
-
-if TYPE_CHECKING:
-    from remat.pipeline.plan import PipelinePlan
 
 __all__ = ["render"]
 
 
-def render(plan: PipelinePlan, file: Any = None) -> None:
-    """Print ``plan``'s per-rank table to ``file`` (default stdout)."""
+def render(
+    title: str,
+    order: Schedule,
+    budget_bytes: int,
+    stage_plans: Sequence[StagePlan],
+    line: Timeline,
+    file: Any = None,
+) -> None:
+    """Print a pipeline plan's per-rank table (its ``str()`` as ``title``, and its parts) to
+    ``file`` (default stdout)."""
     from rich.console import Console
     from rich.table import Table
 
-    line = plan.timeline()
-    m = plan.order.n_microbatches
-    table = Table(title=str(plan), title_justify="left")
+    m = order.n_microbatches
+    table = Table(title=title, title_justify="left")
     for column in ("rank", "stage", "peak", "budget", "held", "recomputed", "plain micro-batches", "busy"):
         table.add_column(
             column, justify="left" if column in ("recomputed", "plain micro-batches") else "right"
         )
-    for sp in plan.stage_plans:
+    for sp in stage_plans:
         if sp.plan is None:
             recomputed = "nothing"
         else:
@@ -45,7 +53,7 @@ def render(plan: PipelinePlan, file: Any = None) -> None:
             str(sp.rank),
             str(sp.stage),
             format_bytes(line.peak_bytes[sp.rank]),
-            format_bytes(plan.budget_bytes),
+            format_bytes(budget_bytes),
             str(sp.in_flight),
             recomputed,
             "all" if len(plain) == m else ", ".join(map(str, plain)) or "none",
@@ -55,4 +63,4 @@ def render(plan: PipelinePlan, file: Any = None) -> None:
     if not console.is_terminal:  # a file or a pipe: as wide as the table needs (``remat._console``)
         console = Console(file=file or sys.stdout, width=PIPED_WIDTH)
     console.print(table)
-    console.print(f"predicted step: {line.makespan * 1e3:.1f} ms ({plan.order.name})")
+    console.print(f"predicted step: {line.makespan * 1e3:.1f} ms ({order.name})")

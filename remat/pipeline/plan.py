@@ -25,71 +25,13 @@ from torch import nn
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.timeline import Cost, Timeline, walk
+from remat.pipeline.stage_plan import StagePlan
+from remat.pipeline.timeline import Timeline, walk
 from remat.planner.plan import Plan
 
-__all__ = ["FORMAT", "PipelinePlan", "StagePlan"]
+__all__ = ["FORMAT", "PipelinePlan"]
 
 FORMAT = "remat.pipeline/1"
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One stage: on ``rank``, holding up to ``in_flight`` micro-batches; ``plan`` recomputes for
-    one micro-batch (None: nothing recomputed), not for the last one when ``except_last``.
-    Costs of one micro-batch, measured on the example: ``forward_s``, ``backward_s`` and
-    ``recompute_s`` (seconds), ``saved_bytes`` / ``peak_bytes`` under the plan and
-    ``plain_saved_bytes`` / ``plain_peak_bytes`` without it; ``output_bytes`` of the stage's
-    output, ``grad_bytes`` of its parameters' gradients, ``transfer_bytes`` held by the
-    schedule's sends and receives (``remat.pipeline.timeline``); ``inputs`` and ``outputs``, the
-    shape and dtype of what the stage receives and sends for one micro-batch (torch's stage then
-    needs no forward to learn them)."""
-
-    stage: int
-    rank: int
-    in_flight: int
-    plan: Plan | None
-    except_last: bool
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    saved_bytes: int
-    peak_bytes: int
-    plain_saved_bytes: int
-    plain_peak_bytes: int
-    output_bytes: int
-    grad_bytes: int
-    transfer_bytes: int
-    inputs: tuple[tuple[int, ...], str]
-    outputs: tuple[tuple[int, ...], str]
-
-    def recomputes(self, microbatch: int, n_microbatches: int) -> bool:
-        """Whether ``microbatch`` runs under the plan."""
-        return self.plan is not None and not (self.except_last and microbatch == n_microbatches - 1)
-
-    def cost(self, microbatch: int, n_microbatches: int) -> Cost:
-        """The pipeline model's cost of this stage on ``microbatch``."""
-        if self.recomputes(microbatch, n_microbatches):
-            return Cost(
-                self.forward_s,
-                self.backward_s + self.recompute_s,
-                self.recompute_s,
-                self.saved_bytes,
-                self.peak_bytes,
-                self.output_bytes,
-                self.grad_bytes,
-                self.transfer_bytes,
-            )
-        return Cost(
-            self.forward_s,
-            self.backward_s,
-            0.0,
-            self.plain_saved_bytes,
-            self.plain_peak_bytes,
-            self.output_bytes,
-            self.grad_bytes,
-            self.transfer_bytes,
-        )
 
 
 @dataclass(frozen=True)
@@ -138,7 +80,7 @@ class PipelinePlan:
         budget, micro-batches held, ops recomputed, predicted time. It returns nothing."""
         from remat.pipeline.explain import render
 
-        render(self, file)
+        render(str(self), self.order, self.budget_bytes, self.stage_plans, self.timeline(), file)
 
     # -- running it ---------------------------------------------------------------------------
 
