@@ -37,9 +37,10 @@ class Job:
     """What every rank runs: ``build()`` makes the model (the same in every process), ``plan`` is
     the ``PipelinePlan``'s JSON, ``inputs`` and ``target`` the whole batch the schedule splits.
     ``wrap`` (a picklable function of a stage module) replaces the plan's stage modules, for a
-    comparison such as per-block ``torch.utils.checkpoint`` or none; ``steps`` measured steps
-    follow one warm-up step. ``counted`` names ATen ops to count on each rank (forward-only ops
-    count the forwards and their recomputations)."""
+    comparison such as per-block ``torch.utils.checkpoint`` or none; after one warm-up step,
+    ``steps`` steps are timed and one more is measured (memory, counted ops, order).
+    ``counted`` names ATen ops to count on each rank (forward-only ops count the forwards and
+    their recomputations)."""
 
     build: Callable[[], nn.Module]
     plan: dict[str, Any]
@@ -55,9 +56,9 @@ class Job:
 @dataclass(frozen=True)
 class RankResult:
     """What one rank measured: its stage's ``grads`` and ``buffers`` by the model's names, the
-    allocator's ``peak_bytes`` over the measured steps, ``counts`` of the counted ops per step,
+    allocator's ``peak_bytes`` in the measured step, ``counts`` of the counted ops in it,
     the median ``cpu_seconds`` of a step, and ``order``: the forwards and backwards its stage
-    ran in the last step, as actions (``"0F1"``)."""
+    ran in the measured step, as actions (``"0F1"``)."""
 
     rank: int
     grads: dict[str, torch.Tensor]
@@ -113,9 +114,7 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         kwargs: dict[str, Any] = {"target": job.target, "losses": []} if last else {}
         schedule.step(*((job.inputs,) if first else ()), **kwargs)
 
-    step()
-    peak, seconds, counts = 0, [], {}
-    for _ in range(job.steps):
+    def reset() -> None:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(start[name])
@@ -123,12 +122,18 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         log.clear()
         torch.manual_seed(job.seed + rank)
         dist.barrier()
-        counter = _Counter(job.counted)
+
+    step()
+    seconds = []
+    for _ in range(job.steps):  # timed bare: the tracker and the counter cost time per op
+        reset()
         clock = time.process_time()
-        with track(allocator=True) as memory, counter:
-            step()
+        step()
         seconds.append(time.process_time() - clock)
-        peak, counts = max(peak, memory.peak_bytes), counter.counts
+    reset()
+    counter = _Counter(job.counted)
+    with track(allocator=True) as memory, counter:
+        step()
     params = {id(p) for p in stages[0].submod.parameters()}
     buffers = {id(b) for b in stages[0].submod.buffers()}
     return RankResult(
@@ -139,8 +144,8 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
             if id(p) in params and p.grad is not None
         },
         {n: b.detach().clone() for n, b in model.named_buffers() if id(b) in buffers},
-        peak,
-        counts,
+        memory.peak_bytes,
+        counter.counts,
         statistics.median(seconds),
         tuple(log),
     )
