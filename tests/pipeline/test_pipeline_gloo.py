@@ -101,3 +101,12 @@ def test_the_schedule_model_is_the_order_torch_runs(runs, index: int) -> None:
     plan, _, results = runs[index]
     for result in results:
         assert list(result.order) == [str(a) for a in plan.order.actions[result.rank]]
+
+
+def test_the_demo_draws_its_step_and_every_rank_stays_within_the_budget(tmp_path) -> None:
+    from remat.pipeline.demo import demo
+
+    result = demo(tmp_path)
+    assert result.picture.read_bytes()[:4] == b"\x89PNG"
+    assert all(0 < peak <= result.budget_bytes for peak in result.measured)
+    assert str(result).startswith("pipeline, 1f1b on 2 gloo processes")
