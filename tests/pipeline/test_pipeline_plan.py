@@ -3,6 +3,7 @@ the error for a budget no rank meets, the JSON form and the per-rank table."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -26,17 +27,15 @@ def example() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def _plan(example, budget, **options) -> pp.PipelinePlan:
     model, x, y = example
-    options = {"schedule": "1f1b", "boundaries": [2], **options}
-    return pp.plan(
-        model,
-        x,
-        n_stages=2,
-        n_microbatches=M,
-        budget_per_rank=budget,
-        loss_fn=nn.functional.mse_loss,
-        target=y,
+    options = {
+        "schedule": "1f1b",
+        "boundaries": [2],
+        "n_microbatches": M,
+        "loss_fn": nn.functional.mse_loss,
+        "target": y,
         **options,
-    )
+    }
+    return pp.plan(model, x, n_stages=2, budget_per_rank=budget, **options)
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +132,22 @@ def test_balanced_by_time_or_memory_cuts_every_child_once(example) -> None:
         p = _plan(example, "1GB", boundaries=None, balance_by=by)
         assert p.boundaries[0] == 0 and p.boundaries[-1] == 4 and len(p.boundaries) == 3
         assert p.balance == by
+
+
+def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
+    model, x, y = example
+    with pytest.raises(RematTypeError, match=r"and target must be tensors \(got Tensor, list\)"):
+        _plan(example, "1GB", target=[1])
+    with pytest.raises(RematTypeError, match=r"loss_fn must be callable"):
+        _plan(example, "1GB", loss_fn=3)
+    with pytest.raises(RematValueError, match=r"unknown balance \('size'\); use one of time, memory"):
+        _plan(example, "1GB", boundaries=None, balance_by="size")
+    with pytest.raises(RematValueError, match=r"stages and micro-batches must be positive"):
+        _plan(example, "1GB", schedule="gpipe", n_microbatches=0)
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(RematValueError, match=r"remat\.pipeline\.load: not a remat\.pipeline/1 plan"):
+        pp.PipelinePlan.load(tmp_path / "bad.json")
+    with pytest.raises(RematValueError, match=r"no stage runs on this rank \(rank 5 of 2\)"):
+        plain.stages(5, "cpu")
+    with pytest.raises(RematTypeError, match=r"this plan was made for stage modules"):
+        dataclasses.replace(plain, boundaries=()).with_model(model)
