@@ -3,12 +3,13 @@
 Manual forms: ``remat.checkpoint`` (a function or module), ``remat.checkpoint_sequential`` (a chain
 cut into segments) and ``remat.scope`` (a region of code, recorded and replayed). Policies in
 ``remat.policy`` choose per op what to keep. ``remat.plan`` solves for the cheapest recomputation
-under a byte budget and applies it; ``remat.dynamic`` keeps eager training within a budget by
+under a byte budget and applies it; ``remat.pipeline`` plans it per stage and micro-batch of a
+pipeline across processes; ``remat.dynamic`` keeps eager training within a budget by
 evicting and recomputing online. ``remat.offload`` moves what a block saves to host memory instead
 (``remat.host``). ``remat.memory`` measures what it all costs.
 """
 
-from remat import integrations, memory, policy, trace, zoo
+from remat import integrations, memory, pipeline, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
 from remat.dynamic import dynamic
 from remat.host.link import Link
@@ -58,6 +59,7 @@ __all__ = [
     "integrations",
     "memory",
     "offload",
+    "pipeline",
     "plan",
     "policy",
     "scope",

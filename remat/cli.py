@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "remat.sim.cli",
     "remat.planner.cli",
     "remat.viz.cli",
+    "remat.pipeline.cli",
 )
 
 

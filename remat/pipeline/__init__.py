@@ -1,0 +1,29 @@
+"""Pipelines across processes with recomputation planned per stage and per micro-batch.
+
+``plan`` cuts a chain of modules into stages and plans each stage's recomputation (the static
+planner's ``remat.Plan``) within its rank's budget, given how many micro-batches the schedule
+(``remat.pipeline.schedule``) makes that rank hold at once; the ``PipelinePlan`` it returns runs on
+torch.distributed.pipelining (``stages``, ``schedule``), and its pipeline model
+(``remat.pipeline.timeline``) predicts the step's makespan and each rank's memory over time.
+torch.distributed.pipelining is imported only when stages are built.
+"""
+
+from remat.pipeline.api import plan
+from remat.pipeline.plan import PipelinePlan
+from remat.pipeline.schedule import SCHEDULES, Action, Schedule, build
+from remat.pipeline.stage_plan import StagePlan
+from remat.pipeline.timeline import Cost, Span, Timeline, walk
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Cost",
+    "PipelinePlan",
+    "Schedule",
+    "Span",
+    "StagePlan",
+    "Timeline",
+    "build",
+    "plan",
+    "walk",
+]

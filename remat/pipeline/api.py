@@ -1,0 +1,254 @@
+"""``remat.pipeline.plan``: cut a model into stages and plan each stage's recomputation within its
+rank's budget, given how many micro-batches the schedule makes that rank hold at once.
+
+Why per stage: under 1F1B, rank s of P holds up to P - s micro-batches (under GPipe all M), so
+one policy for every stage recomputes too much on late stages and may not fit early ones. Each
+stage's step on one micro-batch is traced (``remat.planner.trace_step``) and planned
+(``plan_trace``) with the budget of one micro-batch::
+
+    budget for one micro-batch = rank budget - (held - 1) x saved bytes of one micro-batch
+
+where the saved bytes are those of the plan itself: starting from the plain step's, the pipeline
+model (``remat.pipeline.timeline``) checks each candidate's peak on the rank and the budget of one
+micro-batch moves by what the rank has left or lacks, a few rounds; the fitting candidate that
+recomputes least wins. Where the budget allows, the last micro-batch runs
+without recomputation (torchgpipe's ``except_last``: its backward follows at once). A budget that
+no plan meets on some rank raises before any process starts, naming what each rank needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes, parse_bytes
+from remat.pipeline.plan import PipelinePlan
+from remat.pipeline.schedule import Schedule, build
+from remat.pipeline.split import BALANCES, balance, profile
+from remat.pipeline.stage_plan import StagePlan
+from remat.pipeline.timeline import walk
+from remat.planner.api import BudgetTooSmall, block_key, plan_trace, trace_step
+from remat.trace.events import Phase
+from remat.trace.types import Trace
+
+__all__ = ["measure", "plan"]
+
+_UNLIMITED = 2**62
+_ROUNDS = 4
+
+
+def _fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValueError) -> Exception:
+    return kind(message("pipeline.plan", rule, given, todo))
+
+
+def _cut(
+    model: nn.Module | Sequence[nn.Module],
+    example: torch.Tensor,
+    order: Schedule,
+    boundaries: Sequence[int] | None,
+    by: str,
+) -> tuple[list[nn.Module], tuple[int, ...]]:
+    """The stage modules and the cut points (empty for given stages)."""
+    p = order.n_stages
+    if not isinstance(model, nn.Module):
+        stages = list(model)
+        if len(stages) != p or not all(isinstance(s, nn.Module) for s in stages):
+            raise _fail(
+                "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
+            )
+        return stages, ()
+    children = list(model.children())
+    if boundaries is not None:
+        cuts = (0, *boundaries, len(children))
+        if len(cuts) != p + 1 or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False)):
+            raise _fail(
+                "boundaries are the first child of each stage after the first, increasing",
+                f"{list(boundaries)} for {p} stages of {len(children)} children",
+                f"pass {p - 1} increasing indices between 1 and {len(children) - 1}",
+            )
+    else:
+        costs = profile(children, example)
+        if by == "time":
+            cuts = balance([c.seconds for c in costs], [1] * p)
+        else:
+            held = [order.in_flight(s) for s in range(p)]
+            cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs])
+    return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
+
+
+def _seconds(trace: Trace, phase: Phase) -> float:
+    return math.fsum(op.cost for op in trace.ops if op.phase is phase)
+
+
+def _rank_peak(order: Schedule, sp: StagePlan) -> int:
+    """The pipeline model's peak on ``sp``'s rank (a rank's memory depends on its stages only)."""
+    m = order.n_microbatches
+    costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for _ in range(order.n_stages))
+    return walk(order, costs).peak_bytes[sp.rank]
+
+
+def measure(
+    order: Schedule,
+    stage: int,
+    module: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[StagePlan, Trace, torch.Tensor]:
+    """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
+    micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
+    step, the trace, and its output (detached; the buffers and the RNG are the caller's to
+    restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
+    last = stage == order.n_stages - 1
+    inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
+
+    def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return loss_fn(m(x), target) if last else m(x).sum()
+
+    trace = trace_step(module, (inputs,), step_loss)
+    with torch.no_grad():
+        out = module(inputs).detach()
+    sizes = [t.numel() * t.element_size() for t in (inputs, out)]
+    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
+    plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
+    base = StagePlan(
+        stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
+        plain.saved_bytes, plain.predicted_peak_bytes, plain.saved_bytes, plain.predicted_peak_bytes,
+        sizes[1], grads, 2 * (sizes[1] + (sizes[0] if stage > 0 else 0)), shapes[0], shapes[1],
+    )  # fmt: skip
+    return base, trace, out
+
+
+def _choose(
+    order: Schedule, base: StagePlan, trace: Trace, key: Callable[[str], str], budget: int
+) -> tuple[StagePlan | None, int]:
+    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank (or
+    None), and the least peak found on the rank, from ``base`` (nothing planned)."""
+    f, b, held = base.forward_s, base.backward_s, base.in_flight
+    lowest = _rank_peak(order, base)
+    if lowest <= budget:
+        return base, lowest
+    target, fits, tried = budget - (held - 1) * base.plain_saved_bytes, [], set()
+    for _ in range(_ROUNDS):
+        if target in tried:
+            break
+        tried.add(target)
+        try:
+            found = plan_trace(trace, max(target, 1), block_key=key)
+        except BudgetTooSmall as error:
+            found = plan_trace(trace, error.minimum_bytes, block_key=key)
+            target = error.minimum_bytes
+        sp = replace(
+            base,
+            plan=found,
+            recompute_s=max(found.predicted_overhead - 1.0, 0.0) * (f + b),
+            saved_bytes=found.saved_bytes,
+            peak_bytes=found.predicted_peak_bytes,
+        )
+        need = _rank_peak(order, sp)
+        lowest = min(lowest, need)
+        if need <= budget:
+            fits.append(sp)
+        elif found.regions and target <= found.predicted_peak_bytes:
+            break  # the floor of the one-micro-batch plans: lowering the target finds no other
+        # move the one-micro-batch budget by what the rank has left (or lacks)
+        target += budget - need
+    if not fits:
+        return None, lowest
+    chosen = min(fits, key=lambda sp: sp.recompute_s)
+    last = replace(chosen, except_last=True)
+    return (last if _rank_peak(order, last) <= budget else chosen), lowest
+
+
+def _plan_stages(
+    modules: Sequence[nn.Module],
+    order: Schedule,
+    example: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    budget: int,
+) -> tuple[list[StagePlan | None], list[int]]:
+    """Each stage's plan (None where none fits) and the least peak found on its rank, the stages
+    fed one after another from ``example``."""
+    chosen: list[StagePlan | None] = []
+    needs: list[int] = []
+    x = example.detach()
+    for s, module in enumerate(modules):
+        base, trace, x = measure(order, s, module, x, target, loss_fn)
+        sp, need = _choose(order, base, trace, block_key(module), budget)
+        chosen.append(sp)
+        needs.append(need)
+    return chosen, needs
+
+
+def plan(
+    model_or_stages: nn.Module | Sequence[nn.Module],
+    example_microbatch: torch.Tensor,
+    *,
+    n_stages: int,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    budget_per_rank: int | str,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+    boundaries: Sequence[int] | None = None,
+    balance_by: str = "memory",
+) -> PipelinePlan:
+    """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks (one stage each).
+
+    ``model_or_stages`` is a chain (an ``nn.Sequential`` or any module whose children run in
+    order), cut into stages balanced by ``"memory"`` (the saved bytes weighed by the
+    micro-batches each stage holds, plus the gradients) or ``"time"`` (``balance_by``) unless
+    ``boundaries`` (the first child of each stage after
+    the first) fix the cut; or the list of stage modules itself. ``example_microbatch`` and
+    ``target`` are one micro-batch's input and target; ``loss_fn(output, target)`` is the loss the
+    torch schedule computes on the last stage. ``budget_per_rank`` (bytes, or ``"2GB"``) bounds
+    the bytes a step adds on each rank: activations, gradients, the plan's recomputation
+    (``remat.memory.track(allocator=True)`` around ``schedule.step``), parameters not counted.
+    ``schedule`` is one of ``remat.pipeline.SCHEDULES``. The model's buffers, gradients and the
+    RNG are left as they were.
+    """
+    if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise _fail(
+            "example_microbatch and target must be tensors",
+            f"got {type(example_microbatch).__name__}, {type(target).__name__}",
+            "pass one micro-batch's input and target",
+            RematTypeError,
+        )
+    if not callable(loss_fn):
+        raise _fail(
+            "loss_fn must be callable", type(loss_fn).__name__, "pass loss_fn(output, target)", RematTypeError
+        )
+    if balance_by not in BALANCES:
+        raise _fail("unknown balance", repr(balance_by), f"use one of {', '.join(BALANCES)}")
+    budget = parse_bytes(budget_per_rank, "pipeline.plan")
+    order = build(schedule, n_stages, n_microbatches)
+    modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        chosen, needs = _plan_stages(modules, order, example_microbatch, target, loss_fn, budget)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        torch.random.set_rng_state(rng)
+    if any(sp is None for sp in chosen):
+        each = ", ".join(
+            f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)
+        )
+        raise _fail(
+            "budget_per_rank below what some rank needs under any plan",
+            f"budget {budget} bytes; {each}",
+            "raise budget_per_rank, or use more stages or smaller micro-batches",
+        )
+    plans = tuple(sp for sp in chosen if sp is not None)
+    model = model_or_stages if isinstance(model_or_stages, nn.Module) else tuple(model_or_stages)
+    return PipelinePlan(order, cuts, budget, plans, balance_by if boundaries is None else "given", model)

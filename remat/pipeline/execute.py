@@ -1,0 +1,105 @@
+"""Running a PipelinePlan on torch.distributed.pipelining: stage modules that apply their plan per
+micro-batch, wrapped in torch's ``PipelineStage`` and driven by torch's schedule classes.
+
+Why a module around each stage rather than a runtime of our own: torch's schedules already
+receive, send, order and backward the micro-batches; what they cannot do is vary the recomputation
+by micro-batch. A ``PlannedStage`` knows which micro-batch a forward is for by counting its
+forwards (every torch schedule runs a stage's forwards in micro-batch order, 0 to M-1, once per
+step), and runs it under its ``remat.Plan`` (``Plan.apply``) or plainly (the last one, with
+``except_last``). Recomputation happens in backward through the plan's saved-tensor hooks, not
+through the module's forward, so the count is that of the schedule's forwards only; batch norm's
+statistics are updated once per micro-batch forward (the replay shields buffers).
+
+torch.distributed.pipelining is imported here only, when stages are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._errors import RematValueError, message
+from remat.pipeline.stage_plan import StagePlan
+
+__all__ = ["PlannedStage", "pipeline_stages", "torch_schedule", "torch_stage"]
+
+
+class PlannedStage(nn.Module):
+    """A stage's module (``body``) whose forwards run under ``stage_plan``, by micro-batch.
+    ``forwards`` counts the forwards run since construction."""
+
+    def __init__(self, body: nn.Module, stage_plan: StagePlan, n_microbatches: int) -> None:
+        super().__init__()
+        self.body = body
+        self.stage_plan = stage_plan
+        self.n_microbatches = n_microbatches
+        self.forwards = 0
+
+    def forward(self, *args: Any) -> Any:
+        microbatch = self.forwards % self.n_microbatches
+        self.forwards += 1
+        plan = self.stage_plan.plan
+        if plan is None or not self.stage_plan.recomputes(microbatch, self.n_microbatches):
+            return self.body(*args)
+        with plan.apply(self.body):
+            return self.body(*args)
+
+
+def torch_stage(
+    module: nn.Module,
+    stage_plan: StagePlan,
+    n_stages: int,
+    device: torch.device,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> Any:
+    """A torch ``PipelineStage`` running ``module`` as ``stage_plan``'s stage, told the shapes it
+    receives and sends (a stage left to infer them runs a forward on empty tensors, which would
+    count as a micro-batch and update batch norm's statistics with garbage)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    def meta(end: tuple[tuple[int, ...], str], grad: bool) -> torch.Tensor:
+        t = torch.empty(end[0], dtype=getattr(torch, end[1]), device="meta")
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    return PipelineStage(
+        module,
+        stage_plan.stage,
+        n_stages,
+        device,
+        input_args=meta(stage_plan.inputs, stage_plan.stage > 0),
+        output_args=meta(stage_plan.outputs, True),
+        group=group,
+    )
+
+
+def pipeline_stages(
+    stages: Sequence[tuple[nn.Module, StagePlan]],
+    n_stages: int,
+    n_microbatches: int,
+    device: torch.device,
+    group: torch.distributed.ProcessGroup | None,
+) -> list[Any]:
+    """A torch ``PipelineStage`` per ``(module, stage plan)``, running the plan."""
+    return [torch_stage(PlannedStage(m, sp, n_microbatches), sp, n_stages, device, group) for m, sp in stages]
+
+
+def torch_schedule(
+    name: str, stages: Sequence[Any], n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
+) -> Any:
+    """The torch schedule class for ``name``, over ``stages`` (one per rank)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if len(stages) != 1 or name not in classes:
+        raise RematValueError(
+            message(
+                "pipeline.PipelinePlan.schedule",
+                "a single-stage schedule takes one stage per rank",
+                f"{name!r} with {len(stages)} stages",
+                "pass the list PipelinePlan.stages returned",
+            )
+        )
+    return classes[name](stages[0], n_microbatches, loss_fn=loss_fn)

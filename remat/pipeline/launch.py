@@ -1,0 +1,194 @@
+"""Running a PipelinePlan's step on local CPU processes over gloo, and reading back what each rank
+measured: gradients, buffers, the allocator's peak, forward ops run, CPU time.
+
+Why one launcher for the tests, the demo and the benchmark: starting a process group costs
+seconds, so one spawn runs every job given (a warm-up step and the measured steps each), and
+every rank writes its results to a file the caller reads; the model is built in each process
+by ``Job.build`` (seeded alike), and the plan travels as its JSON. Each measured step starts from
+the same buffers, with gradients cleared and every rank's generator seeded with ``seed + rank``,
+so a single-process reference can reproduce it (``reference``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.memory import track
+from remat.pipeline.execute import torch_stage
+from remat.pipeline.plan import PipelinePlan
+
+__all__ = ["Job", "RankResult", "reference", "run"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank runs: ``build()`` makes the model (the same in every process), ``plan`` is
+    the ``PipelinePlan``'s JSON, ``inputs`` and ``target`` the whole batch the schedule splits.
+    ``wrap`` (a picklable function of a stage module) replaces the plan's stage modules, for a
+    comparison such as per-block ``torch.utils.checkpoint`` or none; after one warm-up step,
+    ``steps`` steps are timed and one more is measured (memory, counted ops, order).
+    ``counted`` names ATen ops to count on each rank (forward-only ops count the forwards and
+    their recomputations)."""
+
+    build: Callable[[], nn.Module]
+    plan: dict[str, Any]
+    inputs: torch.Tensor
+    target: torch.Tensor
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    seed: int = 0
+    wrap: Callable[[nn.Module], nn.Module] | None = None
+    steps: int = 1
+    counted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank measured: its stage's ``grads`` and ``buffers`` by the model's names, the
+    allocator's ``peak_bytes`` in the measured step, ``counts`` of the counted ops in it,
+    the median ``cpu_seconds`` of a step, and ``order``: the forwards and backwards its stage
+    ran in the measured step, as actions (``"0F1"``)."""
+
+    rank: int
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    peak_bytes: int
+    counts: dict[str, int]
+    cpu_seconds: float
+    order: tuple[str, ...]
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(names, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        if name in self.counts:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _order(module: nn.Module, rank: int, n_microbatches: int, log: list[str]) -> None:
+    """Log ``module``'s forwards and backwards (when its output's gradient arrives) as actions."""
+    count = [0]
+
+    def forward(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        i = count[0] % n_microbatches
+        count[0] += 1
+        log.append(f"{rank}F{i}")
+        if out.requires_grad:
+            out.register_hook(lambda grad: log.append(f"{rank}B{i}"))  # type: ignore[func-returns-value]
+
+    module.register_forward_hook(forward)
+
+
+def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
+    torch.manual_seed(job.seed)
+    model = job.build()
+    plan = PipelinePlan.from_json(job.plan, model)
+    if job.wrap is None:
+        stages = plan.stages(rank, "cpu")
+    else:
+        module = job.wrap(plan.stage_modules()[rank])
+        stages = [torch_stage(module, plan.stage_plans[rank], n_ranks, torch.device("cpu"))]
+    log: list[str] = []
+    _order(stages[0].submod, rank, plan.order.n_microbatches, log)
+    schedule = plan.schedule(stages, job.loss_fn)
+    first, last = rank == 0, rank == n_ranks - 1
+    start = {k: v.detach().clone() for k, v in model.named_buffers()}
+
+    def step() -> None:
+        kwargs: dict[str, Any] = {"target": job.target, "losses": []} if last else {}
+        schedule.step(*((job.inputs,) if first else ()), **kwargs)
+
+    def reset() -> None:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(start[name])
+        model.zero_grad(set_to_none=True)
+        log.clear()
+        torch.manual_seed(job.seed + rank)
+        dist.barrier()
+
+    step()
+    seconds = []
+    for _ in range(job.steps):  # timed bare: the tracker and the counter cost time per op
+        reset()
+        clock = time.process_time()
+        step()
+        seconds.append(time.process_time() - clock)
+    reset()
+    counter = _Counter(job.counted)
+    with track(allocator=True) as memory, counter:
+        step()
+    params = {id(p) for p in stages[0].submod.parameters()}
+    buffers = {id(b) for b in stages[0].submod.buffers()}
+    return RankResult(
+        rank,
+        {
+            n: p.grad.detach().clone()
+            for n, p in model.named_parameters()
+            if id(p) in params and p.grad is not None
+        },
+        {n: b.detach().clone() for n, b in model.named_buffers() if id(b) in buffers},
+        memory.peak_bytes,
+        counter.counts,
+        statistics.median(seconds),
+        tuple(log),
+    )
+
+
+def _worker(rank: int, jobs: Sequence[Job], n_ranks: int, workdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=n_ranks)
+    try:
+        torch.save([_one(job, rank, n_ranks) for job in jobs], Path(workdir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run(jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str]) -> list[list[RankResult]]:
+    """Run ``jobs`` one after another on ``n_ranks`` spawned CPU processes over gloo (files in
+    ``workdir``); per job, each rank's result."""
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / "init").unlink(missing_ok=True)
+    mp.spawn(_worker, args=(list(jobs), n_ranks, str(workdir)), nprocs=n_ranks, join=True)
+    per_rank = [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
+    return [[per_rank[r][j] for r in range(n_ranks)] for j in range(len(jobs))]
+
+
+def reference(job: Job, n_ranks: int, n_microbatches: int) -> nn.Module:
+    """The measured step of ``job`` in one process, without pipelining or recomputation: the
+    stages run micro-batch by micro-batch with each stage's generator seeded as its rank's, the
+    loss of each micro-batch backwarded and the gradients divided by the number of micro-batches
+    (as torch's schedules scale them). Returns the model, holding the gradients and buffers."""
+    torch.manual_seed(job.seed)
+    model = job.build()
+    stages = PipelinePlan.from_json(job.plan, model).stage_modules()
+    states = []
+    for rank in range(n_ranks):
+        torch.manual_seed(job.seed + rank)
+        states.append(torch.random.get_rng_state())
+    for x, t in zip(job.inputs.chunk(n_microbatches), job.target.chunk(n_microbatches), strict=True):
+        for rank, stage in enumerate(stages):
+            torch.random.set_rng_state(states[rank])
+            x = stage(x)
+            states[rank] = torch.random.get_rng_state()
+        job.loss_fn(x, t).backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= n_microbatches
+    return model

@@ -1,0 +1,227 @@
+"""The PipelinePlan: a model cut into stages, each with its recomputation plan per micro-batch, as
+plain data that saves and loads.
+
+Why a type apart from ``remat.Plan``: a pipeline step is many one-stage steps on several ranks,
+interleaved by the schedule, so what a rank must fit is not one step's peak but that peak plus the
+saved bytes of the other micro-batches it holds at once (NOTE [held micro-batches] in
+``remat.pipeline.timeline``). A ``PipelinePlan`` keeps, per stage, the static planner's ``Plan``
+for one micro-batch (None where nothing is recomputed), whether the last micro-batch runs without
+it (``except_last``), and the measured costs the pipeline model walks. It holds the model only to
+build the stages (``stages``), never in its JSON form: ``load(path, model)`` gives it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import format_bytes
+from remat.pipeline.schedule import Schedule, build
+from remat.pipeline.stage_plan import StagePlan
+from remat.pipeline.timeline import Timeline, walk
+from remat.planner.plan import Plan
+
+__all__ = ["FORMAT", "PipelinePlan"]
+
+FORMAT = "remat.pipeline/1"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline step planned by ``remat.pipeline.plan``: the schedule's ``order`` of actions,
+    the cut of the model (``boundaries``: the first child of each stage, then the number of
+    children; empty when the stages were given as modules), ``budget_bytes`` per rank and one
+    ``StagePlan`` per stage.
+    ``timeline()`` walks the pipeline model; ``stages`` and ``schedule`` run it on torch."""
+
+    order: Schedule
+    boundaries: tuple[int, ...]
+    budget_bytes: int
+    stage_plans: tuple[StagePlan, ...]
+    balance: str
+    model: nn.Module | tuple[nn.Module, ...] | None = field(default=None, compare=False, repr=False)
+
+    # -- reading it ---------------------------------------------------------------------------
+
+    def timeline(self) -> Timeline:
+        """The pipeline model's walk of the step (makespan, per-rank memory over time)."""
+        m = self.order.n_microbatches
+        costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in self.stage_plans)
+        return walk(self.order, costs)
+
+    def __str__(self) -> str:
+        line = self.timeline()
+        parts = []
+        for sp in self.stage_plans:
+            what = (
+                "no recomputation" if sp.plan is None else f"plan overhead {sp.plan.predicted_overhead:.3f}"
+            )
+            if sp.plan is not None and sp.except_last:
+                what += ", last micro-batch plain"
+            parts.append(
+                f"rank {sp.rank}: {what}, holds {sp.in_flight}, peak {format_bytes(line.peak_bytes[sp.rank])}"
+            )
+        return (
+            f"PipelinePlan({self.order.name}, {self.order.n_stages} stages x "
+            f"{self.order.n_microbatches} micro-batches, budget {format_bytes(self.budget_bytes)} per rank, "
+            f"predicted step {line.makespan * 1e3:.1f} ms; " + "; ".join(parts) + ")"
+        )
+
+    def explain(self, file: Any = None) -> None:
+        """Print (to ``file``, default stdout) the per-rank table: predicted peak against the
+        budget, micro-batches held, ops recomputed, predicted time. It returns nothing."""
+        from remat.pipeline.explain import render
+
+        render(str(self), self.order, self.budget_bytes, self.stage_plans, self.timeline(), file)
+
+    # -- running it ---------------------------------------------------------------------------
+
+    def stage_modules(self) -> tuple[nn.Module, ...]:
+        """Each stage's module: a ``nn.Sequential`` of the model's children between the cuts, or
+        the module given for it. They share the model's parameters."""
+        if self.model is None:
+            raise RematValueError(
+                message(
+                    "pipeline.PipelinePlan",
+                    "the plan holds no model to cut",
+                    "a plan loaded without one",
+                    "pass the model: PipelinePlan.load(path, model)",
+                )
+            )
+        if isinstance(self.model, tuple):
+            return self.model
+        children = list(self.model.children())
+        b = self.boundaries
+        return tuple(nn.Sequential(*children[b[s] : b[s + 1]]) for s in range(len(b) - 1))
+
+    def stages(
+        self, rank: int, device: torch.device | str, group: torch.distributed.ProcessGroup | None = None
+    ) -> list[Any]:
+        """Rank ``rank``'s torch ``PipelineStage``s, whose modules run each micro-batch under its
+        stage's plan (``remat.pipeline.execute``)."""
+        from remat.pipeline.execute import pipeline_stages
+
+        mine = [sp for sp in self.stage_plans if sp.rank == rank]
+        if not mine:
+            raise RematValueError(
+                message(
+                    "pipeline.PipelinePlan.stages",
+                    "no stage runs on this rank",
+                    f"rank {rank} of {self.order.n_ranks}",
+                    f"pass a rank below {self.order.n_ranks}",
+                )
+            )
+        modules = self.stage_modules()
+        return pipeline_stages(
+            [(modules[sp.stage], sp) for sp in mine],
+            self.order.n_stages,
+            self.order.n_microbatches,
+            torch.device(device),
+            group,
+        )
+
+    def schedule(self, stages: Sequence[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
+        """The torch schedule object that runs ``stages`` (from ``stages``) as this plan's
+        schedule: ``ScheduleGPipe`` or ``Schedule1F1B``."""
+        from remat.pipeline.execute import torch_schedule
+
+        return torch_schedule(self.order.name, stages, self.order.n_microbatches, loss_fn)
+
+    # -- storing it ---------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable serialized form (``FORMAT``); the model is not part of it."""
+        return {
+            "format": FORMAT,
+            "schedule": self.order.name,
+            "n_stages": self.order.n_stages,
+            "n_microbatches": self.order.n_microbatches,
+            "boundaries": list(self.boundaries),
+            "budget_bytes": self.budget_bytes,
+            "balance": self.balance,
+            "stage_plans": [
+                {**asdict(sp), "plan": None if sp.plan is None else sp.plan.to_json()}
+                for sp in self.stage_plans
+            ],
+        }
+
+    @classmethod
+    def from_json(
+        cls, body: dict[str, Any], model: nn.Module | Sequence[nn.Module] | None = None
+    ) -> PipelinePlan:
+        """The plan ``to_json`` wrote, holding ``model`` to build stages from."""
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            got = body.get("format") if isinstance(body, dict) else type(body).__name__
+            raise RematValueError(
+                message("pipeline.load", f"not a {FORMAT} plan", f"format {got!r}", "load a file save wrote")
+            )
+        try:
+            stage_plans = tuple(
+                StagePlan(
+                    **{
+                        **sp,
+                        "plan": None if sp["plan"] is None else Plan.from_json(sp["plan"]),
+                        "inputs": (tuple(sp["inputs"][0]), sp["inputs"][1]),
+                        "outputs": (tuple(sp["outputs"][0]), sp["outputs"][1]),
+                    }
+                )
+                for sp in body["stage_plans"]
+            )
+            plan = cls(
+                build(body["schedule"], int(body["n_stages"]), int(body["n_microbatches"])),
+                tuple(int(b) for b in body["boundaries"]),
+                int(body["budget_bytes"]),
+                stage_plans,
+                str(body["balance"]),
+            )
+        except (KeyError, TypeError) as err:
+            raise RematValueError(
+                message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
+            ) from None
+        return plan.with_model(model) if model is not None else plan
+
+    def with_model(self, model: nn.Module | Sequence[nn.Module]) -> PipelinePlan:
+        """This plan holding ``model`` (a module to cut at ``boundaries``, or the stage modules)."""
+        if isinstance(model, nn.Module) and not self.boundaries:
+            raise RematTypeError(
+                message(
+                    "pipeline.PipelinePlan",
+                    "this plan was made for stage modules",
+                    "one module",
+                    "pass the list of stage modules",
+                )
+            )
+        if isinstance(model, nn.Module):
+            return replace(self, model=model)
+        return replace(self, model=tuple(model))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], model: nn.Module | Sequence[nn.Module] | None = None
+    ) -> PipelinePlan:
+        """The plan ``save`` wrote to ``path``, holding ``model``."""
+        try:
+            body = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise RematValueError(
+                message("pipeline.load", "no such file", str(path), "pass the path save wrote")
+            ) from None
+        except json.JSONDecodeError as err:
+            raise RematValueError(
+                message(
+                    "pipeline.load", "the plan file is not JSON", f"{path}: {err}", "load a file save wrote"
+                )
+            ) from None
+        return cls.from_json(body, model)

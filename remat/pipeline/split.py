@@ -1,0 +1,120 @@
+"""Cutting a chain of modules into pipeline stages, balanced by time or by memory.
+
+Why a partition of our own rather than torchgpipe's ``balance_by_time``: under 1F1B a stage does
+not hold one micro-batch but as many as the schedule keeps in flight there (P - s on stage s), so
+balancing memory weighs each stage's saved bytes by that count (its gradients count once);
+balancing time weighs every stage alike. Both are the same exact minimax over contiguous cuts (a
+small dynamic program over the children), with costs measured once per child on the example
+micro-batch::
+
+    children:   c0 c1 c2 | c3 c4 | c5 c6 c7        cut so that the largest of
+    stage:          0         1        2           weight(s) * sum(cost of its children) is least
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from remat._errors import RematValueError, message
+
+__all__ = ["BALANCES", "ChildCost", "balance", "profile"]
+
+BALANCES: tuple[str, ...] = ("time", "memory")
+
+
+@dataclass(frozen=True)
+class ChildCost:
+    """One child's forward+backward CPU seconds, the bytes autograd saves for its backward
+    (parameters left out) on the example micro-batch, and its parameters' gradient bytes."""
+
+    seconds: float
+    saved_bytes: int
+    grad_bytes: int
+
+
+def _saved_bytes(child: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    params = {p.data_ptr() for p in child.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = child(x)
+    return y, sum(seen.values())
+
+
+def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int = 3) -> list[ChildCost]:
+    """Each child's cost, run one after another from ``example`` (the RNG and buffers restored)."""
+    rng = torch.random.get_rng_state()
+    buffers = [(b, b.detach().clone()) for c in children for b in c.buffers()]
+    grads = [(p, p.grad) for c in children for p in c.parameters()]
+    out: list[ChildCost] = []
+    x = example.detach()
+    try:
+        for child in children:
+            x = x.detach().requires_grad_(x.is_floating_point())
+            times = []
+            for _ in range(repeats):
+                start = time.process_time()
+                y, saved = _saved_bytes(child, x)
+                if y.requires_grad:
+                    y.backward(torch.ones_like(y))
+                times.append(time.process_time() - start)
+            grad_bytes = sum(p.numel() * p.element_size() for p in child.parameters() if p.requires_grad)
+            out.append(ChildCost(statistics.median(times), saved, grad_bytes))
+            x = y
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        for p, g in grads:
+            p.grad = g
+        torch.random.set_rng_state(rng)
+    return out
+
+
+def balance(
+    costs: Sequence[float], weights: Sequence[int], fixed: Sequence[float] | None = None
+) -> tuple[int, ...]:
+    """The cut points (``len(weights) + 1`` of them, first 0, last ``len(costs)``) that minimize
+    the largest ``weights[s] * sum(costs of stage s) + sum(fixed of stage s)``, every stage
+    non-empty."""
+    n, parts = len(costs), len(weights)
+    if parts > n:
+        raise RematValueError(
+            message(
+                "pipeline.plan",
+                "more stages than children to cut",
+                f"{parts} stages, {n} children",
+                "pass fewer stages or a model with more children",
+            )
+        )
+    prefix, once = [0.0], [0.0]
+    for c, f in zip(costs, fixed or [0.0] * n, strict=True):
+        prefix.append(prefix[-1] + c)
+        once.append(once[-1] + f)
+    inf = float("inf")
+    # best[s][i]: least largest cost with stages 0..s-1 covering children 0..i-1
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for s in range(1, parts + 1):
+        for i in range(s, n - (parts - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], weights[s - 1] * (prefix[i] - prefix[j]) + once[i] - once[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds = [n]
+    for s in range(parts, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return tuple(reversed(bounds))

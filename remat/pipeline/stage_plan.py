@@ -1,0 +1,74 @@
+"""One stage of a PipelinePlan: its rank, the micro-batches it holds, its ``remat.Plan`` for one
+micro-batch and which micro-batches run it, and the costs the pipeline model walks.
+
+Why apart from ``PipelinePlan``: the executor's stage modules (``remat.pipeline.execute``) and the
+per-rank table read one stage, and need nothing of the whole plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.pipeline.timeline import Cost
+from remat.planner.plan import Plan
+
+__all__ = ["StagePlan"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: on ``rank``, holding up to ``in_flight`` micro-batches; ``plan`` recomputes for
+    one micro-batch (None: nothing recomputed), not for the last one when ``except_last``.
+    Costs of one micro-batch, measured on the example: ``forward_s``, ``backward_s`` and
+    ``recompute_s`` (seconds), ``saved_bytes`` / ``peak_bytes`` under the plan and
+    ``plain_saved_bytes`` / ``plain_peak_bytes`` without it; ``output_bytes`` of the stage's
+    output, ``grad_bytes`` of its parameters' gradients, ``transfer_bytes`` held by the
+    schedule's sends and receives (``remat.pipeline.timeline``); ``inputs`` and ``outputs``, the
+    shape and dtype of what the stage receives and sends for one micro-batch (torch's stage then
+    needs no forward to learn them)."""
+
+    stage: int
+    rank: int
+    in_flight: int
+    plan: Plan | None
+    except_last: bool
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    saved_bytes: int
+    peak_bytes: int
+    plain_saved_bytes: int
+    plain_peak_bytes: int
+    output_bytes: int
+    grad_bytes: int
+    transfer_bytes: int
+    inputs: tuple[tuple[int, ...], str]
+    outputs: tuple[tuple[int, ...], str]
+
+    def recomputes(self, microbatch: int, n_microbatches: int) -> bool:
+        """Whether ``microbatch`` runs under the plan."""
+        return self.plan is not None and not (self.except_last and microbatch == n_microbatches - 1)
+
+    def cost(self, microbatch: int, n_microbatches: int) -> Cost:
+        """The pipeline model's cost of this stage on ``microbatch``."""
+        if self.recomputes(microbatch, n_microbatches):
+            return Cost(
+                self.forward_s,
+                self.backward_s + self.recompute_s,
+                self.recompute_s,
+                self.saved_bytes,
+                self.peak_bytes,
+                self.output_bytes,
+                self.grad_bytes,
+                self.transfer_bytes,
+            )
+        return Cost(
+            self.forward_s,
+            self.backward_s,
+            0.0,
+            self.plain_saved_bytes,
+            self.plain_peak_bytes,
+            self.output_bytes,
+            self.grad_bytes,
+            self.transfer_bytes,
+        )

@@ -1,0 +1,25 @@
+"""``remat pipeline``: the per-rank table and the picture, and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from remat.cli import main
+
+
+def test_plans_explains_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.png"
+    args = ["--stages", "2", "--microbatches", "2", "--blocks", "2", "--width", "16", "--hidden", "32"]
+    assert main(["pipeline", *args, "--batch", "16", "--budget", "1MB", "--plot", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "PipelinePlan(1f1b, 2 stages x 2 micro-batches" in text and "held" in text
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_budget_too_small_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--stages", "2", "--microbatches", "2", "--blocks", "2", "--width", "16", "--hidden", "32"]
+    assert main(["pipeline", *args, "--batch", "16", "--budget", "100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("remat.pipeline.plan: budget_per_rank below") and "\n" not in err

@@ -1,0 +1,112 @@
+"""Planned pipelines on 2 CPU processes over gloo, checked against a single-process run.
+
+One spawn (one process group) runs every job of the module, to keep start-up cost down: GPipe and
+1F1B, each under per-stage plans made for a budget below the plain pipeline's need, on a chain
+with batch norm and dropout. Each rank reports its gradients, buffers, allocator peak, the
+forward ops it ran (``addmm``: the schedule's forwards and the plan's recomputations) and the
+order its stage ran forwards and backwards in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import remat.pipeline as pp
+from remat.pipeline.chain import mlp_chain
+from remat.pipeline.launch import Job, RankResult, reference, run
+from remat.planner.plan import Plan
+from remat.policy import Decision
+
+M = 4
+RANKS = 2
+ROWS = 64
+ADDMM = "aten.addmm.default"
+BUILD = functools.partial(mlp_chain, 4, 32, 128, 0.1, True)
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _recomputed(plan: Plan, name: str) -> int:
+    """How many ``name`` ops the plan runs again for one micro-batch: in this chain every
+    ``addmm``'s output is saved for backward by the op after it (batch norm, the next linear), so
+    an ``addmm`` runs again exactly when the plan recomputes its output."""
+    return len({t.op for t in plan.tensors if t.action is Decision.RECOMPUTE and t.op_name == name})
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[tuple[pp.PipelinePlan, Job, list[RankResult]]]:
+    torch.manual_seed(0)
+    model = BUILD()
+    x, y = torch.randn(M * ROWS, 32), torch.randn(M * ROWS, 32)
+    plans = []
+    for schedule in SCHEDULES:
+        options = dict(n_stages=RANKS, n_microbatches=M, schedule=schedule, loss_fn=nn.functional.mse_loss)
+        plain = pp.plan(model, x[:ROWS], **options, budget_per_rank="1GB", target=y[:ROWS], boundaries=[2])
+        need = max(plain.timeline().peak_bytes)
+        plans.append(pp.plan(model, x[:ROWS], **options, budget_per_rank=int(0.85 * need), target=y[:ROWS]))
+    jobs = [Job(BUILD, p.to_json(), x, y, nn.functional.mse_loss, seed=1, counted=(ADDMM,)) for p in plans]
+    results = run(jobs, RANKS, tmp_path_factory.mktemp("gloo"))
+    return list(zip(plans, jobs, results, strict=True))
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)
+def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> None:
+    plan, job, results = runs[index]
+    assert any(sp.plan is not None for sp in plan.stage_plans)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = reference(job, RANKS, M)
+    finally:
+        torch.set_num_threads(threads)
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    buffers = dict(ref.named_buffers())
+    seen = set()
+    for result in results:
+        for name, grad in result.grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-7)
+            seen.add(name)
+        for name, value in result.buffers.items():
+            torch.testing.assert_close(value, buffers[name], rtol=1e-5, atol=1e-7)
+    assert seen == set(grads)
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)
+def test_each_rank_peak_within_its_budget_and_the_prediction(runs, index: int) -> None:
+    plan, _, results = runs[index]
+    predicted = plan.timeline().peak_bytes
+    for result in results:
+        assert result.peak_bytes <= plan.budget_bytes
+        assert abs(result.peak_bytes - predicted[result.rank]) <= 0.05 * predicted[result.rank]
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)
+def test_forwards_are_the_schedules_plus_the_planned_recomputations(runs, index: int) -> None:
+    plan, _, results = runs[index]
+    modules = plan.stage_modules()
+    for result, sp in zip(results, plan.stage_plans, strict=True):
+        linears = sum(isinstance(m, nn.Linear) for m in modules[sp.stage].modules())
+        again = 0 if sp.plan is None else _recomputed(sp.plan, ADDMM)
+        rerun = sum(sp.recomputes(i, M) for i in range(M))
+        assert result.counts[ADDMM] == M * linears + rerun * again
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)
+def test_the_schedule_model_is_the_order_torch_runs(runs, index: int) -> None:
+    plan, _, results = runs[index]
+    for result in results:
+        assert list(result.order) == [str(a) for a in plan.order.actions[result.rank]]
+
+
+def test_the_demo_draws_its_step_and_every_rank_stays_within_the_budget(tmp_path) -> None:
+    from remat.pipeline.demo import demo
+
+    result = demo(tmp_path)
+    assert result.picture.read_bytes()[:4] == b"\x89PNG"
+    assert all(0 < peak <= result.budget_bytes for peak in result.measured)
+    assert str(result).startswith("pipeline, 1f1b on 2 gloo processes")

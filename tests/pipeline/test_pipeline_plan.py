@@ -1,0 +1,153 @@
+"""``remat.pipeline.plan`` without processes: the cut, the per-stage plans within a rank budget,
+the error for a budget no rank meets, the JSON form and the per-rank table."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat.pipeline as pp
+from remat import RematTypeError, RematValueError
+from remat.pipeline.chain import mlp_chain
+from remat.pipeline.split import balance
+
+ROWS, M = 256, 4
+
+
+@pytest.fixture(scope="module")
+def example() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return mlp_chain(4, 32, 128, batch_norm=True), torch.randn(ROWS, 32), torch.randn(ROWS, 32)
+
+
+def _plan(example, budget, **options) -> pp.PipelinePlan:
+    model, x, y = example
+    options = {
+        "schedule": "1f1b",
+        "boundaries": [2],
+        "n_microbatches": M,
+        "loss_fn": nn.functional.mse_loss,
+        "target": y,
+        **options,
+    }
+    return pp.plan(model, x, n_stages=2, budget_per_rank=budget, **options)
+
+
+@pytest.fixture(scope="module")
+def plain(example) -> pp.PipelinePlan:
+    return _plan(example, "1GB")
+
+
+def test_balance_is_the_minimax_contiguous_cut() -> None:
+    assert balance([1, 1, 1, 1], [1, 1]) == (0, 2, 4)
+    assert balance([4, 1, 1, 1, 1], [1, 1]) == (0, 1, 5)
+    # the first stage holds twice the micro-batches: it gets less to keep
+    assert balance([1, 1, 1, 1, 1, 1], [2, 1]) == (0, 2, 6)
+    with pytest.raises(RematValueError, match=r"more stages than children to cut \(3 stages, 2 children\)"):
+        balance([1, 1], [1, 1, 1])
+
+
+def test_a_large_budget_recomputes_nothing_and_leaves_the_model_as_it_was(example, plain) -> None:
+    model, _, _ = example
+    assert all(sp.plan is None for sp in plain.stage_plans)
+    assert [sp.in_flight for sp in plain.stage_plans] == [2, 1]
+    assert plain.boundaries == (0, 2, 4)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(m.running_mean.eq(0).all() for m in model.modules() if isinstance(m, nn.BatchNorm1d))
+
+
+def test_a_tighter_budget_plans_only_the_rank_that_needs_it(example, plain) -> None:
+    need = plain.timeline().peak_bytes
+    tight = _plan(example, int(0.85 * max(need)))
+    assert tight.stage_plans[0].plan is not None
+    assert tight.stage_plans[1].plan is None  # rank 1 holds one micro-batch: it fits as it is
+    assert max(tight.timeline().peak_bytes) <= tight.budget_bytes
+    assert tight.stage_plans[0].recompute_s > 0.0
+
+
+def test_the_last_microbatch_runs_plain_where_the_budget_allows(example, plain) -> None:
+    need = plain.timeline().peak_bytes[0]
+    sp = _plan(example, int(0.95 * need)).stage_plans[0]
+    assert sp.plan is not None and sp.except_last
+    assert [sp.recomputes(i, M) for i in range(M)] == [True, True, True, False]
+
+
+def test_a_budget_no_split_meets_names_what_each_rank_needs(example) -> None:
+    with pytest.raises(
+        RematValueError,
+        match=r"pipeline\.plan: budget_per_rank below .*rank 0 needs \d+ bytes.*rank 1 needs \d+ bytes",
+    ):
+        _plan(example, 1000)
+
+
+def test_bad_arguments_fail_before_any_work(example) -> None:
+    model, x, y = example
+    with pytest.raises(RematTypeError, match=r"remat\.pipeline\.plan: a byte count is required"):
+        _plan(example, 0.5)
+    with pytest.raises(RematValueError, match=r"boundaries are the first child of each stage"):
+        _plan(example, "1GB", boundaries=[5])
+    with pytest.raises(RematValueError, match=r"stages must be n_stages modules \(1 for 2 stages\)"):
+        pp.plan(
+            [model],
+            x,
+            n_stages=2,
+            n_microbatches=M,
+            budget_per_rank="1GB",
+            loss_fn=nn.functional.mse_loss,
+            target=y,
+        )
+
+
+def test_save_load_round_trip_and_stages_need_the_model(plain, example, tmp_path: Path) -> None:
+    model, _, _ = example
+    plain.save(tmp_path / "p.json")
+    loaded = pp.PipelinePlan.load(tmp_path / "p.json")
+    assert loaded == plain
+    with pytest.raises(
+        RematValueError, match=r"the plan holds no model to cut.*PipelinePlan.load\(path, model\)"
+    ):
+        loaded.stage_modules()
+    assert [len(m) for m in pp.PipelinePlan.load(tmp_path / "p.json", model).stage_modules()] == [2, 2]
+    with pytest.raises(RematValueError, match=r"remat\.pipeline\.load: no such file"):
+        pp.PipelinePlan.load(tmp_path / "missing.json")
+
+
+def test_str_and_explain_show_each_rank(example, plain) -> None:
+    tight = _plan(example, int(0.85 * max(plain.timeline().peak_bytes)))
+    assert str(tight).startswith("PipelinePlan(1f1b, 2 stages x 4 micro-batches")
+    out = io.StringIO()
+    assert tight.explain(file=out) is None
+    text = out.getvalue()
+    assert "held" in text and "predicted step" in text
+    assert "regions" in text and "nothing" in text
+
+
+def test_balanced_by_time_or_memory_cuts_every_child_once(example) -> None:
+    for by in ("time", "memory"):
+        p = _plan(example, "1GB", boundaries=None, balance_by=by)
+        assert p.boundaries[0] == 0 and p.boundaries[-1] == 4 and len(p.boundaries) == 3
+        assert p.balance == by
+
+
+def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
+    model, x, y = example
+    with pytest.raises(RematTypeError, match=r"and target must be tensors \(got Tensor, list\)"):
+        _plan(example, "1GB", target=[1])
+    with pytest.raises(RematTypeError, match=r"loss_fn must be callable"):
+        _plan(example, "1GB", loss_fn=3)
+    with pytest.raises(RematValueError, match=r"unknown balance \('size'\); use one of time, memory"):
+        _plan(example, "1GB", boundaries=None, balance_by="size")
+    with pytest.raises(RematValueError, match=r"stages and micro-batches must be positive"):
+        _plan(example, "1GB", schedule="gpipe", n_microbatches=0)
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(RematValueError, match=r"remat\.pipeline\.load: not a remat\.pipeline/1 plan"):
+        pp.PipelinePlan.load(tmp_path / "bad.json")
+    with pytest.raises(RematValueError, match=r"no stage runs on this rank \(rank 5 of 2\)"):
+        plain.stages(5, "cpu")
+    with pytest.raises(RematTypeError, match=r"this plan was made for stage modules"):
+        dataclasses.replace(plain, boundaries=()).with_model(model)

@@ -1,0 +1,80 @@
+"""The schedule model and the pipeline model, without processes: actions as strings, the
+micro-batches each rank holds, the makespan and memory of a walk, deadlocks found before running."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat import RematValueError
+from remat.pipeline import Action, Cost, Schedule, build, walk
+
+
+def test_actions_read_and_write_as_torch_writes_them() -> None:
+    assert str(Action(1, "F", 0)) == "1F0"
+    assert Action.parse("12B3") == Action(12, "B", 3)
+    with pytest.raises(RematValueError, match=r"remat\.pipeline\.Action\.parse: an action is .*'1X0'"):
+        Action.parse("1X0")
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (4, 4), (4, 8), (3, 5)])
+def test_1f1b_rank_i_holds_p_minus_i_and_gpipe_holds_all(ranks: int, microbatches: int) -> None:
+    one = build("1f1b", ranks, microbatches)
+    gpipe = build("gpipe", ranks, microbatches)
+    for rank in range(ranks):
+        assert one.in_flight(rank) == min(microbatches, ranks - rank)
+        assert gpipe.in_flight(rank) == microbatches
+        for schedule in (one, gpipe):
+            actions = schedule.actions[rank]
+            assert sorted(str(a) for a in actions) == sorted(
+                f"{rank}{k}{m}" for k in "FB" for m in range(microbatches)
+            )
+
+
+def test_the_last_rank_of_1f1b_alternates_from_the_first_microbatch() -> None:
+    # torch 2.13's Schedule1F1B._get_pipeline_order lists 3F1 ... 3F8 here; what runs is 3F0 3B0 ...
+    assert [str(a) for a in build("1f1b", 4, 8).actions[3][:4]] == ["3F0", "3B0", "3F1", "3B1"]
+
+
+def test_a_schedule_refuses_what_torch_refuses() -> None:
+    with pytest.raises(
+        RematValueError, match=r"1f1b needs at least as many micro-batches as stages \(2 < 4\)"
+    ):
+        build("1f1b", 4, 2)
+    with pytest.raises(RematValueError, match=r"unknown schedule \('zbv'\); use one of gpipe, 1f1b"):
+        build("zbv", 2, 2)
+
+
+def _costs(ranks: int, m: int, f: float, b: float, saved: int = 10, peak: int = 15) -> tuple:
+    return tuple(tuple(Cost(f, b, 0.0, saved, peak, 0, 0, 0) for _ in range(m)) for _ in range(ranks))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_makespan_of_equal_stages_is_m_plus_p_minus_1_rounds(name: str) -> None:
+    ranks, m = 3, 6
+    line = walk(build(name, ranks, m), _costs(ranks, m, 1.0, 2.0))
+    assert line.makespan == pytest.approx((m + ranks - 1) * (1.0 + 2.0))
+    assert line.busy(0) == pytest.approx(m * 3.0)
+
+
+def test_memory_of_a_rank_is_what_it_holds_plus_one_step_peak() -> None:
+    ranks, m = 2, 4
+    for name in ("gpipe", "1f1b"):
+        schedule = build(name, ranks, m)
+        line = walk(schedule, _costs(ranks, m, 1.0, 1.0, saved=10, peak=15))
+        assert line.peak_bytes == tuple((schedule.in_flight(r) - 1) * 10 + 15 for r in range(ranks))
+
+
+def test_a_deadlock_is_found_before_anything_runs() -> None:
+    # rank 1 waits for a backward of micro-batch 1 that rank 0 only runs after it
+    stuck = Schedule(
+        "custom",
+        2,
+        2,
+        2,
+        (
+            (Action(0, "F", 0), Action(0, "B", 1), Action(0, "F", 1), Action(0, "B", 0)),
+            (Action(1, "F", 0), Action(1, "B", 0), Action(1, "F", 1), Action(1, "B", 1)),
+        ),
+    )
+    with pytest.raises(RematValueError, match=r"the schedule deadlocks.*rank 0: 0B1"):
+        walk(stuck, _costs(2, 2, 1.0, 1.0))
