@@ -238,7 +238,7 @@ class Runtime(Residency):
         graph = self.graph
         record = graph.records[graph.producer[storage]]
         if self.swap is not None and self.swap.holds(storage):
-            self._reload(storage, record)
+            self._reload(storage, record, self.swap)
             return
         frame = Frame()
         self._frames.append(frame)
@@ -255,7 +255,7 @@ class Runtime(Residency):
             self._unlock_all(frame)
             self._frames.pop()
 
-    def _reload(self, storage: int, record: Record) -> None:
+    def _reload(self, storage: int, record: Record, swap: Swap) -> None:
         """Bring back swapped ``storage`` from the host, then re-derive its views as a restore does."""
         graph = self.graph
         frame = Frame()
@@ -264,8 +264,7 @@ class Runtime(Residency):
             views = [graph.records[v] for v in graph.views[storage]]
             self._gather(frame, [s for view in views for s in view.inputs if s != storage])
             self._allocate(storage, graph.nbytes[storage], self.policy.end(record.op))
-            assert self.swap is not None
-            self.clock += self.swap.back(self, storage)
+            self.clock += swap.back(self, storage)
             self._arrive(storage)
             for view in views:
                 self.clock += self.backend.materialize(view, True)
