@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/sim/run.py [--logs DIR] [--out DIR] [--no-100k]
 
-Prints markdown tables and writes ``results.json``, ``sweep.png`` and ``scaling.png`` to ``--out``.
+Prints markdown tables and writes ``results.json``, ``sweep.png``, ``swap.png`` and ``scaling.png`` to
+``--out``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from remat import Link
 from remat.sim import SimResult, simulate, sweep
 from remat.sim.plot import plot_sweep
 from remat.sim.synthetic import training_step
@@ -29,9 +31,10 @@ PAPER = {
     "lstm-128": (1.30, 1.07, 1.03),
 }
 RATIOS = [round(0.2 + 0.1 * i, 1) for i in range(8)]
-POLICIES = ["dtr", "dte", "coop", "coop-per-byte"]
+POLICIES = ["dtr", "dte", "coop", "coop-total"]
 ABLATION = [
     "coop",
+    "coop-total",
     "coop-no-layout",
     "coop-no-opguided",
     "coop-no-inplace",
@@ -55,6 +58,33 @@ def table(results: list[SimResult], field: str) -> str:
         for policy in POLICIES:
             row = [r for r in results if r.trace == trace and r.policy == policy]
             lines.append(f"| {trace} | {policy} | " + " | ".join(cell(r, field) for r in row) + " |")
+    return "\n".join(lines)
+
+
+SWAPPED = ["dtr", "dte", "coop"]
+LINKS = ("8GB/s", "25GB/s", "64GB/s")
+
+
+def swap_table(results: list[SimResult]) -> str:
+    """Overhead; swaps / recomputations, per trace, policy and link (no link: recomputation only)."""
+    lines = ["| trace | policy | link | " + " | ".join(f"{x:.1f}" for x in RATIOS) + " |"]
+    lines.append("|---|---|---|" + "---:|" * len(RATIOS))
+    for trace in LOGS:
+        for policy in SWAPPED:
+            for link in ["", *LINKS]:
+                row = [
+                    r
+                    for r in results
+                    if r.trace == trace
+                    and r.policy == policy
+                    and (r.link != "") == (link != "")
+                    and (not link or r.link == str(Link(link, link)))
+                ]
+                cells = [
+                    cell(r, "overhead") + (f"; {r.swaps}/{r.recomputations}" if r.link and r.swaps else "")
+                    for r in row
+                ]
+                lines.append(f"| {trace} | {policy} | {link or '-'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -95,6 +125,15 @@ def main() -> None:
         f"{table(results, 'fragmentation')}"
     )
     plot_sweep(results, out / "sweep.png")
+
+    swapping = [r for r in results if r.policy in SWAPPED]
+    for rate in LINKS:
+        swapping += sweep(traces, SWAPPED, RATIOS, link=Link(rate, rate))
+    records["swap"] = [r.to_dict() for r in swapping if r.link]
+    print(f"\n## Swapping victims to the host (overhead; swaps/recomputations)\n\n{swap_table(swapping)}")
+    plot_sweep(
+        [r for r in swapping if not r.link or r.link == str(Link("25GB/s", "25GB/s"))], out / "swap.png"
+    )
 
     # CPU seconds of this process as well as wall seconds: the machine is shared, and CPU time is
     # what the sweep costs when it has a core to itself.

@@ -42,6 +42,7 @@ from remat.core.graph import NO_REUSE, Record
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import End, Pool
 from remat.core.residency import Frame, Residency
+from remat.core.swap import Swap
 from remat.trace.types import Op, TensorInfo
 
 
@@ -59,9 +60,17 @@ class OutOfMemory(Exception):
 
 
 class Runtime(Residency):
-    """Dynamic rematerialization of one program within ``pool``, choosing victims by ``policy``."""
+    """Dynamic rematerialization of one program within ``pool``, choosing victims by ``policy``;
+    with ``swap``, a victim may go to the host instead (:mod:`remat.core.swap`)."""
 
-    def __init__(self, pool: Pool, policy: EvictionPolicy, backend: Backend, compact: bool = False) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        policy: EvictionPolicy,
+        backend: Backend,
+        compact: bool = False,
+        swap: Swap | None = None,
+    ) -> None:
         missing = set(policy.needs) - ({"layout"} if pool.layout else set())
         missing -= {"classes", "regions"}  # tracked on demand below
         if missing:
@@ -79,6 +88,7 @@ class Runtime(Residency):
         # PyTorch's allocator): when only their pieces stand in the way, pack them (NOTE [model
         # addresses]).
         self.compact = compact
+        self.swap = swap
         self._frames: list[Frame] = []
         self._constant_bytes = 0  # constants never leave the pool
 
@@ -146,6 +156,8 @@ class Runtime(Residency):
             if self.graph.constant[new] and self.resident[old]:  # a copied constant: both stay
                 self._constant_bytes += self.graph.nbytes[new]
             self._move_handles(old, new)
+            if self.swap is not None:
+                self.swap.forget(self, old)
 
     def prepare(self, handles: Sequence[int]) -> None:
         """Make the storages of ``handles`` resident exactly as :meth:`call` does before it runs an op
@@ -186,6 +198,8 @@ class Runtime(Residency):
         self.live[storage] -= 1
         if self.live[storage] == 0:
             self._dead(storage)
+            if self.swap is not None:
+                self.swap.forget(self, storage)
 
     def finish(self) -> None:
         """The program ends holding its live handles: restore every storage they point at, all
@@ -238,6 +252,9 @@ class Runtime(Residency):
         """Bring back evicted ``storage`` by re-running its producer (and its views)."""
         graph = self.graph
         record = graph.records[graph.producer[storage]]
+        if self.swap is not None and self.swap.holds(storage):
+            self._reload(storage, record, self.swap)
+            return
         frame = Frame()
         self._frames.append(frame)
         try:
@@ -249,6 +266,23 @@ class Runtime(Residency):
             )
             self._run(frame, record, recompute=True, keep=keep)
             self.telemetry.recomputations += 1
+        finally:
+            self._unlock_all(frame)
+            self._frames.pop()
+
+    def _reload(self, storage: int, record: Record, swap: Swap) -> None:
+        """Bring back swapped ``storage`` from the host, then re-derive its views as a restore does."""
+        graph = self.graph
+        frame = Frame()
+        self._frames.append(frame)
+        try:
+            views = [graph.records[v] for v in graph.views[storage]]
+            self._gather(frame, [s for view in views for s in view.inputs if s != storage])
+            self._allocate(storage, graph.nbytes[storage], self.policy.end(record.op))
+            self.clock += swap.back(self, storage)
+            self._arrive(storage)
+            for view in views:
+                self.clock += self.backend.materialize(view, True)
         finally:
             self._unlock_all(frame)
             self._frames.pop()
@@ -349,5 +383,7 @@ class Runtime(Residency):
         if not self.evictable.values[storage]:
             raise ValueError(f"policy {self.policy.name!r} chose storage {storage}, which is not evictable")
         self.telemetry.evictions += 1
+        if self.swap is not None:
+            self.swap.out(self, storage)
         self.pool.free(storage)
         self._depart(storage)

@@ -5,7 +5,8 @@ only.
 costs its recorded time, and every storage gets a *value*, a hash of its recipe (the op, the output
 position and the values of the inputs). A recomputation must reproduce the value of the first run,
 and an op whose input is not resident has no value to read: both raise at once, so a simulation
-that finishes has also checked that the core recomputes the right things in the right order.
+that finishes has also checked that the core recomputes the right things in the right order. A
+storage swapped to the host (:mod:`remat.core.swap`) keeps its value there until it comes back.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SimBackend:
     def __init__(self, base_compute: float, ops: int, thrash_limit: float) -> None:
         self.values: dict[int, int] = {}
         self.first: dict[int, int] = {}  # storage -> value at its first run
+        self.host: dict[int, int] = {}  # storage -> value of its host copy
         # The whole trace's first runs are known up front: past the limit the run has thrashed.
         self.meter = ThrashMeter(thrash_limit, base_compute, ops)
 
@@ -56,6 +58,15 @@ class SimBackend:
 
     def free(self, storage: int) -> None:
         del self.values[storage]
+
+    def swap_out(self, storage: int) -> None:
+        self.host[storage] = self.values[storage]
+
+    def swap_in(self, storage: int) -> None:
+        self.values[storage] = self.host[storage]
+
+    def drop(self, storage: int) -> None:
+        del self.host[storage]
 
     def digest(self) -> int:
         """One hash of every value computed at a first run, in storage order."""

@@ -1,6 +1,7 @@
 """``remat sim``: sweep traces x eviction policies x budget ratios through the simulator.
 
     remat sim TRACE... --policies dtr,dte,coop --ratios 0.2:0.9:0.1 --json OUT.json --plot OUT.png
+    remat sim TRACE... --link 25GB/s     # each run also with swapping to the host over this link
 
 TRACE is a file ``remat.trace.load`` reads (a remat trace or a DTR op log). The policy names come
 from the registry (``remat.core.policies.names``).
@@ -41,10 +42,28 @@ def register(subparsers: Any) -> None:
         default="address",
         help="address: allocations need a contiguous block (default); bytes: count bytes, as the DTR paper",
     )
+    parser.add_argument(
+        "--link",
+        type=_link,
+        metavar="RATE",
+        help="also run every policy swapping victims to the host over a link of RATE each way (e.g. 25GB/s)",
+    )
     parser.add_argument("--thrash-limit", type=float, default=2.0, help="stop a run past this overhead")
     parser.add_argument("--json", metavar="OUT", help="write every result as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="draw overhead, fragmentation and search time")
     parser.set_defaults(func=run)
+
+
+def _link(rate: str) -> object:
+    """The link of ``--link``: ``rate`` each way, the default latency."""
+    from remat._errors import RematValueError
+    from remat._units import parse_rate
+    from remat.offload.link import Link
+
+    try:
+        return Link(d2h=parse_rate(rate, "sim.cli"), h2d=parse_rate(rate, "sim.cli"))
+    except RematValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,40 +71,48 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from remat._console import console
+    from remat._units import format_bytes
     from remat.sim.result import Outcome
     from remat.sim.simulate import sweep
     from remat.trace import load
 
     traces = [load(path) for path in args.traces]
-    total = len(traces) * len(args.policies) * len(args.ratios)
+    links = [None] if args.link is None else [None, args.link]
+    total = len(traces) * len(args.policies) * len(args.ratios) * len(links)
+    results = []
     with Progress(transient=True) as progress:
         task = progress.add_task("simulating", total=total)
-        results = sweep(
-            traces,
-            args.policies,
-            args.ratios,
-            args.thrash_limit,
-            layout=args.memory == "address",
-            progress=lambda result: progress.update(
-                task, advance=1, description=f"{result.trace} {result.policy}"
-            ),
-        )
+        for link in links:
+            results += sweep(
+                traces,
+                args.policies,
+                args.ratios,
+                args.thrash_limit,
+                layout=args.memory == "address",
+                progress=lambda result: progress.update(
+                    task, advance=1, description=f"{result.trace} {result.policy}"
+                ),
+                link=link,
+            )
     costs = ", ".join(sorted({f"{r.trace}: {r.costs} costs" for r in results}))
     table = Table(title=f"remat sim ({args.memory} memory; {costs})")
-    for column in ("trace", "policy"):  # names are never cut short
-        table.add_column(column, min_width=max(len(getattr(r, column)) for r in results))
+    for column, attribute in (("trace", "trace"), ("policy", "label")):  # names are never cut short
+        table.add_column(column, min_width=max(len(getattr(r, attribute)) for r in results))
     table.add_column("outcome")
-    for column in ("ratio", "overhead", "evictions", "frag.", "search ms"):
+    swapped = ("swaps", "host peak", "stall ms") if args.link is not None else ()
+    for column in ("ratio", "overhead", "evictions", *swapped, "frag.", "search ms"):
         table.add_column(column, justify="right")
     for r in results:
         overhead = f"{r.overhead:.3f}" if r.outcome is Outcome.OK else ""  # a stopped run has none
+        swaps = (str(r.swaps), format_bytes(r.host_peak_bytes), f"{1e3 * r.stall_seconds:.1f}")
         table.add_row(
             r.trace,
-            r.policy,
+            r.label,
             str(r.outcome),
             f"{r.ratio:.2f}",
             overhead,
             str(r.evictions),
+            *(swaps if r.link else ("",) * len(swapped)),
             f"{r.fragmentation:.1%}",
             f"{1e3 * r.search_seconds:.1f}",
         )

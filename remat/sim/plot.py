@@ -25,7 +25,7 @@ def plot_sweep(results: Sequence[SimResult], path: str | os.PathLike[str]) -> No
     from matplotlib.transforms import blended_transform_factory
 
     traces = list(dict.fromkeys(r.trace for r in results))
-    policies = list(dict.fromkeys(r.policy for r in results))
+    policies = list(dict.fromkeys(r.label for r in results))  # a policy with swapping apart
     columns = len(traces) + 1
     fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 7), squeeze=False)
     for column, trace in enumerate(traces):
@@ -33,7 +33,7 @@ def plot_sweep(results: Sequence[SimResult], path: str | os.PathLike[str]) -> No
         edge = blended_transform_factory(top.transData, top.transAxes)  # x: ratio, y: panel height
         for k, policy in enumerate(policies):
             mine = sorted(
-                (r for r in results if r.trace == trace and r.policy == policy), key=lambda r: r.ratio
+                (r for r in results if r.trace == trace and r.label == policy), key=lambda r: r.ratio
             )
             runs = [r for r in mine if r.outcome is Outcome.OK]
             ratios = [r.ratio for r in runs]
@@ -55,7 +55,7 @@ def plot_sweep(results: Sequence[SimResult], path: str | os.PathLike[str]) -> No
     for policy in policies:
         points: dict[int, list[float]] = {}
         for r in results:
-            if r.policy == policy and r.evicting_allocations:
+            if r.label == policy and r.evicting_allocations:
                 points.setdefault(r.tensors, []).append(r.search_per_allocation)
         sizes = sorted(points)
         search.plot(sizes, [1e3 * sum(points[n]) / len(points[n]) for n in sizes], marker="o", label=policy)

@@ -26,7 +26,10 @@ class SimResult:
     is the mean of free bytes / budget over the allocations that had to evict, taken once each was
     placed. ``digest`` hashes every value computed at a first run (equal across budgets when the
     recomputations are right); it is 0 unless the run finished. ``costs``: whether the op costs
-    added up were measured, or estimated by the cost model (a trace taken on fake tensors)."""
+    added up were measured, or estimated by the cost model (a trace taken on fake tensors).
+    With a ``link`` (its ``str``; empty without), victims may be swapped to the host: ``swaps``
+    victims went, ``reloads`` came back instead of being recomputed, the host held at most
+    ``host_peak_bytes``, and the program waited ``stall_seconds`` for reloads (in ``overhead``)."""
 
     trace: str
     policy: str
@@ -48,18 +51,33 @@ class SimResult:
     digest: int = 0
     reason: str = ""
     costs: str = "measured"
+    link: str = ""
+    swaps: int = 0
+    reloads: int = 0
+    host_peak_bytes: int = 0
+    stall_seconds: float = 0.0
 
     def __str__(self) -> str:
         head = f"{self.policy} on {self.trace} at {self.ratio:.2f} ({format_bytes(self.budget)})"
         if self.outcome is Outcome.OOM:
             return f"{head}: OOM, {self.reason}"
         counts = f"{self.evictions} evictions, {self.recomputations} recomputations"
+        if self.link:
+            counts += (
+                f", {self.swaps} swaps, {self.reloads} reloads over {self.link}, host peak "
+                f"{format_bytes(self.host_peak_bytes)}, stall {self.stall_seconds * 1e3:.1f} ms"
+            )
         if self.outcome is Outcome.THRASHED:  # stopped: its overhead so far says nothing
             return f"{head}: thrashed (stopped past the thrash limit after {counts})"
         return (
             f"{head}: ok, overhead {self.overhead:.3f} ({self.costs} costs), {counts}, "
             f"fragmentation {self.fragmentation:.1%}, search {self.search_seconds * 1e3:.1f} ms"
         )
+
+    @property
+    def label(self) -> str:
+        """The policy's name, with " + swap" where victims could go to the host."""
+        return f"{self.policy} + swap" if self.link else self.policy
 
     @property
     def search_per_allocation(self) -> float:

@@ -3,7 +3,9 @@
 The simulator is the rematerialization core (:mod:`remat.core`) with a backend that adds up recorded
 op times, so its decisions are the ones an eager runtime would take. Memory is modelled either with
 addresses (``layout=True``: an allocation needs one contiguous free block, so fragmentation counts)
-or by counting bytes (``layout=False``: the model of the DTR paper's simulator).
+or by counting bytes (``layout=False``: the model of the DTR paper's simulator). With a ``link``,
+a victim whose copy to the host hides behind compute is swapped instead of evicted
+(:mod:`remat.core.swap`), and the result counts the swaps, the host bytes and the stalls.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
 from remat.core.pool import Fit
 from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.swap import Swap, SwapCounts
+from remat.offload.link import Link
 from remat.sim.backend import SimBackend, drive
 from remat.sim.facts import Facts, facts
 from remat.sim.result import Outcome, SimResult
@@ -36,6 +40,7 @@ def simulate(
     layout: bool = True,
     fit: str = "best",
     compact: bool = False,
+    link: Link | None = None,
 ) -> SimResult:
     """Run ``trace`` within ``budget`` (bytes, a size string such as ``"6GB"``, or a float ratio
     in (0, 1] of the unconstrained peak, constants included), evicting by ``policy`` (a registered
@@ -44,8 +49,11 @@ def simulate(
     ``"best"`` or ``"first"``. ``compact``: the addresses model a layout the memory does not have,
     as for ``remat.dynamic``'s accounting backend (NOTE [model addresses] in
     ``remat.core.runtime``). A trace with no measured costs (taken on fake tensors) runs on the
-    cost model's estimates, and the result says so (``SimResult.costs``)."""
+    cost model's estimates, and the result says so (``SimResult.costs``). ``link``: swap victims
+    to the host over this link where the copy hides behind compute (Capuchin); the overhead then
+    counts the stalls for reloads beside the recomputations."""
     chosen = _policy(policy, layout)
+    _link(link)
     limit = _thrash_limit(thrash_limit)
     trace, costs = costed(trace)
     if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
@@ -62,7 +70,8 @@ def simulate(
         return _result(trace, chosen, layout, nbytes, known, costs, Outcome.OOM, reason=reason)
     pool = make_pool(nbytes, layout, fit)
     backend = SimBackend(known.base_compute, known.ops, limit)
-    runtime = Runtime(pool, chosen, backend, compact=compact)
+    swap = Swap(link, backend) if link is not None else None
+    runtime = Runtime(pool, chosen, backend, compact=compact, swap=swap)
     try:
         drive(runtime, trace, backend)
     except OutOfMemory as error:
@@ -88,15 +97,17 @@ def sweep(
     *,
     layout: bool = True,
     progress: Callable[[SimResult], None] | None = None,
+    link: Link | None = None,
 ) -> list[SimResult]:
     """:func:`simulate` for every trace, policy and ratio, in that nesting order."""
     for name in policies:
         _policy(name, layout)
+    _link(link)
     results = []
     for trace in traces:
         for name in policies:
             for ratio in ratios:
-                result = simulate(trace, float(ratio), name, thrash_limit, layout=layout)
+                result = simulate(trace, float(ratio), name, thrash_limit, layout=layout, link=link)
                 results.append(result)
                 if progress is not None:
                     progress(result)
@@ -105,6 +116,15 @@ def sweep(
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
     return resolve(policy, layout, _API)
+
+
+def _link(link: object) -> None:
+    if link is not None and not isinstance(link, Link):
+        raise RematTypeError(
+            message(
+                _API, "link must be a remat.Link or None", f"got {link!r}", 'pass remat.Link(d2h="25GB/s")'
+            )
+        )
 
 
 def _thrash_limit(value: object) -> float:
@@ -135,10 +155,11 @@ def _result(
     needed: int | None = None,
 ) -> SimResult:
     telemetry = runtime.telemetry if runtime is not None else None
+    swapped = runtime.swap.counts if runtime is not None and runtime.swap is not None else SwapCounts()
     if outcome is Outcome.OOM or backend is None:
         overhead = math.nan
     elif known.base_compute > 0:
-        overhead = 1.0 + backend.meter.recompute_cost / known.base_compute
+        overhead = 1.0 + (backend.meter.recompute_cost + swapped.stall_seconds) / known.base_compute
     else:
         overhead = 1.0
     return SimResult(
@@ -162,4 +183,9 @@ def _result(
         digest=backend.digest() if backend is not None and outcome is Outcome.OK else 0,
         reason=reason,
         costs=costs,
+        link=str(runtime.swap.link) if runtime is not None and runtime.swap is not None else "",
+        swaps=swapped.swaps,
+        reloads=swapped.reloads,
+        host_peak_bytes=swapped.host_peak,
+        stall_seconds=swapped.stall_seconds,
     )

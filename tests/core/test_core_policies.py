@@ -57,7 +57,9 @@ def staged(pieces: list[tuple[int, float, str]], capacity: int = 100) -> Any:
 
 def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
     assert {"dtr", "dtr-eq", "dtr-local", "dte", "lru", "largest", "coop"} <= set(names())
-    assert {"coop-no-layout", "coop-no-opguided", "coop-no-inplace", "coop-per-byte"} <= set(names())
+    assert {"coop-no-layout", "coop-no-opguided", "coop-no-inplace", "coop-per-byte", "coop-total"} <= set(
+        names()
+    )
     assert get("dte").name == "dte"
     with pytest.raises(
         ValueError,
@@ -110,7 +112,7 @@ def test_coop_window_counts_free_pieces_as_free_and_stops_at_locked_ones() -> No
     assert get("coop").choose(runtime, 90) == []  # A..D hold 80 bytes, and E is cut off
 
 
-def test_coop_per_byte_window_weighs_cost_against_the_bytes_freed() -> None:
+def test_coop_windows_by_density_total_cost_and_cost_per_byte() -> None:
     # [A 12 cost 1][locked 1][B 40 cost 2][free 8][locked 39]
     runtime = staged(
         [
@@ -121,7 +123,8 @@ def test_coop_per_byte_window_weighs_cost_against_the_bytes_freed() -> None:
             (39, 0, "locked"),
         ]
     )
-    assert get("coop").choose(runtime, 12) == [0]  # least total cost: 1 for 12 bytes
+    assert get("coop-total").choose(runtime, 12) == [0]  # least total cost: 1 for 12 bytes
+    assert get("coop").choose(runtime, 12) == [2]  # least summed density: 2 / 40 against 1 / 12
     assert get("coop-per-byte").choose(runtime, 12) == [2]  # 2 for 48 bytes (B + the hole) is cheaper
     assert get("coop-per-byte").choose(runtime, 55) == []  # no run holds 55 bytes
 
@@ -199,15 +202,18 @@ PIECES = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(PIECES, st.integers(1, 60))
+@given(PIECES, st.integers(1, 60), st.sampled_from(["coop", "coop-total"]))
 def test_coop_window_is_the_cheapest_contiguous_run(
-    pieces: list[tuple[int, float, str]], nbytes: int
+    pieces: list[tuple[int, float, str]], nbytes: int, policy: str
 ) -> None:
     runtime = staged(pieces, capacity=sum(size for size, _, _ in pieces))
     layout = list(runtime.pool.pieces())  # free neighbours have coalesced
 
-    def cost(owner: int) -> float:
-        return 0.0 if owner == FREE else runtime.graph.cost[owner]  # staleness is 1, no neighbours
+    def cost(owner: int) -> float:  # staleness is 1, no neighbours
+        if owner == FREE:
+            return 0.0
+        density = policy == "coop"  # h_DTR = c / m summed, or c summed
+        return runtime.graph.cost[owner] / (runtime.graph.nbytes[owner] if density else 1)
 
     best = math.inf
     for left in range(len(layout)):
@@ -219,7 +225,7 @@ def test_coop_window_is_the_cheapest_contiguous_run(
             if held >= nbytes:
                 best = min(best, total)
                 break
-    chosen = get("coop").choose(runtime, nbytes)
+    chosen = get(policy).choose(runtime, nbytes)
     if best == math.inf:
         assert chosen == []
         return

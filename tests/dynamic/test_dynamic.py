@@ -91,13 +91,19 @@ def reference(name: str) -> tuple[Result, tuple[DynamicStats, ...]]:
 
 @functools.cache
 def feasible(name: str, policy: str) -> tuple[float, ...]:
-    """The ratios of the ladder under which the simulator runs every step of ``name``."""
+    """The ratios of the ladder under which the simulator runs every step of ``name``, with the
+    pool's addresses as laid out and packed when only they stand in the way (the accounting
+    backend's model, NOTE [model addresses] in ``remat.core.runtime``)."""
     _, steps = reference(name)
     peak = max(s.peak_bytes for s in steps)
     found = tuple(
         ratio
         for ratio in LADDER
-        if all(simulate(s.trace, int(ratio * peak), policy, 3.0).outcome is Outcome.OK for s in steps)
+        if all(
+            simulate(s.trace, int(ratio * peak), policy, 3.0, compact=compact).outcome is Outcome.OK
+            for s in steps
+            for compact in (False, True)
+        )
     )
     assert found, f"no budget on the ladder works for {name} with {policy}"
     return found

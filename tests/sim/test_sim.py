@@ -56,6 +56,16 @@ def test_address_memory_fragments_where_byte_counting_does_not() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "ratio"), [("transformer-10", 0.5), ("transformer-10", 0.8), ("resnet32-56", 0.6)]
+)
+def test_coop_is_no_worse_than_dtr_and_dte_on_address_pools(name: str, ratio: float) -> None:
+    coop, dtr, dte = (simulate(log(name), ratio, policy) for policy in ("coop", "dtr", "dte"))
+    assert all(r.outcome is Outcome.OK for r in (coop, dtr, dte))
+    assert coop.overhead <= min(dtr.overhead, dte.overhead)
+    assert coop.digest == dtr.digest  # the same values, whatever was recomputed
+
+
+@pytest.mark.parametrize(
     ("budget", "error", "match"),
     [
         (1.5, ValueError, r"remat\.sim\.simulate: a ratio budget must lie in \(0, 1\] \(got 1\.5\)"),

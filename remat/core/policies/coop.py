@@ -4,21 +4,21 @@ DTR evicts the cheapest storage, one at a time, wherever it lies; 60 MB freed he
 not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switchable for ablation:
 
 1. Layout-aware eviction (``layout``). List the pool's pieces in address order; a free piece costs
-   0, an evictable storage c'(t) / s(t) (no division by size: the window already accounts for
-   bytes), a locked or constant piece breaks the run. One two-pointer pass finds the contiguous run
-   of pieces covering the request at least total cost: O(n), where DTR's loop is O(n^2). Without it,
-   Coop evicts greedily by h_DTR^eq.
+   0, an evictable storage its DTR heuristic h = c'(t) / (m(t) s(t)), its cost density; a locked or
+   constant piece breaks the run. One two-pointer pass finds the contiguous run of pieces covering
+   the request with the least summed h (the Coop paper's objective): O(n), where DTR's loop is
+   O(n^2). Without it, Coop evicts greedily by h_DTR^eq.
 2. Op-guided allocation (``op_guided``). Outputs of compute-dense ops (convolutions, matrix
    products, their gradients) go to the high end of the pool, the rest to the low end, so that
    cheap storages lie next to each other and a cheap window is easy to find.
 3. Recomputable in-place (``inplace``). A mutated storage's new version takes over the old memory
    instead of a copy, so mutations do not scatter new storages over the pool.
 
-``coop-per-byte`` is not in the Coop design: its window minimizes cost per byte the run frees
-(free pieces included) instead of total cost. For a run of one storage that is h_DTE, so it
-carries DTR's amortization (bytes freed beyond the request serve the next allocations) into the
-window search. It helps where contiguity is rarely the obstacle and hurts under tight budgets,
-where the surplus it evicts is soon recomputed (benchmarks/sim/README.md, "Where Coop loses").
+Two other window scores are registered for comparison, not part of the Coop design:
+``coop-total`` sums c'(t) / s(t) with no size term, so it frees just enough for each request and
+evicts again at the next one; ``coop-per-byte`` divides a run's total by the bytes it holds (free
+pieces included), for a run of one storage h_DTE. benchmarks/sim/README.md ("Where Coop loses")
+compares the three.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Coop:
     layout: bool = True
     op_guided: bool = True
     inplace: bool = True
-    per_byte: bool = False  # window score: cost per byte freed instead of total cost
+    score: str = "density"  # of a run: "density" (summed h), "total" (summed c'/s), "per-byte"
 
     @property
     def needs(self) -> frozenset[str]:
@@ -63,12 +63,13 @@ class Coop:
     def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         if not self.layout:
             return choose_by_classes(runtime, adjacent_free=False)
-        return cheapest_window(runtime, nbytes, self.per_byte)
+        return cheapest_window(runtime, nbytes, self.score)
 
 
-def cheapest_window(runtime: Residency, nbytes: int, per_byte: bool = False) -> list[int]:
+def cheapest_window(runtime: Residency, nbytes: int, score: str = "density") -> list[int]:
     """The storages of the least costly contiguous run of pieces holding ``nbytes``; [] if none.
-    With ``per_byte``, the run of least cost per byte it holds, among the same candidates.
+    ``score``: a piece costs its h (``"density"``) or c'/s (``"total"``), and a run the sum of its
+    pieces; ``"per-byte"``: the run of least c'/s per byte it holds, among the same candidates.
 
     Because costs are not negative, the best run ending at a given piece is the shortest one that
     holds ``nbytes``, so there is one candidate run per piece, found from the sizes alone (the two
@@ -88,6 +89,8 @@ def cheapest_window(runtime: Residency, nbytes: int, per_byte: bool = False) -> 
     barrier = ~(movable | free)
     own, staleness = np.zeros(len(sizes)), np.ones(len(sizes))
     staleness[movable] = np.maximum(runtime.clock - runtime.last.array[real[movable]], TICK)
+    if score == "density":  # each piece's h_DTR = c' / (m s): the window sums cost densities
+        staleness[movable] *= sizes[movable]
     own[movable] = lower_bound(runtime, real[movable]) / staleness[movable]
     # Run ending at piece r: pieces l..r, l the last index with sizes[l..r] >= nbytes, no barrier.
     bytes_to = np.concatenate(([0], np.cumsum(sizes)))
@@ -99,6 +102,7 @@ def cheapest_window(runtime: Residency, nbytes: int, per_byte: bool = False) -> 
     lefts, ends = lefts[valid], ends[valid]
     if len(ends) == 0:
         return []
+    per_byte = score == "per-byte"
     held = (bytes_to[ends + 1] - bytes_to[lefts]).astype(float) if per_byte else np.ones(len(ends))
     bounds = (cost_to[ends + 1] - cost_to[lefts]) / held
     exact: dict[int, float] = {}
@@ -132,6 +136,7 @@ for _policy in (
     Coop("coop-no-layout", layout=False),
     Coop("coop-no-opguided", op_guided=False),
     Coop("coop-no-inplace", inplace=False),
-    Coop("coop-per-byte", per_byte=True),
+    Coop("coop-total", score="total"),
+    Coop("coop-per-byte", score="per-byte"),
 ):
     register(_policy)
