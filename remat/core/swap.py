@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 from remat.core.residency import Residency
 
 if TYPE_CHECKING:
-    from remat.offload.link import Link
+    from remat.host.link import Link
 
 
 class HostStore(Protocol):

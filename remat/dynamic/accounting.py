@@ -27,6 +27,7 @@ from remat.core.pool import Pool
 from remat.dynamic.backends import register
 from remat.dynamic.homes import Homes, aligned
 from remat.dynamic.recipe import Recipe, result_leaves
+from remat.host.pool import HostPool
 
 # Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
 # ``_unsafe_view``, whose schema promises a new tensor but which returns a view of its input; and
@@ -120,6 +121,8 @@ class AccountingBackend:
         self.meter = ThrashMeter(thrash_limit)  # first runs are added as they run
         self.recompute_seconds = 0.0  # recomputations: measured time of the ops themselves
         self.moments: list[tuple[int, str]] = []  # (time.time_ns(), "evict" | "recompute")
+        self.host = HostPool()  # swapped storages' bytes (remat.core.swap), out of the device's count
+        self.on_host: dict[int, torch.Tensor] = {}
 
     # -- the core's side ------------------------------------------------------------------------
 
@@ -225,6 +228,23 @@ class AccountingBackend:
 
     # -- first runs -----------------------------------------------------------------------------
 
+    # -- swapping: the host store of remat.core.swap -------------------------------------------
+
+    def swap_out(self, storage: int) -> None:
+        real = self.homes.get(storage)
+        buffer = self.host.take(real.nbytes(), pinned=self.device.type == "cuda")
+        buffer.copy_(_as_bytes(real))
+        self.on_host[storage] = buffer
+
+    def swap_in(self, storage: int) -> None:
+        buffer = self.on_host[storage]
+        content = torch.UntypedStorage(buffer.numel(), device=self.device)
+        _as_bytes(content).copy_(buffer)
+        self._install(storage, content)
+
+    def drop(self, storage: int) -> None:
+        self.host.give(self.on_host.pop(storage), pinned=self.device.type == "cuda")
+
     def copy_of(self, real: torch.UntypedStorage) -> torch.UntypedStorage:
         """A copy of ``real``'s bytes, to keep an old version while an op overwrites it."""
         return real.clone()
@@ -320,3 +340,8 @@ class AccountingBackend:
         runtime = self.runtime
         current = handle is not None and runtime.live[storage] > 0 and runtime.storage_of(handle) == storage
         self.homes.install(storage, content, handle if current else None)
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The bytes of ``storage`` as a flat ``uint8`` tensor over the same memory."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -25,6 +25,7 @@ The object is reusable: enter it once per step; ``stats`` describes the last com
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import sys
@@ -32,13 +33,14 @@ from types import TracebackType
 
 import torch
 
-from remat._errors import RematError, RematValueError, message
+from remat._errors import RematError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
 from remat.core.pool import Fit, Pool
 from remat.core.runtime import OutOfMemory
+from remat.core.swap import Swap
 from remat.dynamic import backends
 from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
@@ -46,6 +48,7 @@ from remat.dynamic.failures import explain
 from remat.dynamic.keep import API, members
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, rewind, take
+from remat.host.link import Link
 
 _UNLIMITED = 2**62
 _open: list[Dynamic] = []
@@ -67,7 +70,9 @@ class Dynamic:
         device: torch.device,
         reserve: int | float | str,
         peak: int | str | None = None,
+        swap: Link | None = None,
     ) -> None:
+        self.swap = _swap(swap, backends.get(backend, API).places, backend)
         amount = None if budget is None else parse_budget(budget, API)
         # NOTE [ratio budgets] A ratio is of the plain step's peak: given (``peak``), or measured by
         # the first block, which runs with no budget (the pool's peak: what the block held, the
@@ -163,6 +168,8 @@ class Dynamic:
         backend = self._make_backend(pool)
         self._recorder.moments = backend.moments
         engine = Engine(pool, self._recorder, backend, self.device, self.cost == "model")
+        if self.swap is not None:
+            engine.runtime.swap = Swap(self.swap, backend)
         engine.explain = lambda failure: self._fail(engine, explain(failure, engine, self))
         kept = 0
         listed = members(self.keep)
@@ -302,6 +309,7 @@ class Dynamic:
             exit_recomputations=telemetry.recomputations - engine.marks[1],
             trace=engine.trace(),
             policy_object=self.policy,
+            swap=None if runtime.swap is None else dataclasses.replace(runtime.swap.counts),
         )
 
 
@@ -318,6 +326,7 @@ def dynamic(
     device: torch.device | str = "cpu",
     reserve: int | float | str = 0.05,
     peak: int | str | None = None,
+    swap: Link | None = None,
 ) -> Dynamic:
     """A region that keeps the memory of the ops it runs within ``budget`` by evicting and
     recomputing.
@@ -340,14 +349,17 @@ def dynamic(
     time, as DTR) or ``"model"`` (the estimate of :mod:`remat.trace.cost`: no timing noise, so the
     same step makes the same decisions every time). ``reserve``: the part of the budget set aside
     for what the runtime cannot count ahead (see the module docstring), a fraction of the budget
-    (a float below 1) or bytes; the pool holds the rest.
+    (a float below 1) or bytes; the pool holds the rest. ``swap``: a :class:`remat.Link`; a victim
+    whose copy to host memory hides behind compute on that link goes there instead of being dropped,
+    and comes back instead of being recomputed (Capuchin; :mod:`remat.core.swap`); host copies are
+    out of the budget (``stats.swap`` counts them).
 
     The budget counts the tensors from before the region that its ops read (parameters, optimizer
     state, inputs), and the allocator's count never passes it. A region that fails undoes the step
     (:mod:`remat.dynamic.undo`).
     """
     dev = torch.device(device)
-    return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve, peak)
+    return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve, peak, swap)
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:
@@ -373,3 +385,16 @@ def _reserve(reserve: object, budget: int) -> int:
             )
         )
     return amount
+
+
+def _swap(swap: object, places: bool, backend: str) -> Link | None:
+    if swap is None or (isinstance(swap, Link) and not places):
+        return swap
+    link = isinstance(swap, Link)
+    rule = f"the {backend} backend places tensors in its arena, where a swapped one cannot return"
+    error = RematValueError(message(API, rule, f"got swap={swap!r}", 'use backend="accounting" to swap'))
+    raise (
+        error
+        if link
+        else RematTypeError(message(API, "swap must be a remat.Link", f"got {swap!r}", "pass remat.Link()"))
+    )

@@ -18,6 +18,7 @@ from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import End, Fit
 from remat.core.residency import Residency
 from remat.core.runtime import Runtime
+from remat.core.swap import SwapCounts
 from remat.sim.backend import SimBackend, drive
 from remat.trace.types import Op, Trace
 
@@ -110,6 +111,8 @@ class DynamicStats:
     moments: tuple[tuple[int, str], ...] = field(default=(), repr=False, compare=False)
     """``(time.time_ns(), "evict" | "recompute")`` of each eviction and recomputation, the clock of
     ``remat.memory.track``'s allocator timeline: marks for ``remat.memory.plot``."""
+    swap: SwapCounts | None = None
+    """With ``swap=``: victims sent to host memory, reloads, host bytes and predicted stalls."""
 
     @property
     def capacity(self) -> int:

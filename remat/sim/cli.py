@@ -58,7 +58,7 @@ def _link(rate: str) -> object:
     """The link of ``--link``: ``rate`` each way, the default latency."""
     from remat._errors import RematValueError
     from remat._units import parse_rate
-    from remat.offload.link import Link
+    from remat.host.link import Link
 
     try:
         return Link(d2h=parse_rate(rate, "sim.cli"), h2d=parse_rate(rate, "sim.cli"))

@@ -21,7 +21,7 @@ from remat.core.policies.registry import resolve
 from remat.core.pool import Fit
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.core.swap import Swap, SwapCounts
-from remat.offload.link import Link
+from remat.host.link import Link
 from remat.sim.backend import SimBackend, drive
 from remat.sim.facts import Facts, facts
 from remat.sim.result import Outcome, SimResult
