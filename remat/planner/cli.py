@@ -8,9 +8,9 @@ traces the step once, finds every solver's plans once (``remat.planner.frontier`
 solver's plan at ``--points`` budgets spread evenly from the smallest feasible peak to the plain
 step's peak, and runs each distinct plan: the peak of the step's memory is measured with
 ``remat.memory.track(allocator=True)``, the overhead as the median over ``--repeats`` rounds of the
-step's CPU time ÷ the plain step's, timed interleaved in the same process. Progress bars say which
-point is running, the time elapsed and the time left. The plot shows predicted and measured peak
-against overhead.
+step's CPU time ÷ the plain step's (each round enough steps to last ``_ROUND_SECONDS``), timed
+interleaved in the same process. Progress bars say which point is running, the time elapsed and
+the time left. The plot shows predicted and measured peak against overhead.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import time
 from typing import Any
@@ -28,7 +29,12 @@ from remat._units import parse_budget
 from remat.planner.solvers import names
 
 # what ``remat plan --model gpt2 --pareto`` took on the tiny model (benchmarks/plan/README.md)
-_TINY_PARETO = "about a minute"
+_TINY_PARETO = "about 1 min of CPU time, 2-3 min on a busy 2-core machine"
+# the tiny model's batch: at the zoo's tiny batch of 2 the embeddings and logits are most of the
+# step, and no plan gets below about 0.8 of the plain peak (the default budget is 0.5)
+_TINY_BATCH = 8
+# CPU seconds each timed round of the sweep lasts at least
+_ROUND_SECONDS = 0.05
 
 
 def register(subparsers: Any) -> None:
@@ -45,11 +51,13 @@ def register(subparsers: Any) -> None:
     size.add_argument(
         "--full",
         action="store_true",
-        help="the paper-size model (GPT-2 small, batch 8 x 1024: several minutes to trace and GBs of "
-        "memory; --pareto takes tens of minutes on 2 CPU cores) instead of the tiny one (--pareto "
-        f"{_TINY_PARETO} on 2 CPU cores)",
+        help="the paper-size model (GPT-2 small at batch 8 x 512: tracing alone takes minutes and "
+        "GBs, and --pareto far longer, tens of minutes, on 2 CPU cores) instead of the tiny one "
+        f"(--pareto: {_TINY_PARETO})",
     )
-    parser.add_argument("--batch", type=int, help="batch size (default: the zoo's, or 2 with --tiny)")
+    parser.add_argument(
+        "--batch", type=int, help=f"batch size (default {_TINY_BATCH}, or the zoo's with --full)"
+    )
     parser.add_argument("--seq", type=int, help="tokens per sample (text models)")
     parser.add_argument("--image", type=int, help="image side (vision models)")
     parser.add_argument(
@@ -57,7 +65,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
-    parser.add_argument("--pareto", action="store_true", help="sweep --ratios x --solvers and measure each")
+    parser.add_argument(
+        "--pareto", action="store_true", help="sweep --points budgets x --solvers and measure each plan"
+    )
     parser.add_argument(
         "--points",
         type=_points,
@@ -101,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from remat.planner.api import plan_trace, trace_step
 
     sizes = {k: getattr(args, k) for k in ("batch", "seq", "image") if getattr(args, k) is not None}
+    if not args.full:
+        sizes.setdefault("batch", _TINY_BATCH)
     wl = remat.zoo.build(args.model, tiny=not args.full, **sizes)
 
     def loss_fn(model: Any, *inputs: Any) -> Any:
@@ -136,12 +148,14 @@ def _measure(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> int:
     return tracked.peak_bytes
 
 
-def _seconds(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> float:
-    model.zero_grad(set_to_none=True)
+def _seconds(model: Any, inputs: Any, loss_fn: Any, plan: Any, steps: int = 1) -> float:
+    """CPU seconds of ``steps`` steps, forward and backward, under ``plan`` (None: plain)."""
     start = time.process_time()
-    with plan.apply(model) if plan is not None else contextlib.nullcontext():
-        loss = loss_fn(model, *inputs)
-    loss.backward()
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with plan.apply(model) if plan is not None else contextlib.nullcontext():
+            loss = loss_fn(model, *inputs)
+        loss.backward()
     return time.process_time() - start
 
 
@@ -172,6 +186,9 @@ def sweep(
                 chosen.append((solver, budget, plan_at(plans, budget)))
             except RematError:
                 screen.print(f"{solver}: no plan within {budget} bytes (its plans start higher)")
+    # a tiny model's step takes a millisecond or two: time enough steps per round for the CPU
+    # clock's resolution and the machine's other work to matter little
+    steps = max(1, math.ceil(_ROUND_SECONDS / max(_seconds(model, inputs, loss_fn, None), 1e-4)))
     measured: dict[tuple[Any, ...], tuple[int, float]] = {}
     with progress(len(chosen), "measuring point") as bar:
         for solver, budget, plan in chosen:
@@ -179,7 +196,8 @@ def sweep(
             key = plan.regions
             if key not in measured:
                 rounds = [
-                    _seconds(model, inputs, loss_fn, plan) / _seconds(model, inputs, loss_fn, None)
+                    _seconds(model, inputs, loss_fn, plan, steps)
+                    / _seconds(model, inputs, loss_fn, None, steps)
                     for _ in range(args.repeats)
                 ]
                 measured[key] = _measure(model, inputs, loss_fn, plan), statistics.median(rounds)

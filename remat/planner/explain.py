@@ -108,8 +108,8 @@ def render(
 
     for key in order:
         if key in blocks:
-            region = region_of.get(key)
-            table.add_row(key, *row(blocks[key]), region or "-", _reason(blocks[key], region))
+            name = region_of.get(key)
+            table.add_row(key, *row(blocks[key]), name or "-", _reason(blocks[key], name))
     table.add_row("total", *row(tensors), f"{len(regions)} regions", "", style="bold")
     console = Console(file=file or sys.stdout)
     if not console.is_terminal:  # a file or a pipe: as wide as the table needs (``remat._console``)

@@ -114,10 +114,13 @@ def plans(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
         if m > 0 and final[m - 1] == final[m]:
             continue  # the row below has a plan as cheap, and its peak is no higher
         schedule = emit(sizes, m, lambda s, t, m: int(what[s, t][m]), single_level)
-        note = f"one of the chain DP's plans up to {budget_bytes} bytes (units of {unit} bytes)"
-        found = solution(chain, schedule, "chain", budget_bytes, None, note)
-        if found.predicted_peak_bytes <= budget_bytes:
-            out.append(found)
+        peak = schedule_cost(chain, schedule).peak_bytes
+        if peak <= budget_bytes:
+            note = (
+                f"chain model's peak {peak} of the solver's budget {budget_bytes} bytes "
+                f"(sizes rounded up to units of {unit} bytes while solving)"
+            )
+            out.append(solution(chain, schedule, "chain", budget_bytes, None, note))
     return out
 
 
