@@ -29,7 +29,7 @@ from remat._units import parse_budget
 from remat.planner.solvers import names
 
 # what ``remat plan --model gpt2 --pareto`` took on the tiny model (benchmarks/plan/README.md)
-_TINY_PARETO = "about 1 min of CPU time, 2-3 min on a busy 2-core machine"
+_TINY_PARETO = "about 65 s of CPU time; longer wall time on a busy machine"
 # the tiny model's batch: at the zoo's tiny batch of 2 the embeddings and logits are most of the
 # step, and no plan gets below about 0.8 of the plain peak (the default budget is 0.5)
 _TINY_BATCH = 8
