@@ -52,9 +52,9 @@ from remat.trace.types import Trace
 
 __all__ = ["Frontier", "finer_key", "frontier"]
 
-# NOTE [monotone plans] a ladder has at most this many rungs: below the last plan's peak, and at
-# least 1/_RUNGS of the span from the plain peak to the smallest below the previous rung, so that
-# a chain with many blocks (whose plans are many) is still solved in a bounded time
+# a ladder has about this many rungs at most: each below the last plan's peak and at least
+# 1/_RUNGS of the span from the plain peak to the smallest below the previous rung, so that a chain
+# with many blocks (whose plans are many) is still planned in a bounded time
 _RUNGS = 24
 # the chain DP's tables per ladder: each one at the lowest peak the one before found
 _TABLES = 4
@@ -213,9 +213,9 @@ def frontier(
 def milp_rungs(
     step: Step, solver: str, dag: Problem, baseline: int, options: dict[str, Any]
 ) -> list[Candidate]:
-    """The plans of a slow solver at ``_MILP_RUNGS`` step budgets spread evenly from the chain
-    model's smallest peak (a plan's peak is never below it by much) to the plain peak, each found
-    by ``search`` (the solver's budget lowered while the step's peak is over it)."""
+    """The plans of a slow solver at ``_MILP_RUNGS`` step budgets spread evenly from the smallest
+    peak of the chain DP's and plain checkpointing's plans (``floor``) to the plain peak, each
+    found by ``search`` (the solver's budget lowered while the step's peak is over it)."""
     chain = chain_from_trace(step.trace, key=step.key)
     low = min(c.pred.peak_bytes for c in floor(step, chain))
     out: list[Candidate] = []

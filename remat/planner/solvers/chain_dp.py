@@ -96,9 +96,10 @@ def solve(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
 def plans(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bool = False) -> list[Solution]:
     """Every plan one table of ``solve`` at ``budget_bytes`` holds: for each memory row m from the
     budget's down, the cheapest schedule whose rounded peak fits m units (NOTE [chain DP]), each
-    distinct schedule once, most memory first. One DP for the plans at every budget up to
-    ``budget_bytes``, in that budget's units (so coarser, relative to a small budget, than
-    ``solve`` at that budget: the caller solves again lower for finer ones)."""
+    distinct schedule once, most memory first, with its gap at m units' bytes. One DP for the
+    plans at every budget up to ``budget_bytes``, in that budget's units (so coarser, relative to
+    a small budget, than ``solve`` at that budget: the caller solves again lower for finer
+    ones)."""
     if budget_bytes < minimum_peak(chain)[0]:
         return []
     unit = max(1, math.ceil(budget_bytes / max(1, slots)))
@@ -116,11 +117,16 @@ def plans(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
         schedule = emit(sizes, m, lambda s, t, m: int(what[s, t][m]), single_level)
         peak = schedule_cost(chain, schedule).peak_bytes
         if peak <= budget_bytes:
+            room = min(m, m_max)  # the rows above the budget's hold plans checked against it
+            limit = budget_bytes if m > m_max else m * unit
             note = (
-                f"chain model's peak {peak} of the solver's budget {budget_bytes} bytes "
+                f"chain model's peak {peak} of the solver's budget {limit} bytes "
                 f"(sizes rounded up to units of {unit} bytes while solving)"
             )
-            out.append(solution(chain, schedule, "chain", budget_bytes, None, note))
+            # NOTE [chain DP gap]: no plan truly within ``room`` units costs less than row room + 2n + 3
+            cost, bound = float(final[m]), float(final[room + 2 * sizes.n + 3])
+            gap = (cost - bound) / cost if cost > 0 else 0.0
+            out.append(solution(chain, schedule, "chain", limit, gap, note))
     return out
 
 
