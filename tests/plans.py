@@ -52,6 +52,7 @@ def _traced(name: str) -> tuple[Trace, int, int]:
     return trace, base, info.value.minimum_bytes
 
 
+@functools.cache  # a Plan is immutable; the MILP's candidates take seconds to find
 def _plan(name: str, solver: str) -> Plan:
     trace, base, low = _traced(name)
     budget = (low + base) // 2
