@@ -3,8 +3,12 @@ a table needs when the output is piped (rich would otherwise cut it at 80 column
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
-from rich.progress import Progress
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 PIPED_WIDTH = 200
 
@@ -18,10 +22,12 @@ def console(stderr: bool = False) -> Console:
 
 def progress(total: int, what: str) -> Progress:
     """A progress bar on stderr for ``total`` steps of ``what``: the step k/N, the time elapsed and
-    the estimate of the time left (run it with ``with``; ``advance(0)`` after each step)."""
+    the estimate of the time left (run it with ``with``; ``advance(bar.task_ids[0])`` after each
+    step)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
+        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
