@@ -52,11 +52,10 @@ def _traced(name: str) -> tuple[Trace, int, int]:
     return trace, base, info.value.minimum_bytes
 
 
+@functools.cache  # a Plan is immutable; the MILP's candidates take seconds to find
 def _plan(name: str, solver: str) -> Plan:
     trace, base, low = _traced(name)
-    # sqrt ignores the budget: give it room (on tiny models its regions' copies of the generator
-    # state cost more than they save); the others get one between the minimum and the plain peak
-    budget = 2 * base if solver == "sqrt" else (low + base) // 2
+    budget = (low + base) // 2
     options: dict[str, Any] = MILP if solver == "milp" else {}
     return plan_trace(trace, budget, solver=solver, **options)
 

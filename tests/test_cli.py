@@ -21,7 +21,7 @@ def test_a_bad_budget_is_refused_before_the_model_is_traced(
     assert stopped.value.code == 2 and not traced
     err = capsys.readouterr().err
     assert "remat.plan: cannot parse this byte size (got 'lots')" in err and "Traceback" not in err
-    for option, value in (("--ratios", "0.5,2"), ("--solvers", "chain,magic")):
+    for option, value in (("--points", "1"), ("--solvers", "chain,magic")):
         with pytest.raises(SystemExit):
             cli.main(["plan", "--model", "gpt2", option, value])
         assert "remat.plan:" in capsys.readouterr().err

@@ -15,7 +15,6 @@ PyTorch without re-entering the model's code. The search itself lives in ``remat
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,26 +23,20 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
-from remat.planner.lowering import chain_from_trace, dag_from_trace, stage_key
+from remat.planner.frontier import Frontier, frontier
+from remat.planner.lowering import stage_key
 from remat.planner.plan import Plan
 from remat.planner.search import (
-    Candidate,
-    Step,
     best,
     decisions,
     fail,
     floor,
-    keeping_compute,
-    predicted,
-    search,
-    simple,
 )
 from remat.planner.solvers import get
-from remat.planner.types import Chain
 from remat.trace import capture
 from remat.trace.types import Trace
 
-__all__ = ["BudgetTooSmall", "LossFn", "block_key", "plan", "plan_trace", "trace_step"]
+__all__ = ["BudgetTooSmall", "LossFn", "block_key", "plan", "plan_at", "plan_trace", "trace_step"]
 
 LossFn = Callable[..., torch.Tensor]
 Inputs = torch.Tensor | Sequence[Any] | Mapping[str, Any]
@@ -134,41 +127,30 @@ def plan_trace(
     block_key: Callable[[str], str] | None = None,
     **options: Any,
 ) -> Plan:
-    """The plan for a captured step (see ``plan``); ``options`` go to the solver. ``auto`` runs
-    the chain DP and greedy on the chain of blocks and also weighs plain checkpointing (every
-    block, sqrt(n) segments), each also keeping matmul, convolution and attention outputs.
-    ``block_key`` maps a module path to its block (default ``stage_key``; ``plan`` passes
+    """The plan for a captured step (see ``plan``); ``options`` go to the solver. Each solver's
+    candidates are found for every budget at once (``remat.planner.frontier``, NOTE [monotone
+    plans]), so more budget never gives a costlier plan. ``auto`` weighs the chain DP's and
+    greedy's plans on the chain of blocks (and on a finer chain), plain checkpointing (every
+    block, every layer, sqrt(n) segments), each also keeping matmul, convolution and attention
+    outputs. ``block_key`` maps a module path to its block (default ``stage_key``; ``plan`` passes
     ``block_key(model)``).
 
     Of the plans that fit, the one with the least predicted overhead wins, with a stable tie rule
-    (``remat.planner.search.best``, NOTE [plan ties]): overheads within a relative 0.1% of the
-    least are equal; among those, the first solver in the fixed order chain, greedy, milp, sqrt,
-    then plain checkpointing; then the lower predicted peak; then the first plan tried. So for a
+    (NOTE [plan ties]): of two plans within a relative 0.1% of each other, the one of the first
+    solver in the fixed order chain, greedy, milp, sqrt, then plain checkpointing, then the one
+    with the lower predicted peak, then the first tried, is preferred where it fits. So for a
     given trace, and so for given op costs, the pick is always the same."""
-    step = Step(trace, block_key)
-    get(solver)
-    baseline = predicted(step, []).peak_bytes
+    return plan_at(frontier(trace, solver, block_key, **options), budget)
+
+
+def plan_at(found: Frontier, budget: int | float | str) -> Plan:
+    """The plan ``plan_trace`` returns at ``budget`` from ``found``'s candidates: the cheapest that
+    fits (NOTE [monotone plans]); the Pareto sweep finds the candidates once and picks per point."""
+    step, chain, solver, baseline = found.step, found.chain, found.solver, found.baseline
     limit = parse_budget(budget, api="plan")
     budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
-    start = time.perf_counter()
-    chain = chain_from_trace(trace, key=block_key)
-    tried: list[Candidate] = []
-    if solver == "auto":
-        tried += search(step, "chain", chain, budget_bytes, baseline, {"single_level": True, **options})
-        tried += search(step, "greedy", chain, budget_bytes, baseline, {})
-        tried += simple(step, chain)
-        tried += keeping_compute(step, tried)
-    elif Chain in get(solver).problems:
-        extra = {"single_level": True} if solver == "chain" else {}
-        tried += search(step, solver, chain, budget_bytes, baseline, {**extra, **options})
-    else:
-        dag = dag_from_trace(trace, max_nodes=None)
-        tried += search(step, solver, dag, budget_bytes, baseline, options)
-    seconds = time.perf_counter() - start
+    tried = list(found.candidates)
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
-    if not fits and solver == "auto":
-        tried += floor(step, chain)
-        fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
     if not fits:
         known = tried + floor(step, chain) if solver != "auto" else tried
         lowest = min(known, key=lambda c: c.pred.peak_bytes).pred
@@ -181,12 +163,12 @@ def plan_trace(
                 f"raise the budget or shrink the batch",
             )
             raise BudgetTooSmall(text, lowest.peak_bytes, lowest.peak_at)
-        found = (
+        found_text = (
             f"its lowest peak was {min(c.pred.peak_bytes for c in tried)} bytes" if tried else "it found none"
         )
         raise fail(
             f"solver {solver!r} found no plan within the budget",
-            f"budget {budget_bytes} bytes; {found}",
+            f"budget {budget_bytes} bytes; {found_text}",
             f"use solver='auto' (plans from {lowest.peak_bytes} bytes) or raise the budget",
         )
     chosen = best(fits)
@@ -195,14 +177,14 @@ def plan_trace(
         picked = chosen.solver if chosen.solver != "auto" else chosen.notes
         notes = f"auto picked {picked} of {len(tried)} plans; {notes}"
     return Plan(
-        name=trace.name,
+        name=step.trace.name,
         solver=chosen.solver,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=chosen.pred.peak_bytes,
         predicted_overhead=chosen.pred.overhead,
         baseline_peak_bytes=baseline,
         peak_at=chosen.pred.peak_at,
-        solve_seconds=seconds,
+        solve_seconds=found.seconds,
         gap=chosen.gap,
         regions=tuple(r for r, _ in chosen.regions),
         tensors=decisions(step, chosen.regions, chosen.pred, chosen.solver),

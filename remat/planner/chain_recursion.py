@@ -10,6 +10,7 @@ a schedule the same way (``emit``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from remat.planner.types import Chain, ChainOp, ChainSchedule, ChainStep
@@ -69,6 +70,7 @@ def emit(
     return ChainSchedule(tuple(steps))
 
 
+@functools.lru_cache(maxsize=16)  # the planner asks again for each rung of a ladder
 def minimum_peak(chain: Chain) -> tuple[int, ChainSchedule]:
     """The smallest peak (bytes) of any persistent schedule of ``chain``, and a schedule reaching it."""
     sizes = ChainSizes(chain, 1)

@@ -1,12 +1,16 @@
 """``remat plan``: plan a zoo model's training step and explain it, or sweep budgets for a Pareto curve.
 
-    remat plan --model gpt2 --tiny --budget 0.6 --save plan.json
-    remat plan --model gpt2 --tiny --pareto --out pareto.png --json pareto.json
+    remat plan --model gpt2 --budget 0.6 --save plan.json
+    remat plan --model gpt2 --pareto --out pareto.png --json pareto.json
 
-``--pareto`` plans the step at every ratio in ``--ratios`` with every solver in ``--solvers`` and runs
-each plan: the peak of the step's memory is measured with ``remat.memory.track(allocator=True)``, the
-overhead as the median over ``--repeats`` rounds of the step's time ÷ the plain step's, timed
-interleaved in the same process. The plot shows predicted and measured peak against overhead.
+The model is the zoo's tiny variant unless ``--full`` asks for the paper-size one. ``--pareto``
+traces the step once, finds every solver's plans once (``remat.planner.frontier``), then picks each
+solver's plan at ``--points`` budgets spread evenly from the smallest feasible peak to the plain
+step's peak, and runs each distinct plan: the peak of the step's memory is measured with
+``remat.memory.track(allocator=True)``, the overhead as the median over ``--repeats`` rounds of the
+step's CPU time ÷ the plain step's (each round enough steps to last ``_ROUND_SECONDS``), timed
+interleaved in the same process. Progress bars say which point is running, the time elapsed and
+the time left. The plot shows predicted and measured peak against overhead.
 """
 
 from __future__ import annotations
@@ -14,14 +18,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import time
 from typing import Any
 
-from remat._arguments import names_in, ratio_range
-from remat._errors import RematError
+from remat._arguments import names_in
+from remat._errors import RematError, message
 from remat._units import parse_budget
 from remat.planner.solvers import names
+
+# what ``remat plan --model gpt2 --pareto`` took on the tiny model (benchmarks/plan/README.md)
+_TINY_PARETO = "about 65 s of CPU time; longer wall time on a busy machine"
+# the tiny model's batch: at the zoo's tiny batch of 2 the embeddings and logits are most of the
+# step, and no plan gets below about 0.8 of the plain peak (the default budget is 0.5)
+_TINY_BATCH = 8
+# CPU seconds each timed round of the sweep lasts at least
+_ROUND_SECONDS = 0.05
 
 
 def register(subparsers: Any) -> None:
@@ -33,8 +46,18 @@ def register(subparsers: Any) -> None:
         description="Trace one training step of a zoo model, solve for a plan, explain or sweep it.",
     )
     parser.add_argument("--model", required=True, choices=models(), help="zoo model")
-    parser.add_argument("--tiny", action="store_true", help="the model's tiny variant (for a quick look)")
-    parser.add_argument("--batch", type=int, help="batch size (default: the zoo's, or 2 with --tiny)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="the model's tiny variant (the default)")
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="the paper-size model (GPT-2 small at batch 8 x 512: tracing alone takes minutes and "
+        "GBs, and --pareto far longer, tens of minutes, on 2 CPU cores) instead of the tiny one "
+        f"(--pareto: {_TINY_PARETO})",
+    )
+    parser.add_argument(
+        "--batch", type=int, help=f"batch size (default {_TINY_BATCH}, or the zoo's with --full)"
+    )
     parser.add_argument("--seq", type=int, help="tokens per sample (text models)")
     parser.add_argument("--image", type=int, help="image side (vision models)")
     parser.add_argument(
@@ -42,12 +65,14 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
-    parser.add_argument("--pareto", action="store_true", help="sweep --ratios x --solvers and measure each")
     parser.add_argument(
-        "--ratios",
-        default=_ratios("0.9,0.8,0.7,0.6,0.5,0.4,0.3"),
-        type=_ratios,
-        help="comma-separated ratios",
+        "--pareto", action="store_true", help="sweep --points budgets x --solvers and measure each plan"
+    )
+    parser.add_argument(
+        "--points",
+        type=_points,
+        default=6,
+        help="with --pareto: budgets per solver, from the smallest feasible peak to the plain (default 6)",
     )
     parser.add_argument(
         "--solvers",
@@ -69,8 +94,12 @@ def _budget(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _ratios(text: str) -> list[float]:
-    return ratio_range(text, "plan")
+def _points(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(
+            message("plan", "--points must be a whole number of at least 2", f"got {text!r}", "pass 6")
+        )
+    return int(text)
 
 
 def _solvers(text: str) -> list[str]:
@@ -82,12 +111,17 @@ def run(args: argparse.Namespace) -> int:
     from remat.planner.api import plan_trace, trace_step
 
     sizes = {k: getattr(args, k) for k in ("batch", "seq", "image") if getattr(args, k) is not None}
-    wl = remat.zoo.build(args.model, tiny=args.tiny, **sizes)
+    if not args.full:
+        sizes.setdefault("batch", _TINY_BATCH)
+    wl = remat.zoo.build(args.model, tiny=not args.full, **sizes)
 
     def loss_fn(model: Any, *inputs: Any) -> Any:
         return wl.loss_fn(model(*inputs))
 
-    trace = trace_step(wl.model, wl.inputs, loss_fn)
+    from remat._console import console
+
+    with console(stderr=True).status(f"tracing one training step of {args.model}"):
+        trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
         plan = plan_trace(trace, args.budget, solver=args.solver)
         plan.explain()
@@ -114,52 +148,74 @@ def _measure(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> int:
     return tracked.peak_bytes
 
 
-def _seconds(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> float:
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    with plan.apply(model) if plan is not None else contextlib.nullcontext():
-        loss = loss_fn(model, *inputs)
-    loss.backward()
-    return time.perf_counter() - start
+def _seconds(model: Any, inputs: Any, loss_fn: Any, plan: Any, steps: int = 1) -> float:
+    """CPU seconds of ``steps`` steps, forward and backward, under ``plan`` (None: plain)."""
+    start = time.process_time()
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with plan.apply(model) if plan is not None else contextlib.nullcontext():
+            loss = loss_fn(model, *inputs)
+        loss.backward()
+    return time.process_time() - start
 
 
 def sweep(
     trace: Any, model: Any, inputs: Any, loss_fn: Any, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """Plan and run every (solver, ratio); one point per plan found."""
-    from remat._console import console
-    from remat._errors import RematError
-    from remat.planner.api import plan_trace
+    """Every solver's plans at ``args.points`` budgets from the smallest feasible peak to the plain
+    peak, each distinct plan run and measured; one point per (solver, budget) with a plan."""
+    from remat._console import console, progress
+    from remat.planner.api import plan_at
+    from remat.planner.frontier import frontier
 
-    screen = console()
+    screen = console(stderr=True)
+    found = {}
+    with progress(len(args.solvers), "finding every solver's plans:") as bar:
+        for solver in args.solvers:
+            bar.update(bar.task_ids[0], description=solver)
+            found[solver] = frontier(trace, solver)
+            bar.advance(bar.task_ids[0])
     plain = _measure(model, inputs, loss_fn, None)
-    points: list[dict[str, Any]] = []
-    for solver in args.solvers:
-        for ratio in args.ratios:
+    base = next(iter(found.values())).baseline
+    low = min(c.pred.peak_bytes for f in found.values() for c in f.candidates)
+    budgets = [low + (base - low) * k // (args.points - 1) for k in range(args.points)]
+    chosen = []
+    for solver, plans in found.items():
+        for budget in budgets:
             try:
-                plan = plan_trace(trace, ratio, solver=solver)
-            except RematError as err:
-                screen.print(f"{solver} at {ratio}: {err}")
-                continue
-            peak = _measure(model, inputs, loss_fn, plan)
-            rounds = [
-                _seconds(model, inputs, loss_fn, plan) / _seconds(model, inputs, loss_fn, None)
-                for _ in range(args.repeats)
-            ]
-            point = {
-                "solver": solver,
-                "ratio": ratio,
-                "budget": plan.budget_bytes,
-                "predicted_peak": plan.predicted_peak_bytes,
-                "measured_peak": peak,
-                "plain_peak": plain,
-                "predicted_overhead": plan.predicted_overhead,
-                "measured_overhead": statistics.median(rounds),
-                "solve_seconds": plan.solve_seconds,
-            }
-            screen.print(point)
-            points.append(point)
-    return points
+                chosen.append((solver, budget, plan_at(plans, budget)))
+            except RematError:
+                screen.print(f"{solver}: no plan within {budget} bytes (its plans start higher)")
+    # a tiny model's step takes a millisecond or two: time enough steps per round for the CPU
+    # clock's resolution and the machine's other work to matter little
+    steps = max(1, math.ceil(_ROUND_SECONDS / max(_seconds(model, inputs, loss_fn, None), 1e-4)))
+    measured: dict[tuple[Any, ...], tuple[int, float]] = {}
+    with progress(len(chosen), "measuring point") as bar:
+        for solver, budget, plan in chosen:
+            bar.update(bar.task_ids[0], description=f"{solver} at {budget / 2**20:.2f} MiB")
+            key = plan.regions
+            if key not in measured:
+                rounds = [
+                    _seconds(model, inputs, loss_fn, plan, steps)
+                    / _seconds(model, inputs, loss_fn, None, steps)
+                    for _ in range(args.repeats)
+                ]
+                measured[key] = _measure(model, inputs, loss_fn, plan), statistics.median(rounds)
+            bar.advance(bar.task_ids[0])
+    return [
+        {
+            "solver": solver,
+            "budget": budget,
+            "ratio": budget / base,
+            "predicted_peak": plan.predicted_peak_bytes,
+            "measured_peak": measured[plan.regions][0],
+            "plain_peak": plain,
+            "predicted_overhead": plan.predicted_overhead,
+            "measured_overhead": measured[plan.regions][1],
+            "solve_seconds": found[solver].seconds,
+        }
+        for solver, budget, plan in chosen
+    ]
 
 
 def plot(points: list[dict[str, Any]], model: str, path: str) -> None:

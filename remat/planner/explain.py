@@ -2,7 +2,9 @@
 
 Why per block and not per tensor: a step saves thousands of tensors, and the question a user asks
 is which blocks are recomputed and what that buys; the per-tensor decisions stay in
-``Plan.tensors``. rich is imported here only, when a table is asked for.
+``Plan.tensors``. Each block's row says why, in the figures the planner weighed: the time its
+saved tensors' ops take to run again against the bytes they hold ("kept: matmul outputs, 2.10 ms
+to recompute for 1.50 MiB"). rich is imported here only, when a table is asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +21,56 @@ from remat.policy import Decision
 
 __all__ = ["render"]
 
+# the words a reader knows for the ATen ops that make most of what a step saves
+_KINDS = (
+    (frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}), "matmul"),
+    (frozenset({"convolution", "cudnn_convolution", "mkldnn_convolution"}), "convolution"),
+    (
+        frozenset(
+            {
+                "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_attention_math",
+            }
+        ),
+        "attention",
+    ),
+)
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 0.1 else f"{seconds * 1e3:.0f} ms"
+
+
+def _what(tensors: Sequence[TensorDecision]) -> str:
+    """The kinds of op that made ``tensors``, the most bytes first: ``matmul and gelu outputs``."""
+    kinds: dict[str, int] = {}
+    for t in tensors:
+        base = t.op_name.split(".")[1] if t.op_name.startswith("aten.") else t.op_name
+        kind = next((word for names, word in _KINDS if base in names), base)
+        kinds[kind] = kinds.get(kind, 0) + t.nbytes
+    top = sorted(kinds, key=lambda k: -kinds[k])
+    more = f" and {len(top) - 2} other kinds" if len(top) > 2 else ""
+    return f"{' and '.join(top[:2])} output{'s' if len(tensors) > 1 else ''}{more}"
+
+
+def _reason(tensors: Sequence[TensorDecision], region: str | None) -> str:
+    """Why a block's saved tensors are kept or recomputed, in the figures that decide it: the time
+    their ops take to run again against the bytes they hold from forward to backward."""
+    parts = []
+    for action, verb in ((Decision.RECOMPUTE, "recomputed"), (Decision.SAVE, "kept")):
+        mine = [t for t in tensors if t.action is action]
+        if not mine:
+            continue
+        seconds, nbytes = sum(t.seconds for t in mine), sum(t.nbytes for t in mine)
+        figures = f"{_milliseconds(seconds)} to recompute for {format_bytes(nbytes)}"
+        where = ""
+        if action is Decision.SAVE:
+            where = " (outside every recomputed region)" if region is None else f" (kept inside {region})"
+        parts.append(f"{verb}: {_what(mine)}, {figures}{where}")
+    return "; ".join(parts)
+
 
 def render(
     title: str,
@@ -34,36 +86,40 @@ def render(
     from rich.console import Console
     from rich.table import Table
 
-    rows: dict[str, list[int]] = {}  # block -> [saved tensors, kept bytes, recomputed bytes]
+    blocks: dict[str, list[TensorDecision]] = {}
     for t in tensors:
-        row = rows.setdefault(stage_key(t.module), [0, 0, 0])
-        row[0] += 1
-        row[1 if t.action is Decision.SAVE else 2] += t.nbytes
+        blocks.setdefault(stage_key(t.module), []).append(t)
     region_of: dict[str, str] = {}
     for region in regions:
         for key in dict.fromkeys(stage_key(m) for m in modules[region.first : region.last + 1]):
             region_of.setdefault(key, region.name)
     order = list(dict.fromkeys(stage_key(m) for m in modules))
     table = Table(title=title, title_justify="left")
-    for column in ("module", "saved tensors", "kept", "recomputed", "region"):
-        table.add_column(column, justify="left" if column in ("module", "region") else "right")
+    for column in ("module", "saved tensors", "kept", "recomputed", "replay time", "region", "why"):
+        table.add_column(
+            column, justify="right" if column in ("saved tensors", "kept", "recomputed") else "left"
+        )
+
+    def row(mine: Sequence[TensorDecision]) -> tuple[str, str, str, str]:
+        kept = sum(t.nbytes for t in mine if t.action is Decision.SAVE)
+        again = [t for t in mine if t.action is Decision.RECOMPUTE]
+        replay = _milliseconds(sum(t.seconds for t in again)) if again else "-"
+        return str(len(mine)), format_bytes(kept), format_bytes(sum(t.nbytes for t in again)), replay
+
     for key in order:
-        if key not in rows:
-            continue
-        n, kept, again = rows[key]
-        table.add_row(key, str(n), format_bytes(kept), format_bytes(again), region_of.get(key, "-"))
-    table.add_row(
-        "total",
-        str(len(tensors)),
-        format_bytes(sum(row[1] for row in rows.values())),
-        format_bytes(sum(row[2] for row in rows.values())),
-        f"{len(regions)} regions",
-        style="bold",
-    )
+        if key in blocks:
+            name = region_of.get(key)
+            table.add_row(key, *row(blocks[key]), name or "-", _reason(blocks[key], name))
+    table.add_row("total", *row(tensors), f"{len(regions)} regions", "", style="bold")
     console = Console(file=file or sys.stdout)
     if not console.is_terminal:  # a file or a pipe: as wide as the table needs (``remat._console``)
         console = Console(file=file or sys.stdout, width=PIPED_WIDTH)
     console.print(table)
+    console.print(
+        "kept, recomputed: bytes of the tensors autograd saves for backward, held from forward to "
+        "backward or made again in backward; replay time: what running their ops again costs "
+        "(times measured when the step was traced)"
+    )
     if notes:
         console.print(f"solver notes: {notes}")
     console.print(f"peak reached at {peak_at}")

@@ -83,7 +83,11 @@ class Plan:
         return None
 
     def __str__(self) -> str:
-        gap = "heuristic" if self.gap is None else f"gap {self.gap:.2%}"
+        gap = (
+            "a heuristic plan (no bound on how far from the cheapest)"
+            if self.gap is None
+            else f"at most {self.gap:.2%} costlier than the cheapest plan of the solver's model"
+        )
         recomputed = sum(t.action is Decision.RECOMPUTE for t in self.tensors)
         return (
             f"Plan({self.name or 'model'}, {self.solver}: peak {format_bytes(self.predicted_peak_bytes)} "

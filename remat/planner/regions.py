@@ -20,7 +20,8 @@ __all__ = ["Region", "TensorDecision"]
 class TensorDecision:
     """One tensor autograd saves for backward: made by forward op ``op`` (a position in
     ``Plan.ops``) in ``module``; SAVE (kept from the forward) or RECOMPUTE (made again in
-    backward), and why."""
+    backward), and why. ``seconds`` is what running its op again costs (the trace's time for it,
+    or the cost model's estimate): the price of recomputing it, paid or spared."""
 
     op: int
     op_name: str
@@ -28,10 +29,14 @@ class TensorDecision:
     nbytes: int
     action: Decision
     reason: str
+    seconds: float = 0.0
 
     def __str__(self) -> str:
         size = format_bytes(self.nbytes)
-        return f"op {self.op} {self.op_name} ({self.module}), {size}: {self.action.value} ({self.reason})"
+        return (
+            f"op {self.op} {self.op_name} ({self.module}), {size}, {self.seconds * 1e3:.2f} ms to "
+            f"recompute: {self.action.value} ({self.reason})"
+        )
 
 
 @dataclass(frozen=True)

@@ -41,17 +41,20 @@ __all__ = [
     "predicted",
     "search",
     "simple",
+    "untied",
 ]
 
 _ATTEMPTS = 6
 _REFINE_STEPS = 6
 _BISECTED = frozenset({"chain", "greedy"})  # fast enough to call a few times more
 _FLOOR_STEPS = 12
-# NOTE [plan ties] plans whose predicted overheads are within this fraction of the least are equal,
-# and go to the first solver of ``_SOLVER_ORDER`` (the exact one first; "auto" made the plain
-# checkpointing plans); then to the lower predicted peak; then to the first plan tried. Op costs
-# are measured on a machine doing other work too, so two plans a few ulps or a few microseconds
-# apart must not swap from run to run on a rounding.
+# NOTE [plan ties] of two plans whose predicted overheads are within this fraction, the one of the
+# first solver of ``_SOLVER_ORDER`` (the exact one first; "auto" made the plain checkpointing
+# plans), then the one with the lower predicted peak, then the first tried, is preferred: the
+# other is dropped from the candidates (``untied``) when its peak is no lower, whatever the
+# budget, so that the pick among those left (the least overhead, ``best``) stays monotone in the
+# budget (NOTE [monotone plans]). Op costs are measured on a machine doing other work too, so two
+# plans a few ulps or a few microseconds apart must not swap from run to run on a rounding.
 _TIE = 1e-3
 _SOLVER_ORDER = ("chain", "greedy", "milp", "sqrt", "auto")
 
@@ -266,13 +269,31 @@ def floor(step: Step, chain: Chain) -> list[Candidate]:
     return out
 
 
-def best(fits: Sequence[Candidate]) -> Candidate:
-    """The plan to return of those that fit: the least predicted overhead, ties broken by
-    NOTE [plan ties]."""
-    least = min(c.pred.overhead for c in fits)
-    tied = [c for c in fits if c.pred.overhead <= least * (1 + _TIE)]
+def _preference(c: Candidate) -> tuple[int, int]:
     rank = {name: k for k, name in enumerate(_SOLVER_ORDER)}
-    return min(tied, key=lambda c: (rank.get(c.solver, len(rank)), c.pred.peak_bytes))
+    return rank.get(c.solver, len(rank)), c.pred.peak_bytes
+
+
+def untied(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """``candidates`` without those another one ties with and is preferred to at no higher peak
+    (NOTE [plan ties]); in their order."""
+    keys = [(*_preference(c), k) for k, c in enumerate(candidates)]
+    return [
+        c
+        for k, c in enumerate(candidates)
+        if not any(
+            keys[j] < keys[k]
+            and d.pred.peak_bytes <= c.pred.peak_bytes
+            and d.pred.overhead <= c.pred.overhead * (1 + _TIE)
+            for j, d in enumerate(candidates)
+        )
+    ]
+
+
+def best(fits: Sequence[Candidate]) -> Candidate:
+    """The plan to return of those that fit (``untied`` first): the least predicted overhead, an
+    exact tie going to the preferred one (NOTE [plan ties])."""
+    return min(fits, key=lambda c: (c.pred.overhead, *_preference(c)))
 
 
 def search(
@@ -356,6 +377,8 @@ def decisions(
         else:
             action, reason = Decision.SAVE, f"saved by ops after {regions[g][0].name}"
         out.append(
-            TensorDecision(step.position[maker.index], maker.name, maker.module, info.nbytes, action, reason)
+            TensorDecision(
+                step.position[maker.index], maker.name, maker.module, info.nbytes, action, reason, maker.cost
+            )
         )
     return tuple(out)

@@ -17,7 +17,7 @@ def test_plan_explains_and_saves(
 ) -> None:
     trace_with_fixed_costs(monkeypatch)  # which plan auto picks (chain's) must not depend on op timings
     path = tmp_path / "plan.json"
-    args = ["plan", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "16", "--budget", "0.8"]
+    args = ["plan", "--model", "gpt2", "--batch", "4", "--seq", "16", "--budget", "0.8"]
     assert main([*args, "--save", str(path)]) == 0
     out = capsys.readouterr().out
     assert "transformer.h.0" in out and "recomputed" in out
@@ -25,20 +25,33 @@ def test_plan_explains_and_saves(
     assert plan.solver == "chain" and plan.regions
 
 
-def test_pareto_sweeps_solvers_and_measures(tmp_path: Path) -> None:
+def test_pareto_spans_the_feasible_range_and_measures(tmp_path: Path) -> None:
+    """The sweep's budgets run from the smallest feasible peak to the plain peak; every solver has a
+    plan at the plain peak, and more budget never gives a costlier one."""
     data, png = tmp_path / "p.json", tmp_path / "p.png"
-    args = ["plan", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "16", "--pareto"]
+    args = ["plan", "--model", "gpt2", "--batch", "4", "--seq", "16", "--pareto", "--points", "3"]
     assert (
-        main(
-            [*args, "--ratios", "0.9,0.8", "--solvers", "chain,sqrt", "--repeats", "1"]
-            + ["--json", str(data), "--out", str(png)]
-        )
+        main([*args, "--solvers", "chain,sqrt", "--repeats", "1", "--json", str(data), "--out", str(png)])
         == 0
     )
     points = json.loads(data.read_text())["points"]
     assert {p["solver"] for p in points} == {"chain", "sqrt"}
+    budgets = sorted({p["budget"] for p in points})
+    assert len(budgets) == 3 and budgets[-1] == max(p["predicted_peak"] for p in points)
+    assert min(p["predicted_peak"] for p in points) == budgets[0]
     for p in points:
         assert p["predicted_peak"] <= p["budget"]
         assert p["measured_peak"] == pytest.approx(p["predicted_peak"], rel=0.05)
-        assert p["measured_peak"] < p["plain_peak"]
+    for solver in ("chain", "sqrt"):
+        mine = sorted((p for p in points if p["solver"] == solver), key=lambda p: p["budget"])
+        assert mine[-1]["budget"] == budgets[-1] and mine[-1]["predicted_overhead"] == 1.0
+        overheads = [p["predicted_overhead"] for p in mine]
+        assert overheads == sorted(overheads, reverse=True)
     assert png.stat().st_size > 10_000
+
+
+def test_points_must_be_at_least_two(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "gpt2", "--pareto", "--points", "1"])
+    assert exit_info.value.code == 2
+    assert "remat.plan: --points must be a whole number of at least 2 (got '1')" in capsys.readouterr().err

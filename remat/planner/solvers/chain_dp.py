@@ -31,7 +31,7 @@ from remat.planner.cost_model import schedule_cost, solution
 from remat.planner.solvers.registry import register
 from remat.planner.types import Chain, Solution
 
-__all__ = ["solve"]
+__all__ = ["plans", "solve"]
 
 
 @register(
@@ -91,6 +91,43 @@ def solve(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
         f"minimum-memory schedule ({minimum} bytes): pass more slots for a cheaper plan"
     )
     return solution(chain, fallback, "chain", budget_bytes, None, note)
+
+
+def plans(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bool = False) -> list[Solution]:
+    """Every plan one table of ``solve`` at ``budget_bytes`` holds: for each memory row m from the
+    budget's down, the cheapest schedule whose rounded peak fits m units (NOTE [chain DP]), each
+    distinct schedule once, most memory first, with its gap at m units' bytes. One DP for the
+    plans at every budget up to ``budget_bytes``, in that budget's units (so coarser, relative to
+    a small budget, than ``solve`` at that budget: the caller solves again lower for finer
+    ones)."""
+    if budget_bytes < minimum_peak(chain)[0]:
+        return []
+    unit = max(1, math.ceil(budget_bytes / max(1, slots)))
+    sizes = ChainSizes(chain, unit)
+    m_max = budget_bytes // unit
+    m_top = m_max + 2 * sizes.n + 3  # rows above the budget's may hold plans that fit (NOTE [chain DP gap])
+    opt, what = _tables(chain, sizes, m_top, single_level)
+    final = opt[0, sizes.n - 1]
+    out: list[Solution] = []
+    for m in range(m_top, -1, -1):
+        if not math.isfinite(final[m]):
+            break
+        if m > 0 and final[m - 1] == final[m]:
+            continue  # the row below has a plan as cheap, and its peak is no higher
+        schedule = emit(sizes, m, lambda s, t, m: int(what[s, t][m]), single_level)
+        peak = schedule_cost(chain, schedule).peak_bytes
+        if peak <= budget_bytes:
+            room = min(m, m_max)  # the rows above the budget's hold plans checked against it
+            limit = budget_bytes if m > m_max else m * unit
+            note = (
+                f"chain model's peak {peak} of the solver's budget {limit} bytes "
+                f"(sizes rounded up to units of {unit} bytes while solving)"
+            )
+            # NOTE [chain DP gap]: no plan truly within ``room`` units costs less than row room + 2n + 3
+            cost, bound = float(final[m]), float(final[room + 2 * sizes.n + 3])
+            gap = (cost - bound) / cost if cost > 0 else 0.0
+            out.append(solution(chain, schedule, "chain", limit, gap, note))
+    return out
 
 
 def _tables(
