@@ -48,25 +48,24 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
     from rich.table import Table
 
-    from remat._console import console
+    from remat._console import console, progress
     from remat.sim.result import Outcome
     from remat.sim.simulate import sweep
     from remat.trace import load
 
     traces = [load(path) for path in args.traces]
     total = len(traces) * len(args.policies) * len(args.ratios)
-    with Progress(transient=True) as progress:
-        task = progress.add_task("simulating", total=total)
+    with progress(transient=True) as bar:
+        task = bar.add_task("simulating", total=total)
         results = sweep(
             traces,
             args.policies,
             args.ratios,
             args.thrash_limit,
             layout=args.memory == "address",
-            progress=lambda result: progress.update(
+            progress=lambda result: bar.update(
                 task, advance=1, description=f"{result.trace} {result.policy}"
             ),
         )
