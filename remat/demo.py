@@ -164,9 +164,13 @@ def show_dynamic(runs: list[StepRun]) -> None:
             format_bytes(r.tracker.peak_bytes),
             *marks,
             "" if r.grad_diff is None else f"{r.grad_diff:.1e}",
-            f"stopped: {r.rule}" if r.failure else "ok",
+            "stopped" if r.failure else "ok",
         )
-    console().print(table)
+    screen = console()
+    screen.print(table)
+    for r in runs:
+        if r.failure:
+            screen.print(f"{r.label} stopped: {r.rule}", highlight=False, soft_wrap=True)
 
 
 KINDS = ("evict", "recompute")
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="SGD steps per strategy")
     parser.add_argument("--out", default="out", help="folder for the pictures")
