@@ -103,25 +103,23 @@ def step(model: nn.Module, tokens: torch.Tensor, seed: int) -> torch.Tensor:
 def run(
     base: nn.Module, tokens: list[torch.Tensor], advance: Callable[[str], None] = lambda name: None
 ) -> list[Result]:
-    """Train a copy of ``base`` per strategy on ``tokens`` (one SGD step each), the first step
+    """Train a copy of ``base`` per strategy on ``tokens`` (an SGD step each), the first step
     measured by the CPU allocator and the FLOP count."""
-    results, plain_grads = [], None
+    results: list[Result] = []
+    plain_grads: list[torch.Tensor] = []
     for strategy in STRATEGIES:
         advance(strategy.name)
         model = strategy.apply(copy.deepcopy(base))
         optim = torch.optim.SGD(model.parameters(), lr=1e-3)
-        losses = []
-        for i, batch in enumerate(tokens):
-            if i == 0:
-                flops = FlopCount()
-                with remat.memory.track(allocator=True) as tracker, flops:
-                    losses.append(step(model, batch, seed=i).item())
-                grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-                plain_grads = grads if plain_grads is None else plain_grads
-            else:
-                losses.append(step(model, batch, seed=i).item())
+        flops = FlopCount()
+        with remat.memory.track(allocator=True) as tracker, flops:
+            losses = [step(model, tokens[0], seed=0).item()]
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        plain_grads = plain_grads or grads
+        for i, batch in enumerate(tokens[1:], start=1):
             optim.step()
             optim.zero_grad(set_to_none=True)
+            losses.append(step(model, batch, seed=i).item())
         diff = max(float((a - b).abs().max()) for a, b in zip(plain_grads, grads, strict=True))
         results.append(Result(strategy.name, tracker.peak_bytes, flops.total, tuple(losses), diff))
     return results

@@ -104,7 +104,7 @@ def _summary(runs: Sequence[StepRun], out: str) -> None:
 
     table = Table(title="one training step, measured by the CPU allocator")
     table.add_column("run", no_wrap=True, min_width=max(len(r.label) for r in runs))
-    for column in ("budget", "peak", "time", "evict", "recompute"):
+    for column in ("budget", "peak", "time", "evict", "recompute", "max |grad diff|"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("outcome", no_wrap=True)
     for r in runs:
@@ -119,6 +119,7 @@ def _summary(runs: Sequence[StepRun], out: str) -> None:
                 if r.moments is None
                 else (str(sum(kind == wanted for _, kind in r.moments)) for wanted in KINDS)
             ),
+            "" if r.grad_diff is None else f"{r.grad_diff:.1e}",
             "stopped" if r.failure else "ok",
         )
     screen = console()
