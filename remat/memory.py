@@ -110,8 +110,7 @@ def _compiled_replay_note() -> Iterator[None]:
     ``replay="compiled"`` region's runs fail to compile and replay op by op, each with a screen of
     Dynamo's reasons: those become one warning that says why and what to do; every other warning
     passes through as it was."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+    with warnings.catch_warnings(record=True) as caught:  # the caller's filters still apply
         yield
     failed = 0
     for w in caught:
