@@ -1,5 +1,6 @@
 """The rich consoles the command line prints to: as wide as the terminal, and never narrower than
-a table needs when the output is piped (rich would otherwise cut it at 80 columns)."""
+a table needs when the output is piped (rich would otherwise cut it at 80 columns); and the one
+progress display every long-running command and the demo show."""
 
 from __future__ import annotations
 
@@ -20,28 +21,32 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=None if probe.is_terminal else PIPED_WIDTH)
 
 
-def progress(total: int, what: str) -> Progress:
-    """A progress bar on stderr for ``total`` steps of ``what``: the step k/N, the time elapsed and
-    the estimate of the time left (run it with ``with``; ``advance(bar.task_ids[0])`` after each
-    step)."""
-    from rich.progress import (
+def progress(transient: bool = False) -> Progress:
+    """A progress display on stderr: what runs now, a bar, ``k/N`` steps done, the time elapsed and
+    an estimate of the time left (``k/?`` and a pulsing bar for a task added with ``total=None``).
+
+    ``with progress() as bar: task = bar.add_task("simulating", total=n); ...; bar.advance(task)``.
+    ``transient=True`` clears it when the block ends, for a command whose output follows at once.
+    """
+    from rich.progress import (  # not at import: ``import remat`` stays light
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        SpinnerColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    bar = Progress(
-        TextColumn(f"{what} [progress.description]{{task.description}}"),
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("elapsed"),
         TimeElapsedColumn(),
-        TextColumn("left ~"),
+        TextColumn("left"),
         TimeRemainingColumn(),
         console=console(stderr=True),
+        transient=transient,
     )
-    bar.add_task("", total=total)
-    return bar

@@ -15,7 +15,9 @@ inputs) are not counted: the figures are what the block added.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -96,6 +98,36 @@ class _StorageCounter(TorchDispatchMode):
         return out
 
 
+# remat.manual.fused's warning for a run whose compilation failed because a dispatch mode was on
+_UNDER_MODE = re.compile(
+    r"^remat: a run of .* not compiled \(compilation failed: .*torch dispatch mode", re.S
+)
+
+
+@contextlib.contextmanager
+def _compiled_replay_note() -> Iterator[None]:
+    """While tensors are counted (a dispatch mode, under which Dynamo compiles nothing), a
+    ``replay="compiled"`` region's runs fail to compile and replay op by op, each with a screen of
+    Dynamo's reasons: those become one warning that says why and what to do; every other warning
+    passes through as it was."""
+    with warnings.catch_warnings(record=True) as caught:  # the caller's filters still apply
+        yield
+    failed = 0
+    for w in caught:
+        if _UNDER_MODE.match(str(w.message)):
+            failed += 1
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if failed:
+        warnings.warn(
+            f"remat.memory.track: {failed} compiled replay run(s) replayed op by op, here and from now on "
+            "(counting tensors on CPU runs a dispatch mode, and torch.compile runs nothing under one); "
+            "measure a replay='compiled' step with remat.memory.track(allocator=True)",
+            RuntimeWarning,
+            stacklevel=5,  # the caller's with-statement, past two context managers' exits
+        )
+
+
 @contextlib.contextmanager
 def track(
     device: torch.device | str = "cpu", timeline: bool | None = None, allocator: bool = False
@@ -117,7 +149,9 @@ def track(
     one (a ``torch.compile``d function runs eagerly inside it). So the mode runs only where it
     must: to count tensors on CPU without ``allocator``, or when ``timeline=True`` is asked for.
     By default (``timeline=None``) a timeline is kept only where the mode runs anyway, so that
-    ``allocator=True`` on CPU, and CUDA, measure a compiled step as compiled.
+    ``allocator=True`` on CPU, and CUDA, measure a compiled step as compiled. Where the mode runs,
+    the runs of a ``replay="compiled"`` region cannot compile; one warning says so, and that
+    ``allocator=True`` is the way to measure them.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -149,15 +183,17 @@ def track(
     counting = dev.type == "cpu" and not allocator
     keep_timeline = counting if timeline is None else timeline
     mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    note: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if counting or keep_timeline:
         mode = _StorageCounter(tracker, keep_timeline, base)
+        note = _compiled_replay_note()
     if allocator and dev.type == "cpu":
-        with _allocator.account(timeline=True) as account, mode, _clock(tracker):
+        with note, _allocator.account(timeline=True) as account, mode, _clock(tracker):
             yield tracker
         tracker.peak_bytes, tracker.current_bytes = account.peak_bytes, account.current_bytes
         tracker.allocator_timeline = tuple(account.timeline or ())
         return
-    with mode, _clock(tracker):
+    with note, mode, _clock(tracker):
         yield tracker
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

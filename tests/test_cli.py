@@ -4,6 +4,8 @@ user writes them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import remat
@@ -64,3 +66,12 @@ def test_bad_budget_strings_say_what_is_wrong(text: str, pattern: str) -> None:
 def test_a_ratio_where_bytes_are_asked_for_says_so() -> None:
     with pytest.raises(remat.RematValueError, match=r"positive \(got '0\.5'\); a budget ratio is a number"):
         parse_bytes("0.5", "memory.parse_bytes")
+
+
+def test_capture_shows_its_progress(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    out = f"{tmp_path}/gpt2.jsonl"
+    assert cli.main(["trace", "--model", "gpt2", "--tiny", "--fake", "--out", out]) == 0
+    err = capsys.readouterr().err  # the display's last state: k/N ops, elapsed, time left
+    assert re.search(
+        r"captured gpt2 \(tiny\) on fake tensors: ops .* (\d+)/\1 elapsed \d:\d\d:\d\d left", err
+    ), err

@@ -1,11 +1,14 @@
 """Every Python example of the README runs as written, on small stand-ins for the names it leaves
-to the reader (``block``, ``x``, ``model`` ...), and the CLI lines it shows parse.
+to the reader (``block``, ``x``, ``model`` ...), the CLI lines it shows parse, and every command it
+gives a time for runs at the size it shows and writes the files it names (marked slow: about a
+minute in all); ``make demo``'s module runs at a small size and writes its pictures.
 
 The examples are read from the README itself, so an example edited there is tested as edited.
 """
 
 from __future__ import annotations
 
+import glob
 import re
 import shlex
 from pathlib import Path
@@ -16,9 +19,11 @@ import torch
 from torch import nn
 
 import remat
-from remat import cli
+from remat import cli, demo
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+WRITES = ("--out", "--plot", "--json", "--save")  # options that name a file the command writes
 
 
 def _blocks(language: str) -> list[str]:
@@ -94,3 +99,42 @@ def test_cli_lines_parse() -> None:
     parser = cli.build_parser()
     for line in lines:
         parser.parse_args(shlex.split(line)[1:])
+
+
+def _timed_commands() -> list[str]:
+    """The ``remat ...`` commands the README states a time for, in the order they appear: a line
+    of a bash block with ``# about ...``, or an inline command followed by ``(about ...``."""
+    text = README.read_text()
+    found = [(m.start(), m.group(1).strip()) for m in re.finditer(r"^(remat [^#\n]*)#\s*about ", text, re.M)]
+    found += [(m.start(), m.group(1)) for m in re.finditer(r"`(remat [^`]*)`\s*\(about\s", text)]
+    return [line for _, line in sorted(found)]
+
+
+def test_every_timed_command_is_found() -> None:
+    lines = _timed_commands()
+    assert {shlex.split(line)[1] for line in lines} >= {"trace", "sim", "memory", "plan"}, lines
+
+
+@pytest.mark.slow
+def test_readme_commands_run_and_write_their_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each timed command, in README order (a trace is written before it is read), exits 0 and
+    writes what its options name, from a folder where ``data/`` is the repository's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    for line in _timed_commands():
+        words = [w for word in shlex.split(line)[1:] for w in (sorted(glob.glob(word)) or [word])]
+        assert cli.main(words) == 0, (line, capsys.readouterr().err)
+        for option, value in zip(words, words[1:], strict=False):
+            if option in WRITES:
+                assert (tmp_path / value).stat().st_size > 0, (line, value)
+
+
+@pytest.mark.slow
+def test_demo_writes_its_pictures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    demo.main(["--layers", "1", "--width", "64", "--seq", "16", "--batch", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    for name in ("demo-peaks.png", "demo-memory.png"):
+        assert (tmp_path / name).stat().st_size > 0 and name in out
+    assert "NO" not in out.split()  # every strategy's losses equal the plain run's

@@ -9,6 +9,14 @@ changes (``state_dict``, hooks, ``gradient_checkpointing_disable()`` all keep wo
 ``activation_checkpointing_kwargs`` (or its older name ``gradient_checkpointing_kwargs``), what
 transformers users pass to ``gradient_checkpointing_enable`` today, is read as the keywords of
 ``torch.utils.checkpoint`` (``remat.manual.keywords``): ``{"use_reentrant": False}`` above all.
+
+transformers 5 renamed ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` to
+``activation_checkpointing_enable(activation_checkpointing_kwargs=..., every_n_layers=...,
+offload=...)``; ``enable`` takes the keywords of both, and a model of either version (it sets the
+layers' function through ``_set_gradient_checkpointing``, which both have). ``offload=True`` does
+what it does there: the tensors each checkpointed layer keeps for its recomputation (its inputs)
+are held in host memory, through ``torch.autograd.graph.save_on_cpu`` (pinned where CUDA is
+available), and copied back for backward; on CPU they are already there and nothing is copied.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
@@ -29,8 +38,19 @@ from remat.policy import Policy
 Form = Literal["checkpoint", "scope"]
 
 
-def _checkpoint_func(form: Form, s: keywords.Settings, replay: ReplayMode) -> Callable[..., Any]:
+def _checkpoint_func(
+    form: Form, s: keywords.Settings, replay: ReplayMode, offload: bool
+) -> Callable[..., Any]:
     policy = s.policy
+    if form == "checkpoint" and offload:
+        pin = torch.cuda.is_available()
+
+        def remat_checkpoint_offloaded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            # the layer's inputs, which remat.checkpoint saves through autograd, go to host memory
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return run(function, args, kwargs, s.policy, s.check, s.preserve_rng)
+
+        return remat_checkpoint_offloaded
     if form == "checkpoint":
 
         def remat_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +76,7 @@ def enable(
     replay: ReplayMode = "eager",
     activation_checkpointing_kwargs: dict[str, Any] | None = None,
     gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Turn on ``model``'s gradient checkpointing, executed by remat. Returns the model.
 
@@ -65,7 +86,8 @@ def enable(
     ``remat.SaveComputeIntensive()``) keeps chosen op outputs instead of recomputing them.
     ``activation_checkpointing_kwargs`` / ``gradient_checkpointing_kwargs``: torch's checkpoint
     keywords, as transformers takes them (``{"use_reentrant": False}``); the region form takes
-    ``use_reentrant`` and ``context_fn`` (a policy) only.
+    ``use_reentrant`` and ``context_fn`` (a policy) only. ``offload=True`` (transformers 5's
+    keyword; the function form only): each layer's saved inputs are held in host memory.
     """
     api = "integrations.huggingface.enable"
     if activation_checkpointing_kwargs is not None and gradient_checkpointing_kwargs is not None:
@@ -134,7 +156,16 @@ def enable(
                 "pass 1 to checkpoint every layer",
             )
         )
-    func = _checkpoint_func(form, s, replay)
+    if offload and form != "checkpoint":
+        raise RematValueError(
+            message(
+                api,
+                "offload applies to the function form, whose layer inputs autograd saves",
+                f"got offload=True with form={form!r}",
+                'pass form="checkpoint", or leave offload off',
+            )
+        )
+    func = _checkpoint_func(form, s, replay, offload)
     if "every_n_layers" in inspect.signature(setter).parameters:
         setter(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
     elif every_n_layers == 1:

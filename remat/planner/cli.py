@@ -170,11 +170,12 @@ def sweep(
 
     screen = console(stderr=True)
     found = {}
-    with progress(len(args.solvers), "finding every solver's plans:") as bar:
+    with progress() as bar:
+        task = bar.add_task("finding every solver's plans", total=len(args.solvers))
         for solver in args.solvers:
-            bar.update(bar.task_ids[0], description=solver)
+            bar.update(task, description=f"finding every solver's plans: {solver}")
             found[solver] = frontier(trace, solver)
-            bar.advance(bar.task_ids[0])
+            bar.advance(task)
     plain = _measure(model, inputs, loss_fn, None)
     base = next(iter(found.values())).baseline
     low = min(c.pred.peak_bytes for f in found.values() for c in f.candidates)
@@ -190,9 +191,10 @@ def sweep(
     # clock's resolution and the machine's other work to matter little
     steps = max(1, math.ceil(_ROUND_SECONDS / max(_seconds(model, inputs, loss_fn, None), 1e-4)))
     measured: dict[tuple[Any, ...], tuple[int, float]] = {}
-    with progress(len(chosen), "measuring point") as bar:
+    with progress() as bar:
+        task = bar.add_task("measuring", total=len(chosen))
         for solver, budget, plan in chosen:
-            bar.update(bar.task_ids[0], description=f"{solver} at {budget / 2**20:.2f} MiB")
+            bar.update(task, description=f"measuring {solver} at {budget / 2**20:.2f} MiB")
             key = plan.regions
             if key not in measured:
                 rounds = [
@@ -201,7 +203,7 @@ def sweep(
                     for _ in range(args.repeats)
                 ]
                 measured[key] = _measure(model, inputs, loss_fn, plan), statistics.median(rounds)
-            bar.advance(bar.task_ids[0])
+            bar.advance(task)
     return [
         {
             "solver": solver,

@@ -67,10 +67,9 @@ def _link(rate: str) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
     from rich.table import Table
 
-    from remat._console import console
+    from remat._console import console, progress
     from remat._units import format_bytes
     from remat.sim.result import Outcome
     from remat.sim.simulate import sweep
@@ -80,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     links = [None] if args.link is None else [None, args.link]
     total = len(traces) * len(args.policies) * len(args.ratios) * len(links)
     results = []
-    with Progress(transient=True) as progress:
-        task = progress.add_task("simulating", total=total)
+    with progress(transient=True) as bar:
+        task = bar.add_task("simulating", total=total)
         for link in links:
             results += sweep(
                 traces,
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 args.ratios,
                 args.thrash_limit,
                 layout=args.memory == "address",
-                progress=lambda result: progress.update(
+                progress=lambda result: bar.update(
                     task, advance=1, description=f"{result.trace} {result.policy}"
                 ),
                 link=link,

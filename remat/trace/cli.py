@@ -55,14 +55,12 @@ def register(subparsers: Any) -> None:
 
 def _capture(args: argparse.Namespace) -> int:
     import torch
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from remat import zoo
-    from remat._console import console
+    from remat._console import progress
     from remat.trace.capture import capture
     from remat.trace.codec import save
 
-    out = console(stderr=True)
     if args.model is None or args.out is None:
         raise RematValueError(
             message(
@@ -72,8 +70,8 @@ def _capture(args: argparse.Namespace) -> int:
                 "run e.g. remat trace --model gpt2 --tiny --out gpt2.jsonl, or remat trace info FILE",
             )
         )
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out) as bar:
-        what = f"{args.model}{' (tiny)' if args.tiny else ''}{' on fake tensors' if args.fake else ''}"
+    what = f"{args.model}{' (tiny)' if args.tiny else ''}{' on fake tensors' if args.fake else ''}"
+    with progress() as bar:  # the number of ops is known only at the end: k/? ops captured
         task = bar.add_task(f"building {what}", total=None)
         model, inputs, loss_fn = zoo.build(
             args.model, batch=args.batch, seq=args.seq, image=args.image, fake=args.fake, tiny=args.tiny
@@ -83,7 +81,7 @@ def _capture(args: argparse.Namespace) -> int:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         elif args.optimizer == "adam":
             optimizer = torch.optim.Adam(model.parameters())
-        bar.update(task, description=f"capturing {what}")
+        bar.update(task, description=f"capturing {what}: ops")
         trace = capture(
             model,
             inputs,
@@ -92,10 +90,11 @@ def _capture(args: argparse.Namespace) -> int:
             name=args.model,
             repeats=args.repeats,
             device=args.profile,
-            progress=lambda n: bar.update(task, description=f"capturing {what}: {n:,} ops"),
+            progress=lambda n: bar.update(task, completed=n),
         )
-        bar.update(task, description=f"writing {args.out}")
+        bar.update(task, description=f"writing {args.out}", completed=len(trace.ops))
         save(trace, args.out)
+        bar.update(task, description=f"captured {what}: ops", total=len(trace.ops))
     _summary(trace, top=5)
     return 0
 

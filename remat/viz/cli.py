@@ -57,23 +57,26 @@ def register(subparsers: Any) -> None:
         help=f"eviction policies, from: {', '.join(policies())} (default dtr)",
     )
     parser.add_argument(
-        "--thrash-limit", type=float, default=10.0, help="stop a run past this overhead (default 10)"
+        "--thrash-limit", type=float, default=3.0, help="stop a run past this overhead (default 3)"
     )
     parser.add_argument("--out", required=True, metavar="FILE.png", help="where to write the picture")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from remat import zoo
-    from remat._console import console
+    from remat._console import progress
     from remat.viz.steps import draw, measure
 
-    err = console(stderr=True)
     what = f"{args.model}{'' if args.full else ' (tiny)'}"
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
-        task = bar.add_task(f"building {what}", total=None)
+    started: list[str] = []
+
+    def step(label: str) -> None:
+        bar.update(task, completed=len(started), description=f"{what}: {label} step")
+        started.append(label)
+
+    with progress() as bar:
+        task = bar.add_task(f"building {what}", total=1 + len(args.policy) * len(args.budget))
         model, inputs, loss_fn = zoo.build(
             args.model, batch=args.batch, seq=args.seq, image=args.image, tiny=not args.full
         )
@@ -84,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
             args.budget,
             args.policy,
             thrash_limit=args.thrash_limit,
-            progress=lambda label: bar.update(task, description=f"{what}: {label} step"),
+            progress=step,
         )
-        bar.update(task, description=f"drawing {args.out}")
+        bar.update(task, completed=len(started), description=f"drawing {args.out}")
         draw(runs, args.out, title=f"{what}: one training step, CPU allocator")
     _summary(runs, args.out)
     return 0
@@ -101,7 +104,7 @@ def _summary(runs: Sequence[StepRun], out: str) -> None:
 
     table = Table(title="one training step, measured by the CPU allocator")
     table.add_column("run", no_wrap=True, min_width=max(len(r.label) for r in runs))
-    for column in ("budget", "peak", "time", "evict", "recompute"):
+    for column in ("budget", "peak", "time", "evict", "recompute", "max |grad diff|"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("outcome", no_wrap=True)
     for r in runs:
@@ -116,6 +119,7 @@ def _summary(runs: Sequence[StepRun], out: str) -> None:
                 if r.moments is None
                 else (str(sum(kind == wanted for _, kind in r.moments)) for wanted in KINDS)
             ),
+            "" if r.grad_diff is None else f"{r.grad_diff:.1e}",
             "stopped" if r.failure else "ok",
         )
     screen = console()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ KINDS = ("evict", "recompute")  # what a mark may be, in legend order
 _STYLE = {"evict": ("v", "tab:purple"), "recompute": ("^", "tab:green")}
 _COLUMNS = 3
 _MIB = 2**20
+_NOTE_WIDTH = 60  # characters of a note's line, about a panel's width at its font size
 
 
 def plot(
@@ -143,7 +145,9 @@ def _panel(
             gid="budget",
         )
     if note:
-        ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", fontsize="small", wrap=True, gid="note")
+        # wrapped to the panel's width: matplotlib's own wrap goes to the figure's edge
+        text = textwrap.fill(note, _NOTE_WIDTH)
+        ax.text(0.02, 0.97, text, transform=ax.transAxes, va="top", fontsize="small", gid="note")
     ax.set_title(heading, fontsize="medium")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")

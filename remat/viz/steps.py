@@ -7,7 +7,7 @@ bytes beyond what was held before the step. ``remat.dynamic`` counts within its 
 it keeps (the model's parameters and buffers, the inputs), so the region's budget is that fraction
 plus their bytes, and the picture's line, at the fraction, is the one the curve should stay under.
 A run the region stops (its budget too small, or thrashing) is kept with the reason and what the
-allocator saw until then.
+allocator saw until then; a run that finishes is checked against the plain step's gradients.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class StepRun:
     """One measured step. ``budget``: in the tracker's convention (None for the plain step);
     ``region_budget``: what ``remat.dynamic`` was given, the same plus the bytes it keeps.
     ``moments``: the region's evictions and recomputations (None where none were recorded: the
-    plain step, a stopped region). ``failure``: the error that stopped the region ("" if none)."""
+    plain step, a stopped region). ``failure``: the error that stopped the region ("" if none).
+    ``grad_diff``: the largest absolute difference of a parameter's gradient from the plain step's
+    (None for the plain step and a stopped region)."""
 
     label: str
     tracker: MemoryTracker
@@ -43,6 +45,7 @@ class StepRun:
     region_budget: int | None = None
     moments: tuple[tuple[int, str], ...] | None = None
     failure: str = ""
+    grad_diff: float | None = None
 
     @property
     def rule(self) -> str:
@@ -66,12 +69,15 @@ def measure(
     policies: Sequence[str] = ("dtr",),
     *,
     thrash_limit: float = 10.0,
+    cost: str = "measured",
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[StepRun]:
     """Run ``loss().backward()`` once plain, then once per policy and ratio inside ``remat.dynamic``
-    (keeping ``model`` and ``inputs``), each measured by the CPU allocator. ``progress(label)`` is
-    called as each run starts. The caller's random stream is left where it was."""
+    (keeping ``model`` and ``inputs``), each measured by the CPU allocator. ``cost``: what an op
+    costs for the policy (``remat.dynamic``'s ``cost``; ``"model"`` makes the same decisions every
+    time). ``progress(label)`` is called as each run starts. The caller's random stream is left
+    where it was."""
     from remat.dynamic import dynamic
 
     kept = _bytes_of([*model.parameters(), *model.buffers(), *inputs])
@@ -82,6 +88,7 @@ def measure(
         if progress is not None:
             progress("plain")
         plain, _ = _run(model, loss, seed, None)
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         runs = [StepRun("plain", plain)]
         for policy in policies:
             for ratio in ratios:
@@ -90,12 +97,15 @@ def measure(
                     progress(label)
                 budget = int(ratio * plain.peak_bytes)
                 region = dynamic(
-                    kept + budget, policy, keep=(model, tuple(inputs)), thrash_limit=thrash_limit
+                    kept + budget, policy, keep=(model, tuple(inputs)), thrash_limit=thrash_limit, cost=cost
                 )
                 tracker, failure = _run(model, loss, seed, region)
-                # A stopped region has no stats, hence no marks.
-                moments = None if failure else region.stats.moments
-                runs.append(StepRun(label, tracker, budget, kept + budget, moments, failure))
+                if failure:  # a stopped region has no stats, hence no marks, and undid the step
+                    runs.append(StepRun(label, tracker, budget, kept + budget, None, failure))
+                    continue
+                now = [p.grad for p in model.parameters() if p.grad is not None]
+                diff = max((float((a - b).abs().max()) for a, b in zip(grads, now, strict=True)), default=0.0)
+                runs.append(StepRun(label, tracker, budget, kept + budget, region.stats.moments, "", diff))
         model.zero_grad(set_to_none=True)
     return runs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -136,3 +137,80 @@ def test_enable_checkpointing_kwargs_errors() -> None:
         remat.RematValueError, match=r"older name of activation_checkpointing_kwargs \(got both\)"
     ):
         huggingface.enable(model, gradient_checkpointing_kwargs={}, activation_checkpointing_kwargs={})
+
+
+class _Counted(torch.autograd.graph.saved_tensors_hooks):
+    """Stands in for ``save_on_cpu``: counts what it is given to hold, and holds it as is."""
+
+    packed: list[tuple[int, ...]] = []
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            _Counted.packed.append(tuple(t.shape))
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+def test_offload_holds_each_layers_inputs_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch, _ = build("gpt2")
+    wrapped = huggingface.enable(twin(model), offload=True)  # transformers 5's keyword
+    assert_same(train(model, batch), train(wrapped, batch))  # on CPU: nothing to copy, same bits
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", _Counted)
+    _Counted.packed.clear()
+    counted = huggingface.enable(twin(model), offload=True)
+    counted(**batch(0)).loss.backward()
+    hidden = counted.config.n_embd
+    layers = len(counted.transformer.h)
+    assert sum(shape[-1:] == (hidden,) for shape in _Counted.packed) >= layers  # every layer's input
+
+
+def test_offload_is_for_the_function_form() -> None:
+    model, _, _ = build("gpt2")
+    with pytest.raises(remat.RematValueError, match=r"offload applies to the function form, .*form='scope'"):
+        huggingface.enable(model, form="scope", offload=True)
+
+
+class _OldStyle(nn.Module):
+    """A transformers 4.x-style model: ``gradient_checkpointing_enable`` only, and a
+    ``_set_gradient_checkpointing`` without ``every_n_layers``."""
+
+    supports_gradient_checkpointing = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func: object = None
+
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func: object = None
+    ) -> None:
+        self.gradient_checkpointing = enable
+        self._gradient_checkpointing_func = gradient_checkpointing_func
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: object = None) -> None:
+        raise AssertionError("remat sets the function itself")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.gradient_checkpointing:
+                x = self._gradient_checkpointing_func(lambda h, layer=layer: torch.tanh(layer(h)), x)  # type: ignore[operator]
+            else:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_4x_style_model_takes_both_keyword_names() -> None:
+    torch.manual_seed(0)
+    plain = _OldStyle()
+    x = torch.randn(4, 8)
+    plain(x).sum().backward()
+    for kwargs in ({"gradient_checkpointing_kwargs": {"use_reentrant": False}}, {"offload": True}):
+        ours = huggingface.enable(copy.deepcopy(plain), **kwargs)  # type: ignore[arg-type]
+        ours.zero_grad(set_to_none=True)
+        ours(x).sum().backward()
+        for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+    with pytest.raises(remat.RematValueError, match=r"this transformers version has no every_n_layers"):
+        huggingface.enable(_OldStyle(), every_n_layers=2)

@@ -151,6 +151,7 @@ def test_cli_writes_the_picture(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert path.read_bytes()[:8] == PNG
     out = capsys.readouterr().out
     assert "plain" in out and "dtr 90%" in out and f"picture: {path}" in out
+    assert "max |grad diff|" in out
 
 
 def test_cli_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
