@@ -77,6 +77,10 @@ def _namespace(tmp_path: Path) -> dict[str, Any]:
         "plain": plain,
         "dyn": dyn,
         "region": region,
+        "chain": nn.Sequential(*(Block() for _ in range(4))),
+        "x_micro": torch.randn(4, 8),
+        "y_micro": torch.randn(4, 8),
+        "loss_fn": nn.functional.mse_loss,
     }
 
 
