@@ -255,7 +255,7 @@ def plan(
     if balance_by not in BALANCES:
         raise _fail("unknown balance", repr(balance_by), f"use one of {', '.join(BALANCES)}")
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
-    order = build(schedule, n_stages, n_microbatches, stages_per_rank)
+    order = build(schedule, n_stages, n_microbatches, stages_per_rank, api="pipeline.plan")
     modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
     rng = torch.random.get_rng_state()

@@ -184,6 +184,7 @@ class PipelinePlan:
                     ranks,
                     int(body["n_microbatches"]),
                     int(body["n_stages"]) // ranks,
+                    api="pipeline.load",
                 ),
                 tuple(int(b) for b in body["boundaries"]),
                 int(body["budget_bytes"]),

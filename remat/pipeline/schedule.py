@@ -172,18 +172,20 @@ def _interleaved(rank: int, p: int, v: int, m: int) -> list[Action]:
     return out
 
 
-def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+def build(
+    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1, *, api: str = "pipeline"
+) -> Schedule:
     """The schedule ``name`` (one of ``SCHEDULES``) for ``n_ranks`` ranks, ``stages_per_rank``
     stages each (more than one for ``interleaved-1f1b`` only), and ``n_microbatches``
-    micro-batches."""
+    micro-batches; a refusal names ``api`` (the caller: ``remat.<api>: ...``)."""
     if name not in SCHEDULES:
         raise RematValueError(
-            message("pipeline", "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
+            message(api, "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
         )
     if n_ranks < 1 or n_microbatches < 1:
         raise RematValueError(
             message(
-                "pipeline",
+                api,
                 "stages and micro-batches must be positive",
                 f"n_stages={n_ranks}, n_microbatches={n_microbatches}",
                 "pass at least one of each",
@@ -192,7 +194,7 @@ def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1
     if stages_per_rank < 1 or (stages_per_rank > 1 and name != "interleaved-1f1b"):
         raise RematValueError(
             message(
-                "pipeline",
+                api,
                 "only interleaved-1f1b runs more than one stage per rank",
                 f"{name!r} with stages_per_rank={stages_per_rank}",
                 "pass stages_per_rank=1 or schedule='interleaved-1f1b'",
@@ -202,7 +204,7 @@ def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1
     if name == "interleaved-1f1b" and n_microbatches % rounds:
         raise RematValueError(
             message(
-                "pipeline",
+                api,
                 "interleaved-1f1b needs the micro-batches in whole rounds: a multiple of "
                 "n_micro-batches // n_ranks",
                 f"{n_microbatches} micro-batches on {n_ranks} ranks, rounds of {rounds}",
@@ -212,7 +214,7 @@ def build(name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1
     if name == "1f1b" and n_microbatches < n_ranks:
         raise RematValueError(
             message(
-                "pipeline",
+                api,
                 "1f1b needs at least as many micro-batches as stages",
                 f"{n_microbatches} < {n_ranks}",
                 "raise n_microbatches or use schedule='gpipe'",
