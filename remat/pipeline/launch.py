@@ -103,8 +103,12 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
     if job.wrap is None:
         stages = plan.stages(rank, "cpu")
     else:
-        module = job.wrap(plan.stage_modules()[rank])
-        stages = [torch_stage(module, plan.stage_plans[rank], plan.order.n_stages, torch.device("cpu"))]
+        modules, cpu = plan.stage_modules(), torch.device("cpu")
+        stages = [
+            torch_stage(job.wrap(modules[sp.stage]), sp, plan.order.n_stages, cpu)
+            for sp in plan.stage_plans
+            if sp.rank == rank
+        ]
     log: list[str] = []
     for stage in stages:
         _order(stage.submod, stage.stage_index, plan.order.n_microbatches, log)

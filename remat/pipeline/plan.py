@@ -67,7 +67,8 @@ class PipelinePlan:
             if sp.plan is not None and sp.except_last:
                 what += ", last micro-batch plain"
             parts.append(
-                f"rank {sp.rank}: {what}, holds {sp.in_flight}, peak {format_bytes(line.peak_bytes[sp.rank])}"
+                f"rank {sp.rank} stage {sp.stage}: {what}, holds {sp.in_flight}, "
+                f"peak {format_bytes(line.peak_bytes[sp.rank])}"
             )
         return (
             f"PipelinePlan({self.order.name}, {self.order.n_stages} stages x "
