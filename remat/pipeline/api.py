@@ -14,6 +14,11 @@ micro-batch moves by what the rank has left or lacks, a few rounds; the fitting 
 recomputes least wins. Where the budget allows, the last micro-batch runs
 without recomputation (torchgpipe's ``except_last``: its backward follows at once). A budget that
 no plan meets on some rank raises before any process starts, naming what each rank needs.
+
+Under interleaved 1F1B a rank runs several stages, each holding its own count of micro-batches
+(``Schedule.in_flight``), and shares one budget among them: the stages are planned twice, first
+each as if the rank's other stages cost what it costs, then in order beside the others' latest
+plans, and the rank's peak is checked with every stage's final plan.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ rank's generator: a stage's parameter gradients are sums over micro-batches, and
 sums depend on their order, so the reference adds them in the order the stage's backwards run
 (micro-batch 0 to M - 1 in every schedule here), each from a separate backward as on the ranks,
 and scales them as torch's schedules do (``div_`` by M). Recomputation replays the same ops on
-the same values with one thread, so it changes no bit.
+the same values with one thread, so it changes no bit. (For GPipe and 1F1B a reference that runs
+micro-batch by micro-batch, each stage with its rank's generator, is already bitwise equal; under
+interleaved 1F1B two stages share a rank's generator, so the dropout draws depend on the order
+the rank runs its forwards in, which only replaying the schedule reproduces.)
 """
 
 from __future__ import annotations
