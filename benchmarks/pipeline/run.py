@@ -1,16 +1,20 @@
 """Per-stage plans against uniform per-block checkpointing and against no recomputation, on a
-1F1B pipeline of P CPU processes over gloo (torch.distributed.pipelining).
+1F1B (or interleaved 1F1B) pipeline of P CPU processes over gloo (torch.distributed.pipelining).
 
     PYTHONPATH=. python benchmarks/pipeline/run.py --ranks 4 --microbatches 8 --out benchmarks/pipeline
+    PYTHONPATH=. python benchmarks/pipeline/run.py --schedule interleaved-1f1b --stages-per-rank 2 \
+        --blocks 16 --ranks 4 --microbatches 8 --out benchmarks/pipeline
 
 Three modes share the cut (an even split of the blocks, as one cuts a model by hand) and the batch:
   none     no recomputation
   uniform  every block of every stage under torch.utils.checkpoint (use_reentrant=False)
   planned  remat.pipeline.plan with the per-rank budget set to the uniform mode's largest
-           predicted rank peak (equal per-rank peak), raised by 5% steps where no plan reaches it
+           predicted rank peak (equal per-rank peak), raised by 5% steps where no plan reaches it,
+           up to the none mode's (where nothing needs recomputing)
 For each: the pipeline model's predicted step (op costs measured by the trace capture), and per
 rank the measured CPU time of a step (median of --steps, time.process_time in each process) and
-the allocator's peak (remat.memory.track(allocator=True)). Writes results.json.
+the allocator's peak (remat.memory.track(allocator=True)). Writes results.json and planned.png
+(1f1b) or results-<schedule>.json and planned-<schedule>.png.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128, help="rows per micro-batch")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedule", default="1f1b", choices=pp.SCHEDULES)
+    parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/pipeline")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -76,13 +82,16 @@ def main() -> None:
             x[:rows],
             n_stages=args.ranks,
             n_microbatches=m,
+            schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
             budget_per_rank=budget,
             loss_fn=loss,
             target=y[:rows],
             boundaries=cut,
         )
 
-    cut = [args.blocks * s // args.ranks for s in range(1, args.ranks)]
+    n_stages = args.ranks * args.stages_per_rank
+    cut = [args.blocks * s // n_stages for s in range(1, n_stages)]
     none = planned_for("100GB", cut)
     # the uniform mode, as the pipeline model sees it: each stage traced with its blocks checkpointed
     stage_plans, h = [], x[:rows]
@@ -91,16 +100,15 @@ def main() -> None:
         stage_plans.append(base)
     uniform = dataclasses.replace(none, stage_plans=tuple(stage_plans))
     # the uniform mode's largest rank peak; raised by 5% steps where the planner cannot reach it
-    budget = max(uniform.timeline().peak_bytes)
-    for _ in range(6):
+    budget, ceiling = max(uniform.timeline().peak_bytes), max(none.timeline().peak_bytes)
+    while True:
         try:
-            planned = planned_for(budget, cut)
+            planned = planned_for(min(budget, ceiling), cut)
             break
         except RematValueError as error:
-            print(error)
+            print(str(error)[:160])
             budget = int(budget * 1.05)
-    else:
-        raise SystemExit("no plan within 30% above the uniform mode's peak")
+    budget = planned.budget_bytes
     planned.explain()
     modes = {"none": (none, None), "uniform": (uniform, checkpoint_blocks), "planned": (planned, None)}
     jobs = [Job(build, p.to_json(), x, y, loss, seed=1, wrap=w, steps=args.steps) for p, w in modes.values()]
@@ -126,8 +134,11 @@ def main() -> None:
         "cut": none.boundaries,
         "args": vars(args),
     }
-    Path(args.out, "results.json").write_text(json.dumps({"env": env, "modes": rows_out}, indent=1) + "\n")
-    draw(planned, Path(args.out) / "planned.png", measured=[r.peak_bytes for r in results[2]])
+    suffix = "" if args.schedule == "1f1b" else f"-{args.schedule}"
+    Path(args.out, f"results{suffix}.json").write_text(
+        json.dumps({"env": env, "modes": rows_out}, indent=1) + "\n"
+    )
+    draw(planned, Path(args.out) / f"planned{suffix}.png", measured=[r.peak_bytes for r in results[2]])
     for row in rows_out:
         print(json.dumps(row))
 

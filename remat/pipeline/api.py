@@ -14,6 +14,11 @@ micro-batch moves by what the rank has left or lacks, a few rounds; the fitting 
 recomputes least wins. Where the budget allows, the last micro-batch runs
 without recomputation (torchgpipe's ``except_last``: its backward follows at once). A budget that
 no plan meets on some rank raises before any process starts, naming what each rank needs.
+
+Under interleaved 1F1B a rank runs several stages, each holding its own count of micro-batches
+(``Schedule.in_flight``), and shares one budget among them: the stages are planned twice, first
+each as if the rank's other stages cost what it costs, then in order beside the others' latest
+plans, and the rank's peak is checked with every stage's final plan.
 """
 
 from __future__ import annotations
@@ -85,10 +90,13 @@ def _seconds(trace: Trace, phase: Phase) -> float:
     return math.fsum(op.cost for op in trace.ops if op.phase is phase)
 
 
-def _rank_peak(order: Schedule, sp: StagePlan) -> int:
-    """The pipeline model's peak on ``sp``'s rank (a rank's memory depends on its stages only)."""
+def _rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None]) -> int:
+    """The pipeline model's peak on ``sp``'s rank with ``sp`` for its stage and ``others[s]`` for
+    the other stages (a rank's memory depends on its own stages only; where ``others[s]`` is None,
+    ``sp``'s costs stand in, which holds for ranks of one stage)."""
     m = order.n_microbatches
-    costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for _ in range(order.n_stages))
+    plans = [sp if s == sp.stage else (others[s] or sp) for s in range(order.n_stages)]
+    costs = tuple(tuple(each.cost(i, m) for i in range(m)) for each in plans)
     return walk(order, costs).peak_bytes[sp.rank]
 
 
@@ -127,12 +135,18 @@ def measure(
 
 
 def _choose(
-    order: Schedule, base: StagePlan, trace: Trace, key: Callable[[str], str], budget: int
+    order: Schedule,
+    base: StagePlan,
+    trace: Trace,
+    key: Callable[[str], str],
+    budget: int,
+    others: Sequence[StagePlan | None],
 ) -> tuple[StagePlan | None, int]:
-    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank (or
-    None), and the least peak found on the rank, from ``base`` (nothing planned)."""
+    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank beside
+    ``others`` (the other stages' plans, as for ``_rank_peak``), or None, and the least peak found
+    on the rank, from ``base`` (nothing planned)."""
     f, b, held = base.forward_s, base.backward_s, base.in_flight
-    lowest = _rank_peak(order, base)
+    lowest = _rank_peak(order, base, others)
     if lowest <= budget:
         return base, lowest
     target, fits, tried = budget - (held - 1) * base.plain_saved_bytes, [], set()
@@ -152,7 +166,7 @@ def _choose(
             saved_bytes=found.saved_bytes,
             peak_bytes=found.predicted_peak_bytes,
         )
-        need = _rank_peak(order, sp)
+        need = _rank_peak(order, sp, others)
         lowest = min(lowest, need)
         if need <= budget:
             fits.append(sp)
@@ -164,7 +178,7 @@ def _choose(
         return None, lowest
     chosen = min(fits, key=lambda sp: sp.recompute_s)
     last = replace(chosen, except_last=True)
-    return (last if _rank_peak(order, last) <= budget else chosen), lowest
+    return (last if _rank_peak(order, last, others) <= budget else chosen), lowest
 
 
 def _plan_stages(
@@ -176,15 +190,30 @@ def _plan_stages(
     budget: int,
 ) -> tuple[list[StagePlan | None], list[int]]:
     """Each stage's plan (None where none fits) and the least peak found on its rank, the stages
-    fed one after another from ``example``."""
-    chosen: list[StagePlan | None] = []
-    needs: list[int] = []
+    fed one after another from ``example``. Where a rank runs several stages, each is first planned
+    as if the rank's other stages cost what it costs, then again in order beside the others'
+    latest plans, so that the last one planned on a rank sees the rank as it will run."""
+    measured = []
     x = example.detach()
     for s, module in enumerate(modules):
         base, trace, x = measure(order, s, module, x, target, loss_fn)
-        sp, need = _choose(order, base, trace, block_key(module), budget)
-        chosen.append(sp)
-        needs.append(need)
+        measured.append((base, trace))
+    chosen: list[StagePlan | None] = [None] * order.n_stages
+    needs = [0] * order.n_stages
+    alike: list[StagePlan | None] = [None] * order.n_stages
+    for rounds in range(1 if order.n_stages == order.n_ranks else 2):
+        for s, (base, trace) in enumerate(measured):
+            sp, needs[s] = _choose(
+                order, base, trace, block_key(modules[s]), budget, chosen if rounds else alike
+            )
+            chosen[s] = sp if sp is not None or not rounds else chosen[s]
+    if rounds and all(sp is not None for sp in chosen):
+        # a stage that found no plan beside the others kept its first one: check the whole rank
+        m = order.n_microbatches
+        peaks = walk(order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in chosen if sp)).peak_bytes
+        over = [s for s in range(order.n_stages) if peaks[order.rank_of(s)] > budget]
+        for s in over:
+            chosen[s], needs[s] = None, peaks[order.rank_of(s)]
     return chosen, needs
 
 
@@ -195,13 +224,15 @@ def plan(
     n_stages: int,
     n_microbatches: int,
     schedule: str = "1f1b",
+    stages_per_rank: int = 1,
     budget_per_rank: int | str,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     target: torch.Tensor,
     boundaries: Sequence[int] | None = None,
     balance_by: str = "memory",
 ) -> PipelinePlan:
-    """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks (one stage each).
+    """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks, ``stages_per_rank``
+    stages each (more than one under ``"interleaved-1f1b"`` only: rank r runs stages r, r + P, ...).
 
     ``model_or_stages`` is a chain (an ``nn.Sequential`` or any module whose children run in
     order), cut into stages balanced by ``"memory"`` (the saved bytes weighed by the
@@ -229,7 +260,7 @@ def plan(
     if balance_by not in BALANCES:
         raise _fail("unknown balance", repr(balance_by), f"use one of {', '.join(BALANCES)}")
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
-    order = build(schedule, n_stages, n_microbatches)
+    order = build(schedule, n_stages, n_microbatches, stages_per_rank, api="pipeline.plan")
     modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
     rng = torch.random.get_rng_state()

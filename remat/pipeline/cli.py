@@ -32,7 +32,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--width", type=_positive, default=64, help="block width (default 64)")
     parser.add_argument("--hidden", type=_positive, default=256, help="hidden width (default 256)")
     parser.add_argument("--batch", type=_positive, default=256, help="rows per micro-batch (default 256)")
-    parser.add_argument("--stages", type=_positive, required=True, help="stages, one per rank")
+    parser.add_argument("--stages", type=_positive, required=True, help="ranks (processes)")
+    parser.add_argument(
+        "--stages-per-rank",
+        type=_positive,
+        default=1,
+        help="stages on each rank (interleaved-1f1b; default 1)",
+    )
     parser.add_argument("--microbatches", type=_positive, required=True, help="micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="schedule (default 1f1b)")
     parser.add_argument("--budget", required=True, type=_budget, help="bytes per rank ('3MB')")
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         n_stages=args.stages,
         n_microbatches=args.microbatches,
         schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank,
         budget_per_rank=args.budget,
         loss_fn=nn.functional.mse_loss,
         target=y,

@@ -89,9 +89,11 @@ def pipeline_stages(
 def torch_schedule(
     name: str, stages: Sequence[Any], n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
 ) -> Any:
-    """The torch schedule class for ``name``, over ``stages`` (one per rank)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    """The torch schedule class for ``name``, over ``stages`` (this rank's, in stage order)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    if name == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(list(stages), n_microbatches, loss_fn=loss_fn)
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if len(stages) != 1 or name not in classes:
         raise RematValueError(

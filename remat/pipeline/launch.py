@@ -81,16 +81,17 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _order(module: nn.Module, rank: int, n_microbatches: int, log: list[str]) -> None:
-    """Log ``module``'s forwards and backwards (when its output's gradient arrives) as actions."""
+def _order(module: nn.Module, stage: int, n_microbatches: int, log: list[str]) -> None:
+    """Log ``module``'s forwards and backwards (when its output's gradient arrives) as actions
+    of ``stage``."""
     count = [0]
 
     def forward(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
         i = count[0] % n_microbatches
         count[0] += 1
-        log.append(f"{rank}F{i}")
+        log.append(f"{stage}F{i}")
         if out.requires_grad:
-            out.register_hook(lambda grad: log.append(f"{rank}B{i}"))  # type: ignore[func-returns-value]
+            out.register_hook(lambda grad: log.append(f"{stage}B{i}"))  # type: ignore[func-returns-value]
 
     module.register_forward_hook(forward)
 
@@ -102,12 +103,17 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
     if job.wrap is None:
         stages = plan.stages(rank, "cpu")
     else:
-        module = job.wrap(plan.stage_modules()[rank])
-        stages = [torch_stage(module, plan.stage_plans[rank], n_ranks, torch.device("cpu"))]
+        modules, cpu = plan.stage_modules(), torch.device("cpu")
+        stages = [
+            torch_stage(job.wrap(modules[sp.stage]), sp, plan.order.n_stages, cpu)
+            for sp in plan.stage_plans
+            if sp.rank == rank
+        ]
     log: list[str] = []
-    _order(stages[0].submod, rank, plan.order.n_microbatches, log)
+    for stage in stages:
+        _order(stage.submod, stage.stage_index, plan.order.n_microbatches, log)
     schedule = plan.schedule(stages, job.loss_fn)
-    first, last = rank == 0, rank == n_ranks - 1
+    first, last = rank == 0, rank == plan.order.rank_of(plan.order.n_stages - 1)
     start = {k: v.detach().clone() for k, v in model.named_buffers()}
 
     def step() -> None:
@@ -134,8 +140,8 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
     counter = _Counter(job.counted)
     with track(allocator=True) as memory, counter:
         step()
-    params = {id(p) for p in stages[0].submod.parameters()}
-    buffers = {id(b) for b in stages[0].submod.buffers()}
+    params = {id(p) for stage in stages for p in stage.submod.parameters()}
+    buffers = {id(b) for stage in stages for b in stage.submod.buffers()}
     return RankResult(
         rank,
         {
@@ -170,25 +176,53 @@ def run(jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str]) -> l
     return [[per_rank[r][j] for r in range(n_ranks)] for j in range(len(jobs))]
 
 
-def reference(job: Job, n_ranks: int, n_microbatches: int) -> nn.Module:
-    """The measured step of ``job`` in one process, without pipelining or recomputation: the
-    stages run micro-batch by micro-batch with each stage's generator seeded as its rank's, the
-    loss of each micro-batch backwarded and the gradients divided by the number of micro-batches
-    (as torch's schedules scale them). Returns the model, holding the gradients and buffers."""
+def reference(job: Job) -> nn.Module:
+    """The measured step of ``job`` in one process, without recomputation: every rank's actions
+    run one after another in an order their dependencies allow, each from its rank's generator
+    (seeded as the rank's), every forward and backward a separate autograd call as on the ranks,
+    and the gradients divided by the number of micro-batches as torch's schedules scale them.
+    Each stage's gradients are then summed over the same micro-batches in the same order as on
+    its rank, from the same values. Returns the model, holding the gradients and buffers."""
     torch.manual_seed(job.seed)
     model = job.build()
-    stages = PipelinePlan.from_json(job.plan, model).stage_modules()
+    plan = PipelinePlan.from_json(job.plan, model)
+    stages, order = plan.stage_modules(), plan.order
+    m, last = order.n_microbatches, order.n_stages - 1
     states = []
-    for rank in range(n_ranks):
+    for rank in range(order.n_ranks):
         torch.manual_seed(job.seed + rank)
         states.append(torch.random.get_rng_state())
-    for x, t in zip(job.inputs.chunk(n_microbatches), job.target.chunk(n_microbatches), strict=True):
-        for rank, stage in enumerate(stages):
-            torch.random.set_rng_state(states[rank])
-            x = stage(x)
-            states[rank] = torch.random.get_rng_state()
-        job.loss_fn(x, t).backward()
+    inputs, targets = job.inputs.tensor_split(m), job.target.tensor_split(m)
+    received: dict[tuple[int, int], torch.Tensor] = {}
+    sent: dict[tuple[int, int], torch.Tensor] = {}
+    done: set[tuple[int, str, int]] = set()
+    pending = [list(actions) for actions in order.actions]
+    while any(pending):
+        for rank, actions in enumerate(pending):
+            while actions:
+                a = actions[0]
+                if a.kind == "F":
+                    after = None if a.stage == 0 else (a.stage - 1, "F", a.microbatch)
+                else:
+                    after = (
+                        (a.stage, "F", a.microbatch) if a.stage == last else (a.stage + 1, "B", a.microbatch)
+                    )
+                if after is not None and after not in done:
+                    break
+                key = (a.stage, a.microbatch)
+                if a.kind == "F":
+                    x = inputs[a.microbatch] if a.stage == 0 else sent[(a.stage - 1, a.microbatch)].detach()
+                    received[key] = x.requires_grad_(a.stage > 0 and x.is_floating_point())
+                    torch.random.set_rng_state(states[rank])
+                    sent[key] = stages[a.stage](received[key])
+                    states[rank] = torch.random.get_rng_state()
+                elif a.stage == last:
+                    job.loss_fn(sent[key], targets[a.microbatch]).backward()
+                else:
+                    sent[key].backward(received[(a.stage + 1, a.microbatch)].grad)
+                done.add((a.stage, a.kind, a.microbatch))
+                actions.pop(0)
     for p in model.parameters():
         if p.grad is not None:
-            p.grad /= n_microbatches
+            p.grad.div_(m)
     return model

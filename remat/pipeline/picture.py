@@ -48,7 +48,9 @@ def draw(
             top.broken_barh(
                 [(span.start * 1e3, span.recompute_s * 1e3)], (y - 0.4, 0.8), color=_COLOURS["recompute"]
             )
-        label = f"{span.action.kind}{span.action.microbatch}"
+        # with several stages on a rank, the stage is part of the label ("2F0")
+        several = plan.order.n_stages > ranks
+        label = str(span.action) if several else f"{span.action.kind}{span.action.microbatch}"
         top.text(ms[0] + ms[1] / 2, y, label, ha="center", va="center", fontsize=7, color="white")
     top.set_yticks(range(ranks), [f"rank {r}" for r in reversed(range(ranks))])
     top.set_title(

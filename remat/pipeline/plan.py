@@ -67,7 +67,8 @@ class PipelinePlan:
             if sp.plan is not None and sp.except_last:
                 what += ", last micro-batch plain"
             parts.append(
-                f"rank {sp.rank}: {what}, holds {sp.in_flight}, peak {format_bytes(line.peak_bytes[sp.rank])}"
+                f"rank {sp.rank} stage {sp.stage}: {what}, holds {sp.in_flight}, "
+                f"peak {format_bytes(line.peak_bytes[sp.rank])}"
             )
         return (
             f"PipelinePlan({self.order.name}, {self.order.n_stages} stages x "
@@ -130,7 +131,7 @@ class PipelinePlan:
 
     def schedule(self, stages: Sequence[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
         """The torch schedule object that runs ``stages`` (from ``stages``) as this plan's
-        schedule: ``ScheduleGPipe`` or ``Schedule1F1B``."""
+        schedule: ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``."""
         from remat.pipeline.execute import torch_schedule
 
         return torch_schedule(self.order.name, stages, self.order.n_microbatches, loss_fn)
@@ -142,6 +143,7 @@ class PipelinePlan:
         return {
             "format": FORMAT,
             "schedule": self.order.name,
+            "n_ranks": self.order.n_ranks,
             "n_stages": self.order.n_stages,
             "n_microbatches": self.order.n_microbatches,
             "boundaries": list(self.boundaries),
@@ -164,6 +166,8 @@ class PipelinePlan:
                 message("pipeline.load", f"not a {FORMAT} plan", f"format {got!r}", "load a file save wrote")
             )
         try:
+            # plans written before n_ranks was stored ran one stage per rank
+            ranks = int(body["n_ranks"] if "n_ranks" in body else body["n_stages"])
             stage_plans = tuple(
                 StagePlan(
                     **{
@@ -176,13 +180,19 @@ class PipelinePlan:
                 for sp in body["stage_plans"]
             )
             plan = cls(
-                build(body["schedule"], int(body["n_stages"]), int(body["n_microbatches"])),
+                build(
+                    body["schedule"],
+                    ranks,
+                    int(body["n_microbatches"]),
+                    int(body["n_stages"]) // ranks,
+                    api="pipeline.load",
+                ),
                 tuple(int(b) for b in body["boundaries"]),
                 int(body["budget_bytes"]),
                 stage_plans,
                 str(body["balance"]),
             )
-        except (KeyError, TypeError) as err:
+        except (KeyError, TypeError, ZeroDivisionError) as err:
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None

@@ -12,6 +12,14 @@ of a gloo run, in order)::
     gpipe, rank r:  F0 F1 ... F(M-1)  B0 B1 ... B(M-1)                 holds M
     1f1b,  rank r:  F0 ... F(w-1)  B0 Fw B1 F(w+1) ...  B(M-1)         holds w = min(M, P - r)
 
+``interleaved-1f1b`` puts V stages on each rank in a loop (rank r runs stages r, r + P, ...) and
+is run by torch's ``ScheduleInterleaved1F1B``, which executes a precomputed list per rank; the
+list is rebuilt here from that class's rules (the micro-batches go round the stages by rounds of
+``M // max(1, M // P)``, warm-up ``(V - 1) x round + 2 (P - 1 - r)`` forwards, then forward and
+backward alternately, backwards from the rank's last stage), and checked against a run as well::
+
+    interleaved-1f1b, P=2, V=2, M=4, rank 0:  0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 ...
+
 A ``Schedule`` holds no tensors and no process group: ``remat.pipeline.timeline`` walks it with
 op times to a makespan and per-rank memory; the executor only picks the matching torch class.
 """
@@ -26,7 +34,7 @@ from remat._errors import RematValueError, message
 __all__ = ["SCHEDULES", "Action", "Schedule", "build"]
 
 # The schedules modelled here, by the name ``remat.pipeline.plan`` takes.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
 
@@ -136,33 +144,86 @@ def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
     return out
 
 
-def build(name: str, n_ranks: int, n_microbatches: int) -> Schedule:
-    """The schedule ``name`` (one of ``SCHEDULES``) for ``n_ranks`` ranks, one stage each, and
-    ``n_microbatches`` micro-batches."""
+def _interleaved(rank: int, p: int, v: int, m: int) -> list[Action]:
+    # as ScheduleInterleaved1F1B._calculate_single_rank_operations lists them, idle slots left out
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
+    forwards, backwards = [0] * v, [0] * v
+    out: list[Action] = []
+
+    def forward(step: int) -> None:
+        local = (step // per_round) % v
+        out.append(Action(local * p + rank, "F", forwards[local]))
+        forwards[local] += 1
+
+    def backward(step: int) -> None:
+        local = v - 1 - ((step - warmup) // per_round) % v
+        out.append(Action(local * p + rank, "B", backwards[local]))
+        backwards[local] += 1
+
+    for step in range(m * v + warmup):
+        if step < warmup:
+            forward(step)
+        elif step < m * v:
+            forward(step)
+            backward(step)
+        else:
+            backward(step)
+    return out
+
+
+def build(
+    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1, *, api: str = "pipeline"
+) -> Schedule:
+    """The schedule ``name`` (one of ``SCHEDULES``) for ``n_ranks`` ranks, ``stages_per_rank``
+    stages each (more than one for ``interleaved-1f1b`` only), and ``n_microbatches``
+    micro-batches; a refusal names ``api`` (the caller: ``remat.<api>: ...``)."""
     if name not in SCHEDULES:
         raise RematValueError(
-            message("pipeline", "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
+            message(api, "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
         )
     if n_ranks < 1 or n_microbatches < 1:
         raise RematValueError(
             message(
-                "pipeline",
+                api,
                 "stages and micro-batches must be positive",
                 f"n_stages={n_ranks}, n_microbatches={n_microbatches}",
                 "pass at least one of each",
             )
         )
+    if stages_per_rank < 1 or (stages_per_rank > 1 and name != "interleaved-1f1b"):
+        raise RematValueError(
+            message(
+                api,
+                "only interleaved-1f1b runs more than one stage per rank",
+                f"{name!r} with stages_per_rank={stages_per_rank}",
+                "pass stages_per_rank=1 or schedule='interleaved-1f1b'",
+            )
+        )
+    rounds = max(1, n_microbatches // n_ranks)
+    if name == "interleaved-1f1b" and n_microbatches % rounds:
+        raise RematValueError(
+            message(
+                api,
+                "interleaved-1f1b needs the micro-batches in whole rounds: a multiple of "
+                "n_micro-batches // n_ranks",
+                f"{n_microbatches} micro-batches on {n_ranks} ranks, rounds of {rounds}",
+                f"use a multiple of {n_ranks} micro-batches, or fewer than {n_ranks}",
+            )
+        )
     if name == "1f1b" and n_microbatches < n_ranks:
         raise RematValueError(
             message(
-                "pipeline",
+                api,
                 "1f1b needs at least as many micro-batches as stages",
                 f"{n_microbatches} < {n_ranks}",
                 "raise n_microbatches or use schedule='gpipe'",
             )
         )
-    rows = [
-        _gpipe(r, n_microbatches) if name == "gpipe" else _one_f_one_b(r, n_ranks, n_microbatches)
-        for r in range(n_ranks)
-    ]
-    return Schedule(name, n_ranks, n_ranks, n_microbatches, tuple(tuple(r) for r in rows))
+    if name == "gpipe":
+        rows = [_gpipe(r, n_microbatches) for r in range(n_ranks)]
+    elif name == "1f1b":
+        rows = [_one_f_one_b(r, n_ranks, n_microbatches) for r in range(n_ranks)]
+    else:
+        rows = [_interleaved(r, n_ranks, stages_per_rank, n_microbatches) for r in range(n_ranks)]
+    return Schedule(name, n_ranks, n_ranks * stages_per_rank, n_microbatches, tuple(tuple(r) for r in rows))

@@ -23,3 +23,10 @@ def test_a_budget_too_small_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["pipeline", *args, "--batch", "16", "--budget", "100"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("remat.pipeline.plan: budget_per_rank below") and "\n" not in err
+
+
+def test_plans_an_interleaved_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--stages", "2", "--microbatches", "2", "--blocks", "4", "--width", "16", "--hidden", "32"]
+    extra = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2"]
+    assert main(["pipeline", *args, *extra, "--batch", "16", "--budget", "1MB"]) == 0
+    assert "PipelinePlan(interleaved-1f1b, 4 stages x 2 micro-batches" in capsys.readouterr().out

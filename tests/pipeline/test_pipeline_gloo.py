@@ -1,15 +1,27 @@
 """Planned pipelines on 2 CPU processes over gloo, checked against a single-process run.
 
-One spawn (one process group) runs every job of the module, to keep start-up cost down: GPipe and
-1F1B, each under per-stage plans made for a budget below the plain pipeline's need, on a chain
-with batch norm and dropout. Each rank reports its gradients, buffers, allocator peak, the
-forward ops it ran (``addmm``: the schedule's forwards and the plan's recomputations) and the
-order its stage ran forwards and backwards in.
+One spawn (one process group) runs every job of the module, to keep start-up cost down: GPipe,
+1F1B and interleaved 1F1B (two stages per rank), each under per-stage plans made for a budget
+below the plain pipeline's need, on a chain with batch norm and dropout. Each rank reports its
+gradients, buffers, allocator peak, the forward ops it ran (``addmm``: the schedule's forwards and
+the plan's recomputations) and the order its stages ran forwards and backwards in.
+
+The gradients and buffers equal, bit for bit, those of a single-process run
+(``remat.pipeline.launch.reference``) that runs the same actions in a dependency order with each
+rank's generator: a stage's parameter gradients are sums over micro-batches, and floating-point
+sums depend on their order, so the reference adds them in the order the stage's backwards run
+(micro-batch 0 to M - 1 in every schedule here), each from a separate backward as on the ranks,
+and scales them as torch's schedules do (``div_`` by M). Recomputation replays the same ops on
+the same values with one thread, so it changes no bit. (For GPipe and 1F1B a reference that runs
+micro-batch by micro-batch, each stage with its rank's generator, is already bitwise equal; under
+interleaved 1F1B two stages share a rank's generator, so the dropout draws depend on the order
+the rank runs its forwards in, which only replaying the schedule reproduces.)
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +37,16 @@ M = 4
 RANKS = 2
 ROWS = 64
 ADDMM = "aten.addmm.default"
-BUILD = functools.partial(mlp_chain, 4, 32, 128, 0.1, True)
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
+# a chain of two blocks per stage; interleaved runs on a fixed cut (the memory balance finds one
+# that needs no recomputation at this budget) a little above the others' share of the plain need
+BUILDS = {
+    1: functools.partial(mlp_chain, 4, 32, 128, 0.1, True),
+    2: functools.partial(mlp_chain, 8, 32, 128, 0.1, True),
+}
+PLAIN_CUTS = {1: [2], 2: [2, 4, 6]}
+SHARE = {1: 0.85, 2: 0.9}
 
 
 def _recomputed(plan: Plan, name: str) -> int:
@@ -41,15 +61,37 @@ def runs(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> list[tuple[pp.PipelinePlan, Job, list[RankResult]]]:
     torch.manual_seed(0)
-    model = BUILD()
     x, y = torch.randn(M * ROWS, 32), torch.randn(M * ROWS, 32)
     plans = []
     for schedule in SCHEDULES:
-        options = dict(n_stages=RANKS, n_microbatches=M, schedule=schedule, loss_fn=nn.functional.mse_loss)
-        plain = pp.plan(model, x[:ROWS], **options, budget_per_rank="1GB", target=y[:ROWS], boundaries=[2])
-        need = max(plain.timeline().peak_bytes)
-        plans.append(pp.plan(model, x[:ROWS], **options, budget_per_rank=int(0.85 * need), target=y[:ROWS]))
-    jobs = [Job(BUILD, p.to_json(), x, y, nn.functional.mse_loss, seed=1, counted=(ADDMM,)) for p in plans]
+        per_rank = PER_RANK[schedule]
+        torch.manual_seed(0)
+        model = BUILDS[per_rank]()
+        options: dict[str, Any] = dict(
+            n_stages=RANKS,
+            n_microbatches=M,
+            schedule=schedule,
+            stages_per_rank=per_rank,
+            loss_fn=nn.functional.mse_loss,
+            target=y[:ROWS],
+        )
+        cuts = PLAIN_CUTS[per_rank]
+        plain = pp.plan(model, x[:ROWS], **options, budget_per_rank="1GB", boundaries=cuts)
+        budget = int(SHARE[per_rank] * max(plain.timeline().peak_bytes))
+        fixed = cuts if per_rank > 1 else None
+        plans.append(pp.plan(model, x[:ROWS], **options, budget_per_rank=budget, boundaries=fixed))
+    jobs = [
+        Job(
+            BUILDS[len(p.stage_plans) // RANKS],
+            p.to_json(),
+            x,
+            y,
+            nn.functional.mse_loss,
+            seed=1,
+            counted=(ADDMM,),
+        )
+        for p in plans
+    ]
     results = run(jobs, RANKS, tmp_path_factory.mktemp("gloo"))
     return list(zip(plans, jobs, results, strict=True))
 
@@ -61,18 +103,18 @@ def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> N
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = reference(job, RANKS, M)
+        ref = reference(job)
     finally:
         torch.set_num_threads(threads)
-    grads = {n: p.grad for n, p in ref.named_parameters()}
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     buffers = dict(ref.named_buffers())
     seen = set()
     for result in results:
         for name, grad in result.grads.items():
-            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-7)
+            assert torch.equal(grad, grads[name]), name
             seen.add(name)
         for name, value in result.buffers.items():
-            torch.testing.assert_close(value, buffers[name], rtol=1e-5, atol=1e-7)
+            assert torch.equal(value, buffers[name]), name
     assert seen == set(grads)
 
 
@@ -89,11 +131,14 @@ def test_each_rank_peak_within_its_budget_and_the_prediction(runs, index: int) -
 def test_forwards_are_the_schedules_plus_the_planned_recomputations(runs, index: int) -> None:
     plan, _, results = runs[index]
     modules = plan.stage_modules()
-    for result, sp in zip(results, plan.stage_plans, strict=True):
-        linears = sum(isinstance(m, nn.Linear) for m in modules[sp.stage].modules())
-        again = 0 if sp.plan is None else _recomputed(sp.plan, ADDMM)
-        rerun = sum(sp.recomputes(i, M) for i in range(M))
-        assert result.counts[ADDMM] == M * linears + rerun * again
+    for result in results:
+        expected = 0
+        for sp in plan.stage_plans:
+            if sp.rank == result.rank:
+                linears = sum(isinstance(m, nn.Linear) for m in modules[sp.stage].modules())
+                again = 0 if sp.plan is None else _recomputed(sp.plan, ADDMM)
+                expected += M * linears + sum(sp.recomputes(i, M) for i in range(M)) * again
+        assert result.counts[ADDMM] == expected
 
 
 @pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)

@@ -151,3 +151,28 @@ def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
         plain.stages(5, "cpu")
     with pytest.raises(RematTypeError, match=r"this plan was made for stage modules"):
         dataclasses.replace(plain, boundaries=()).with_model(model)
+
+
+def test_an_interleaved_plan_runs_two_stages_per_rank_and_saves_and_loads(example, tmp_path: Path) -> None:
+    model, _, _ = example
+    p = _plan(example, "1GB", schedule="interleaved-1f1b", stages_per_rank=2, boundaries=[1, 2, 3])
+    assert [sp.rank for sp in p.stage_plans] == [0, 1, 0, 1]
+    assert [sp.in_flight for sp in p.stage_plans] == [p.order.in_flight(s) for s in range(4)]
+    p.save(tmp_path / "plan.json")
+    loaded = pp.PipelinePlan.load(tmp_path / "plan.json", model)
+    assert loaded == p and loaded.order.stages_of(1) == (1, 3)
+
+
+def test_interleaved_refusals_name_plan(example) -> None:
+    with pytest.raises(
+        RematValueError,
+        match=r"remat\.pipeline\.plan: interleaved-1f1b needs the micro-batches in whole rounds.*"
+        r"\(5 micro-batches on 2 ranks, rounds of 2\); use a multiple of 2 micro-batches",
+    ):
+        _plan(example, "1GB", schedule="interleaved-1f1b", stages_per_rank=2, n_microbatches=5)
+    with pytest.raises(
+        RematValueError,
+        match=r"remat\.pipeline\.plan: only interleaved-1f1b runs more than one stage per rank "
+        r"\('1f1b' with stages_per_rank=2\)",
+    ):
+        _plan(example, "1GB", stages_per_rank=2)

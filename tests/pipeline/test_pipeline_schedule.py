@@ -44,6 +44,33 @@ def test_a_schedule_refuses_what_torch_refuses() -> None:
         build("zbv", 2, 2)
 
 
+def test_interleaved_runs_each_ranks_stages_in_a_loop_as_torch_lists_them() -> None:
+    # ScheduleInterleaved1F1B's list for P=2, V=2, M=4 (idle slots left out); the gloo test checks
+    # the same against what runs
+    schedule = build("interleaved-1f1b", 2, 4, 2)
+    assert schedule.n_stages == 4 and schedule.stages_of(0) == (0, 2)
+    assert " ".join(map(str, schedule.actions[0])) == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
+    )
+    assert [schedule.in_flight(s) for s in range(4)] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "per_rank", "microbatches"), [(2, 2, 4), (2, 3, 6), (4, 2, 8), (3, 2, 3), (4, 2, 10)]
+)
+def test_interleaved_runs_every_forward_and_backward_once_without_deadlock(
+    ranks: int, per_rank: int, microbatches: int
+) -> None:
+    schedule = build("interleaved-1f1b", ranks, microbatches, per_rank)
+    for rank in range(ranks):
+        assert sorted(str(a) for a in schedule.actions[rank]) == sorted(
+            f"{s}{k}{m}" for s in schedule.stages_of(rank) for k in "FB" for m in range(microbatches)
+        )
+    n = ranks * per_rank
+    line = walk(schedule, _costs(n, microbatches, 1.0, 2.0))
+    assert line.makespan >= microbatches * per_rank * 3.0
+
+
 def _costs(ranks: int, m: int, f: float, b: float, saved: int = 10, peak: int = 15) -> tuple:
     return tuple(tuple(Cost(f, b, 0.0, saved, peak, 0, 0, 0) for _ in range(m)) for _ in range(ranks))
 
