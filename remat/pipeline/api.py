@@ -3,17 +3,14 @@ rank's budget, given how many micro-batches the schedule makes that rank hold at
 
 Why per stage: under 1F1B, rank s of P holds up to P - s micro-batches (under GPipe all M), so
 one policy for every stage recomputes too much on late stages and may not fit early ones. Each
-stage's step on one micro-batch is traced (``remat.planner.trace_step``) and planned
-(``plan_trace``) with the budget of one micro-batch::
-
-    budget for one micro-batch = rank budget - (held - 1) x saved bytes of one micro-batch
-
-where the saved bytes are those of the plan itself: starting from the plain step's, the pipeline
-model (``remat.pipeline.timeline``) checks each candidate's peak on the rank and the budget of one
-micro-batch moves by what the rank has left or lacks, a few rounds; the fitting candidate that
-recomputes least wins. Where the budget allows, the last micro-batch runs
-without recomputation (torchgpipe's ``except_last``: its backward follows at once). A budget that
-no plan meets on some rank raises before any process starts, naming what each rank needs.
+stage's step on one micro-batch is traced (``remat.planner.trace_step``), and every plan the
+static planner offers it at any budget (``remat.planner.frontier``) is weighed on the rank by the
+pipeline model (``remat.pipeline.timeline``): the micro-batches the rank holds at once each keep
+what the plan saves, and the one running its step adds the plan's own peak. The fitting plan that
+recomputes least wins (NOTE [stage plans from the frontier]). Where the budget allows, the
+last micro-batch runs without recomputation (torchgpipe's ``except_last``: its backward follows at
+once). A budget that no plan meets on some rank raises before any process starts, naming what
+each rank needs.
 
 Under interleaved 1F1B a rank runs several stages, each holding its own count of micro-batches
 (``Schedule.in_flight``), and shares one budget among them: the stages are planned twice, first
@@ -37,14 +34,14 @@ from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import BALANCES, balance, profile
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import walk
-from remat.planner.api import BudgetTooSmall, block_key, plan_trace, trace_step
+from remat.planner.api import block_key, plan_at, plan_trace, trace_step
+from remat.planner.frontier import frontier
 from remat.trace.events import Phase
 from remat.trace.types import Trace
 
 __all__ = ["measure", "plan"]
 
 _UNLIMITED = 2**62
-_ROUNDS = 4
 
 
 def _fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValueError) -> Exception:
@@ -145,35 +142,33 @@ def _choose(
     """The stage's plan with the least predicted overhead that fits ``budget`` on its rank beside
     ``others`` (the other stages' plans, as for ``_rank_peak``), or None, and the least peak found
     on the rank, from ``base`` (nothing planned)."""
-    f, b, held = base.forward_s, base.backward_s, base.in_flight
+    f, b = base.forward_s, base.backward_s
     lowest = _rank_peak(order, base, others)
     if lowest <= budget:
         return base, lowest
-    target, fits, tried = budget - (held - 1) * base.plain_saved_bytes, [], set()
-    for _ in range(_ROUNDS):
-        if target in tried:
-            break
-        tried.add(target)
-        try:
-            found = plan_trace(trace, max(target, 1), block_key=key)
-        except BudgetTooSmall as error:
-            found = plan_trace(trace, error.minimum_bytes, block_key=key)
-            target = error.minimum_bytes
+    # NOTE [stage plans from the frontier] every plan the static planner offers this stage, at any
+    # one-micro-batch budget (found once: remat.planner.frontier), is weighed on the rank as the
+    # schedule runs it; the cheapest that fits wins. A rank budget that one plan meets is then met
+    # at every larger budget, and the least peak named in a refusal does not depend on the budget.
+    found = frontier(trace, "auto", key)
+    plain_held = plan_at(found, found.baseline).predicted_held_bytes
+    fits = []
+    for peak in sorted({c.pred.peak_bytes for c in found.candidates}):
+        one = plan_at(found, peak)
         sp = replace(
             base,
-            plan=found,
-            recompute_s=max(found.predicted_overhead - 1.0, 0.0) * (f + b),
-            saved_bytes=found.saved_bytes,
-            peak_bytes=found.predicted_peak_bytes,
+            plan=one,
+            recompute_s=max(one.predicted_overhead - 1.0, 0.0) * (f + b),
+            # what a micro-batch in flight holds: the plain step's saved bytes (as the pipeline
+            # model counts them) less what the plan frees by the forward's end, or plus what its
+            # regions hold (their inputs, generator states)
+            saved_bytes=base.plain_saved_bytes + one.predicted_held_bytes - plain_held,
+            peak_bytes=one.predicted_peak_bytes,
         )
         need = _rank_peak(order, sp, others)
         lowest = min(lowest, need)
         if need <= budget:
             fits.append(sp)
-        elif found.regions and target <= found.predicted_peak_bytes:
-            break  # the floor of the one-micro-batch plans: lowering the target finds no other
-        # move the one-micro-batch budget by what the rank has left (or lacks)
-        target += budget - need
     if not fits:
         return None, lowest
     chosen = min(fits, key=lambda sp: sp.recompute_s)

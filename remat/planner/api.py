@@ -191,6 +191,7 @@ def plan_at(found: Frontier, budget: int | float | str) -> Plan:
         ops=tuple(op.name for op in step.forward),
         modules=tuple(op.module for op in step.forward),
         notes=notes,
+        predicted_held_bytes=chosen.pred.held_bytes,
     )
 
 

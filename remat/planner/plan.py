@@ -46,7 +46,8 @@ class Plan:
     ``baseline_peak_bytes`` the same with no recomputation; ``predicted_overhead`` is the step's
     compute with the recomputation ÷ without. ``solver``, ``solve_seconds`` and ``gap`` (the
     proven optimality gap of the solver's own model, None for a heuristic) say how the plan was
-    found; ``notes`` carries the solver's remarks."""
+    found; ``notes`` carries the solver's remarks. ``predicted_held_bytes`` is what the step holds
+    when its forward ends, for backward (a pipeline stage holds it per micro-batch in flight)."""
 
     name: str
     solver: str
@@ -62,6 +63,7 @@ class Plan:
     ops: tuple[str, ...]
     modules: tuple[str, ...]
     notes: str = ""
+    predicted_held_bytes: int = 0
 
     # -- reading it ---------------------------------------------------------------------------
 

@@ -90,6 +90,7 @@ class Prediction:
     base_cost: float
     recompute_cost: float
     recomputed: tuple[frozenset[int], ...]
+    held_bytes: int = 0  # alive when the forward's last op is done: what backward is left to free
 
     @property
     def overhead(self) -> float:
@@ -142,7 +143,7 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     costs = zip(trace.ops, facts.cost, strict=True)
     base = math.fsum(c for op, c in costs if op.phase is not Phase.OPTIMIZER)
     recomputed = tuple(frozenset(ts) for ts in targets)
-    return Prediction(walk.peak, walk.peak_op, walk.peak_at, base, walk.recompute, recomputed)
+    return Prediction(walk.peak, walk.peak_op, walk.peak_at, base, walk.recompute, recomputed, walk.held)
 
 
 def _released(r: int, modules: set[str], last_read_in: dict[tuple[int, str], int], otherwise: int) -> int:
@@ -238,6 +239,7 @@ class _Walk:
         self.made = 0
         self.peak, self.peak_op, self.peak_at = 0, -1, "start"
         self.recompute = 0.0
+        self.held = 0
 
     def sample(self, op: Op, value: int, replaying: str = "") -> None:
         if value > self.peak:
@@ -321,3 +323,5 @@ class _Walk:
                     if self.holds[r] == 0 and r in self.pending:
                         self.pending.discard(r)
                         self.drop(r)
+            if event.phase is Phase.FORWARD:
+                self.held = self.made
