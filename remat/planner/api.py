@@ -24,7 +24,10 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
+from remat.offload.link import Link
 from remat.planner.lowering import chain_from_trace, dag_from_trace, stage_key
+from remat.planner.offload_model import OffloadProblem, offload_problem
+from remat.planner.offload_search import OffloadCandidate, check_host, mark, offload_arguments, offload_search
 from remat.planner.plan import Plan
 from remat.planner.search import (
     Candidate,
@@ -132,6 +135,8 @@ def plan_trace(
     *,
     solver: str = "auto",
     block_key: Callable[[str], str] | None = None,
+    link: Link | None = None,
+    host_budget: int | str | None = None,
     **options: Any,
 ) -> Plan:
     """The plan for a captured step (see ``plan``); ``options`` go to the solver. ``auto`` runs
@@ -146,7 +151,8 @@ def plan_trace(
     then plain checkpointing; then the lower predicted peak; then the first plan tried. So for a
     given trace, and so for given op costs, the pick is always the same."""
     step = Step(trace, block_key)
-    get(solver)
+    three_way = OffloadProblem in get(solver).problems
+    host = offload_arguments(solver, three_way, link, host_budget)
     baseline = predicted(step, []).peak_bytes
     limit = parse_budget(budget, api="plan")
     budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
@@ -158,14 +164,21 @@ def plan_trace(
         tried += search(step, "greedy", chain, budget_bytes, baseline, {})
         tried += simple(step, chain)
         tried += keeping_compute(step, tried)
+    elif three_way:
+        pass
     elif Chain in get(solver).problems:
         extra = {"single_level": True} if solver == "chain" else {}
         tried += search(step, solver, chain, budget_bytes, baseline, {**extra, **options})
     else:
         dag = dag_from_trace(trace, max_nodes=None)
         tried += search(step, solver, dag, budget_bytes, baseline, options)
+    if link is not None:
+        problem = offload_problem(trace, link, host_budget=host, key=block_key)
+        tried += offload_search(step, problem, budget_bytes, baseline, solver, options if three_way else {})
     seconds = time.perf_counter() - start
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
+    if not fits and link is not None:
+        check_host(step, problem, budget_bytes, baseline, solver, options if three_way else {})
     if not fits and solver == "auto":
         tried += floor(step, chain)
         fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
@@ -190,6 +203,7 @@ def plan_trace(
             f"use solver='auto' (plans from {lowest.peak_bytes} bytes) or raise the budget",
         )
     chosen = best(fits)
+    tensors = decisions(step, chosen.regions, chosen.pred, chosen.solver)
     notes = chosen.notes
     if solver == "auto":
         picked = chosen.solver if chosen.solver != "auto" else chosen.notes
@@ -205,10 +219,12 @@ def plan_trace(
         solve_seconds=seconds,
         gap=chosen.gap,
         regions=tuple(r for r, _ in chosen.regions),
-        tensors=decisions(step, chosen.regions, chosen.pred, chosen.solver),
+        tensors=mark(step, tensors, chosen) if isinstance(chosen, OffloadCandidate) else tensors,
         ops=tuple(op.name for op in step.forward),
         modules=tuple(op.module for op in step.forward),
         notes=notes,
+        link=link,
+        predicted_stall=chosen.stall if isinstance(chosen, OffloadCandidate) else 0.0,
     )
 
 
@@ -220,6 +236,8 @@ def plan(
     loss_fn: LossFn | None = None,
     solver: str = "auto",
     repeats: int = 3,
+    link: Link | None = None,
+    host_budget: int | str | None = None,
     **options: Any,
 ) -> Plan:
     """Plan the recomputation of one training step of ``model`` under ``budget``.
@@ -231,6 +249,10 @@ def plan(
     (``**example_inputs`` for a mapping) returns the scalar loss; by default the model's output
     or its ``.loss``. ``solver`` is a name from ``remat.planner.solvers.names()`` and ``options``
     go to it (``time_limit`` and ``max_nodes`` for ``milp``, ``slots`` for ``chain``).
+
+    ``link=remat.Link(...)`` lets the plan offload saved tensors to host memory as well (SAVE,
+    RECOMPUTE or OFFLOAD per saved tensor, ``remat.planner.offload_model``), with at most
+    ``host_budget`` bytes on the host (default: no limit); without ``link`` it only recomputes.
 
     The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
     parameters, buffers, gradients and the RNG are left as they were. Run the plan with
@@ -257,4 +279,12 @@ def plan(
     parse_budget(budget, api="plan")
     get(solver)
     trace = trace_step(model, example_inputs, loss_fn, repeats)
-    return plan_trace(trace, budget, solver=solver, block_key=block_key(model), **options)
+    return plan_trace(
+        trace,
+        budget,
+        solver=solver,
+        block_key=block_key(model),
+        link=link,
+        host_budget=host_budget,
+        **options,
+    )

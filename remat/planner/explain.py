@@ -28,35 +28,40 @@ def render(
     notes: str,
     peak_at: str,
     file: Any = None,
+    offload: str = "",
 ) -> None:
     """Print the table of a plan (its ``str()`` as ``title``, and its parts) to ``file`` (default
-    stdout)."""
+    stdout); ``offload`` is the plan's offload summary, and then each offloaded tensor is listed."""
     from rich.console import Console
     from rich.table import Table
 
-    rows: dict[str, list[int]] = {}  # block -> [saved tensors, kept bytes, recomputed bytes]
+    rows: dict[str, list[int]] = {}  # block -> [saved tensors, kept, recomputed, offloaded bytes]
+    column = {Decision.SAVE: 1, Decision.RECOMPUTE: 2, Decision.OFFLOAD: 3}
     for t in tensors:
-        row = rows.setdefault(stage_key(t.module), [0, 0, 0])
+        row = rows.setdefault(stage_key(t.module), [0, 0, 0, 0])
         row[0] += 1
-        row[1 if t.action is Decision.SAVE else 2] += t.nbytes
+        row[column[t.action]] += t.nbytes
     region_of: dict[str, str] = {}
     for region in regions:
         for key in dict.fromkeys(stage_key(m) for m in modules[region.first : region.last + 1]):
             region_of.setdefault(key, region.name)
     order = list(dict.fromkeys(stage_key(m) for m in modules))
     table = Table(title=title, title_justify="left")
-    for column in ("module", "saved tensors", "kept", "recomputed", "region"):
-        table.add_column(column, justify="left" if column in ("module", "region") else "right")
+    names = (
+        ("module", "saved tensors", "kept", "recomputed") + (("offloaded",) if offload else ()) + ("region",)
+    )
+    for name in names:
+        table.add_column(name, justify="left" if name in ("module", "region") else "right")
     for key in order:
         if key not in rows:
             continue
-        n, kept, again = rows[key]
-        table.add_row(key, str(n), format_bytes(kept), format_bytes(again), region_of.get(key, "-"))
+        n, *amounts = rows[key]
+        shown = [format_bytes(b) for b in amounts[: len(names) - 3]]
+        table.add_row(key, str(n), *shown, region_of.get(key, "-"))
     table.add_row(
         "total",
         str(len(tensors)),
-        format_bytes(sum(row[1] for row in rows.values())),
-        format_bytes(sum(row[2] for row in rows.values())),
+        *(format_bytes(sum(row[k] for row in rows.values())) for k in range(1, len(names) - 1)),
         f"{len(regions)} regions",
         style="bold",
     )
@@ -67,3 +72,8 @@ def render(
     if notes:
         console.print(f"solver notes: {notes}")
     console.print(f"peak reached at {peak_at}")
+    if offload:
+        console.print(offload)
+        for t in tensors:
+            if t.action is Decision.OFFLOAD:
+                console.print(f"  {t}")
