@@ -61,7 +61,7 @@ def render(
     table.add_row(
         "total",
         str(len(tensors)),
-        *(format_bytes(sum(row[k] for row in rows.values())) for k in range(1, len(names) - 1)),
+        *(format_bytes(sum(row[k] for row in rows.values())) for k in range(1, len(names) - 2)),
         f"{len(regions)} regions",
         style="bold",
     )

@@ -34,6 +34,7 @@ _ATTEMPTS = 6
 # ``solver="auto"`` tries the three-way MILP up to this many binaries (about 1 s of HiGHS on a tiny GPT-2's
 # 53 saved tensors in 46 steps, 4,000 binaries)
 _MILP_COLUMNS = 8000
+_AUTO_TIME_LIMIT = 5.0  # seconds per MILP solve when ``solver="auto"`` tries it
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def offload_search(
     if solver == "auto":
         size = sum(2 * (it.need - it.stage) for it in problem.items if it.movable)
         solvers = ["offload_greedy"] + (["offload_milp"] if size <= _MILP_COLUMNS else [])
+        options = {"time_limit": _AUTO_TIME_LIMIT, **options}
     else:
         solvers = [solver]
     top = evaluate(problem, OffloadSchedule()).peak_bytes
@@ -125,7 +127,8 @@ def offload_search(
             if target <= 0:
                 break
             try:
-                solution = get(name).solve(problem, target, **options)
+                mine = options if solver != "auto" or name == "offload_milp" else {}
+                solution = get(name).solve(problem, target, **mine)
             except RematValueError:
                 break
             assert isinstance(solution, OffloadSolution)

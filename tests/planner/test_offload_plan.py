@@ -1,0 +1,98 @@
+"""remat.plan with a link: three-way plans of the test models' steps are never predicted slower
+than recomputation alone, reach budgets it cannot, record their OFFLOAD decisions (JSON, the
+table), and refuse clearly what they cannot do."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+from plans import _traced
+
+import remat
+from remat import Plan, RematTypeError, RematValueError
+from remat.planner import plan_trace
+from remat.policy import Decision
+
+FAST = remat.Link(d2h=1e18, h2d=1e18, latency=0)
+SLOW = remat.Link(d2h="1KB/s", h2d="1KB/s")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "cnn"])
+def test_a_three_way_plan_is_never_predicted_slower_than_recomputation_alone(name: str) -> None:
+    trace, base, low = _traced(name)
+    for budget in (low, (low + base) // 2):
+        alone = plan_trace(trace, budget)
+        both = plan_trace(trace, budget, link=remat.Link(), solver="offload_greedy")
+        assert both.predicted_peak_bytes <= budget
+        assert both.predicted_overhead <= alone.predicted_overhead
+        assert both.offloaded_bytes == sum(t.nbytes for t in both.tensors if t.action is Decision.OFFLOAD)
+
+
+def test_an_infinitely_fast_link_reaches_budgets_recomputation_cannot() -> None:
+    trace, _, low = _traced("gpt2")
+    budget = low * 9 // 10
+    with pytest.raises(RematValueError, match="budget below the smallest feasible peak"):
+        plan_trace(trace, budget)
+    plan = plan_trace(trace, budget, link=FAST, solver="offload_greedy")
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_overhead == pytest.approx(1.0, abs=1e-9)
+    assert plan.offloaded_bytes > 0 and plan.predicted_stall == 0.0
+
+
+def test_a_slow_link_leaves_offload_out_where_recomputation_fits() -> None:
+    trace, base, low = _traced("gpt2")
+    plan = plan_trace(trace, (low + base) // 2, link=SLOW, solver="offload_greedy")
+    assert plan.offloaded_bytes == 0
+    assert any(t.action is Decision.RECOMPUTE for t in plan.tensors)
+
+
+def test_the_host_budget_holds_and_a_too_small_one_is_named() -> None:
+    trace, _, low = _traced("gpt2")
+    budget = low * 8 // 10
+    free = plan_trace(trace, budget, link=FAST, solver="offload_greedy")
+    capped = plan_trace(trace, budget, link=FAST, solver="offload_greedy", host_budget=free.offloaded_bytes)
+    assert capped.offloaded_bytes <= free.offloaded_bytes
+    with pytest.raises(
+        RematValueError, match=r"host_budget too small .* a plan fits with \d+ bytes on the host"
+    ):
+        plan_trace(trace, budget, link=FAST, solver="offload_greedy", host_budget=1024)
+
+
+def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) -> None:
+    trace, _, low = _traced("gpt2")
+    plan = plan_trace(trace, low, link=remat.Link(), solver="offload_milp", time_limit=10.0)
+    moved = [t for t in plan.tensors if t.action is Decision.OFFLOAD]
+    assert moved and all("to host in forward of" in t.reason for t in moved)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    out = io.StringIO()
+    plan.explain(file=out)
+    text = out.getvalue()
+    assert "offloaded" in text and "predicted stall" in text and "back in backward of" in text
+    assert "offloaded over Link(d2h=" in str(plan)
+
+
+def test_the_executor_refuses_offload_decisions() -> None:
+    from models import build
+
+    trace, _, low = _traced("gpt2")
+    plan = plan_trace(trace, low * 9 // 10, link=FAST, solver="offload_greedy")
+    model, _, _ = build("gpt2")
+    with pytest.raises(RematValueError, match="plan.apply: the executor does not run OFFLOAD decisions yet"):
+        plan.apply(model)
+
+
+def test_bad_offload_arguments_are_refused() -> None:
+    trace, base, _ = _traced("gpt2")
+    with pytest.raises(RematTypeError, match="link must be a remat.Link .*got str"):
+        plan_trace(trace, base, link="25GB/s")  # type: ignore[arg-type]
+    with pytest.raises(RematValueError, match="offload needs a link model .*host_budget"):
+        plan_trace(trace, base, host_budget="1MB")
+    with pytest.raises(RematValueError, match="offload needs a link model .*solver='offload_milp'"):
+        plan_trace(trace, base, solver="offload_milp")
+    with pytest.raises(RematTypeError, match="byte count"):
+        plan_trace(trace, base, link=FAST, host_budget=0.5)  # type: ignore[arg-type]
+    assert "offload_milp" in sys.modules["remat.planner.solvers"].names()
