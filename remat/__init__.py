@@ -4,26 +4,43 @@ Manual forms: ``remat.checkpoint`` (a function or module), ``remat.checkpoint_se
 cut into segments) and ``remat.scope`` (a region of code, recorded and replayed). Policies in
 ``remat.policy`` choose per op what to keep. ``remat.plan`` solves for the cheapest recomputation
 under a byte budget and applies it; ``remat.dynamic`` keeps eager training within a budget by
-evicting and recomputing online. ``remat.memory`` measures what it all costs.
+evicting and recomputing online. ``remat.offload`` moves what a block saves to host memory instead
+(``remat.host``). ``remat.memory`` measures what it all costs.
 """
 
 from remat import integrations, memory, policy, trace, zoo
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, RematValueError
 from remat.dynamic import dynamic
+from remat.host.link import Link
+from remat.host.offloader import Offloader
+from remat.host.region import offload
 from remat.manual.checkpoint import checkpoint
 from remat.manual.keywords import set_checkpoint_early_stop
 from remat.manual.scope import scope
 from remat.manual.sequential import checkpoint_sequential
-from remat.offload.link import Link
 from remat.planner.api import plan
 from remat.planner.plan import Plan
-from remat.policy import Decision, OpContext, Policy, RecomputeAll, SaveComputeIntensive, SaveOps
+from remat.policy import (
+    Decision,
+    OffloadComputeIntensive,
+    OffloadLarger,
+    OffloadOps,
+    OpContext,
+    Policy,
+    RecomputeAll,
+    SaveComputeIntensive,
+    SaveOps,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Decision",
     "Link",
+    "OffloadComputeIntensive",
+    "OffloadLarger",
+    "OffloadOps",
+    "Offloader",
     "OpContext",
     "Plan",
     "Policy",
@@ -40,6 +57,7 @@ __all__ = [
     "dynamic",
     "integrations",
     "memory",
+    "offload",
     "plan",
     "policy",
     "scope",

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from remat._units import parse_bytes
+
 
 class Decision(enum.Enum):
     """What to do with the output of one op inside a recomputed region."""
@@ -99,6 +101,46 @@ class SaveComputeIntensive:
 
     def decide(self, ctx: OpContext) -> Decision:
         return Decision.SAVE if ctx.packet in COMPUTE_INTENSIVE_OPS else Decision.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class OffloadOps:
+    """Move the outputs of the named ops (packets or full overload names) to host memory, recompute
+    the rest."""
+
+    ops: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", frozenset(self.ops))
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.OFFLOAD if ctx.op in self.ops or ctx.packet in self.ops else Decision.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class OffloadLarger:
+    """Move the outputs of ops that make at least ``min_bytes`` (a count or a size such as
+    ``"1MiB"``) to host memory, recompute the smaller ones."""
+
+    min_bytes: int | str = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "min_bytes", 0 if self.min_bytes == 0 else parse_bytes(self.min_bytes, "policy")
+        )
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.OFFLOAD if ctx.out_bytes >= int(self.min_bytes) else Decision.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class OffloadComputeIntensive:
+    """Move matmul, convolution and attention outputs to host memory, recompute the rest: JAX's
+    "offload dot products" policy. What is expensive to recompute is fetched, what is cheap is
+    recomputed, and neither stays on the device."""
+
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.OFFLOAD if ctx.packet in COMPUTE_INTENSIVE_OPS else Decision.RECOMPUTE
 
 
 def describe(policy: Policy) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @contextlib.contextmanager
@@ -28,10 +29,13 @@ def buffers_shielded() -> Iterator[None]:
         if id(module) in seen or not module._buffers:
             return
         seen.add(id(module))
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                swapped.append((module, name, buf))
-                module._buffers[name] = buf.detach().clone()
+        # The copies are not the program's ops: a selective recomputation matches the ops it runs
+        # to the forward's by position, so they must not reach its dispatch mode.
+        with _disable_current_modes():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    swapped.append((module, name, buf))
+                    module._buffers[name] = buf.detach().clone()
 
     handle = nn.modules.module.register_module_forward_pre_hook(swap)
     try:

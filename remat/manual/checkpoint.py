@@ -10,7 +10,8 @@ recomputed tensors. Differences from torch's version, each a bug report there:
   forward pass only (see ``remat.manual.buffers``);
 - the RNG of the CPU and of every CUDA device is replayed, and the caller's stream is left where
   it was; autocast settings are replayed;
-- ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them;
+- ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them, on the
+  device (SAVE) or in host memory (OFFLOAD, see ``remat.manual.selective``);
 - ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names
   the op and module that diverged; shapes and dtypes are always checked.
 
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
 from remat._errors import RecomputationError, RematRuntimeError, RematTypeError, message
+from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import buffers_shielded
 from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
@@ -90,6 +92,7 @@ class _Frame:
         policy: Policy | None,
         check: Check,
         preserve_rng: bool,
+        offloader: Offloader | None = None,
     ) -> None:
         self.fn = fn
         self.check = check
@@ -105,7 +108,9 @@ class _Frame:
             flat[i] = None
         self.rng = aten.capture_all() if preserve_rng else None
         self.autocast = autocast.capture_autocast()
-        self.cache = None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy)
+        self.cache = (
+            None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
+        )
         self.metas: list[TensorMeta] = []
         self.written: list[tuple[weakref.ref[torch.Tensor], int]] = []
         # NOTE [backward inside the forward]: a function may differentiate its own graph (a
@@ -253,11 +258,12 @@ def run(
     policy: Policy | None,
     check: Check,
     preserve_rng: bool = True,
+    offloader: Offloader | None = None,
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, policy, check, preserve_rng)
+    frame = _Frame(fn, args, kwargs, policy, check, preserve_rng, offloader)
     try:
         with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
             if frame.provenance is not None:
@@ -293,32 +299,52 @@ def _wrap(fn: F, s: Settings) -> F:
 
         @functools.wraps(forward)
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            return run(forward, args, kwargs, s.policy, s.check, s.preserve_rng)
+            return run(forward, args, kwargs, s.policy, s.check, s.preserve_rng, s.offloader)
 
         module.forward = checkpointed_forward  # type: ignore[method-assign]
         return fn
 
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng)
+        return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng, s.offloader)
 
     return checkpointed  # type: ignore[return-value]
 
 
 @overload
-def checkpoint(fn: F, /, *, policy: Policy | None = ..., check: Check = ...) -> F: ...
+def checkpoint(
+    fn: F, /, *, policy: Policy | None = ..., check: Check = ..., offloader: Offloader | None = ...
+) -> F: ...
 @overload
 def checkpoint(
-    fn: None = ..., /, *, policy: Policy | None = ..., check: Check = ..., **torch_keywords: Any
+    fn: None = ...,
+    /,
+    *,
+    policy: Policy | None = ...,
+    check: Check = ...,
+    offloader: Offloader | None = ...,
+    **torch_keywords: Any,
 ) -> Callable[[F], F]: ...
 @overload
 def checkpoint(
-    fn: Callable[..., Any], /, *args: Any, policy: Policy | None = ..., check: Check = ..., **kwargs: Any
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    policy: Policy | None = ...,
+    check: Check = ...,
+    offloader: Offloader | None = ...,
+    **kwargs: Any,
 ) -> Any: ...
 
 
 def checkpoint(
-    fn: Any = None, /, *args: Any, policy: Policy | None = None, check: Check = "shapes", **kwargs: Any
+    fn: Any = None,
+    /,
+    *args: Any,
+    policy: Policy | None = None,
+    check: Check = "shapes",
+    offloader: Offloader | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute its insides in backward.
 
@@ -326,7 +352,8 @@ def checkpoint(
 
     - ``y = remat.checkpoint(fn, x, mask=m)`` runs the call (``policy``, ``check`` and the keywords
       of ``torch.utils.checkpoint.checkpoint`` are remat's, see ``remat.manual.keywords``;
-      everything else goes to ``fn``);
+      everything else goes to ``fn``); outputs the policy decides ``Decision.OFFLOAD`` wait in
+      host memory through ``offloader`` (a ``remat.Offloader``; a default one if None);
     - ``@remat.checkpoint`` or ``@remat.checkpoint(policy=...)`` decorates a function;
     - ``remat.checkpoint(module)`` wraps an ``nn.Module``'s forward in place and returns the module
       (its ``state_dict`` keys do not change).
@@ -347,7 +374,7 @@ def checkpoint(
                     "pass a function or an nn.Module, then its arguments",
                 )
             )
-        s = keywords.settings("checkpoint", torch_kwargs, policy, check)
+        s = keywords.settings("checkpoint", torch_kwargs, policy, check, offloader)
 
         def decorate(f: F) -> F:
             _validate(f)
@@ -355,7 +382,7 @@ def checkpoint(
 
         return decorate
     _validate(fn)
-    s = keywords.settings("checkpoint", torch_kwargs, policy, check)
+    s = keywords.settings("checkpoint", torch_kwargs, policy, check, offloader)
     if not args and not kwargs and not torch_kwargs:
         return _wrap(fn, s)
-    return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng)
+    return run(fn, args, kwargs, s.policy, s.check, s.preserve_rng, s.offloader)

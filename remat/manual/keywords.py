@@ -15,7 +15,8 @@ debug                  True: the value check (``check="values"``), which names t
 early_stop             accepted: remat always stops once the last saved tensor is made again, and
                        stopping changes no result
 context_fn             ``partial(create_selective_checkpoint_contexts, ops_or_policy_fn)``: a
-                       remat policy (``SaveOps`` or ``PolicyFunction``); anything else an error
+                       remat policy (``SaveOps`` or ``PolicyFunction``; ``MUST_CPU_OFFLOAD``
+                       offloads); anything else an error
 =====================  =========================================================================
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 import torch.utils.checkpoint as torch_checkpoint
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat.host.offloader import Offloader
 from remat.manual.checks import Check
 from remat.policy import Decision, OpContext, Policy, SaveOps
 
@@ -41,22 +43,26 @@ TORCH_KEYWORDS = frozenset(
 
 _SAVE = frozenset({"MUST_SAVE", "PREFER_SAVE"})
 _RECOMPUTE = frozenset({"MUST_RECOMPUTE", "PREFER_RECOMPUTE"})
+_OFFLOAD = frozenset({"MUST_CPU_OFFLOAD"})
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What one checkpointed call does: the policy, the check, and whether RNG is replayed."""
+    """What one checkpointed call does: the policy, the check, whether RNG is replayed, and the
+    offloader that moves what the policy decides OFFLOAD."""
 
     policy: Policy | None = None
     check: Check = "shapes"
     preserve_rng: bool = True
+    offloader: Offloader | None = None
 
 
 @dataclass(frozen=True)
 class PolicyFunction:
     """A ``torch.utils.checkpoint`` policy function ``policy_fn(ctx, op, *args, **kwargs)`` run as
     a remat policy: ``MUST_SAVE``/``PREFER_SAVE`` (or True) save, ``MUST_RECOMPUTE``/
-    ``PREFER_RECOMPUTE`` (or False) recompute; offload is not available yet."""
+    ``PREFER_RECOMPUTE`` (or False) recompute, ``MUST_CPU_OFFLOAD`` offloads (which torch's eager
+    checkpoint recomputes instead)."""
 
     policy_fn: Callable[..., Any]
 
@@ -68,15 +74,8 @@ class PolicyFunction:
             return Decision.SAVE
         if choice is False or name in _RECOMPUTE:
             return Decision.RECOMPUTE
-        if name is not None:
-            raise RematValueError(
-                message(
-                    "checkpoint",
-                    "offload is not available yet in remat",
-                    f"the policy function returned {name} for {ctx.op}",
-                    "return MUST_SAVE/PREFER_SAVE or MUST_RECOMPUTE/PREFER_RECOMPUTE",
-                )
-            )
+        if name in _OFFLOAD:
+            return Decision.OFFLOAD
         raise RematTypeError(
             message(
                 "checkpoint",
@@ -134,7 +133,13 @@ def _flag(api: str, name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
     return value
 
 
-def settings(api: str, torch_kwargs: dict[str, Any], policy: Policy | None, check: Check) -> Settings:
+def settings(
+    api: str,
+    torch_kwargs: dict[str, Any],
+    policy: Policy | None,
+    check: Check,
+    offloader: Offloader | None = None,
+) -> Settings:
     """Read torch's keywords (see the module's table) together with remat's ``policy``/``check``."""
     if policy is not None and not hasattr(policy, "decide"):
         raise RematTypeError(
@@ -193,7 +198,16 @@ def settings(api: str, torch_kwargs: dict[str, Any], policy: Policy | None, chec
         check = "values"
     elif determinism == "none":
         check = "none"
-    return Settings(policy, check, preserve)
+    if offloader is not None and not isinstance(offloader, Offloader):
+        raise RematTypeError(
+            message(
+                api,
+                "offloader must be a remat.Offloader",
+                f"got {type(offloader).__name__}",
+                "pass remat.Offloader(link=..., prefetch=...) or leave it out",
+            )
+        )
+    return Settings(policy, check, preserve, offloader)
 
 
 @contextlib.contextmanager

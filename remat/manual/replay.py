@@ -16,6 +16,7 @@ import torch
 from remat import aten
 from remat._errors import RecomputationError, message
 from remat.aten import describe
+from remat.host.offloader import Offloader
 from remat.manual.tape import Node, Ref, Seq, Slice
 
 
@@ -64,10 +65,13 @@ Executor = Callable[[Slice, dict[int, torch.Tensor]], None]
 """How a replay runs a slice's steps: ``eager_steps``, or ``remat.manual.fused.compiled_steps``."""
 
 
-def replay(cut: Slice, execute: Executor = eager_steps) -> dict[int, torch.Tensor]:
+def replay(
+    cut: Slice, execute: Executor = eager_steps, offloader: Offloader | None = None
+) -> dict[int, torch.Tensor]:
     """Run the slice's steps without autograd or autocast (the tape already holds the casts) and
     return its targets. Random ops draw from the state they drew from in forward; the caller's
-    generator states are restored afterwards."""
+    generator states are restored afterwards. Offloaded values it reads come back through
+    ``offloader`` (the host copy holds the forward's value, whatever happened to the tensor since)."""
     env: dict[int, torch.Tensor] = {}
     for vid, (t, version) in cut.kept.items():
         if t._version != version:
@@ -80,6 +84,10 @@ def replay(cut: Slice, execute: Executor = eager_steps) -> dict[int, torch.Tenso
                 )
             )
         env[vid] = t
+    if cut.moved:
+        assert offloader is not None, "moved values come from the tape's offloader"
+        for vid, parcel in cut.moved.items():
+            env[vid] = offloader.back(parcel)
     outer = aten.capture(cut.rng_sources)
     try:
         with torch.no_grad(), torch._C._DisableAutocast():

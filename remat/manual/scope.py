@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.aten import describe
+from remat.host.offloader import Offloader, Parcel
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error
@@ -79,15 +80,20 @@ class TapedRegion:
         # graph task -> value id -> (recomputed tensor, unpacks left)
         self.cache: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.lock = threading.Lock()
+        self.offloader: Offloader | None = tape.offloader
 
-    def pack(self, t: torch.Tensor) -> _Kept | _Handle:
+    def pack(self, t: torch.Tensor) -> _Kept | _Handle | Parcel:
         tape = self.tape
         assert tape is not None, "pack hooks only run while the region records"
         vid = tape.lookup(t)
         if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
             return _Kept(t, t._version)
+        if vid in tape.moved:
+            return tape.moved[vid]
         group = tape.group[vid]
         writer = tape.writers.get(group)
+        if writer is None and group in tape.moved and tape.offloader is not None:
+            return tape.offloader.out(t)  # a view of an offloaded tensor: its storage moves too
         if writer is None and (group in tape.kept or tape.producer[group] == EXTERNAL):
             # a view of a kept or outside tensor that nothing wrote since: its memory is kept anyway
             return _Kept(t, t._version)
@@ -104,18 +110,20 @@ class TapedRegion:
         if tape is not None and self.handles:
             self.plan = tape.slice(self.handles, self.writers_needed)
             self.writers = tape.writers
+        if tape is not None:
+            self.offloader = tape.offloader
 
-    def unpack(self, packed: _Kept | _Handle) -> torch.Tensor:
+    def unpack(self, packed: _Kept | _Handle | Parcel) -> torch.Tensor:
+        if isinstance(packed, Parcel):
+            if packed.written():
+                raise _written(describe(packed.dtype, packed.size), "")
+            assert self.offloader is not None, "a parcel comes from the region's offloader"
+            return self.offloader.back(packed)
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
-                raise RecomputationError(
-                    message(
-                        "scope",
-                        "a tensor saved for backward was modified in place after it was saved",
-                        f"{describe(packed.tensor.dtype, packed.tensor.shape)} at version "
-                        f"{packed.tensor._version}, saved at version {packed.version}",
-                        "clone it before modifying it, or use the out-of-place op",
-                    )
+                raise _written(
+                    describe(packed.tensor.dtype, packed.tensor.shape),
+                    f" at version {packed.tensor._version}, saved at version {packed.version}",
                 )
             return packed.tensor
         if self.writers.get(packed.group) != packed.writer:
@@ -157,7 +165,9 @@ class TapedRegion:
         with self.lock:
             results = self.cache.get(graph_task) if graph_task >= 0 else None
             if results is None:
-                results = {v: (t, self.handles[v]) for v, t in replay(plan, self.execute).items()}
+                results = {
+                    v: (t, self.handles[v]) for v, t in replay(plan, self.execute, self.offloader).items()
+                }
                 if graph_task >= 0:
                     self.cache[graph_task] = results
                     # a weak reference: the callback runs when the whole backward ends, and holding
@@ -167,7 +177,7 @@ class TapedRegion:
                     )
             entry = results.get(vid)
             if entry is None:  # already handed out in this backward: a tensor unpacked twice
-                return replay(plan, self.execute)[vid]
+                return replay(plan, self.execute, self.offloader)[vid]
             tensor, left = entry
             if left == 1:
                 del results[vid]
@@ -178,6 +188,17 @@ class TapedRegion:
     def forget(self, graph_task: int) -> None:
         with self.lock:
             self.cache.pop(graph_task, None)
+
+
+def _written(what: str, versions: str) -> RecomputationError:
+    return RecomputationError(
+        message(
+            "scope",
+            "a tensor saved for backward was modified in place after it was saved",
+            f"{what}{versions}",
+            "clone it before modifying it, or use the out-of-place op",
+        )
+    )
 
 
 def _forget(region: weakref.ref[TapedRegion], graph_task: int) -> None:
@@ -191,11 +212,15 @@ def _recording() -> bool:
 
 
 @contextlib.contextmanager
-def scope(policy: Policy | None = None, *, replay: ReplayMode = "eager") -> Iterator[None]:
+def scope(
+    policy: Policy | None = None, *, replay: ReplayMode = "eager", offloader: Offloader | None = None
+) -> Iterator[None]:
     """Recompute in backward what the block saves for backward, instead of keeping it.
 
     ``policy`` (default ``RecomputeAll()``) is asked once per op whether to keep its outputs
-    (``Decision.SAVE``) or to drop them and recompute them from the region's inputs. The block's
+    (``Decision.SAVE``), to move them to host memory through ``offloader`` until backward needs them
+    (``Decision.OFFLOAD``; a default ``remat.Offloader`` if None) or to drop them and recompute them
+    from the region's inputs. The block's
     inputs and parameters are kept; everything the block computes is replayed at most once per
     backward, just before the first backward op that needs it.
 
@@ -219,7 +244,16 @@ def scope(policy: Policy | None = None, *, replay: ReplayMode = "eager") -> Iter
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _recording():
         yield
         return
-    tape = Tape(RecomputeAll() if policy is None else policy)
+    if offloader is not None and not isinstance(offloader, Offloader):
+        raise RematTypeError(
+            message(
+                "scope",
+                "offloader must be a remat.Offloader",
+                f"got {type(offloader).__name__}",
+                "pass remat.Offloader(link=..., prefetch=...) or leave it out",
+            )
+        )
+    tape = Tape(RecomputeAll() if policy is None else policy, offloader)
     region = TapedRegion(tape, execute)
     try:
         with Recorder(tape), torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):

@@ -14,17 +14,25 @@ again instead of handing back the written value (NOTE [written saved outputs]). 
 during the forward are dropped from the cache when the forward ends; the others are kept as
 aliases made then, outside the mode, because only those share the output's version counter (an
 alias made inside a dispatch mode, below autograd, gets a counter of its own).
+
+An output the policy decides OFFLOAD is kept the same way, but when the forward ends its tensors
+move to host memory (``remat.host.Offloader.out``) and the cache holds parcels; the recomputation
+brings them back (``Offloader.back``) where it would have handed back a saved output. Outputs under
+the offloader's ``min_bytes`` stay on the device; one that cannot move is an error. They move last
+to first, so the offloader's prefetch (the reverse of the order moved out) follows the order the
+recomputation asks for them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat import aten
 from remat._errors import RecomputationError, message
+from remat.host.offloader import Offloader, Parcel
 from remat.policy import Decision, OpContext, Policy
 
 
@@ -41,13 +49,15 @@ def _cacheable(func: Any) -> bool:
 class SaveCache:
     """The outputs a policy chose to keep, in the order the forward produced them."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, offloader: Offloader | None = None) -> None:
         self.policy = policy
+        self.offloader = offloader
         self.entries: dict[int, tuple[str, Any, tuple[int, ...]]] = {}
+        self.offloaded: set[int] = set()  # positions whose outputs go to host memory at ``seal``
 
-    def wants(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+    def wants(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
         if not _cacheable(func):
-            return False
+            return Decision.RECOMPUTE
         ctx = OpContext(
             op=str(func),
             packet=str(func.overloadpacket),
@@ -57,11 +67,13 @@ class SaveCache:
             args=args,
             kwargs=kwargs,
         )
-        return self.policy.decide(ctx) is Decision.SAVE
+        return self.policy.decide(ctx)
 
-    def keep(self, position: int, func: Any, out: Any) -> None:
+    def keep(self, position: int, func: Any, out: Any, decision: Decision) -> None:
         """Hold ``out`` itself until ``seal``: an alias made here would not see later writes."""
         self.entries[position] = (str(func), out, _versions(out))
+        if decision is Decision.OFFLOAD:
+            self.offloaded.add(position)
 
     def current(self, position: int) -> tuple[str, Any] | None:
         """The saved output at ``position``, unless it was written in place since it was saved."""
@@ -71,6 +83,9 @@ class SaveCache:
         name, saved, versions = entry
         # NOTE [written saved outputs]: a version that moved means the value is no longer the op's
         # output; running the op again gives it exactly.
+        if isinstance(saved, Moved):
+            assert self.offloader is not None
+            return None if _moved_written(saved, versions) else (name, _brought_back(saved, self.offloader))
         if _versions(saved) != versions:
             return None
         return name, saved
@@ -82,14 +97,53 @@ class SaveCache:
             for position in list(self.entries):
                 if self.current(position) is None:
                     del self.entries[position]
-                else:
+                elif position not in self.offloaded:
                     name, out, versions = self.entries[position]
                     self.entries[position] = (name, _detached(out), versions)
+            moving = sorted((p for p in self.offloaded if p in self.entries), reverse=True)
+            if moving:
+                offloader = self.offloader = self.offloader or Offloader()
+                for position in moving:
+                    name, out, versions = self.entries[position]
+                    self.entries[position] = (name, _moved(out, offloader), versions)
 
 
 def _versions(out: Any) -> tuple[int, ...]:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return tuple(o._version for o in outs if isinstance(o, torch.Tensor))
+
+
+class Moved(NamedTuple):
+    """An op's output at home in host memory: per output a parcel, or the tensor itself where it is
+    under the offloader's ``min_bytes`` (or not a tensor); ``single`` if the op returned one."""
+
+    items: tuple[Any, ...]
+    single: bool
+    kind: type
+
+
+def _moved(out: Any, offloader: Offloader) -> Moved:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    items = tuple(
+        offloader.out(o)
+        if isinstance(o, torch.Tensor) and offloader.takes(o, demanded=True)
+        else _detached(o)
+        for o in outs
+    )
+    return Moved(items, not isinstance(out, (tuple, list)), type(out))
+
+
+def _moved_written(moved: Moved, versions: tuple[int, ...]) -> bool:
+    tensors = [m for m in moved.items if isinstance(m, (Parcel, torch.Tensor))]
+    return any(
+        m.written() if isinstance(m, Parcel) else m._version != v
+        for m, v in zip(tensors, versions, strict=True)
+    )
+
+
+def _brought_back(moved: Moved, offloader: Offloader) -> Any:
+    back = [offloader.back(m) if isinstance(m, Parcel) else m for m in moved.items]
+    return back[0] if moved.single else moved.kind(back)
 
 
 def _detached(out: Any) -> Any:
@@ -113,8 +167,9 @@ class Recording(TorchDispatchMode):
         out = func(*args, **kwargs)
         if aten.facts(func).metadata:  # no position: some tensors dispatch these, some do not
             return out
-        if self.cache.wants(func, args, kwargs, out):
-            self.cache.keep(self.position, func, out)
+        decision = self.cache.wants(func, args, kwargs, out)
+        if decision is not Decision.RECOMPUTE:
+            self.cache.keep(self.position, func, out, decision)
         self.position += 1
         return out
 

@@ -10,6 +10,8 @@ Value ids
     A tensor no recorded op produced is *external* (a parameter, an input of the region): the tape
     keeps it, with its version counter, and that is the region's memory cost. An internal tensor is
     known only through a weak reference: the tape keeps it alive only when the policy says SAVE.
+    When the policy says OFFLOAD, the tape moves it to host memory at once (``remat.host``) and
+    keeps the parcel: replay and backward bring it back instead of recomputing it.
 
 NOTE [aliasing]
     Values that share storage form a *group*: a view joins the group of the tensor it views (read
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat import aten
 from remat._errors import RecomputationError, message
 from remat.aten import OpFacts, RngState, describe
+from remat.host.offloader import Offloader, Parcel
 from remat.policy import Decision, OpContext, Policy
 
 EXTERNAL = -1
@@ -85,12 +88,14 @@ class Step(NamedTuple):
 @dataclass(frozen=True)
 class Slice:
     """The part of a tape that recomputes ``targets``: its steps, the kept tensors it reads (with
-    the version each had when the tape took it) and the generators whose state it sets."""
+    the version each had when the tape took it), the offloaded ones it reads (``moved``) and the
+    generators whose state it sets."""
 
     steps: tuple[Step, ...]
     kept: dict[int, tuple[torch.Tensor, int]]
     rng_sources: tuple[torch.Generator | torch.device, ...]
     targets: frozenset[int]
+    moved: dict[int, Parcel] = field(default_factory=dict)
 
 
 def stale_view_error(view: torch.Tensor) -> RecomputationError:
@@ -110,8 +115,10 @@ def stale_view_error(view: torch.Tensor) -> RecomputationError:
 class Tape:
     """The ops of one region, in the order they ran, over value ids."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, offloader: Offloader | None = None) -> None:
         self.policy = policy
+        self.offloader = offloader  # made when the policy first says OFFLOAD, if None
+        self.moved: dict[int, Parcel] = {}  # value id -> its bytes in host memory (OFFLOAD)
         self.nodes: list[Node] = []
         self.producer: list[int] = []  # value id -> index of the node that made it, or EXTERNAL
         self.group: list[int] = []  # value id -> its storage group (NOTE [aliasing])
@@ -199,6 +206,7 @@ class Tape:
         # Kept (SAVE) members of the group no longer hold the value later reads expect.
         for vid in self._saved_in_group.pop(group, ()):
             self.kept.pop(vid, None)
+            self.moved.pop(vid, None)
         self.writers[group] = node
         return Write(key, index, self._bind(t, node, group), False)
 
@@ -282,18 +290,24 @@ class Tape:
             args=args,
             kwargs=kwargs,
         )
-        if self.policy.decide(ctx) is Decision.SAVE:
-            for vid, t in owned:
+        decision = self.policy.decide(ctx)
+        if decision is Decision.OFFLOAD and self.offloader is None:
+            self.offloader = Offloader()
+        for vid, t in owned if decision is not Decision.RECOMPUTE else ():
+            offloader = self.offloader
+            if decision is Decision.OFFLOAD and offloader is not None and offloader.takes(t, demanded=True):
+                self.moved[vid] = offloader.out(t)
+            else:  # SAVE, or too small to move
                 self.kept[vid] = (t, t._version)
-                self._saved_in_group.setdefault(vid, []).append(vid)
+            self._saved_in_group.setdefault(vid, []).append(vid)
 
     def slice(self, targets: Iterable[int], also: Iterable[int]) -> Slice:
         """The steps that recompute ``targets`` (value ids) after running the nodes ``also``."""
         wanted = frozenset(targets)
-        producer, kept = self.producer, self.kept
+        producer, kept, moved = self.producer, self.kept, self.moved
         need = bytearray(len(self.nodes))
         for vid in wanted:
-            if producer[vid] >= 0 and vid not in kept:
+            if producer[vid] >= 0 and vid not in kept and vid not in moved:
                 need[producer[vid]] = 1
         for index in also:
             need[index] = 1
@@ -301,7 +315,7 @@ class Tape:
             if need[index]:
                 node = self.nodes[index]
                 for vid in node.reads:
-                    if producer[vid] >= 0 and vid not in kept:
+                    if producer[vid] >= 0 and vid not in kept and vid not in moved:
                         need[producer[vid]] = 1
                 for writer in node.after:
                     need[writer] = 1
@@ -314,7 +328,7 @@ class Tape:
                 last[vid] = s
         frees: list[list[int]] = [[] for _ in chosen]
         for vid, s in last.items():
-            if vid >= 0 and vid not in wanted and vid not in kept:
+            if vid >= 0 and vid not in wanted and vid not in kept:  # moved ones come back as copies
                 frees[s].append(vid)
         sources = {source: None for node in chosen if node.rng is not None for source in node.rng.sources}
         return Slice(
@@ -322,6 +336,7 @@ class Tape:
             kept={vid: kept[vid] for node in chosen for vid in node.reads if vid in kept},
             rng_sources=tuple(sources),
             targets=wanted,
+            moved={vid: moved[vid] for node in chosen for vid in node.reads if vid in moved},
         )
 
 

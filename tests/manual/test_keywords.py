@@ -136,17 +136,18 @@ def test_selective_policy_function() -> None:
     _assert_equal(_grads(net(x), params), _grads(out, params))
 
 
-def test_selective_offload_is_a_clear_error() -> None:
-    net, x, _ = _setup()
+def test_must_cpu_offload_moves_the_output_to_host_memory_and_back() -> None:
+    net, x, params = _setup()
 
-    def offload(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_CPU_OFFLOAD
+    def offload_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_CPU_OFFLOAD if op is torch.ops.aten.addmm.default else False
 
-    context_fn = functools.partial(create_selective_checkpoint_contexts, offload)
-    with pytest.raises(
-        remat.RematValueError, match=r"remat\.checkpoint: offload is not available yet .*MUST_CPU_OFFLOAD"
-    ):
-        remat.checkpoint(net, x, context_fn=context_fn)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, offload_matmuls)
+    offloader = remat.Offloader()
+    out = remat.checkpoint(net, x, context_fn=context_fn, offloader=offloader)
+    _assert_equal(_grads(net(x), params), _grads(out, params))
+    stats = offloader.stats()
+    assert stats.moved == 2 and stats.bytes_out == stats.bytes_back == 2 * 4 * 6 * 4
 
 
 def test_set_checkpoint_early_stop_gives_the_same_results() -> None:

@@ -1,0 +1,177 @@
+"""``remat.offload``: a block of code whose tensors saved for backward wait in host memory.
+
+Like ``torch.autograd.graph.save_on_cpu``, but selective, with prefetch and a reused host pool::
+
+    with remat.offload(min_bytes="1MiB", prefetch=2) as offloader:
+        loss = model(x).sum()
+    loss.backward()            # offloaded tensors come back just before their backward op
+    print(offloader.stats())
+
+A dispatch mode notes the storage each op of the block makes and what the policy decides for it;
+the saved-tensor pack hook then moves a saved tensor to the host pool when its storage was made
+inside the block, was decided OFFLOAD and holds at least ``min_bytes``. Everything else stays on
+the device: parameters, buffers and the block's inputs (made outside it; moving them frees
+nothing), small tensors, and tensors that cannot move (sparse, meta, subclasses) — those are an
+error only when a policy demanded OFFLOAD for them. Without a policy, every tensor made inside the
+block is a candidate; with one, only OFFLOAD decisions are (SAVE and RECOMPUTE both keep: the
+block runs once, there is nothing to recompute from; use ``remat.checkpoint`` or ``remat.scope``
+with the same policy for that).
+
+A saved tensor written in place after the block saved it is refused at backward, as autograd
+refuses it without hooks (hooks turn autograd's own check off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Hashable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat import aten
+from remat._errors import RecomputationError, RematTypeError, message
+from remat.aten import describe
+from remat.host.link import Link
+from remat.host.offloader import Offloader, Parcel, unmovable
+from remat.policy import Decision, OpContext, Policy
+
+__all__ = ["offload"]
+
+
+class Kept(NamedTuple):
+    """A saved tensor left on the device, and its version when autograd saved it."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _owner(t: torch.Tensor) -> tuple[Hashable, Any]:
+    """What holds ``t``'s memory, as a key and the object to compare with it: its storage for a
+    dense tensor, the tensor itself for anything else (sparse, meta, a subclass)."""
+    if unmovable(t) is None:
+        storage = t.untyped_storage()
+        return (t.device, storage.data_ptr()), storage
+    return id(t), t
+
+
+class Makers(TorchDispatchMode):
+    """Notes the memory the block's ops make (NOTE: by storage, so views of it count as it), with
+    the policy's decision for each op."""
+
+    def __init__(self, policy: Policy | None) -> None:
+        super().__init__()
+        self.policy = policy
+        self.made: dict[Hashable, tuple[weakref.ref[Any], Decision]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        info = aten.facts(func)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        fresh = [
+            o
+            for i, o in enumerate(outs)
+            if isinstance(o, torch.Tensor) and (i >= len(info.fresh_returns) or info.fresh_returns[i])
+        ]
+        if not fresh:
+            return out
+        decision = Decision.OFFLOAD
+        if self.policy is not None:
+            ctx = OpContext(
+                op=info.name,
+                packet=info.packet,
+                out_bytes=sum(o.nbytes for o in fresh if o.layout is torch.strided),
+                random=info.random,
+                overload=func,
+                args=args,
+                kwargs=kwargs,
+            )
+            decision = self.policy.decide(ctx)
+        for o in fresh:
+            key, owner = _owner(o)
+            self.made[key] = (weakref.ref(owner), decision)
+        return out
+
+    def decision(self, t: torch.Tensor) -> Decision | None:
+        """What the policy decided for the op that made ``t``'s memory; None if made outside."""
+        key, owner = _owner(t)
+        entry = self.made.get(key)
+        if entry is None or entry[0]() is not owner:
+            return None
+        return entry[1]
+
+
+class OffloadRegion:
+    """The pack and unpack hooks of one ``with remat.offload()`` block."""
+
+    def __init__(self, makers: Makers, offloader: Offloader, demanded: bool) -> None:
+        self.makers = makers
+        self.offloader = offloader
+        self.demanded = demanded
+
+    def pack(self, t: torch.Tensor) -> Kept | Parcel:
+        if self.makers.decision(t) is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
+            return Kept(t, t._version)
+        return self.offloader.out(t)
+
+    def unpack(self, packed: Kept | Parcel) -> torch.Tensor:
+        if isinstance(packed, Kept):
+            if packed.tensor._version != packed.version:
+                raise _written(describe(packed.tensor.dtype, packed.tensor.shape))
+            return packed.tensor
+        if packed.written():
+            raise _written(describe(packed.dtype, packed.size))
+        return self.offloader.back(packed)
+
+
+def _written(what: str) -> RecomputationError:
+    return RecomputationError(
+        message(
+            "offload",
+            "a tensor saved for backward was modified in place after it was saved",
+            what,
+            "clone it before modifying it, or use the out-of-place op",
+        )
+    )
+
+
+@contextlib.contextmanager
+def offload(
+    policy: Policy | None = None,
+    *,
+    min_bytes: int | str = 0,
+    prefetch: int = 2,
+    link: Link | None = None,
+    host_budget: int | str | None = None,
+) -> Iterator[Offloader]:
+    """Move what the block saves for backward to host memory; bring it back in backward.
+
+    ``policy``: which ops' outputs to move (``Decision.OFFLOAD``, e.g. ``remat.policy.OffloadLarger``);
+    None moves every tensor the block makes. ``min_bytes``: smaller tensors stay. ``prefetch``:
+    tensors brought back ahead, in backward order. ``link``: the link model that charges time on CPU.
+    ``host_budget``: the bytes host memory may hold; offloading past it raises
+    ``RematRuntimeError`` (NOTE [host budget] in ``remat.host.pool``). Yields the ``Offloader``
+    (``.stats()``), which ``remat.checkpoint`` and ``remat.scope`` also take as ``offloader=``.
+    With grad disabled or in inference mode the block runs as is.
+    """
+    if policy is not None and not isinstance(policy, Policy):
+        raise RematTypeError(
+            message(
+                "offload",
+                "policy must have a decide(ctx) -> Decision method",
+                f"got {type(policy).__name__}",
+                "pass a remat.policy object such as OffloadLarger('1MiB'), or None",
+            )
+        )
+    offloader = Offloader(link=link, prefetch=prefetch, host_budget=host_budget, min_bytes=min_bytes)
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        yield offloader
+        return
+    makers = Makers(policy)
+    region = OffloadRegion(makers, offloader, demanded=policy is not None)
+    hooks: Any = torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
+    with makers, hooks:
+        yield offloader

@@ -1,0 +1,245 @@
+"""The mechanism under every form: the host pool, ``Offloader.out``/``back``, the policies that
+decide OFFLOAD, and the errors (a bad link, a host budget too small, a tensor that cannot move)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.host import HostPool, Offloader, unmovable
+from remat.policy import Decision, OpContext
+
+TENSORS = {
+    "contiguous": lambda: torch.randn(8, 16),
+    "strided view": lambda: torch.randn(8, 16)[2:, ::3],
+    "transposed": lambda: torch.randn(8, 16).t(),
+    "bfloat16": lambda: torch.randn(5, 7).to(torch.bfloat16),
+    "int64": lambda: torch.arange(40).view(5, 8),
+    "bool": lambda: torch.rand(33) > 0.5,
+    "complex": lambda: torch.randn(6, dtype=torch.complex64),
+}
+
+
+@pytest.mark.parametrize("make", TENSORS.values(), ids=TENSORS.keys())
+def test_a_tensor_comes_back_bit_for_bit_with_its_strides(make: functools.partial[torch.Tensor]) -> None:
+    t = make()
+    offloader = Offloader(prefetch=0)
+    parcel = offloader.out(t)
+    back = offloader.back(parcel)
+    assert back.dtype == t.dtype and back.shape == t.shape and back.stride() == t.stride()
+    assert back.storage_offset() == t.storage_offset()
+    assert torch.equal(back, t)
+    assert back.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_the_link_model_charges_each_copy_and_the_same_tensor_moves_once() -> None:
+    link = remat.Link(d2h="1GB/s", h2d="2GB/s", latency="1ms")
+    offloader = Offloader(link=link, prefetch=0)
+    t = torch.randn(1000)
+    first, again = offloader.out(t), offloader.out(t)
+    assert first is again and first.uses == 2
+    offloader.back(first)
+    offloader.back(first)  # the second use takes the copy the first brought back
+    stats = offloader.stats()
+    assert (stats.moved, stats.bytes_out, stats.bytes_back) == (1, 4000, 4000)
+    assert stats.d2h_seconds == pytest.approx(link.d2h_seconds(4000))
+    assert stats.h2d_seconds == pytest.approx(link.h2d_seconds(4000))
+    assert "offloaded 1 tensors" in str(stats)
+
+
+def test_prefetch_brings_back_the_next_parcels_in_backward_order() -> None:
+    offloader = Offloader(prefetch=2)
+    tensors = [torch.full((100,), float(i)) for i in range(5)]
+    parcels = [offloader.out(t) for t in tensors]
+    for parcel, t in zip(reversed(parcels), reversed(tensors), strict=True):
+        assert torch.equal(offloader.back(parcel), t)
+    stats = offloader.stats()
+    assert stats.prefetched == 4 and stats.bytes_back == stats.bytes_out
+
+
+def test_a_written_tensor_is_known_and_a_freed_parcel_returns_its_buffer() -> None:
+    offloader = Offloader()
+    t = torch.randn(256)
+    parcel = offloader.out(t)
+    assert not parcel.written()
+    t.add_(1)
+    assert parcel.written()
+    assert offloader.pool.used_bytes == 1024
+    del parcel
+    assert offloader.pool.used_bytes == 0 and offloader.pool.cached_bytes == 1024
+
+
+def test_the_host_pool_reuses_buffers_by_size_and_torch_does_not_count_them() -> None:
+    pool = HostPool()
+    with remat.memory.track(allocator=True) as m:
+        first = pool.take(1 << 20)
+    assert m.peak_bytes == 0  # numpy's memory, out of the device's count
+    pool.give(first, pinned=False)
+    again = pool.take(1 << 20)
+    assert again.data_ptr() == first.data_ptr()
+    assert pool.take(1 << 10).data_ptr() != first.data_ptr()
+    assert pool.peak_bytes == (1 << 20) + (1 << 10)
+
+
+def test_a_host_budget_releases_cached_buffers_first_then_refuses() -> None:
+    pool = HostPool(budget=3000)
+    pool.give(pool.take(2000), pinned=False)
+    assert pool.cached_bytes == 2000
+    pool.take(1500)  # the cached 2000 go to make room
+    assert pool.held_bytes == 1500
+    with pytest.raises(
+        remat.RematRuntimeError, match=r"remat\.offload: the host budget is too small .*2\.00 KiB asked"
+    ):
+        pool.take(2048)
+
+
+def test_a_host_budget_too_small_for_a_region_is_a_clear_error() -> None:
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+    with (
+        pytest.raises(
+            remat.RematRuntimeError, match=r"remat\.offload: the host budget is too small .*host_budget"
+        ),
+        remat.offload(host_budget="16KiB"),
+    ):
+        net(torch.randn(32, 64))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"link": "25GB/s"},
+            remat.RematTypeError,
+            r"remat\.offload: link must be a remat\.Link \(got '25GB/s'\)",
+        ),
+        ({"link": remat.Link}, remat.RematTypeError, r"remat\.offload: link must be a remat\.Link"),
+        (
+            {"prefetch": -1},
+            remat.RematValueError,
+            r"remat\.offload: prefetch must be a whole number .*got -1",
+        ),
+        ({"host_budget": "lots"}, remat.RematValueError, r"remat\.offload: "),
+        ({"min_bytes": 1.5}, remat.RematTypeError, r"remat\.offload: "),
+    ],
+)
+def test_bad_settings_are_clear_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match), remat.offload(**kwargs):  # type: ignore[arg-type]
+        pass
+
+
+def test_a_bad_link_rate_is_a_clear_error() -> None:
+    with pytest.raises(remat.RematValueError, match=r"remat\.Link: cannot parse this rate \(got 'fast'\)"):
+        remat.offload(link=remat.Link(d2h="fast"))
+
+
+def test_offload_demanded_of_a_tensor_that_cannot_move_is_a_clear_error() -> None:
+    x = torch.randn(4, 4, device="meta", requires_grad=True)
+    with (
+        pytest.raises(
+            remat.RematValueError, match=r"remat\.offload: this tensor cannot be moved .*a tensor on meta"
+        ),
+        remat.offload(remat.OffloadLarger(0)),
+    ):
+        (x * 2).tanh()
+    d, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    with (
+        pytest.raises(remat.RematValueError, match=r"cannot be moved .*a torch\.sparse_coo tensor"),
+        remat.offload(remat.OffloadOps(frozenset({"aten._to_sparse"}))),
+    ):
+        torch.sparse.mm((d * 2).to_sparse(), w)
+    with pytest.raises(remat.RematValueError, match=r"cannot be moved .*a tensor on meta"):
+        remat.checkpoint(lambda a: (a * 2).tanh(), x, policy=remat.OffloadLarger(0))
+    with (
+        pytest.raises(remat.RematValueError, match=r"cannot be moved .*a tensor on meta"),
+        remat.scope(remat.OffloadLarger(0)),
+    ):
+        (x * 2).tanh()
+
+
+def test_without_a_policy_a_tensor_that_cannot_move_stays() -> None:
+    x = torch.randn(4, 4, device="meta", requires_grad=True)
+    with remat.offload() as offloader:
+        (x * 2).tanh()
+    assert offloader.stats().moved == 0
+    assert unmovable(x) == "a tensor on meta"
+
+
+def test_a_saved_tensor_written_after_the_region_is_refused_in_backward() -> None:
+    x = torch.randn(64, requires_grad=True)
+    with remat.offload():
+        h = x * 2
+        y = h.tanh()  # saves its output
+    y.mul_(2)
+    with pytest.raises(
+        remat.RecomputationError, match=r"remat\.offload: a tensor saved for backward was modified"
+    ):
+        y.sum().backward()
+
+
+def test_the_manual_forms_refuse_an_offloader_of_another_type() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(
+        remat.RematTypeError, match=r"remat\.checkpoint: offloader must be a remat\.Offloader"
+    ):
+        remat.checkpoint(torch.tanh, x, offloader="cpu")  # type: ignore[call-overload]
+    with (
+        pytest.raises(remat.RematTypeError, match=r"remat\.scope: offloader must be a remat\.Offloader"),
+        remat.scope(offloader="cpu"),
+    ):  # type: ignore[arg-type]
+        pass
+
+
+def test_the_offload_policies_decide_per_op() -> None:
+    mm = OpContext(op="aten.mm.default", packet="aten.mm", out_bytes=4096)
+    gelu = OpContext(op="aten.gelu.default", packet="aten.gelu", out_bytes=64)
+    assert remat.OffloadComputeIntensive().decide(mm) is Decision.OFFLOAD
+    assert remat.OffloadComputeIntensive().decide(gelu) is Decision.RECOMPUTE
+    assert remat.OffloadOps(frozenset({"aten.gelu"})).decide(gelu) is Decision.OFFLOAD
+    assert remat.OffloadOps(frozenset({"aten.gelu"})).decide(mm) is Decision.RECOMPUTE
+    larger = remat.OffloadLarger("1KiB")
+    assert (
+        larger.min_bytes == 1024
+        and larger == remat.OffloadLarger(1024)
+        and hash(larger) == hash(remat.OffloadLarger(1024))
+    )
+    assert larger.decide(mm) is Decision.OFFLOAD and larger.decide(gelu) is Decision.RECOMPUTE
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_cuda
+def test_on_cuda_a_tensor_goes_to_pinned_memory_on_a_side_stream_and_comes_back() -> None:
+    t = torch.randn(1024, 64, device="cuda")[:, ::2]
+    offloader = Offloader(prefetch=0)
+    parcel = offloader.out(t)
+    assert parcel.buffer.is_pinned() and parcel.ready is not None
+    back = offloader.back(parcel)
+    assert back.device == t.device and back.stride() == t.stride()
+    assert torch.equal(back, t)
+
+
+@needs_cuda
+def test_on_cuda_the_region_matches_plain_and_lowers_the_allocator_peak() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(6)]).cuda()
+    x = torch.randn(1024, 512, device="cuda")
+
+    def step(region: bool) -> tuple[list[torch.Tensor], int, int]:
+        net.zero_grad(set_to_none=False)
+        with remat.memory.track("cuda") as m:
+            with remat.offload(prefetch=2) if region else torch.enable_grad() as off:
+                loss = net(x).square().sum()
+            loss.backward()
+        moved = off.stats().bytes_out if region else 0
+        return [p.grad.clone() for p in net.parameters()], m.peak_bytes, moved
+
+    step(False)  # gradients allocated once
+    plain, plain_peak, _ = step(False)
+    grads, peak, moved = step(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
+    assert moved > 0 and peak < plain_peak
