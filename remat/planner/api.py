@@ -24,7 +24,7 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
-from remat.offload.link import Link
+from remat.host.link import Link
 from remat.planner.lowering import chain_from_trace, dag_from_trace, stage_key
 from remat.planner.offload_model import OffloadProblem, offload_problem
 from remat.planner.offload_search import OffloadCandidate, check_host, mark, offload_arguments, offload_search

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from remat._errors import RematValueError, message
-from remat.offload.link import Link
+from remat.host.link import Link
 from remat.planner.lowering import chain_from_trace, stage_key
 from remat.planner.single_level import chain_segments
 from remat.planner.types import Chain, Solution, SolverDecision

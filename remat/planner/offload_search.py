@@ -19,7 +19,7 @@ from typing import Any
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import parse_bytes
-from remat.offload.link import Link
+from remat.host.link import Link
 from remat.planner.offload_model import OffloadProblem, OffloadSchedule, OffloadSolution, evaluate
 from remat.planner.predict import predict
 from remat.planner.regions import TensorDecision

@@ -26,7 +26,7 @@ from torch import nn
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
 from remat.manual.fused import ReplayMode
-from remat.offload.link import Link
+from remat.host.link import Link
 from remat.planner.execute import apply
 from remat.planner.explain import render
 from remat.planner.regions import Region, TensorDecision
