@@ -25,10 +25,11 @@ from torch import nn
 
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
-from remat.manual.fused import ReplayMode
 from remat.host.link import Link
+from remat.manual.fused import ReplayMode
 from remat.planner.execute import apply
 from remat.planner.explain import render
+from remat.planner.offload_execute import apply_offload
 from remat.planner.regions import Region, TensorDecision
 from remat.policy import Decision
 
@@ -130,17 +131,11 @@ class Plan:
         ``torch.compile``d graphs, fused (see ``remat.scope``), compiled in the first backward. The
         predicted overhead stays that of eager replay, an upper bound of what fusion costs.
 
-        A plan with OFFLOAD decisions is refused: the executor does not move tensors yet."""
-        moved = sum(t.action is Decision.OFFLOAD for t in self.tensors)
+        OFFLOAD decisions run through ``remat.host``: the saved outputs of the planned ops wait in
+        host memory and come back when backward needs them (``remat.planner.offload_execute``)."""
+        moved = frozenset(t.op for t in self.tensors if t.action is Decision.OFFLOAD)
         if moved:
-            raise RematValueError(
-                message(
-                    "plan.apply",
-                    "the executor does not run OFFLOAD decisions yet",
-                    f"{moved} saved tensors planned to go to the host",
-                    "plan without link= to run a recomputation-only plan",
-                )
-            )
+            return apply_offload(self.regions, self.ops, self.modules, model, replay, moved, self.link)
         return apply(self.regions, self.ops, self.modules, model, replay)
 
     # -- storing it ---------------------------------------------------------------------------
