@@ -2,11 +2,14 @@
 
     remat plan --model gpt2 --tiny --budget 0.6 --save plan.json
     remat plan --model gpt2 --tiny --pareto --out pareto.png --json pareto.json
+    remat plan --model gpt2 --tiny --budget 0.4 --link 25GB/s --pareto --out pareto.png
 
 ``--pareto`` plans the step at every ratio in ``--ratios`` with every solver in ``--solvers`` and runs
 each plan: the peak of the step's memory is measured with ``remat.memory.track(allocator=True)``, the
 overhead as the median over ``--repeats`` rounds of the step's time ÷ the plain step's, timed
 interleaved in the same process. The plot shows predicted and measured peak against overhead.
+``--link RATE`` lets plans offload saved tensors over a link of that rate each way (``remat.Link``);
+with ``--pareto`` the three-way plans are one more series, ``auto+offload`` (triangles).
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
+    parser.add_argument(
+        "--link", type=_link, help="offload too, over a link of this rate each way ('25GB/s')"
+    )
+    parser.add_argument(
+        "--host-budget", help="with --link: bytes the host may hold ('8GB'; default no limit)"
+    )
     parser.add_argument("--pareto", action="store_true", help="sweep --ratios x --solvers and measure each")
     parser.add_argument(
         "--ratios",
@@ -69,6 +78,15 @@ def _budget(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _link(text: str) -> Any:
+    from remat.host.link import Link
+
+    try:
+        return Link(d2h=text, h2d=text)
+    except RematError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _ratios(text: str) -> list[float]:
     return ratio_range(text, "plan")
 
@@ -89,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
     trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
-        plan = plan_trace(trace, args.budget, solver=args.solver)
+        plan = plan_trace(
+            trace, args.budget, solver=args.solver, link=args.link, host_budget=args.host_budget
+        )
         plan.explain()
         if args.save:
             plan.save(args.save)
@@ -134,12 +154,14 @@ def sweep(
     screen = console()
     plain = _measure(model, inputs, loss_fn, None)
     points: list[dict[str, Any]] = []
-    for solver in args.solvers:
+    series = [(solver, solver, None) for solver in args.solvers]
+    series += [("auto+offload", "auto", args.link)] if args.link is not None else []
+    for name, solver, link in series:
         for ratio in args.ratios:
             try:
-                plan = plan_trace(trace, ratio, solver=solver)
+                plan = plan_trace(trace, ratio, solver=solver, link=link, host_budget=args.host_budget)
             except RematError as err:
-                screen.print(f"{solver} at {ratio}: {err}")
+                screen.print(f"{name} at {ratio}: {err}")
                 continue
             peak = _measure(model, inputs, loss_fn, plan)
             rounds = [
@@ -147,7 +169,7 @@ def sweep(
                 for _ in range(args.repeats)
             ]
             point = {
-                "solver": solver,
+                "solver": name,
                 "ratio": ratio,
                 "budget": plan.budget_bytes,
                 "predicted_peak": plan.predicted_peak_bytes,
@@ -156,6 +178,8 @@ def sweep(
                 "predicted_overhead": plan.predicted_overhead,
                 "measured_overhead": statistics.median(rounds),
                 "solve_seconds": plan.solve_seconds,
+                "offloaded_bytes": plan.offloaded_bytes,
+                "predicted_stall": plan.predicted_stall,
             }
             screen.print(point)
             points.append(point)
@@ -172,17 +196,18 @@ def plot(points: list[dict[str, Any]], model: str, path: str) -> None:
     for k, solver in enumerate(dict.fromkeys(p["solver"] for p in points)):
         mine = sorted((p for p in points if p["solver"] == solver), key=lambda p: p["predicted_peak"])
         colour = f"C{k}"
+        marker = "^" if solver == "auto+offload" else "o"  # three-way plans (--link)
         ax.plot(
             [p["predicted_peak"] / 2**20 for p in mine],
             [p["predicted_overhead"] for p in mine],
-            "o--",
+            f"{marker}--",
             color=colour,
             label=f"{solver} predicted",
         )
         ax.plot(
             [p["measured_peak"] / 2**20 for p in mine],
             [p["measured_overhead"] for p in mine],
-            "s-",
+            "^-" if marker == "^" else "s-",
             color=colour,
             label=f"{solver} measured",
         )

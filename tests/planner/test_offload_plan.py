@@ -5,15 +5,17 @@ table), and refuse clearly what they cannot do."""
 from __future__ import annotations
 
 import io
+import json
 import sys
 from pathlib import Path
 
 import pytest
 from models import assert_same, build, train, twin
-from plans import SCALARS, _measured_peak, _traced
+from plans import SCALARS, _measured_peak, _traced, trace_with_fixed_costs
 
 import remat
 from remat import Plan, RematTypeError, RematValueError
+from remat.cli import main
 from remat.planner import plan_trace
 from remat.policy import Decision
 
@@ -105,3 +107,23 @@ def test_bad_offload_arguments_are_refused() -> None:
     with pytest.raises(RematTypeError, match="byte count"):
         plan_trace(trace, base, link=FAST, host_budget=0.5)  # type: ignore[arg-type]
     assert "offload_milp" in sys.modules["remat.planner.solvers"].names()
+
+
+def test_the_cli_sweeps_three_way_plans_beside_recomputation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace_with_fixed_costs(monkeypatch)
+    args = ["plan", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "16"]
+    data, png = tmp_path / "p.json", tmp_path / "p.png"
+    sweep = ["--pareto", "--ratios", "0.8", "--solvers", "chain", "--repeats", "1", "--link", "25GB/s"]
+    assert main([*args, *sweep, "--json", str(data), "--out", str(png)]) == 0
+    points = json.loads(data.read_text())["points"]
+    assert {p["solver"] for p in points} == {"chain", "auto+offload"}
+    three = next(p for p in points if p["solver"] == "auto+offload")
+    alone = next(p for p in points if p["solver"] == "chain")
+    assert three["predicted_overhead"] <= alone["predicted_overhead"]
+    assert three["measured_peak"] <= three["predicted_peak"] + SCALARS
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        main([*args, "--link", "fast"])
+    assert "cannot parse this rate" in capsys.readouterr().err

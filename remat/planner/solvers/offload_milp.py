@@ -18,7 +18,7 @@ continuous stalls z_s >= 0. Rows:
   and inside it 1 - r_k (a recomputable item) - sum_{s'<s} w[i,s'] + sum_{s'<=s} v[i,s'];
 - host: sum_i m_i sum_s w[i,s] <= host_budget.
 Objective: sum_k f_k r_k + sum_s z_s, the step's time above its plain compute (plus a trifle per
-byte moved, so that of equally fast plans the one moving least wins).
+move, ``_TRIFLE`` of its link time, so that of equally fast plans the one moving least wins).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ from remat.planner.offload_model import (
 from remat.planner.solvers.registry import register
 
 __all__ = ["solve"]
+
+# what a move costs in the objective, as a share of its link time: so that of plans of equal time
+# the one moving least wins (the optimum is the model's up to this share of the link time moved)
+_TRIFLE = 1e-3
 
 
 class _Program:
@@ -57,7 +61,7 @@ class _Program:
         for i, it in enumerate(problem.items):
             if it.movable:
                 for s in range(it.stage + 1, it.need - 1):
-                    self.w[i, s] = self.column(1e-9 * it.nbytes / max(budget, 1))
+                    self.w[i, s] = self.column(_TRIFLE * problem.link.d2h_seconds(it.nbytes) / scale)
                 for s in range(it.stage + 2, it.need):
                     self.v[i, s] = self.column()
         self.z = [self.column(1.0 / scale, integer=False, upper=np.inf) for _ in range(steps)]
