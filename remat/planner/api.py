@@ -174,7 +174,9 @@ def plan_trace(
         tried += search(step, solver, dag, budget_bytes, baseline, options)
     if link is not None:
         problem = offload_problem(trace, link, host_budget=host, key=block_key)
-        tried += offload_search(step, problem, budget_bytes, baseline, solver, options if three_way else {})
+        tried += offload_search(
+            step, problem, budget_bytes, baseline, solver, options if three_way else {}, tried
+        )
     seconds = time.perf_counter() - start
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
     if not fits and link is not None:

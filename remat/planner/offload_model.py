@@ -78,11 +78,13 @@ class Item:
     readers: frozenset[int] = frozenset()
     recomputable: bool = False
     ops: tuple[int, ...] = ()
+    pinned: bool = False
 
     @property
     def movable(self) -> bool:
-        """A copy out (after the step that made it) and back (before ``need``) fit in between."""
-        return self.need - self.stage >= 3
+        """Not ``pinned`` (a recomputed region's replay reads it), and a copy out (after the step
+        that made it) and back (before ``need``) fit in between."""
+        return not self.pinned and self.need - self.stage >= 3
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
         if not 0 <= m.item < len(problem.items) or m.item in moved:
             raise _invalid("a move names each item once", m)
         item = problem.items[m.item]
-        if not item.stage < m.out < m.back < item.need:
+        if not item.movable or not item.stage < m.out < m.back < item.need:
             raise _invalid("an item goes out after the step that made it and back before its need", m)
         if item.stage in schedule.recompute and item.recomputable or item.readers & schedule.recompute:
             raise _invalid("an item that a recomputed stage drops or reads stays on the device", m)

@@ -14,6 +14,8 @@ recompute-only ones, so the plan picked is never predicted slower than recomputa
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +30,14 @@ from remat.planner.single_level import chain_segments
 from remat.planner.solvers import get
 from remat.policy import Decision
 
-__all__ = ["OffloadCandidate", "check_host", "mark", "offload_arguments", "offload_search"]
+__all__ = ["OffloadCandidate", "check_host", "mark", "offload_arguments", "offload_search", "on_top"]
 
 _ATTEMPTS = 6
 # ``solver="auto"`` tries the three-way MILP up to this many binaries (about 1 s of HiGHS on a tiny GPT-2's
 # 53 saved tensors in 46 steps, 4,000 binaries)
 _MILP_COLUMNS = 8000
 _AUTO_TIME_LIMIT = 5.0  # seconds per MILP solve when ``solver="auto"`` tries it
+_ON_TOP = 4  # recompute-only plans ``solver="auto"`` adds offload to (``on_top``)
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,16 @@ def offload_arguments(solver: str, three_way: bool, link: object, host_budget: o
     return None if host_budget is None else parse_bytes(host_budget, api="plan")
 
 
-def checked(step: Step, problem: OffloadProblem, solution: OffloadSolution) -> OffloadCandidate:
-    """A three-way answer as regions and moves of the step, with the step's predicted figures."""
+def checked(
+    step: Step, problem: OffloadProblem, solution: OffloadSolution, base: Candidate | None = None
+) -> OffloadCandidate:
+    """A three-way answer as regions and moves of the step, with the step's predicted figures;
+    on top of the regions of ``base`` when given (``on_top``)."""
     trace, chain, schedule = step.trace, problem.chain, solution.offload
     segments = [(k, k + 1) for k in sorted(schedule.recompute)]
     regions = chain_regions(step, chain, chain_segments(chain, segments))
+    if base is not None:
+        regions = base.regions + regions
     first_read: dict[int, int] = {}
     for t, ops in trace.saved_reads().items():
         if ops:
@@ -94,10 +102,11 @@ def checked(step: Step, problem: OffloadProblem, solution: OffloadSolution) -> O
     cost = solution.cost
     assert cost is not None
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
+    notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
     return OffloadCandidate(
         solution.solver,
         solution.gap,
-        solution.notes,
+        notes,
         regions,
         pred,
         tuple(moved),
@@ -108,11 +117,18 @@ def checked(step: Step, problem: OffloadProblem, solution: OffloadSolution) -> O
 
 
 def offload_search(
-    step: Step, problem: OffloadProblem, budget: int, baseline: int, solver: str, options: dict[str, Any]
+    step: Step,
+    problem: OffloadProblem,
+    budget: int,
+    baseline: int,
+    solver: str,
+    options: dict[str, Any],
+    recomputing: Sequence[Candidate] = (),
 ) -> list[Candidate]:
     """The three-way plans of ``solver`` (for ``"auto"``: the greedy rule, and the MILP up to
-    ``_MILP_COLUMNS`` binaries), each solver's budget lowered by what the step's peak was over
-    ``budget`` until one fits (see the module doc)."""
+    ``_MILP_COLUMNS`` binaries, then ``on_top`` of the recompute-only plans ``recomputing``), each
+    solver's budget lowered by what the step's peak was over ``budget`` until one fits (see the
+    module doc)."""
     if solver == "auto":
         size = sum(2 * (it.need - it.stage) for it in problem.items if it.movable)
         solvers = ["offload_greedy"] + (["offload_milp"] if size <= _MILP_COLUMNS else [])
@@ -133,6 +149,48 @@ def offload_search(
                 break
             assert isinstance(solution, OffloadSolution)
             out.append(checked(step, problem, solution))
+            if out[-1].pred.peak_bytes <= budget:
+                break
+            target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
+    if solver == "auto":
+        out += on_top(step, problem, budget, recomputing)
+    return out
+
+
+def on_top(
+    step: Step, problem: OffloadProblem, budget: int, recomputing: Sequence[Candidate]
+) -> list[Candidate]:
+    """Offload added to recompute-only plans cheaper than any that fits (up to ``_ON_TOP`` of
+    them, spread over their overheads): what they recompute leaves the problem, what their replays
+    read stays on the device (``Item.pinned``), and the greedy rule offloads, without recomputing,
+    until the step fits. So multi-stage regions (a chain DP's, plain checkpointing's), which the
+    three-way solvers' single-stage recomputation cannot make, meet offload too. The stalls are
+    reckoned without the replays' compute to hide behind (an upper bound)."""
+    trace = step.trace
+    fitting = [c.pred.overhead for c in recomputing if c.pred.peak_bytes <= budget]
+    bar = min(fitting, default=math.inf)
+    cheaper = sorted((c for c in recomputing if c.pred.overhead < bar), key=lambda c: c.pred.overhead)
+    picks = cheaper[:: max(1, math.ceil(len(cheaper) / _ON_TOP))]
+    out: list[Candidate] = []
+    for base in picks:
+        dropped = set().union(*base.pred.recomputed)
+        read = {trace.root(t) for _, ops in base.regions for i in ops.ops for t in trace.ops[i].inputs}
+        items = tuple(
+            dataclasses.replace(it, pinned=it.pinned or it.root in read)
+            for it in problem.items
+            if it.root not in dropped
+        )
+        sub = dataclasses.replace(problem, items=items)
+        target = budget - (base.pred.peak_bytes - evaluate(sub, OffloadSchedule()).peak_bytes)
+        for _ in range(_ATTEMPTS):
+            if target <= 0:
+                break
+            try:
+                solution = get("offload_greedy").solve(sub, target, recompute=False)
+            except RematValueError:
+                break
+            assert isinstance(solution, OffloadSolution)
+            out.append(checked(step, sub, solution, base))
             if out[-1].pred.peak_bytes <= budget:
                 break
             target -= max(out[-1].pred.peak_bytes - budget, budget // 100)

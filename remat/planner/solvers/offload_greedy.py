@@ -124,8 +124,9 @@ class _State:
     "fast three-way baseline: offload or recompute the cheapest seconds per byte at the peak",
     (OffloadProblem,),
 )
-def solve(problem: OffloadProblem, budget_bytes: int) -> OffloadSolution:
-    """A three-way plan by the greedy rule of the module doc; ``OffloadFailed`` when none fits."""
+def solve(problem: OffloadProblem, budget_bytes: int, *, recompute: bool = True) -> OffloadSolution:
+    """A three-way plan by the greedy rule of the module doc (offload alone without
+    ``recompute``); ``OffloadFailed`` when none fits."""
     plain = evaluate(problem, OffloadSchedule())
     steps = problem.steps
     state = _State(
@@ -145,7 +146,7 @@ def solve(problem: OffloadProblem, budget_bytes: int) -> OffloadSolution:
             found = state.move_cost(i, peak)
             if found is not None:
                 options.append((found[0], found[1], found[2]))
-        for k in range(len(problem.chain)):
+        for k in range(len(problem.chain) if recompute else 0):
             again = state.recompute_cost(k, peak)
             if again is not None:
                 options.append((again[0], again[1], k))
@@ -168,9 +169,9 @@ def solve(problem: OffloadProblem, budget_bytes: int) -> OffloadSolution:
     schedule = state.schedule()
     cost = evaluate(problem, schedule)
     for action in reversed(taken):  # undo what the plan no longer needs
-        recompute = set(schedule.recompute) - ({action} if isinstance(action, int) else set())
+        stages = set(schedule.recompute) - ({action} if isinstance(action, int) else set())
         moves = tuple(m for m in schedule.moves if m != action)
-        trial = OffloadSchedule(frozenset(recompute), moves)
+        trial = OffloadSchedule(frozenset(stages), moves)
         trial_cost = evaluate(problem, trial)
         if trial_cost.peak_bytes <= budget_bytes and trial_cost.total_cost <= cost.total_cost:
             schedule, cost = trial, trial_cost
