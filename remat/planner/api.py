@@ -173,17 +173,19 @@ def plan_trace(
         dag = dag_from_trace(trace, max_nodes=None)
         tried += search(step, solver, dag, budget_bytes, baseline, options)
     if link is not None:
+        if solver == "auto" and all(c.pred.peak_bytes > budget_bytes for c in tried):
+            tried += floor(step, chain)  # recomputation's plans near its floor compete with offload's
         problem = offload_problem(trace, link, host_budget=host, key=block_key)
         tried += offload_search(
             step, problem, budget_bytes, baseline, solver, options if three_way else {}, tried
         )
     seconds = time.perf_counter() - start
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
-    if not fits and link is not None:
-        check_host(step, problem, budget_bytes, baseline, solver, options if three_way else {})
     if not fits and solver == "auto":
         tried += floor(step, chain)
         fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
+    if not fits and link is not None:
+        check_host(step, problem, budget_bytes, baseline, solver, options if three_way else {})
     if not fits:
         known = tried + floor(step, chain) if solver != "auto" else tried
         lowest = min(known, key=lambda c: c.pred.peak_bytes).pred

@@ -3,9 +3,9 @@
 Why a heuristic beside the MILP: the MILP has a binary per saved tensor and step, too many for a
 ResNet-50's hundreds of saved tensors, while a plan is wanted in a second. Each round looks at the
 step holding the peak (NOTE [offload model]) and weighs every action that lowers it: offloading a
-saved tensor (placed in the step after its making, or the next two, and brought back in the step
-before its need, or the two before, whichever placement stalls least: the link's load per step is
-kept so a placement's added stall is known at once) or recomputing a stage. It takes the one of
+saved tensor (its copy out placed in the step before the peak where it stalls least, the earliest of
+those, its copy back after the peak likewise, the latest: the link's load per step is kept so a
+placement's added stall is known at once) or recomputing a stage. It takes the one of
 fewest added seconds per byte removed at the peak, until the plan fits; then it undoes, last first,
 the actions the plan no longer needs. Its plans lie in the MILP's space, so the MILP's are never
 worse.
@@ -29,8 +29,6 @@ from remat.planner.offload_model import (
 from remat.planner.solvers.registry import register
 
 __all__ = ["OffloadFailed", "solve"]
-
-_PLACES = 3  # steps tried each way for a tensor's copies
 
 
 class OffloadFailed(RematValueError):
@@ -63,19 +61,23 @@ class _State:
             return None
         if self.problem.host_budget is not None and self.host + item.nbytes > self.problem.host_budget:
             return None
+        if not item.until < peak < item.need:  # on the device at the peak whatever happens
+            return None
         out_time, back_time = link.d2h_seconds(item.nbytes), link.h2d_seconds(item.nbytes)
-        best: tuple[float, int, Move] | None = None
-        for out in range(item.stage + 1, min(item.stage + 1 + _PLACES, item.need - 1)):
-            for back in range(item.need - 1, max(out, item.need - 1 - _PLACES), -1):
-                move = Move(i, out, back)
-                gain = item.nbytes if not presence(item, peak, False, move) else 0
-                if gain == 0:
-                    continue
-                added = self.stall(out, d2h=out_time) - self.stall(out)
-                added += self.stall(back, h2d=back_time) - self.stall(back)
-                if best is None or added < best[0]:
-                    best = (added, gain, move)
-        return best
+        outs = range(item.stage + 1, min(peak, item.need - 2) + 1)
+        backs = range(peak + 1, item.need)
+        if not outs or not backs:
+            return None
+        # the copy out where it stalls least, earliest of those; the copy back likewise, latest
+        out = min(outs, key=lambda s: (self.stall(s, d2h=out_time) - self.stall(s), s))
+        back = min(backs, key=lambda s: (self.stall(s, h2d=back_time) - self.stall(s), -s))
+        added = (
+            self.stall(out, d2h=out_time)
+            - self.stall(out)
+            + self.stall(back, h2d=back_time)
+            - self.stall(back)
+        )
+        return added, item.nbytes, Move(i, out, back)
 
     def recompute_cost(self, k: int, peak: int) -> tuple[float, int] | None:
         """The added seconds of recomputing stage ``k`` and the bytes it removes at step ``peak``."""
