@@ -78,14 +78,24 @@ def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) ->
     assert "offloaded over Link(d2h=" in str(plan)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "cnn"])
-def test_an_applied_three_way_plan_is_transparent_and_measures_less(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "link", "percent", "mixed"),
+    [
+        ("gpt2", FAST, 90, False),
+        ("cnn", FAST, 90, False),
+        ("gpt2", remat.Link("200MB/s", "200MB/s"), 95, True),
+    ],
+)
+def test_an_applied_three_way_plan_is_transparent_and_measures_less(
+    name: str, link: remat.Link, percent: int, mixed: bool
+) -> None:
     """Outputs, every gradient, buffers and the RNG stream equal to the plain run's, bit for bit;
     the allocator's peak within the prediction (prefetch is off, so nothing comes back earlier
-    than predicted) and below the plain step's."""
+    than predicted) and below the plain step's; also for a plan that recomputes and offloads."""
     trace, _, low = _traced(name)
-    plan = plan_trace(trace, low * 9 // 10, link=FAST, solver="offload_greedy")
+    plan = plan_trace(trace, low * percent // 100, link=link, solver="offload_greedy")
     assert plan.offloaded_bytes > 0
+    assert bool(plan.regions) is mixed
     model, batch, _ = build(name)
     planned = twin(model)
     plain = train(model, batch, steps=2)
