@@ -46,7 +46,9 @@ def minimum(trace: Trace, key: Any) -> int:
     raise AssertionError("a budget of 1 byte was met")
 
 
-def run_model(name: str, sizes: dict[str, int], fractions: list[float], out: str) -> list[dict[str, Any]]:
+def run_model(
+    name: str, sizes: dict[str, int], fractions: list[float], rates: list[int], out: str
+) -> list[dict[str, Any]]:
     wl = remat.zoo.build(name, **sizes)
 
     def loss_fn(model: Any, *inputs: Any) -> Any:
@@ -65,7 +67,7 @@ def run_model(name: str, sizes: dict[str, int], fractions: list[float], out: str
             start = time.process_time()
             alone = plan_trace(trace, budget, block_key=key)
             alone_s = time.process_time() - start
-            for rate in RATES:
+            for rate in rates:
                 link = remat.Link(d2h=f"{rate}GB/s", h2d=f"{rate}GB/s")
                 start = time.process_time()
                 both = plan_trace(trace, alone.predicted_peak_bytes, block_key=key, link=link)
@@ -105,13 +107,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt2:batch=2,seq=256", "resnet50:batch=4,image=128"])
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.2, 0.0])
+    parser.add_argument("--rates", nargs="+", type=int, default=list(RATES), help="link rates, GB/s")
     parser.add_argument("--out", default="benchmarks/offload/results_{model}.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for spec in args.models:
         name, _, rest = spec.partition(":")
         sizes = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
-        run_model(name, sizes, args.fractions, args.out.replace("{model}", name))
+        run_model(name, sizes, args.fractions, args.rates, args.out.replace("{model}", name))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main(paths: list[str]) -> None:
-    rows = [row for path in paths for row in json.loads(Path(path).read_text())]
+    seen: dict[
+        tuple[Any, ...], dict[str, Any]
+    ] = {}  # files of partial runs may repeat a row: the first is kept
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            seen.setdefault((row["model"], row["costs"], row["fraction"], row["link_GBps"]), row)
+    rows = sorted(
+        seen.values(),
+        key=lambda r: (r["model"], r["costs"] != "measured CPU", -r["fraction"], r["link_GBps"]),
+    )
     head = ["model", "op times", "device peak", "link", "recompute-only", "three-way", "less", "to host"]
     print("| " + " | ".join([*head, "stall", "plan"]) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|")
