@@ -70,7 +70,14 @@ def run_model(
             for rate in rates:
                 link = remat.Link(d2h=f"{rate}GB/s", h2d=f"{rate}GB/s")
                 start = time.process_time()
-                both = plan_trace(trace, alone.predicted_peak_bytes, block_key=key, link=link)
+                at = alone.predicted_peak_bytes
+                try:
+                    both = plan_trace(trace, at, block_key=key, link=link)
+                except BudgetTooSmall:
+                    # the search at the recompute-only plan's own peak does not find that plan
+                    # again (it was found at a larger budget): plan at the same budget instead
+                    at = budget
+                    both = plan_trace(trace, at, block_key=key, link=link)
                 row = {
                     "model": name,
                     "sizes": sizes,
@@ -81,6 +88,7 @@ def run_model(
                     "budget": budget,
                     "link_GBps": rate,
                     "recompute_peak": alone.predicted_peak_bytes,
+                    "three_way_budget": at,
                     "recompute_overhead": alone.predicted_overhead,
                     "recompute_solve_s": alone_s,
                     "three_way_peak": both.predicted_peak_bytes,
