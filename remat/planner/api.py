@@ -23,8 +23,11 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget
+from remat.host.link import Link
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.lowering import stage_key
+from remat.planner.offload_model import OffloadProblem, offload_problem
+from remat.planner.offload_search import OffloadCandidate, check_host, mark, offload_arguments, offload_search
 from remat.planner.plan import Plan
 from remat.planner.search import (
     best,
@@ -125,6 +128,8 @@ def plan_trace(
     *,
     solver: str = "auto",
     block_key: Callable[[str], str] | None = None,
+    link: Link | None = None,
+    host_budget: int | str | None = None,
     **options: Any,
 ) -> Plan:
     """The plan for a captured step (see ``plan``); ``options`` go to the solver. Each solver's
@@ -140,17 +145,40 @@ def plan_trace(
     solver in the fixed order chain, greedy, milp, sqrt, then plain checkpointing, then the one
     with the lower predicted peak, then the first tried, is preferred where it fits. So for a
     given trace, and so for given op costs, the pick is always the same."""
-    return plan_at(frontier(trace, solver, block_key, **options), budget)
+    three_way = OffloadProblem in get(solver).problems
+    host = offload_arguments(solver, three_way, link, host_budget)
+    if not three_way:
+        return plan_at(frontier(trace, solver, block_key, **options), budget, link=link, host_budget=host)
+    # a three-way solver adds its moves to recomputation's plans too (``offload_search``)
+    found = frontier(trace, "auto", block_key)
+    return plan_at(found, budget, link=link, host_budget=host, options=options, solver=solver)
 
 
-def plan_at(found: Frontier, budget: int | float | str) -> Plan:
+def plan_at(
+    found: Frontier,
+    budget: int | float | str,
+    *,
+    link: Link | None = None,
+    host_budget: int | None = None,
+    options: dict[str, Any] | None = None,
+    solver: str | None = None,
+) -> Plan:
     """The plan ``plan_trace`` returns at ``budget`` from ``found``'s candidates: the cheapest that
-    fits (NOTE [monotone plans]); the Pareto sweep finds the candidates once and picks per point."""
-    step, chain, solver, baseline = found.step, found.chain, found.solver, found.baseline
+    fits (NOTE [monotone plans]); the Pareto sweep finds the candidates once and picks per point.
+    With ``link``, offload's plans at this budget compete too (``remat.planner.offload_search``:
+    they are found per budget, so the monotone rule holds for the recompute-only plans only);
+    ``solver`` names the three-way solver that finds them (default ``found``'s own)."""
+    step, chain, baseline = found.step, found.chain, found.baseline
+    solver = solver or found.solver
     limit = parse_budget(budget, api="plan")
     budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
     tried = list(found.candidates)
+    if link is not None:
+        problem = offload_problem(step.trace, link, host_budget=host_budget, key=step.key)
+        tried += offload_search(step, problem, budget_bytes, baseline, solver, options or {}, tried)
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
+    if not fits and link is not None:
+        check_host(step, problem, budget_bytes, baseline, solver, options or {})
     if not fits:
         known = tried + floor(step, chain) if solver != "auto" else tried
         lowest = min(known, key=lambda c: c.pred.peak_bytes).pred
@@ -172,6 +200,7 @@ def plan_at(found: Frontier, budget: int | float | str) -> Plan:
             f"use solver='auto' (plans from {lowest.peak_bytes} bytes) or raise the budget",
         )
     chosen = best(fits)
+    tensors = decisions(step, chosen.regions, chosen.pred, chosen.solver)
     notes = chosen.notes
     if solver == "auto":
         picked = chosen.solver if chosen.solver != "auto" else chosen.notes
@@ -187,11 +216,13 @@ def plan_at(found: Frontier, budget: int | float | str) -> Plan:
         solve_seconds=found.seconds,
         gap=chosen.gap,
         regions=tuple(r for r, _ in chosen.regions),
-        tensors=decisions(step, chosen.regions, chosen.pred, chosen.solver),
+        tensors=mark(step, tensors, chosen) if isinstance(chosen, OffloadCandidate) else tensors,
         ops=tuple(op.name for op in step.forward),
         modules=tuple(op.module for op in step.forward),
         notes=notes,
         predicted_held_bytes=chosen.pred.held_bytes,
+        link=link,
+        predicted_stall=chosen.stall if isinstance(chosen, OffloadCandidate) else 0.0,
     )
 
 
@@ -203,6 +234,8 @@ def plan(
     loss_fn: LossFn | None = None,
     solver: str = "auto",
     repeats: int = 3,
+    link: Link | None = None,
+    host_budget: int | str | None = None,
     **options: Any,
 ) -> Plan:
     """Plan the recomputation of one training step of ``model`` under ``budget``.
@@ -214,6 +247,10 @@ def plan(
     (``**example_inputs`` for a mapping) returns the scalar loss; by default the model's output
     or its ``.loss``. ``solver`` is a name from ``remat.planner.solvers.names()`` and ``options``
     go to it (``time_limit`` and ``max_nodes`` for ``milp``, ``slots`` for ``chain``).
+
+    ``link=remat.Link(...)`` lets the plan offload saved tensors to host memory as well (SAVE,
+    RECOMPUTE or OFFLOAD per saved tensor, ``remat.planner.offload_model``), with at most
+    ``host_budget`` bytes on the host (default: no limit); without ``link`` it only recomputes.
 
     The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
     parameters, buffers, gradients and the RNG are left as they were. Run the plan with
@@ -240,4 +277,12 @@ def plan(
     parse_budget(budget, api="plan")
     get(solver)
     trace = trace_step(model, example_inputs, loss_fn, repeats)
-    return plan_trace(trace, budget, solver=solver, block_key=block_key(model), **options)
+    return plan_trace(
+        trace,
+        budget,
+        solver=solver,
+        block_key=block_key(model),
+        link=link,
+        host_budget=host_budget,
+        **options,
+    )

@@ -2,6 +2,7 @@
 
     remat plan --model gpt2 --budget 0.6 --save plan.json
     remat plan --model gpt2 --pareto --out pareto.png --json pareto.json
+    remat plan --model gpt2 --budget 0.4 --link 25GB/s --pareto --out pareto.png
 
 The model is the zoo's tiny variant unless ``--full`` asks for the paper-size one. ``--pareto``
 traces the step once, finds every solver's plans once (``remat.planner.frontier``), then picks each
@@ -11,6 +12,8 @@ step's peak, and runs each distinct plan: the peak of the step's memory is measu
 step's CPU time ÷ the plain step's (each round enough steps to last ``_ROUND_SECONDS``), timed
 interleaved in the same process. Progress bars say which point is running, the time elapsed and
 the time left. The plot shows predicted and measured peak against overhead.
+``--link RATE`` lets plans offload saved tensors over a link of that rate each way (``remat.Link``);
+with ``--pareto`` the three-way plans are one more series, ``auto+offload`` (triangles).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from remat._arguments import names_in
 from remat._errors import RematError, message
-from remat._units import parse_budget
+from remat._units import parse_budget, parse_bytes
 from remat.planner.solvers import names
 
 # what ``remat plan --model gpt2 --pareto`` took on the tiny model (benchmarks/plan/README.md)
@@ -66,6 +69,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
     parser.add_argument(
+        "--link", type=_link, help="offload too, over a link of this rate each way ('25GB/s')"
+    )
+    parser.add_argument(
+        "--host-budget", help="with --link: bytes the host may hold ('8GB'; default no limit)"
+    )
+    parser.add_argument(
         "--pareto", action="store_true", help="sweep --points budgets x --solvers and measure each plan"
     )
     parser.add_argument(
@@ -102,6 +111,15 @@ def _points(text: str) -> int:
     return int(text)
 
 
+def _link(text: str) -> Any:
+    from remat.host.link import Link
+
+    try:
+        return Link(d2h=text, h2d=text)
+    except RematError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _solvers(text: str) -> list[str]:
     return names_in(text, names(), "plan", "solver")
 
@@ -123,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     with console(stderr=True).status(f"tracing one training step of {args.model}"):
         trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
-        plan = plan_trace(trace, args.budget, solver=args.solver)
+        plan = plan_trace(
+            trace, args.budget, solver=args.solver, link=args.link, host_budget=args.host_budget
+        )
         plan.explain()
         if args.save:
             plan.save(args.save)
@@ -181,12 +201,18 @@ def sweep(
     low = min(c.pred.peak_bytes for f in found.values() for c in f.candidates)
     budgets = [low + (base - low) * k // (args.points - 1) for k in range(args.points)]
     chosen = []
-    for solver, plans in found.items():
+    series = [(solver, plans, None) for solver, plans in found.items()]
+    if args.link is not None:  # offload's plans beside recomputation's, on the auto candidates
+        series.append(("auto+offload", found.get("auto") or frontier(trace, "auto"), args.link))
+    host = None if args.host_budget is None else parse_bytes(args.host_budget, "plan")
+    for solver, plans, link in series:
         for budget in budgets:
             try:
-                chosen.append((solver, budget, plan_at(plans, budget)))
+                plan = plan_at(plans, budget, link=link, host_budget=host)
             except RematError:
                 screen.print(f"{solver}: no plan within {budget} bytes (its plans start higher)")
+                continue
+            chosen.append((solver, budget, plan))
     # a tiny model's step takes a millisecond or two: time enough steps per round for the CPU
     # clock's resolution and the machine's other work to matter little
     steps = max(1, math.ceil(_ROUND_SECONDS / max(_seconds(model, inputs, loss_fn, None), 1e-4)))
@@ -195,7 +221,7 @@ def sweep(
         task = bar.add_task("measuring", total=len(chosen))
         for solver, budget, plan in chosen:
             bar.update(task, description=f"measuring {solver} at {budget / 2**20:.2f} MiB")
-            key = plan.regions
+            key = (plan.regions, plan.tensors)
             if key not in measured:
                 rounds = [
                     _seconds(model, inputs, loss_fn, plan, steps)
@@ -210,11 +236,13 @@ def sweep(
             "budget": budget,
             "ratio": budget / base,
             "predicted_peak": plan.predicted_peak_bytes,
-            "measured_peak": measured[plan.regions][0],
+            "measured_peak": measured[(plan.regions, plan.tensors)][0],
             "plain_peak": plain,
             "predicted_overhead": plan.predicted_overhead,
-            "measured_overhead": measured[plan.regions][1],
-            "solve_seconds": found[solver].seconds,
+            "measured_overhead": measured[(plan.regions, plan.tensors)][1],
+            "solve_seconds": plan.solve_seconds,
+            "offloaded_bytes": plan.offloaded_bytes,
+            "predicted_stall": plan.predicted_stall,
         }
         for solver, budget, plan in chosen
     ]
@@ -230,17 +258,18 @@ def plot(points: list[dict[str, Any]], model: str, path: str) -> None:
     for k, solver in enumerate(dict.fromkeys(p["solver"] for p in points)):
         mine = sorted((p for p in points if p["solver"] == solver), key=lambda p: p["predicted_peak"])
         colour = f"C{k}"
+        marker = "^" if solver == "auto+offload" else "o"  # three-way plans (--link)
         ax.plot(
             [p["predicted_peak"] / 2**20 for p in mine],
             [p["predicted_overhead"] for p in mine],
-            "o--",
+            f"{marker}--",
             color=colour,
             label=f"{solver} predicted",
         )
         ax.plot(
             [p["measured_peak"] / 2**20 for p in mine],
             [p["measured_overhead"] for p in mine],
-            "s-",
+            "^-" if marker == "^" else "s-",
             color=colour,
             label=f"{solver} measured",
         )

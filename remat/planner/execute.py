@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -211,9 +211,11 @@ def apply(
     modules: Sequence[str],
     model: nn.Module,
     replay: ReplayMode = "eager",
+    make_runner: Callable[..., _Runner] = _Runner,
 ) -> Iterator[None]:
     """See ``Plan.apply``: run ``model``'s forward with ``regions`` recomputed, checking that it runs
-    ``ops`` (issued by ``modules``, one per op) in order."""
+    ``ops`` (issued by ``modules``, one per op) in order; ``make_runner`` makes the dispatch mode
+    (``remat.planner.offload_execute`` passes one that also notes what the plan offloads)."""
     execute = executor("plan.apply", replay)
     if not isinstance(model, nn.Module):
         raise RematTypeError(
@@ -221,7 +223,7 @@ def apply(
                 "plan", "apply takes the model to run", f"got {type(model).__name__}", "pass an nn.Module"
             )
         )
-    runner = _Runner(regions, ops, modules, model, execute)
+    runner = make_runner(regions, ops, modules, model, execute)
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
     try:
         yield

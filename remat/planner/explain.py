@@ -59,7 +59,11 @@ def _reason(tensors: Sequence[TensorDecision], region: str | None) -> str:
     """Why a block's saved tensors are kept or recomputed, in the figures that decide it: the time
     their ops take to run again against the bytes they hold from forward to backward."""
     parts = []
-    for action, verb in ((Decision.RECOMPUTE, "recomputed"), (Decision.SAVE, "kept")):
+    for action, verb in (
+        (Decision.RECOMPUTE, "recomputed"),
+        (Decision.SAVE, "kept"),
+        (Decision.OFFLOAD, "offloaded"),
+    ):
         mine = [t for t in tensors if t.action is action]
         if not mine:
             continue
@@ -80,9 +84,10 @@ def render(
     notes: str,
     peak_at: str,
     file: Any = None,
+    offload: str = "",
 ) -> None:
     """Print the table of a plan (its ``str()`` as ``title``, and its parts) to ``file`` (default
-    stdout)."""
+    stdout); ``offload`` is the plan's offload summary, and then each offloaded tensor is listed."""
     from rich.console import Console
     from rich.table import Table
 
@@ -95,16 +100,26 @@ def render(
             region_of.setdefault(key, region.name)
     order = list(dict.fromkeys(stage_key(m) for m in modules))
     table = Table(title=title, title_justify="left")
-    for column in ("module", "saved tensors", "kept", "recomputed", "replay time", "region", "why"):
+    amounts = ("kept", "recomputed") + (("offloaded",) if offload else ())
+    for column in ("module", "saved tensors", *amounts, "replay time", "region", "why"):
         table.add_column(
-            column, justify="right" if column in ("saved tensors", "kept", "recomputed") else "left"
+            column, justify="right" if column == "saved tensors" or column in amounts else "left"
         )
 
-    def row(mine: Sequence[TensorDecision]) -> tuple[str, str, str, str]:
+    def row(mine: Sequence[TensorDecision]) -> tuple[str, ...]:
         kept = sum(t.nbytes for t in mine if t.action is Decision.SAVE)
         again = [t for t in mine if t.action is Decision.RECOMPUTE]
+        moved = (
+            (format_bytes(sum(t.nbytes for t in mine if t.action is Decision.OFFLOAD)),) if offload else ()
+        )
         replay = _milliseconds(sum(t.seconds for t in again)) if again else "-"
-        return str(len(mine)), format_bytes(kept), format_bytes(sum(t.nbytes for t in again)), replay
+        return (
+            str(len(mine)),
+            format_bytes(kept),
+            format_bytes(sum(t.nbytes for t in again)),
+            *moved,
+            replay,
+        )
 
     for key in order:
         if key in blocks:
@@ -123,3 +138,8 @@ def render(
     if notes:
         console.print(f"solver notes: {notes}")
     console.print(f"peak reached at {peak_at}")
+    if offload:
+        console.print(offload)
+        for t in tensors:
+            if t.action is Decision.OFFLOAD:
+                console.print(f"  {t}")

@@ -31,6 +31,7 @@ from remat._errors import RematValueError
 from remat.planner.bounds import lower_bound
 from remat.planner.chain_recursion import minimum_peak
 from remat.planner.lowering import chain_from_trace, dag_from_trace
+from remat.planner.offload_model import OffloadProblem
 from remat.planner.search import (
     Candidate,
     Step,
@@ -204,6 +205,8 @@ def frontier(
             tried += segment_counts(step, problem)
     elif Chain in get(solver).problems:
         tried += ladder(step, solver, chain, options)
+    elif OffloadProblem in get(solver).problems:
+        pass  # a three-way solver plans per budget, over a link (remat.planner.api.plan_at)
     else:
         dag = dag_from_trace(trace, max_nodes=None)
         tried += milp_rungs(step, solver, dag, baseline, options)

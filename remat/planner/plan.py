@@ -25,9 +25,11 @@ from torch import nn
 
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
+from remat.host.link import Link
 from remat.manual.fused import ReplayMode
 from remat.planner.execute import apply
 from remat.planner.explain import render
+from remat.planner.offload_execute import apply_offload
 from remat.planner.regions import Region, TensorDecision
 from remat.policy import Decision
 
@@ -64,6 +66,8 @@ class Plan:
     modules: tuple[str, ...]
     notes: str = ""
     predicted_held_bytes: int = 0
+    link: Link | None = None
+    predicted_stall: float = 0.0
 
     # -- reading it ---------------------------------------------------------------------------
 
@@ -71,6 +75,11 @@ class Plan:
     def saved_bytes(self) -> int:
         """Bytes of the saved-for-backward tensors the plan keeps."""
         return sum(t.nbytes for t in self.tensors if t.action is Decision.SAVE)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of the saved-for-backward tensors the plan moves to the host."""
+        return sum(t.nbytes for t in self.tensors if t.action is Decision.OFFLOAD)
 
     @property
     def recomputed_bytes(self) -> int:
@@ -97,13 +106,24 @@ class Plan:
             f"{format_bytes(self.baseline_peak_bytes)}), overhead {self.predicted_overhead:.3f}, "
             f"{recomputed}/{len(self.tensors)} saved tensors recomputed in {len(self.regions)} regions, "
             f"{gap}, solved in {self.solve_seconds:.2f} s)"
+            + (f", {self.offload_summary()}" if self.link is not None else "")
+        )
+
+    def offload_summary(self) -> str:
+        """What the plan moves to the host over its link, and the stall it predicts."""
+        moved = sum(t.action is Decision.OFFLOAD for t in self.tensors)
+        return (
+            f"{moved} saved tensors ({format_bytes(self.offloaded_bytes)}) offloaded over {self.link}, "
+            f"predicted stall {self.predicted_stall * 1e3:.3f} ms"
         )
 
     def explain(self, file: Any = None) -> None:
         """Print (to ``file``, default stdout) a per-module table: what each module saves for
-        backward, what the plan keeps and recomputes, and the regions. It returns nothing, so that
-        a REPL shows the table once."""
-        render(str(self), self.tensors, self.regions, self.modules, self.notes, self.peak_at, file=file)
+        backward, what the plan keeps, recomputes and offloads, and the regions; then each
+        offloaded tensor, when it goes to the host and comes back, and the predicted stall. It
+        returns nothing, so that a REPL shows the table once."""
+        summary = self.offload_summary() if self.link is not None else ""
+        render(str(self), self.tensors, self.regions, self.modules, self.notes, self.peak_at, file, summary)
 
     # -- running it ---------------------------------------------------------------------------
 
@@ -115,7 +135,13 @@ class Plan:
 
         ``replay="compiled"``: the regions' runs of deterministic ops replay through
         ``torch.compile``d graphs, fused (see ``remat.scope``), compiled in the first backward. The
-        predicted overhead stays that of eager replay, an upper bound of what fusion costs."""
+        predicted overhead stays that of eager replay, an upper bound of what fusion costs.
+
+        OFFLOAD decisions run through ``remat.host``: the saved outputs of the planned ops wait in
+        host memory and come back when backward needs them (``remat.planner.offload_execute``)."""
+        moved = frozenset(t.op for t in self.tensors if t.action is Decision.OFFLOAD)
+        if moved:
+            return apply_offload(self.regions, self.ops, self.modules, model, replay, moved, self.link)
         return apply(self.regions, self.ops, self.modules, model, replay)
 
     # -- storing it ---------------------------------------------------------------------------
@@ -152,6 +178,7 @@ class Plan:
             )
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])
+            fields["link"] = Link(**fields["link"]) if fields.get("link") else None
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as err:
             raise RematValueError(

@@ -91,10 +91,12 @@ class Prediction:
     recompute_cost: float
     recomputed: tuple[frozenset[int], ...]
     held_bytes: int = 0  # alive when the forward's last op is done: what backward is left to free
+    stall_cost: float = 0.0  # seconds the compute waits for the link (``remat.planner.offload_search``)
 
     @property
     def overhead(self) -> float:
-        return (self.base_cost + self.recompute_cost) / self.base_cost if self.base_cost > 0 else 1.0
+        spent = self.base_cost + self.recompute_cost + self.stall_cost
+        return spent / self.base_cost if self.base_cost > 0 else 1.0
 
 
 def _writes(op: Op) -> tuple[int, ...]:
@@ -124,8 +126,15 @@ class _Holds:
     unsnap_after: dict[int, int]
 
 
-def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = ()) -> Prediction:
-    """Replay ``trace`` under ``regions`` (NOTE [region model]); ``names`` label the regions."""
+def predict(
+    trace: Trace,
+    regions: Sequence[RegionOps],
+    names: Sequence[str] = (),
+    moved: Sequence[tuple[int, int, int]] = (),
+) -> Prediction:
+    """Replay ``trace`` under ``regions`` (NOTE [region model]); ``names`` label the regions.
+    ``moved``: storages offloaded, ``(root, gone after op, back before op)``: off the device after
+    the first op and until just before the second."""
     facts = step_facts(trace, regions)
     kept = kept_values(trace, regions, facts)
     planned, packed, drop_after = region_targets(trace, regions, facts, kept)
@@ -139,6 +148,9 @@ def predict(trace: Trace, regions: Sequence[RegionOps], names: Sequence[str] = (
     rng_bytes = _CPU_RNG_STATE_BYTES if trace.device == "cpu" else 0  # a CUDA state lives on the host
     holds = _tape_holds(trace, regions, facts, plans, rng_bytes)
     walk = _Walk(trace, regions, names, facts, plans, rng_bytes)
+    for r, gone, back in moved:
+        drop_after.setdefault(gone, []).append(r)
+        walk.reloads.setdefault(back, []).append(r)
     walk.run(replay_at, drop_after, holds)
     costs = zip(trace.ops, facts.cost, strict=True)
     base = math.fsum(c for op, c in costs if op.phase is not Phase.OPTIMIZER)
@@ -240,6 +252,7 @@ class _Walk:
         self.peak, self.peak_op, self.peak_at = 0, -1, "start"
         self.recompute = 0.0
         self.held = 0
+        self.reloads: dict[int, list[int]] = {}  # op -> offloaded storages back just before it
 
     def sample(self, op: Op, value: int, replaying: str = "") -> None:
         if value > self.peak:
@@ -299,6 +312,10 @@ class _Walk:
                 continue
             for g in replay_at.get(event.index, ()):
                 self.replay(g, event)
+            for r in self.reloads.get(event.index, ()):
+                if r in self.dropped:
+                    self.dropped.discard(r)
+                    self.made += tensors[r].nbytes if self.handles[r] > 0 else 0
             for t in event.outputs:
                 r = root[t]
                 if self.handles[r] == 0 and r not in self.dropped:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import parse_bytes
+from remat.planner.offload_model import OffloadProblem
 from remat.planner.types import Chain, Dag, Problem, Solution
 
 __all__ = ["Solver", "get", "names", "register"]
@@ -31,7 +32,9 @@ class Solver:
     problems: tuple[type, ...]
     function: SolveFunction
 
-    def solve(self, problem: Problem, budget_bytes: int | str, **options: object) -> Solution:
+    def solve(
+        self, problem: Problem | OffloadProblem, budget_bytes: int | str, **options: object
+    ) -> Solution:
         """Solve ``problem`` under ``budget_bytes`` (an int or a string such as ``"6GB"``)."""
         budget = parse_bytes(budget_bytes, api="plan")
         if not isinstance(problem, self.problems):

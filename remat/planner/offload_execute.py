@@ -1,0 +1,111 @@
+"""Run a Plan's OFFLOAD decisions: the saved outputs of the planned ops wait in host memory.
+
+Why beside ``remat.planner.execute`` and not in it: recomputation works through regions' tapes,
+offload through saved-tensor hooks around the whole forward, and the two meet only in the op count
+(the executor's dispatch mode knows which op of the traced step is running). So this module gives
+the executor a dispatch mode that also notes the storages the planned ops make, and wraps the run
+in the pack and unpack hooks of ``remat.host`` (``OffloadRegion``, ``Offloader``): a saved tensor
+whose storage a planned op made goes to the host pool when autograd saves it, and comes back when
+backward unpacks it. Regions' own hooks are innermost while they record, so what a region packs
+stays its own (the planner never offloads a tensor a recomputed region reads).
+
+Prefetch is off: a tensor comes back when backward first unpacks it, no earlier than the plan's
+prediction brings it back (``remat.planner.offload_search``), so the device holds at most what the
+plan predicts; on CUDA the copy is then waited for, which the predicted stall does not count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from remat import aten
+from remat.host.link import Link
+from remat.host.offloader import Offloader, unmovable
+from remat.host.region import Makers, OffloadRegion
+from remat.manual.fused import ReplayMode
+from remat.planner.execute import _Runner, apply
+from remat.planner.regions import Region
+from remat.policy import Decision
+
+__all__ = ["apply_offload"]
+
+
+class _PlannedMakers(Makers):
+    """The storages the planned ops made, each decided OFFLOAD (filled by ``_OffloadRunner``, not
+    run as a dispatch mode)."""
+
+    def note(self, func: Any, out: Any) -> None:
+        fresh = aten.facts(func).fresh_returns
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and (i >= len(fresh) or fresh[i]) and unmovable(o) is None:
+                storage = o.untyped_storage()
+                self.made[o.device, storage.data_ptr()] = (weakref.ref(storage), Decision.OFFLOAD)
+
+
+class _Hooks:
+    """The pack and unpack hooks of ``remat.host``, with the executor's op count paused while a
+    tensor moves: the copy's own ops are no ops of the model."""
+
+    def __init__(self, region: OffloadRegion) -> None:
+        self.region = region
+        self.runner: _Runner | None = None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        runner = self.runner
+        active = runner is not None and runner.active
+        if runner is not None:
+            runner.active = False
+        try:
+            return self.region.pack(t)
+        finally:
+            if runner is not None:
+                runner.active = active
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        return self.region.unpack(packed)
+
+
+class _OffloadRunner(_Runner):
+    """The executor's dispatch mode, noting the outputs of the ops at ``positions``."""
+
+    def __init__(self, *args: Any, positions: frozenset[int], makers: _PlannedMakers, hooks: _Hooks) -> None:
+        super().__init__(*args)
+        self.positions = positions
+        self.makers = makers
+        hooks.runner = self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        position = self.position
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.position == position + 1 and position in self.positions:
+            self.makers.note(func, out)
+        return out
+
+
+@contextlib.contextmanager
+def apply_offload(
+    regions: Sequence[Region],
+    ops: Sequence[str],
+    modules: Sequence[str],
+    model: torch.nn.Module,
+    replay: ReplayMode,
+    positions: frozenset[int],
+    link: Link | None,
+) -> Iterator[None]:
+    """``remat.planner.execute.apply`` with the saved outputs of the forward ops at ``positions``
+    offloaded over ``link``."""
+    makers = _PlannedMakers(None)
+    hooks = _Hooks(OffloadRegion(makers, Offloader(link=link, prefetch=0), demanded=True))
+    make = functools.partial(_OffloadRunner, positions=positions, makers=makers, hooks=hooks)
+    with (
+        torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack),
+        apply(regions, ops, modules, model, replay, make),
+    ):
+        yield

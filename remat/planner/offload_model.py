@@ -1,0 +1,370 @@
+"""The planner's offload model: what a plan that saves, recomputes or offloads each saved tensor costs.
+
+Why a model of its own beside ``remat.planner.cost_model``: recomputation costs compute, offload
+costs link time, and link time is free while it hides behind compute. So time is no longer a sum of
+op costs: the model keeps a timeline of compute steps (the forward of each stage of a Chain, then
+the backward of each, a recomputed stage replaying just before its backward) and charges a step the
+longer of its compute and the transfers each direction of the link (``remat.Link``) carries during
+it. The formulation follows Rockmate's offload extension (transfers placed in the compute steps
+they overlap, each step as long as the longest of its three streams), with one simplification: a
+tensor moves in one piece, within one step, as one copy on a side stream does.
+
+NOTE [offload model] Steps s = 0 .. 2n-1: step k < n is stage k's forward, step 2n-1-k its
+backward (``backward_step(n, k)``). A saved tensor (``Item``) is made in step ``stage``, read by
+the forward up to step ``until``, first read by backward in step ``need`` and last in step
+``freed``; it is on the device in steps ``stage`` .. ``freed`` unless
+- RECOMPUTE (its stage replays alone, single-level checkpointing; only for a tensor internal to its
+  stage, first read by the stage's own backward): absent between its forward step and ``need``;
+- OFFLOAD (``Move(item, out, back)``): its device-to-host copy runs in step ``out`` (after the step
+  that made it, ``stage < out``), and it is gone from step ``max(out, until) + 1``: it counts until
+  the copy completes and the forward no longer reads it; its host-to-device copy runs in step
+  ``back`` (``out < back < need``) and it counts again from step ``back``, before its first use.
+Per step: compute c_s (a backward step adds its stage's forward when the stage is recomputed),
+D_s and H_s the seconds of the copies placed in it each way (``Link.d2h_seconds`` per tensor,
+latency included); the step lasts max(c_s, D_s, H_s), the excess over c_s being a stall. Memory of
+a step: the items on the device in it plus the backward's gradients (the chain's activation bytes
+of the stage's output and input). Host bytes: the sum of the offloaded items (each stays on the
+host until the end of the step, the most the host pool can hold). A tensor a recomputed stage
+reads in its forward, other than its own, cannot move: the stage's replay keeps a reference to it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from remat._errors import RematValueError, message
+from remat.host.link import Link
+from remat.planner.lowering import chain_from_trace, stage_key
+from remat.planner.single_level import chain_segments
+from remat.planner.types import Chain, Solution, SolverDecision
+from remat.policy import Decision
+from remat.trace.types import Phase, Trace
+
+__all__ = [
+    "Item",
+    "Move",
+    "OffloadCost",
+    "OffloadProblem",
+    "OffloadSchedule",
+    "OffloadSolution",
+    "backward_step",
+    "evaluate",
+    "offload_problem",
+    "offload_solution",
+    "sub_block",
+]
+
+
+def backward_step(n: int, stage: int) -> int:
+    """The step of stage ``stage``'s backward in a chain of ``n`` stages (NOTE [offload model])."""
+    return 2 * n - 1 - stage
+
+
+@dataclass(frozen=True)
+class Item:
+    """One saved tensor (a trace storage, ``root``) as NOTE [offload model] sees it: its steps,
+    its bytes, the stages other than its own whose forward reads it (``readers``), whether it is
+    dropped when its stage is recomputed, and the trace ops that make it."""
+
+    name: str
+    root: int
+    nbytes: int
+    stage: int
+    until: int
+    need: int
+    freed: int
+    readers: frozenset[int] = frozenset()
+    recomputable: bool = False
+    ops: tuple[int, ...] = ()
+    pinned: bool = False
+
+    @property
+    def movable(self) -> bool:
+        """Not ``pinned`` (a recomputed region's replay reads it), and a copy out (after the step
+        that made it) and back (before ``need``) fit in between."""
+        return not self.pinned and self.need - self.stage >= 3
+
+
+@dataclass(frozen=True)
+class OffloadProblem:
+    """A chain's stages (costs in seconds), its saved tensors, the link and the host budget;
+    ``bounds`` are the first and last trace op of each step, for a problem made of a trace."""
+
+    chain: Chain
+    items: tuple[Item, ...]
+    link: Link
+    host_budget: int | None = None
+    bounds: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def steps(self) -> int:
+        return 2 * len(self.chain)
+
+    @property
+    def base_cost(self) -> float:
+        return self.chain.base_cost
+
+    def compute(self, s: int) -> float:
+        """Step ``s``'s compute with nothing recomputed."""
+        n = len(self.chain)
+        stage = self.chain.stages[s] if s < n else self.chain.stages[2 * n - 1 - s]
+        return stage.forward_cost if s < n else stage.backward_cost
+
+    def gradients(self, s: int) -> int:
+        """Bytes of the gradients alive in backward step ``s``: of the stage's output and input."""
+        n, act = len(self.chain), self.chain.activation_bytes
+        if s < n:
+            return 0
+        k = 2 * n - 1 - s
+        return act[k + 1] + (act[k] if k > 0 else 0)
+
+    def step_name(self, s: int) -> str:
+        n = len(self.chain)
+        if s < n:
+            return f"forward of {self.chain.stages[s].name}"
+        return f"backward of {self.chain.stages[2 * n - 1 - s].name}"
+
+
+@dataclass(frozen=True)
+class Move:
+    """Item ``item`` goes to the host in step ``out`` and comes back in step ``back``."""
+
+    item: int
+    out: int
+    back: int
+
+
+@dataclass(frozen=True)
+class OffloadSchedule:
+    """A three-way plan: the stages recomputed (single-level) and the items moved."""
+
+    recompute: frozenset[int] = frozenset()
+    moves: tuple[Move, ...] = ()
+
+    def __str__(self) -> str:
+        again = " ".join(map(str, sorted(self.recompute))) or "-"
+        moved = " ".join(f"{m.item}:{m.out}>{m.back}" for m in self.moves) or "-"
+        return f"recompute {again} | offload {moved}"
+
+
+@dataclass(frozen=True)
+class OffloadCost:
+    """What a schedule costs under NOTE [offload model]: the peak, where, the time (compute plus
+    stalls), the compute alone, the seconds each way, and the bytes on the host."""
+
+    peak_bytes: int
+    peak_at: str
+    total_cost: float
+    compute_cost: float
+    stall: float
+    d2h_seconds: float
+    h2d_seconds: float
+    host_bytes: int
+    memory: tuple[int, ...] = field(repr=False, default=())
+
+
+def _invalid(rule: str, given: object) -> RematValueError:
+    return RematValueError(message("plan", rule, given, "fix the schedule (or the solver that made it)"))
+
+
+def presence(item: Item, s: int, recomputed: bool, move: Move | None) -> bool:
+    """Whether ``item`` is on the device in step ``s`` (NOTE [offload model])."""
+    if not item.stage <= s <= item.freed:
+        return False
+    if not item.until < s < item.need:
+        return True
+    if recomputed:
+        return False
+    return move is None or not (move.out < s < move.back)
+
+
+def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
+    """Evaluate ``schedule`` on ``problem`` under NOTE [offload model]."""
+    n, steps = len(problem.chain), problem.steps
+    if any(not 0 <= k < n - 1 for k in schedule.recompute):
+        raise _invalid("a recomputed stage is a stage of the chain but the last", sorted(schedule.recompute))
+    compute = [problem.compute(s) for s in range(steps)]
+    for k in schedule.recompute:
+        compute[backward_step(n, k)] += problem.chain.stages[k].forward_cost
+    d2h, h2d = [0.0] * steps, [0.0] * steps
+    moved: dict[int, Move] = {}
+    for m in schedule.moves:
+        if not 0 <= m.item < len(problem.items) or m.item in moved:
+            raise _invalid("a move names each item once", m)
+        item = problem.items[m.item]
+        if not item.movable or not item.stage < m.out < m.back < item.need:
+            raise _invalid("an item goes out after the step that made it and back before its need", m)
+        if item.stage in schedule.recompute and item.recomputable or item.readers & schedule.recompute:
+            raise _invalid("an item that a recomputed stage drops or reads stays on the device", m)
+        moved[m.item] = m
+        d2h[m.out] += problem.link.d2h_seconds(item.nbytes)
+        h2d[m.back] += problem.link.h2d_seconds(item.nbytes)
+    memory = [problem.gradients(s) for s in range(steps)]
+    for i, item in enumerate(problem.items):
+        again = item.recomputable and item.stage in schedule.recompute
+        for s in range(item.stage, item.freed + 1):
+            if presence(item, s, again, moved.get(i)):
+                memory[s] += item.nbytes
+    stall = [max(0.0, d2h[s] - compute[s], h2d[s] - compute[s]) for s in range(steps)]
+    peak = max(memory)
+    host = sum(problem.items[i].nbytes for i in moved)
+    return OffloadCost(
+        peak,
+        problem.step_name(memory.index(peak)),
+        math.fsum(compute) + math.fsum(stall),
+        math.fsum(compute),
+        math.fsum(stall),
+        math.fsum(d2h),
+        math.fsum(h2d),
+        host,
+        tuple(memory),
+    )
+
+
+@dataclass(frozen=True)
+class OffloadSolution(Solution):
+    """A Solution of an OffloadProblem: ``schedule`` is its recomputation (a ChainSchedule of
+    single-stage segments), ``offload`` the whole three-way schedule and ``cost`` its figures."""
+
+    offload: OffloadSchedule = OffloadSchedule()
+    cost: OffloadCost | None = None
+
+
+def offload_solution(
+    problem: OffloadProblem,
+    schedule: OffloadSchedule,
+    solver: str,
+    budget: int,
+    gap: float | None,
+    notes: str = "",
+) -> OffloadSolution:
+    """The Solution for ``schedule``: its figures under NOTE [offload model] and one decision per
+    item: SAVE, RECOMPUTE or OFFLOAD."""
+    cost = evaluate(problem, schedule)
+    moved = {m.item: m for m in schedule.moves}
+    decisions = []
+    for i, item in enumerate(problem.items):
+        if i in moved:
+            m = moved[i]
+            action = Decision.OFFLOAD
+            reason = f"to host in {problem.step_name(m.out)}, back in {problem.step_name(m.back)}"
+        elif item.recomputable and item.stage in schedule.recompute:
+            action, reason = Decision.RECOMPUTE, "its stage replays before its backward"
+        else:
+            action, reason = Decision.SAVE, "kept on the device"
+        decisions.append(SolverDecision(i, item.name, action, reason, item.ops))
+    base = problem.base_cost
+    segments = [(k, k + 1) for k in sorted(schedule.recompute)]
+    return OffloadSolution(
+        solver,
+        budget,
+        cost.peak_bytes,
+        cost.total_cost / base if base > 0 else 1.0,
+        base,
+        cost.total_cost,
+        cost.peak_at,
+        tuple(decisions),
+        chain_segments(problem.chain, segments),
+        gap,
+        notes,
+        offload=schedule,
+        cost=cost,
+    )
+
+
+def sub_block(key: Callable[[str], str]) -> Callable[[str], str]:
+    """The key one module level below ``key``'s blocks (``transformer.h.3.attn.c_attn`` ->
+    ``transformer.h.3.attn``): offload's steps. A reload must be done before the step that needs
+    it starts and counts from the step it starts in, so steps of whole blocks would hold the next
+    block's tensors through the current one's backward."""
+
+    def finer(module: str) -> str:
+        block = key(module)
+        depth = len(block.split(".")) + 1 if block else 1
+        return ".".join(module.split(".")[:depth])
+
+    return finer
+
+
+def offload_problem(
+    trace: Trace,
+    link: Link,
+    *,
+    host_budget: int | None = None,
+    key: Callable[[str], str] | None = None,
+) -> OffloadProblem:
+    """The offload problem of a captured step: a chain of the sub-blocks of ``key``'s blocks
+    (``sub_block``, ``chain_from_trace``) and one Item per storage autograd saved that a stage's
+    op made and a backward op reads. A backward op belongs to the stage of its module's
+    sub-block (ops of an ambiguous one go with the previous backward op's stage, as
+    ``chain_from_trace`` does)."""
+    block = sub_block(key or stage_key)
+    chain = chain_from_trace(trace, key=block)
+    n = len(chain)
+    stage_of_op = {i: k for k, st in enumerate(chain.stages) for i in st.ops}
+    stages_by_name: dict[str, list[int]] = {}
+    for k, st in enumerate(chain.stages):
+        stages_by_name.setdefault(st.name, []).append(k)
+    top = "(top level)"
+    back_stage: dict[int, int] = {}
+    current = n - 1
+    for op in trace.ops:
+        if op.phase is Phase.BACKWARD:
+            owners = stages_by_name.get(block(op.module) or top, [])
+            current = owners[0] if len(owners) == 1 else current
+            back_stage[op.index] = current
+    saved = {trace.root(t) for t in trace.saved}
+    maker: dict[int, int] = {}
+    readers: dict[int, set[int]] = {}
+    backward: dict[int, list[int]] = {}
+    for op in trace.ops:
+        if op.phase is Phase.FORWARD and op.index in stage_of_op:
+            for t in op.inputs:
+                readers.setdefault(trace.root(t), set()).add(stage_of_op[op.index])
+            for t in op.outputs:
+                info = trace.tensors[t]
+                if info.alias_of is None and not info.constant and t in saved:
+                    maker.setdefault(t, op.index)
+        elif op.phase is Phase.BACKWARD:
+            for r in {trace.root(t) for t in op.inputs} & saved:
+                backward.setdefault(r, []).append(backward_step(n, back_stage[op.index]))
+    items = []
+    for r, i in sorted(maker.items(), key=lambda kv: (kv[1], kv[0])):
+        if r not in backward:
+            continue
+        a = stage_of_op[i]
+        others = frozenset(readers.get(r, set()) - {a})
+        until = max([a, *others])
+        need, freed = min(backward[r]), max(backward[r])
+        op = trace.ops[i]
+        items.append(
+            Item(
+                f"{op.packet}@{op.module or top}",
+                r,
+                trace.tensors[r].nbytes,
+                a,
+                until,
+                need,
+                max(freed, until),
+                others,
+                until == a and need == backward_step(n, a) and a < n - 1,
+                (i,),
+            )
+        )
+    # steps as runs of ops: a forward step is its stage's ops; a backward step starts at the first
+    # backward op of its stage (or where the next step starts, for a stage without one) and runs
+    # to the next step's start
+    starts: list[int | None] = [min(st.ops) for st in chain.stages] + [None] * n
+    for i, k in sorted(back_stage.items(), reverse=True):
+        starts[backward_step(n, k)] = i
+    end = len(trace.ops)
+    for s in reversed(range(n, 2 * n)):
+        starts[s] = starts[s] if starts[s] is not None else (starts[s + 1] if s + 1 < 2 * n else end - 1)
+    first = [int(x) for x in starts if x is not None]
+    for s in range(n + 1, 2 * n):
+        first[s] = max(first[s], first[s - 1])
+    bounds = [(first[s], max(chain.stages[s].ops)) for s in range(n)]
+    bounds += [(first[s], (first[s + 1] - 1 if s + 1 < 2 * n else end - 1)) for s in range(n, 2 * n)]
+    return OffloadProblem(chain, tuple(items), link, host_budget, tuple(bounds))

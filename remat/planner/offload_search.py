@@ -1,0 +1,237 @@
+"""How ``remat.plan`` weighs offload: three-way solver answers as plans of the captured step.
+
+Why apart from ``remat.planner.search``: a three-way answer is a recomputation plan (single-stage
+regions, as ``search`` makes them) plus storages that leave the device and come back, and its time
+has a part no op costs: the stalls where the link is slower than the compute it hides behind. This
+module maps an ``OffloadSolution`` onto the step: its regions, and each moved storage's op after
+which it leaves (the last op of the step where its copy out runs, or of its last forward reader)
+and the op before which it is back (the first of the step where its copy in starts); it predicts
+the step with both (``predict(..., moved=...)``), adds the solver's stalls, and lowers the solver's
+budget while the step's peak is over the budget, as ``search`` does. The candidates go beside the
+recompute-only ones, so the plan picked is never predicted slower than recomputation alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from remat._errors import RematTypeError, RematValueError, message
+from remat._units import parse_bytes
+from remat.host.link import Link
+from remat.planner.offload_model import OffloadProblem, OffloadSchedule, OffloadSolution, evaluate
+from remat.planner.predict import predict
+from remat.planner.regions import TensorDecision
+from remat.planner.search import Candidate, Step, chain_regions
+from remat.planner.single_level import chain_segments
+from remat.planner.solvers import get
+from remat.policy import Decision
+
+__all__ = ["OffloadCandidate", "check_host", "mark", "offload_arguments", "offload_search", "on_top"]
+
+_ATTEMPTS = 6
+# ``solver="auto"`` tries the three-way MILP up to this many binaries (about 1 s of HiGHS on a tiny GPT-2's
+# 53 saved tensors in 46 steps, 4,000 binaries)
+_MILP_COLUMNS = 8000
+_AUTO_TIME_LIMIT = 5.0  # seconds per MILP solve when ``solver="auto"`` tries it
+_ON_TOP = 4  # recompute-only plans ``solver="auto"`` adds offload to (``on_top``)
+
+
+@dataclass(frozen=True)
+class OffloadCandidate(Candidate):
+    """A three-way plan checked on the step: its moved storages (root, gone after op, back before
+    op), why each moves, the bytes it puts on the host and the stalls it predicts (seconds)."""
+
+    moved: tuple[tuple[int, int, int], ...] = ()
+    reasons: tuple[tuple[int, str], ...] = ()
+    host_bytes: int = 0
+    stall: float = 0.0
+
+
+def offload_arguments(solver: str, three_way: bool, link: object, host_budget: object) -> int | None:
+    """Check ``remat.plan``'s offload arguments; the host budget in bytes (None: unlimited)."""
+    if link is not None and not isinstance(link, Link):
+        raise RematTypeError(
+            message(
+                "plan",
+                "link must be a remat.Link",
+                f"got {type(link).__name__} {link!r}",
+                'pass link=remat.Link(d2h="25GB/s", h2d="25GB/s")',
+            )
+        )
+    if link is None and (three_way or host_budget is not None):
+        given = f"solver={solver!r}" if three_way else f"host_budget={host_budget!r}"
+        raise RematValueError(
+            message(
+                "plan", "offload needs a link model", f"{given} without link", "pass link=remat.Link(...)"
+            )
+        )
+    return None if host_budget is None else parse_bytes(host_budget, api="plan")
+
+
+def checked(
+    step: Step, problem: OffloadProblem, solution: OffloadSolution, base: Candidate | None = None
+) -> OffloadCandidate:
+    """A three-way answer as regions and moves of the step, with the step's predicted figures;
+    on top of the regions of ``base`` when given (``on_top``)."""
+    trace, chain, schedule = step.trace, problem.chain, solution.offload
+    segments = [(k, k + 1) for k in sorted(schedule.recompute)]
+    regions = chain_regions(step, chain, chain_segments(chain, segments))
+    if base is not None:
+        regions = base.regions + regions
+    first_read: dict[int, int] = {}
+    for t, ops in trace.saved_reads().items():
+        if ops:
+            r = trace.root(t)
+            first_read[r] = min(first_read.get(r, ops[0]), *ops)
+    moved, reasons = [], []
+    for m in schedule.moves:
+        it = problem.items[m.item]
+        gone = problem.bounds[max(m.out, it.until)][1]
+        back = min(problem.bounds[m.back][0], first_read.get(it.root, len(trace.ops)))
+        moved.append((it.root, gone, back))
+        why = (
+            f"{solution.solver}: to host in {problem.step_name(m.out)}, back in "
+            f"{problem.step_name(m.back)} for {problem.step_name(it.need)}"
+        )
+        reasons.append((it.root, why))
+    pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved)
+    cost = solution.cost
+    assert cost is not None
+    pred = dataclasses.replace(pred, stall_cost=cost.stall)
+    notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
+    return OffloadCandidate(
+        solution.solver,
+        solution.gap,
+        notes,
+        regions,
+        pred,
+        tuple(moved),
+        tuple(reasons),
+        cost.host_bytes,
+        cost.stall,
+    )
+
+
+def offload_search(
+    step: Step,
+    problem: OffloadProblem,
+    budget: int,
+    baseline: int,
+    solver: str,
+    options: dict[str, Any],
+    recomputing: Sequence[Candidate] = (),
+) -> list[Candidate]:
+    """The three-way plans of ``solver`` (for ``"auto"``: the greedy rule, and the MILP up to
+    ``_MILP_COLUMNS`` binaries), then ``on_top`` of the recompute-only plans ``recomputing``, each
+    solver's budget lowered by what the step's peak was over ``budget`` until one fits (see the
+    module doc)."""
+    if solver == "auto":
+        size = sum(2 * (it.need - it.stage) for it in problem.items if it.movable)
+        solvers = ["offload_greedy"] + (["offload_milp"] if size <= _MILP_COLUMNS else [])
+        options = {"time_limit": _AUTO_TIME_LIMIT, **options}
+    else:
+        solvers = [solver]
+    top = evaluate(problem, OffloadSchedule()).peak_bytes
+    out: list[Candidate] = []
+    for name in solvers:
+        target = budget - (baseline - top)
+        for _ in range(_ATTEMPTS):
+            if target <= 0:
+                break
+            try:
+                mine = options if solver != "auto" or name == "offload_milp" else {}
+                solution = get(name).solve(problem, target, **mine)
+            except RematValueError:
+                break
+            assert isinstance(solution, OffloadSolution)
+            out.append(checked(step, problem, solution))
+            if out[-1].pred.peak_bytes <= budget:
+                break
+            target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
+    out += on_top(step, problem, budget, recomputing)
+    return out
+
+
+def on_top(
+    step: Step, problem: OffloadProblem, budget: int, recomputing: Sequence[Candidate]
+) -> list[Candidate]:
+    """Offload added to recompute-only plans cheaper than any that fits (up to ``_ON_TOP`` of
+    them, spread over their overheads): what they recompute leaves the problem, what their replays
+    read stays on the device (``Item.pinned``), and the greedy rule offloads, without recomputing,
+    until the step fits. So multi-stage regions (a chain DP's, plain checkpointing's), which the
+    three-way solvers' single-stage recomputation cannot make, meet offload too. The stalls are
+    reckoned without the replays' compute to hide behind (an upper bound)."""
+    trace = step.trace
+    fitting = [c.pred.overhead for c in recomputing if c.pred.peak_bytes <= budget]
+    bar = min(fitting, default=math.inf)
+    cheaper = sorted((c for c in recomputing if c.pred.overhead < bar), key=lambda c: c.pred.overhead)
+    picks = cheaper[:: max(1, math.ceil(len(cheaper) / _ON_TOP))]
+    out: list[Candidate] = []
+    for base in picks:
+        dropped = set().union(*base.pred.recomputed)
+        read = {trace.root(t) for _, ops in base.regions for i in ops.ops for t in trace.ops[i].inputs}
+        items = tuple(
+            dataclasses.replace(it, pinned=it.pinned or it.root in read)
+            for it in problem.items
+            if it.root not in dropped
+        )
+        sub = dataclasses.replace(problem, items=items)
+        target = budget - (base.pred.peak_bytes - evaluate(sub, OffloadSchedule()).peak_bytes)
+        for _ in range(_ATTEMPTS):
+            if target <= 0:
+                break
+            try:
+                solution = get("offload_greedy").solve(sub, target, recompute=False)
+            except RematValueError:
+                break
+            assert isinstance(solution, OffloadSolution)
+            out.append(checked(step, sub, solution, base))
+            if out[-1].pred.peak_bytes <= budget:
+                break
+            target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
+    return out
+
+
+def check_host(
+    step: Step, problem: OffloadProblem, budget: int, baseline: int, solver: str, options: dict[str, Any]
+) -> None:
+    """When no plan fits: raise that the host budget is too small if, without it, one would."""
+    if problem.host_budget is None:
+        return
+    free = dataclasses.replace(problem, host_budget=None)
+    fits = [
+        c
+        for c in offload_search(step, free, budget, baseline, solver, options)
+        if c.pred.peak_bytes <= budget
+    ]
+    if fits:
+        need = min(c.host_bytes for c in fits if isinstance(c, OffloadCandidate))
+        raise RematValueError(
+            message(
+                "plan",
+                "host_budget too small for this budget: no plan fits the device within it",
+                f"host_budget {problem.host_budget} bytes; a plan fits with {need} bytes on the host",
+                f"raise host_budget to at least {need} bytes, or the budget",
+            )
+        )
+
+
+def mark(
+    step: Step, tensors: tuple[TensorDecision, ...], chosen: OffloadCandidate
+) -> tuple[TensorDecision, ...]:
+    """``tensors`` (as ``search.decisions`` lists them: one per saved storage a forward op of the
+    model made, by storage) with the moved ones OFFLOAD."""
+    trace = step.trace
+    made = {r for op in step.forward for r in op.outputs}
+    roots = [
+        r for r in sorted({trace.root(t) for t in trace.saved}) if not trace.tensors[r].constant and r in made
+    ]
+    why = dict(chosen.reasons)
+    return tuple(
+        dataclasses.replace(t, action=Decision.OFFLOAD, reason=why[r]) if r in why else t
+        for r, t in zip(roots, tensors, strict=True)
+    )

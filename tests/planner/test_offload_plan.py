@@ -1,0 +1,154 @@
+"""remat.plan with a link: three-way plans of the test models' steps are never predicted slower
+than recomputation alone, reach budgets it cannot, record their OFFLOAD decisions (JSON, the
+table), and refuse clearly what they cannot do."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from models import assert_same, build, train, twin
+from plans import SCALARS, _measured_peak, _traced, trace_with_fixed_costs
+
+import remat
+from remat import Plan, RematTypeError, RematValueError
+from remat.cli import main
+from remat.planner import plan_trace
+from remat.planner.api import BudgetTooSmall
+from remat.policy import Decision
+from remat.trace.types import Trace
+
+FAST = remat.Link(d2h=1e18, h2d=1e18, latency=0)
+SLOW = remat.Link(d2h="1KB/s", h2d="1KB/s")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "cnn"])
+def test_a_three_way_plan_is_never_predicted_slower_than_recomputation_alone(name: str) -> None:
+    trace, base, low = _traced(name)
+    for budget in (low, (low + base) // 2):
+        alone = plan_trace(trace, budget)
+        both = plan_trace(trace, budget, link=remat.Link(), solver="offload_greedy")
+        assert both.predicted_peak_bytes <= budget
+        assert both.predicted_overhead <= alone.predicted_overhead
+        assert both.offloaded_bytes == sum(t.nbytes for t in both.tensors if t.action is Decision.OFFLOAD)
+
+
+def _below(trace: Trace, low: int, link: remat.Link) -> Plan:
+    """The three-way plan at the least of a few budgets below recomputation's smallest peak."""
+    for percent in (90, 93, 96, 99):
+        try:
+            return plan_trace(trace, low * percent // 100, link=link, solver="offload_greedy")
+        except BudgetTooSmall:
+            continue
+    raise AssertionError(f"no three-way plan below {low} bytes")
+
+
+def test_an_infinitely_fast_link_reaches_budgets_recomputation_cannot() -> None:
+    trace, _, low = _traced("gpt2")
+    plan = _below(trace, low, FAST)
+    budget = plan.budget_bytes
+    assert budget < low
+    with pytest.raises(RematValueError, match="budget below the smallest feasible peak"):
+        plan_trace(trace, budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_overhead == pytest.approx(1.0, abs=1e-9)
+    assert plan.offloaded_bytes > 0 and plan.predicted_stall == 0.0
+
+
+def test_a_slow_link_leaves_offload_out_where_recomputation_fits() -> None:
+    trace, base, low = _traced("gpt2")
+    plan = plan_trace(trace, (low + base) // 2, link=SLOW, solver="offload_greedy")
+    assert plan.offloaded_bytes == 0
+    assert any(t.action is Decision.RECOMPUTE for t in plan.tensors)
+
+
+def test_the_host_budget_holds_and_a_too_small_one_is_named() -> None:
+    trace, _, low = _traced("gpt2")
+    free = _below(trace, low, FAST)
+    budget = free.budget_bytes
+    capped = plan_trace(trace, budget, link=FAST, solver="offload_greedy", host_budget=free.offloaded_bytes)
+    assert capped.offloaded_bytes <= free.offloaded_bytes
+    with pytest.raises(
+        RematValueError, match=r"host_budget too small .* a plan fits with \d+ bytes on the host"
+    ):
+        plan_trace(trace, budget, link=FAST, solver="offload_greedy", host_budget=1024)
+
+
+def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) -> None:
+    trace, _, low = _traced("gpt2")
+    plan = plan_trace(trace, low, link=remat.Link(), solver="offload_milp", time_limit=10.0)
+    moved = [t for t in plan.tensors if t.action is Decision.OFFLOAD]
+    assert moved and all("to host in forward of" in t.reason for t in moved)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    out = io.StringIO()
+    plan.explain(file=out)
+    text = out.getvalue()
+    assert "offloaded" in text and "predicted stall" in text and "back in backward of" in text
+    assert "offloaded over Link(d2h=" in str(plan)
+
+
+@pytest.mark.parametrize(
+    ("name", "link", "below", "mixed"),
+    [
+        ("gpt2", FAST, True, False),
+        ("cnn", FAST, True, False),
+        ("gpt2", remat.Link("2GB/s", "2GB/s"), False, True),
+    ],
+)
+def test_an_applied_three_way_plan_is_transparent_and_measures_less(
+    name: str, link: remat.Link, below: bool, mixed: bool
+) -> None:
+    """Outputs, every gradient, buffers and the RNG stream equal to the plain run's, bit for bit;
+    the allocator's peak within the prediction (prefetch is off, so nothing comes back earlier
+    than predicted) and below the plain step's; also for a plan that recomputes and offloads."""
+    trace, _, low = _traced(name)
+    plan = _below(trace, low, link) if below else plan_trace(trace, low, link=link, solver="offload_greedy")
+    assert plan.offloaded_bytes > 0
+    assert bool(plan.regions) is mixed
+    model, batch, _ = build(name)
+    planned = twin(model)
+    plain = train(model, batch, steps=2)
+    ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
+    assert_same(plain, ran)
+    peak = _measured_peak(planned, batch(0), plan)
+    assert peak <= plan.predicted_peak_bytes + SCALARS
+    assert peak < _measured_peak(planned, batch(0), None)
+
+
+def test_bad_offload_arguments_are_refused() -> None:
+    trace, base, _ = _traced("gpt2")
+    with pytest.raises(RematTypeError, match="link must be a remat.Link .*got str"):
+        plan_trace(trace, base, link="25GB/s")  # type: ignore[arg-type]
+    with pytest.raises(RematValueError, match="offload needs a link model .*host_budget"):
+        plan_trace(trace, base, host_budget="1MB")
+    with pytest.raises(RematValueError, match="offload needs a link model .*solver='offload_milp'"):
+        plan_trace(trace, base, solver="offload_milp")
+    with pytest.raises(RematTypeError, match="byte count"):
+        plan_trace(trace, base, link=FAST, host_budget=0.5)  # type: ignore[arg-type]
+    assert "offload_milp" in sys.modules["remat.planner.solvers"].names()
+
+
+def test_the_cli_sweeps_three_way_plans_beside_recomputation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace_with_fixed_costs(monkeypatch)
+    args = ["plan", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "16"]
+    data, png = tmp_path / "p.json", tmp_path / "p.png"
+    sweep = ["--pareto", "--points", "3", "--solvers", "chain", "--repeats", "1", "--link", "25GB/s"]
+    assert main([*args, *sweep, "--json", str(data), "--out", str(png)]) == 0
+    points = json.loads(data.read_text())["points"]
+    assert {p["solver"] for p in points} == {"chain", "auto+offload"}
+    alone = {p["budget"]: p for p in points if p["solver"] == "chain"}
+    both = [(p, alone[p["budget"]]) for p in points if p["solver"] == "auto+offload" and p["budget"] in alone]
+    assert both
+    for three, chain in both:  # at the same budget
+        assert three["predicted_overhead"] <= chain["predicted_overhead"]
+        assert three["measured_peak"] <= three["predicted_peak"] + SCALARS
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        main([*args, "--link", "fast"])
+    assert "cannot parse this rate" in capsys.readouterr().err
