@@ -3,8 +3,10 @@
 Run with ``make demo`` (or ``python -m remat.demo``). Random weights and synthetic tokens on the
 CPU; each strategy trains the same model from the same seed, so losses and gradients must match
 the plain run exactly while the memory goes down. Then one step inside ``remat.dynamic`` at
-fractions of the plain step's peak, DTR and Coop. Two pictures end it: the peak of every run, and
-memory over the step of the plain and dynamic runs.
+fractions of the plain step's peak, DTR and Coop. Then a pipeline: a chain planned per stage and
+run as a 1F1B step on 2 gloo processes (``remat.pipeline.demo``). Pictures end it: the peak of
+every run, memory over the step of the plain and dynamic runs, and the pipeline's schedule with
+each rank's memory against its budget.
 
 Every figure is one a second run repeats: memory from the CPU allocator
 (``remat.memory.track(allocator=True)``), the matrix-multiply FLOPs a step runs (what recomputation
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="SGD steps per strategy")
     parser.add_argument("--out", default="out", help="folder for the pictures")
+    parser.add_argument(
+        "--no-pipeline", action="store_true", help="leave out the pipeline on 2 gloo processes"
+    )
     args = parser.parse_args(argv)
     print(
         f"GPT-2: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens, "
@@ -238,8 +243,16 @@ def main(argv: list[str] | None = None) -> None:
         title=f"{title}: peak memory per strategy",
     )
     draw(runs, memory_path, title=f"{title}: one step, CPU allocator")
+    if not args.no_pipeline:
+        from remat.pipeline.demo import demo as pipeline_demo
+
+        with console(stderr=True).status("remat.pipeline: a planned 1F1B step on 2 gloo processes"):
+            piped = pipeline_demo(args.out)
+        print(piped)
     print(f"Peak memory per strategy: {os.path.abspath(peaks_path)}")
     print(f"Memory over one step, plain and remat.dynamic: {os.path.abspath(memory_path)}")
+    if not args.no_pipeline:
+        print(f"Pipeline schedule and per-rank memory: {os.path.abspath(piped.picture)}")
 
 
 if __name__ == "__main__":

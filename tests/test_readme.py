@@ -137,7 +137,8 @@ def test_readme_commands_run_and_write_their_files(
 
 @pytest.mark.slow
 def test_demo_writes_its_pictures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    demo.main(["--layers", "1", "--width", "64", "--seq", "16", "--batch", "2", "--out", str(tmp_path)])
+    args = ["--layers", "1", "--width", "64", "--seq", "16", "--batch", "2", "--out", str(tmp_path)]
+    demo.main([*args, "--no-pipeline"])  # the pipeline section: tests/pipeline/test_pipeline_gloo.py
     out = capsys.readouterr().out
     for name in ("demo-peaks.png", "demo-memory.png"):
         assert (tmp_path / name).stat().st_size > 0 and name in out
