@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._state import untouched
 from remat._units import format_bytes, parse_bytes
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
@@ -257,15 +258,8 @@ def plan(
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
     order = build(schedule, n_stages, n_microbatches, stages_per_rank, api="pipeline.plan")
     modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
-    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
-    rng = torch.random.get_rng_state()
-    try:
+    with untouched(modules):
         chosen, needs = _plan_stages(modules, order, example_microbatch, target, loss_fn, budget)
-    finally:
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        torch.random.set_rng_state(rng)
     if any(sp is None for sp in chosen):
         each = ", ".join(
             f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)

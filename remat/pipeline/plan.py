@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._files import read_json
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.stage_plan import StagePlan
@@ -222,16 +223,5 @@ class PipelinePlan:
         cls, path: str | os.PathLike[str], model: nn.Module | Sequence[nn.Module] | None = None
     ) -> PipelinePlan:
         """The plan ``save`` wrote to ``path``, holding ``model``."""
-        try:
-            body = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise RematValueError(
-                message("pipeline.load", "no such file", str(path), "pass the path save wrote")
-            ) from None
-        except json.JSONDecodeError as err:
-            raise RematValueError(
-                message(
-                    "pipeline.load", "the plan file is not JSON", f"{path}: {err}", "load a file save wrote"
-                )
-            ) from None
+        body = read_json(path, "pipeline.load", "save")
         return cls.from_json(body, model)

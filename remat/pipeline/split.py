@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematValueError, message
+from remat._state import untouched
 
 __all__ = ["BALANCES", "ChildCost", "balance", "profile"]
 
@@ -55,12 +56,9 @@ def _saved_bytes(child: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int = 3) -> list[ChildCost]:
     """Each child's cost, run one after another from ``example`` (the RNG and buffers restored)."""
-    rng = torch.random.get_rng_state()
-    buffers = [(b, b.detach().clone()) for c in children for b in c.buffers()]
-    grads = [(p, p.grad) for c in children for p in c.parameters()]
     out: list[ChildCost] = []
     x = example.detach()
-    try:
+    with untouched(children):
         for child in children:
             x = x.detach().requires_grad_(x.is_floating_point())
             times = []
@@ -73,13 +71,6 @@ def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int =
             grad_bytes = sum(p.numel() * p.element_size() for p in child.parameters() if p.requires_grad)
             out.append(ChildCost(statistics.median(times), saved, grad_bytes))
             x = y
-    finally:
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        for p, g in grads:
-            p.grad = g
-        torch.random.set_rng_state(rng)
     return out
 
 

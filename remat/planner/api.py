@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._state import untouched
 from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
 from remat.planner.frontier import Frontier, frontier
@@ -81,21 +82,11 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's
     buffers, gradients and the RNG as
     they were (the step's batch-norm updates and dropout draws are undone)."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    rng = torch.random.get_rng_state()
-    model.zero_grad(set_to_none=True)
-    try:
+    with untouched([model]):
+        model.zero_grad(set_to_none=True)
         return capture(
             lambda: _call(model, inputs, loss_fn).backward(), name=type(model).__name__, repeats=repeats
         )
-    finally:
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        for p, g in grads:
-            p.grad = g
-        torch.random.set_rng_state(rng)
 
 
 def block_key(model: nn.Module) -> Callable[[str], str]:

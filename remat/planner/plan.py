@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from remat._errors import RematValueError, message
+from remat._files import read_json
 from remat._units import format_bytes
 from remat.host.link import Link
 from remat.manual.fused import ReplayMode
@@ -192,16 +193,5 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         """The plan ``save`` wrote to ``path``."""
-        try:
-            body = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise RematValueError(
-                message("plan.load", "no such file", str(path), "pass the path plan.save wrote")
-            ) from None
-        except json.JSONDecodeError as err:
-            raise RematValueError(
-                message(
-                    "plan.load", "the plan file is not JSON", f"{path}: {err}", "load a file plan.save wrote"
-                )
-            ) from None
+        body = read_json(path, "plan.load", "plan.save")
         return cls.from_json(body)

@@ -1,0 +1,26 @@
+"""Reading the JSON files remat writes (plans, pipeline plans), with remat's errors for a missing
+or damaged file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from remat._errors import RematValueError, message
+
+
+def read_json(path: str | os.PathLike[str], api: str, writer: str) -> Any:
+    """The JSON body of ``path``; a RematValueError naming ``api`` where the file is missing or is
+    not JSON (``writer``: what writes such files, for the hint)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise RematValueError(
+            message(api, "no such file", str(path), f"pass the path {writer} wrote")
+        ) from None
+    except json.JSONDecodeError as err:
+        raise RematValueError(
+            message(api, "the plan file is not JSON", f"{path}: {err}", f"load a file {writer} wrote")
+        ) from None
