@@ -135,6 +135,7 @@ def main() -> None:
         "args": vars(args),
     }
     suffix = "" if args.schedule == "1f1b" else f"-{args.schedule}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"results{suffix}.json").write_text(
         json.dumps({"env": env, "modes": rows_out}, indent=1) + "\n"
     )
