@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from run import ABLATION, POLICIES, RATIOS  # the same sweep as the DTR logs' (this folder's run.py)
 
 from remat import zoo
 from remat.sim import Outcome, SimResult, simulate
@@ -34,17 +35,6 @@ from remat.trace.codec import load, save
 from remat.trace.types import Op, Trace
 
 HERE = Path(__file__).parent
-RATIOS = [round(0.2 + 0.1 * i, 1) for i in range(8)]
-POLICIES = ["dtr", "dte", "coop", "coop-total"]
-ABLATION = [
-    "coop",
-    "coop-total",
-    "coop-no-layout",
-    "coop-no-opguided",
-    "coop-no-inplace",
-    "coop-per-byte",
-    "dtr-eq",
-]
 # Workloads of the ablation, at 0.3 / 0.5 / 0.7 unless listed here. "-sgd": the step ends with
 # SGD with momentum, whose in-place updates are where recomputable in-place should matter.
 ABLATED = ["gpt2", "gpt2-sgd", "resnet50-sgd", "bert-large", "densenet121", "bilstm"]
