@@ -29,7 +29,9 @@ from torch import nn
 import remat
 from remat.integrations import huggingface
 from remat.integrations.distributed import broadcast_plan, hide_fsdp_hooks
+from remat.planner.api import block_key, plan_trace, trace_step
 from remat.planner.regions import Region
+from remat.trace.types import Op
 
 WORLD = 2
 STEPS = 2
@@ -212,8 +214,16 @@ def _scoped(block: nn.Module) -> None:
 @functools.cache
 def _plan(case: Case) -> remat.Plan:
     """Rank 0 plans on a plain copy with its half batch; every rank gets that plan (once per model:
-    every rank asks in the same order)."""
-    plan = remat.plan(case.build(), half(case.batch(0), 0), 0.7, repeats=1) if dist.get_rank() == 0 else None
+    every rank asks in the same order). The plan is made on the cost model's op costs, not on
+    measured times, so that it is the same however busy the machine is."""
+    plan = None
+    if dist.get_rank() == 0:
+        model = case.build()
+        trace = trace_step(model, half(case.batch(0), 0), repeats=1)
+        events = tuple(
+            dataclasses.replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events
+        )
+        plan = plan_trace(dataclasses.replace(trace, events=events), 0.7, block_key=block_key(model))
     return broadcast_plan(plan)
 
 
