@@ -228,7 +228,8 @@ def plan(
     balance_by: str = "memory",
 ) -> PipelinePlan:
     """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks, ``stages_per_rank``
-    stages each (more than one under ``"interleaved-1f1b"`` only: rank r runs stages r, r + P, ...).
+    stages each (more than one under ``"interleaved-1f1b"``: rank r runs stages r, r + P, ...;
+    under ``"zbv"`` always two: stages r and 2P - 1 - r).
 
     ``model_or_stages`` is a chain (an ``nn.Sequential`` or any module whose children run in
     order), cut into stages balanced by ``"memory"`` (the saved bytes weighed by the
@@ -256,7 +257,8 @@ def plan(
     if balance_by not in BALANCES:
         raise _fail("unknown balance", repr(balance_by), f"use one of {', '.join(BALANCES)}")
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
-    order = build(schedule, n_stages, n_microbatches, stages_per_rank, api="pipeline.plan")
+    per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
+    order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
     modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
     with untouched(modules):
         chosen, needs = _plan_stages(modules, order, example_microbatch, target, loss_fn, budget)

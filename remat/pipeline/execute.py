@@ -10,6 +10,17 @@ step), and runs it under its ``remat.Plan`` (``Plan.apply``) or plainly (the las
 through the module's forward, so the count is that of the schedule's forwards only; batch norm's
 statistics are updated once per micro-batch forward (the replay shields buffers).
 
+NOTE [whole backward at I] Under a schedule that splits the backward (``zbv``: ``I`` for the input
+gradient, ``W`` for the weights), each stage runs a micro-batch's whole backward at ``I`` and has
+nothing left for ``W``: torch's stage does that when given a ``dw_builder``, here one that builds a
+runner with nothing to do. torch's own split (``stage_backward_input`` keeping the autograd graph,
+``stage_backward_weight`` running it again from the nodes where parameters join) replays a
+recomputed region once in ``I`` and once more for every parameter group that reads it in ``W``
+(each is an ``autograd.grad`` call of its own), and holds from ``I`` to ``W`` every tensor the
+forward saved and the gradient at each of those nodes, figures the pipeline model would need
+measured. Whole at ``I``, a micro-batch's plan recomputes once, frees its saved tensors at ``I`` as
+a ``B`` does, and the order of every stage's actions is still ZBV's.
+
 torch.distributed.pipelining is imported here only, when stages are built.
 """
 
@@ -48,16 +59,29 @@ class PlannedStage(nn.Module):
             return self.body(*args)
 
 
+def _nothing_left() -> Callable[[], None]:
+    """The weight-gradient runner of a micro-batch whose backward ran whole (NOTE [whole backward
+    at I])."""
+    return _no_weights
+
+
+def _no_weights() -> None:
+    return None
+
+
 def torch_stage(
     module: nn.Module,
     stage_plan: StagePlan,
     n_stages: int,
     device: torch.device,
     group: torch.distributed.ProcessGroup | None = None,
+    split_backward: bool = False,
 ) -> Any:
     """A torch ``PipelineStage`` running ``module`` as ``stage_plan``'s stage, told the shapes it
     receives and sends (a stage left to infer them runs a forward on empty tensors, which would
-    count as a micro-batch and update batch norm's statistics with garbage)."""
+    count as a micro-batch and update batch norm's statistics with garbage). Under a schedule
+    that splits the backward (``split_backward``), the whole backward runs at ``I`` (NOTE [whole
+    backward at I])."""
     from torch.distributed.pipelining import PipelineStage
 
     def meta(end: tuple[tuple[int, ...], str], grad: bool) -> torch.Tensor:
@@ -72,6 +96,7 @@ def torch_stage(
         input_args=meta(stage_plan.inputs, stage_plan.stage > 0),
         output_args=meta(stage_plan.outputs, True),
         group=group,
+        dw_builder=_nothing_left if split_backward else None,
     )
 
 
@@ -81,19 +106,31 @@ def pipeline_stages(
     n_microbatches: int,
     device: torch.device,
     group: torch.distributed.ProcessGroup | None,
+    split_backward: bool = False,
 ) -> list[Any]:
-    """A torch ``PipelineStage`` per ``(module, stage plan)``, running the plan."""
-    return [torch_stage(PlannedStage(m, sp, n_microbatches), sp, n_stages, device, group) for m, sp in stages]
+    """A torch ``PipelineStage`` per ``(module, stage plan)``, running the plan (``split_backward``:
+    as for ``torch_stage``)."""
+    return [
+        torch_stage(PlannedStage(m, sp, n_microbatches), sp, n_stages, device, group, split_backward)
+        for m, sp in stages
+    ]
 
 
 def torch_schedule(
     name: str, stages: Sequence[Any], n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
 ) -> Any:
     """The torch schedule class for ``name``, over ``stages`` (this rank's, in stage order)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
 
     if name == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(list(stages), n_microbatches, loss_fn=loss_fn)
+    if name == "zbv":
+        return ScheduleZBVZeroBubble(list(stages), n_microbatches, loss_fn=loss_fn)
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if len(stages) != 1 or name not in classes:
         raise RematValueError(

@@ -81,19 +81,28 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _order(module: nn.Module, stage: int, n_microbatches: int, log: list[str]) -> None:
-    """Log ``module``'s forwards and backwards (when its output's gradient arrives) as actions
-    of ``stage``."""
-    count = [0]
+def _order(stage: Any, n_microbatches: int, backward: str, log: list[str]) -> None:
+    """Log the forwards and backwards of torch's pipeline ``stage`` as actions: a forward when its
+    module runs, a backward (``backward``: ``B``, or ``I`` under a split backward) when its
+    output's gradient arrives, and under a split backward each ``W`` when the schedule runs it."""
+    index, count = stage.stage_index, [0]
 
     def forward(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
         i = count[0] % n_microbatches
         count[0] += 1
-        log.append(f"{stage}F{i}")
+        log.append(f"{index}F{i}")
         if out.requires_grad:
-            out.register_hook(lambda grad: log.append(f"{stage}B{i}"))  # type: ignore[func-returns-value]
+            out.register_hook(lambda grad: log.append(f"{index}{backward}{i}"))  # type: ignore[func-returns-value]
 
-    module.register_forward_hook(forward)
+    stage.submod.register_forward_hook(forward)
+    if backward == "I":
+        weights = stage.backward_weight_one_chunk
+
+        def logged(bwd_chunk_id: int, last_backward: bool = False) -> None:
+            log.append(f"{index}W{bwd_chunk_id}")
+            weights(bwd_chunk_id, last_backward=last_backward)
+
+        stage.backward_weight_one_chunk = logged
 
 
 def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
@@ -105,13 +114,15 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
     else:
         modules, cpu = plan.stage_modules(), torch.device("cpu")
         stages = [
-            torch_stage(job.wrap(modules[sp.stage]), sp, plan.order.n_stages, cpu)
+            torch_stage(
+                job.wrap(modules[sp.stage]), sp, plan.order.n_stages, cpu, None, plan.order.split_backward
+            )
             for sp in plan.stage_plans
             if sp.rank == rank
         ]
     log: list[str] = []
     for stage in stages:
-        _order(stage.submod, stage.stage_index, plan.order.n_microbatches, log)
+        _order(stage, plan.order.n_microbatches, "I" if plan.order.split_backward else "B", log)
     schedule = plan.schedule(stages, job.loss_fn)
     first, last = rank == 0, rank == plan.order.rank_of(plan.order.n_stages - 1)
     start = {k: v.detach().clone() for k, v in model.named_buffers()}
@@ -203,9 +214,13 @@ def reference(job: Job) -> nn.Module:
                 a = actions[0]
                 if a.kind == "F":
                     after = None if a.stage == 0 else (a.stage - 1, "F", a.microbatch)
+                elif a.kind == "W":
+                    after = (a.stage, "I", a.microbatch)
                 else:
                     after = (
-                        (a.stage, "F", a.microbatch) if a.stage == last else (a.stage + 1, "B", a.microbatch)
+                        (a.stage, "F", a.microbatch)
+                        if a.stage == last
+                        else (a.stage + 1, a.kind, a.microbatch)
                     )
                 if after is not None and after not in done:
                     break
@@ -216,6 +231,8 @@ def reference(job: Job) -> nn.Module:
                     torch.random.set_rng_state(states[rank])
                     sent[key] = stages[a.stage](received[key])
                     states[rank] = torch.random.get_rng_state()
+                elif a.kind == "W":  # nothing left: the whole backward ran at I
+                    pass
                 elif a.stage == last:
                     job.loss_fn(sent[key], targets[a.microbatch]).backward()
                 else:

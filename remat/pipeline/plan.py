@@ -128,11 +128,13 @@ class PipelinePlan:
             self.order.n_microbatches,
             torch.device(device),
             group,
+            split_backward=self.order.split_backward,
         )
 
     def schedule(self, stages: Sequence[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
         """The torch schedule object that runs ``stages`` (from ``stages``) as this plan's
-        schedule: ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``."""
+        schedule: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or
+        ``ScheduleZBVZeroBubble``."""
         from remat.pipeline.execute import torch_schedule
 
         return torch_schedule(self.order.name, stages, self.order.n_microbatches, loss_fn)

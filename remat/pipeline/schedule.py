@@ -20,6 +20,21 @@ backward alternately, backwards from the rank's last stage), and checked against
 
     interleaved-1f1b, P=2, V=2, M=4, rank 0:  0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 ...
 
+``zbv`` (zero bubble, V-shaped; torch's ``ScheduleZBVZeroBubble``) puts two stages on each rank
+in a V: rank r runs stage r on the way down and stage 2P - 1 - r on the way back, so rank 0 holds
+the first and the last stage and the last rank two adjacent ones (handed over in memory, no send).
+Its backward is split into ``I`` (the input gradient, which the previous stage waits for) and
+``W`` (the weight gradient, which only fills the rank's idle time); the list is rebuilt from that
+class's rules (warm-up ``2 (P - r) - 1`` forwards of the first chunk, then forwards of both
+chunks, then F-I-W triples of each chunk in turn, then the I's and the W's left), the
+micro-batches it pads to ``2P - 1`` dropped as torch drops them::
+
+    zbv, P=2, M=4, rank 0:  0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 ...
+
+In remat's stages an ``I`` runs the whole backward of its micro-batch and its ``W`` finds nothing
+left (NOTE [whole backward at I] in ``remat.pipeline.execute``), so a micro-batch is held from its
+forward to its ``I`` or ``B``.
+
 A ``Schedule`` holds no tensors and no process group: ``remat.pipeline.timeline`` walks it with
 op times to a makespan and per-rank memory; the executor only picks the matching torch class.
 """
@@ -34,15 +49,19 @@ from remat._errors import RematValueError, message
 __all__ = ["SCHEDULES", "Action", "Schedule", "build"]
 
 # The schedules modelled here, by the name ``remat.pipeline.plan`` takes.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 
-_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+# the backward kinds that end what a micro-batch holds on its stage (see the module doc)
+_RELEASES = ("B", "I")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
     """One computation of a stage on a micro-batch: ``kind`` is ``F`` (forward), ``B`` (full
-    backward) or ``W`` (weight gradient only); written as torch writes it, ``"1F0"``."""
+    backward), ``I`` (input gradient) or ``W`` (weight gradient); written as torch writes it,
+    ``"1F0"``."""
 
     stage: int
     kind: str
@@ -59,7 +78,7 @@ class Action:
             raise RematValueError(
                 message(
                     "pipeline.Action.parse",
-                    "an action is <stage><F|B|W><micro-batch>",
+                    "an action is <stage><F|B|I|W><micro-batch>",
                     repr(text),
                     "write it as '1F0'",
                 )
@@ -70,21 +89,30 @@ class Action:
 @dataclass(frozen=True)
 class Schedule:
     """A pipeline schedule: ``actions[r]`` is rank ``r``'s actions in execution order, over
-    ``n_stages`` stages (stage ``s`` on rank ``s % n_ranks``) and ``n_microbatches`` micro-batches."""
+    ``n_stages`` stages and ``n_microbatches`` micro-batches. ``placement`` is ``"loop"`` (stage
+    ``s`` on rank ``s % n_ranks``) or ``"v"`` (down the ranks and back up: stage ``s`` and stage
+    ``2 n_ranks - 1 - s`` on one rank)."""
 
     name: str
     n_ranks: int
     n_stages: int
     n_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into ``I`` and ``W`` actions (``zbv``)."""
+        return any(a.kind == "I" for row in self.actions for a in row)
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs ``stage``."""
-        return stage % self.n_ranks
+        turn, rank = divmod(stage, self.n_ranks)
+        return self.n_ranks - 1 - rank if self.placement == "v" and turn % 2 else rank
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages ``rank`` runs, in order."""
-        return tuple(range(rank, self.n_stages, self.n_ranks))
+        return tuple(s for s in range(self.n_stages) if self.rank_of(s) == rank)
 
     def in_flight(self, stage: int) -> int:
         """The most micro-batches ``stage`` holds at once: forwarded and not yet backwarded."""
@@ -93,7 +121,7 @@ class Schedule:
             if action.stage == stage and action.kind == "F":
                 held += 1
                 most = max(most, held)
-            elif action.stage == stage and action.kind == "B":
+            elif action.stage == stage and action.kind in _RELEASES:
                 held -= 1
         return most
 
@@ -106,7 +134,7 @@ class Schedule:
                 held += 1
                 if action.microbatch == microbatch:
                     return held
-            elif action.stage == stage and action.kind == "B":
+            elif action.stage == stage and action.kind in _RELEASES:
                 held -= 1
         raise RematValueError(
             message(
@@ -172,12 +200,48 @@ def _interleaved(rank: int, p: int, v: int, m: int) -> list[Action]:
     return out
 
 
+def _zbv(rank: int, p: int, m: int) -> list[Action]:
+    # as ScheduleZBVZeroBubble._calculate_single_rank_operations lists them: padded to 2P - 1
+    # micro-batches, the padding and the idle slots left out
+    down, up = rank, 2 * p - 1 - rank
+    counts = {(down, "F"): 0, (up, "F"): 0, (down, "I"): 0, (up, "I"): 0, (down, "W"): 0, (up, "W"): 0}
+    out: list[Action] = []
+
+    def run(stage: int, *kinds: str) -> None:
+        for kind in kinds:
+            out.append(Action(stage, kind, counts[(stage, kind)]))
+            counts[(stage, kind)] += 1
+
+    n = max(2 * p - 1, m)
+    for _ in range(2 * (p - rank) - 1):
+        run(down, "F")
+    for _ in range(rank):
+        run(up, "F")
+        run(down, "F")
+    for _ in range(p - rank):
+        run(up, "F", "I", "W")
+    while counts[(up, "F")] < counts[(down, "F")] or counts[(down, "F")] < n:
+        if counts[(down, "F")] < n:
+            run(down, "F")
+        run(down, "I", "W")
+        run(up, "F", "I", "W")
+    for _ in range(rank):
+        run(down, "I")
+        run(up, "I")
+    for _ in range(p - rank):
+        run(down, "I", "W")
+    for stage in (up, down):
+        while counts[(stage, "W")] < counts[(stage, "I")]:
+            run(stage, "W")
+    return [a for a in out if a.microbatch < m]
+
+
 def build(
     name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1, *, api: str = "pipeline"
 ) -> Schedule:
     """The schedule ``name`` (one of ``SCHEDULES``) for ``n_ranks`` ranks, ``stages_per_rank``
-    stages each (more than one for ``interleaved-1f1b`` only), and ``n_microbatches``
-    micro-batches; a refusal names ``api`` (the caller: ``remat.<api>: ...``)."""
+    stages each (more than one for ``interleaved-1f1b``; two, in a V, for ``zbv``), and
+    ``n_microbatches`` micro-batches; a refusal names ``api`` (the caller: ``remat.<api>: ...``)."""
     if name not in SCHEDULES:
         raise RematValueError(
             message(api, "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
@@ -191,11 +255,20 @@ def build(
                 "pass at least one of each",
             )
         )
-    if stages_per_rank < 1 or (stages_per_rank > 1 and name != "interleaved-1f1b"):
+    if name == "zbv" and stages_per_rank != 2:
         raise RematValueError(
             message(
                 api,
-                "only interleaved-1f1b runs more than one stage per rank",
+                "zbv runs exactly two stages per rank, in a V",
+                f"stages_per_rank={stages_per_rank}",
+                "pass stages_per_rank=2",
+            )
+        )
+    if stages_per_rank < 1 or (stages_per_rank > 1 and name not in ("interleaved-1f1b", "zbv")):
+        raise RematValueError(
+            message(
+                api,
+                "only interleaved-1f1b and zbv run more than one stage per rank",
                 f"{name!r} with stages_per_rank={stages_per_rank}",
                 "pass stages_per_rank=1 or schedule='interleaved-1f1b'",
             )
@@ -224,6 +297,15 @@ def build(
         rows = [_gpipe(r, n_microbatches) for r in range(n_ranks)]
     elif name == "1f1b":
         rows = [_one_f_one_b(r, n_ranks, n_microbatches) for r in range(n_ranks)]
+    elif name == "zbv":
+        rows = [_zbv(r, n_ranks, n_microbatches) for r in range(n_ranks)]
     else:
         rows = [_interleaved(r, n_ranks, stages_per_rank, n_microbatches) for r in range(n_ranks)]
-    return Schedule(name, n_ranks, n_ranks * stages_per_rank, n_microbatches, tuple(tuple(r) for r in rows))
+    return Schedule(
+        name,
+        n_ranks,
+        n_ranks * stages_per_rank,
+        n_microbatches,
+        tuple(tuple(r) for r in rows),
+        "v" if name == "zbv" else "loop",
+    )

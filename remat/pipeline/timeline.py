@@ -8,6 +8,12 @@ actions in order; an action starts when its rank is free and its cross-rank depe
 
     F(s, m)  after F(s-1, m)        (the activation arrives)
     B(s, m)  after B(s+1, m)        (the gradient arrives), and the last stage's B(s, m) after F(s, m)
+    I(s, m)  as B(s, m), after I(s+1, m)
+    W(s, m)  after I(s, m)
+
+Under zbv a stage's ``I`` runs its micro-batch's whole backward and its ``W`` nothing (NOTE
+[whole backward at I] in ``remat.pipeline.execute``): ``I`` costs and frees what ``B`` does, and
+``W`` takes no time and no memory beyond what the rank holds.
 
 Memory (NOTE [held micro-batches]): a rank holds, for each micro-batch it has forwarded and not
 yet backwarded, that micro-batch's saved bytes under its plan and the stage's output (torch's
@@ -83,13 +89,15 @@ class Timeline:
 
 
 def _ready(action: Action, done: dict[tuple[int, str, int], float], last: int) -> float | None:
-    """When ``action``'s cross-rank dependency finished, or None if it has not yet."""
+    """When ``action``'s dependency finished, or None if it has not yet."""
     if action.kind == "F":
         need = (action.stage - 1, "F", action.microbatch) if action.stage > 0 else None
+    elif action.kind == "W":
+        need = (action.stage, "I", action.microbatch)
     elif action.stage == last:
         need = (action.stage, "F", action.microbatch)
     else:
-        need = (action.stage + 1, "B", action.microbatch)
+        need = (action.stage + 1, action.kind, action.microbatch)
     if need is None:
         return 0.0
     return done.get(need)
@@ -123,14 +131,16 @@ def walk(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> Timeline:
                 key = (action.stage, action.microbatch)
                 others = kept[rank] + sum(v for k, v in held[rank].items() if k != key)
                 start = max(free[rank], ready)
-                end = start + (cost.forward_s if action.kind == "F" else cost.backward_s)
-                need = others + cost.peak_bytes
-                spans.append(
-                    Span(rank, action, start, end, cost.recompute_s if action.kind != "F" else 0.0, need)
-                )
+                if action.kind == "W":  # nothing left to run (see the module doc)
+                    end, need, recompute = start, kept[rank] + sum(held[rank].values()), 0.0
+                else:
+                    end = start + (cost.forward_s if action.kind == "F" else cost.backward_s)
+                    need = others + cost.peak_bytes
+                    recompute = cost.recompute_s if action.kind != "F" else 0.0
+                spans.append(Span(rank, action, start, end, recompute, need))
                 if action.kind == "F":
                     held[rank][key] = cost.saved_bytes + cost.output_bytes
-                else:
+                elif action.kind != "W":
                     held[rank].pop(key, None)
                     kept[rank] += cost.output_bytes if action.stage == last else 0
                     if action.stage not in backwarded:

@@ -1,7 +1,8 @@
 """Planned pipelines on 2 CPU processes over gloo, checked against a single-process run.
 
 One spawn (one process group) runs every job of the module, to keep start-up cost down: GPipe,
-1F1B and interleaved 1F1B (two stages per rank), each under per-stage plans made for a budget
+1F1B, interleaved 1F1B and ZBV (two stages per rank, looped or in a V; under ZBV each stage runs a
+micro-batch's whole backward at I and nothing at W), each under per-stage plans made for a budget
 below the plain pipeline's need, on a chain with batch norm and dropout. Each rank reports its
 gradients, buffers, allocator peak, the forward ops it ran (``addmm``: the schedule's forwards and
 the plan's recomputations) and the order its stages ran forwards and backwards in.
@@ -37,10 +38,10 @@ M = 4
 RANKS = 2
 ROWS = 64
 ADDMM = "aten.addmm.default"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
-# a chain of two blocks per stage; interleaved runs on a fixed cut (the memory balance finds one
-# that needs no recomputation at this budget) a little above the others' share of the plain need
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2}
+# a chain of two blocks per stage; interleaved and zbv run on a fixed cut (the memory balance finds
+# one that needs no recomputation at this budget) a little above the others' share of the plain need
 BUILDS = {
     1: functools.partial(mlp_chain, 4, 32, 128, 0.1, True),
     2: functools.partial(mlp_chain, 8, 32, 128, 0.1, True),
