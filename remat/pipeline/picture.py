@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["draw"]
 
 _MIB = 2**20
-_COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "recompute": "#e45756"}
+_COLOURS = {"F": "#4c78a8", "B": "#f58518", "I": "#f58518", "W": "#54a24b", "recompute": "#e45756"}
 
 
 def draw(
@@ -41,6 +41,8 @@ def draw(
     fig = Figure(figsize=(10, 2.2 + 1.9 * ranks), layout="constrained")
     top, *panels = fig.subplots(1 + ranks, 1, sharex=True, height_ratios=[ranks * 0.6] + [1.0] * ranks)
     for span in line.spans:
+        if span.end == span.start:  # a W with nothing left to run (remat.pipeline.timeline)
+            continue
         y = ranks - 1 - span.rank
         ms = (span.start * 1e3, (span.end - span.start) * 1e3)
         top.broken_barh([ms], (y - 0.4, 0.8), color=_COLOURS[span.action.kind], edgecolor="white")
@@ -59,7 +61,11 @@ def draw(
         f"predicted step {line.makespan * 1e3:.1f} ms"
     )
     top.legend(
-        handles=[Patch(color=c, label=k) for k, c in _COLOURS.items() if k != "W"],
+        handles=[
+            Patch(color=c, label=k)
+            for k, c in _COLOURS.items()
+            if k == "recompute" or any(s.action.kind == k and s.end > s.start for s in line.spans)
+        ],
         loc="upper right",
         fontsize=7,
     )

@@ -268,9 +268,9 @@ def build(
         raise RematValueError(
             message(
                 api,
-                "only interleaved-1f1b and zbv run more than one stage per rank",
+                "only interleaved-1f1b runs more than one stage per rank",
                 f"{name!r} with stages_per_rank={stages_per_rank}",
-                "pass stages_per_rank=1 or schedule='interleaved-1f1b'",
+                "pass stages_per_rank=1, or schedule='interleaved-1f1b' (or 'zbv', two in a V)",
             )
         )
     rounds = max(1, n_microbatches // n_ranks)

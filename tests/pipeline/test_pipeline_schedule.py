@@ -3,6 +3,8 @@ micro-batches each rank holds, the makespan and memory of a walk, deadlocks foun
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from remat import RematValueError
@@ -12,6 +14,7 @@ from remat.pipeline import Action, Cost, Schedule, build, walk
 def test_actions_read_and_write_as_torch_writes_them() -> None:
     assert str(Action(1, "F", 0)) == "1F0"
     assert Action.parse("12B3") == Action(12, "B", 3)
+    assert Action.parse("0I2") == Action(0, "I", 2) and str(Action(3, "W", 1)) == "3W1"
     with pytest.raises(RematValueError, match=r"remat\.pipeline\.Action\.parse: an action is .*'1X0'"):
         Action.parse("1X0")
 
@@ -40,8 +43,10 @@ def test_a_schedule_refuses_what_torch_refuses() -> None:
         RematValueError, match=r"1f1b needs at least as many micro-batches as stages \(2 < 4\)"
     ):
         build("1f1b", 4, 2)
-    with pytest.raises(RematValueError, match=r"unknown schedule \('zbv'\); use one of gpipe, 1f1b"):
-        build("zbv", 2, 2)
+    with pytest.raises(RematValueError, match=r"unknown schedule \('zb-h1'\); use one of gpipe, 1f1b"):
+        build("zb-h1", 2, 2)
+    with pytest.raises(RematValueError, match=r"zbv runs exactly two stages per rank.*stages_per_rank=3"):
+        build("zbv", 2, 4, 3)
 
 
 def test_interleaved_runs_each_ranks_stages_in_a_loop_as_torch_lists_them() -> None:
@@ -105,3 +110,46 @@ def test_a_deadlock_is_found_before_anything_runs() -> None:
     )
     with pytest.raises(RematValueError, match=r"the schedule deadlocks.*rank 0: 0B1"):
         walk(stuck, _costs(2, 2, 1.0, 1.0))
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(1, 3), (2, 1), (2, 4), (3, 2), (3, 7), (4, 8), (4, 12)])
+def test_zbv_is_the_order_torch_lists(ranks: int, microbatches: int) -> None:
+    # ScheduleZBVZeroBubble's per-rank list, idle slots dropped (it reads only these attributes);
+    # the gloo test checks the same against what runs
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    torch_side = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, num_stages=2 * ranks)
+    schedule = build("zbv", ranks, microbatches, 2)
+    for rank in range(ranks):
+        listed = ScheduleZBVZeroBubble._calculate_single_rank_operations(torch_side, rank)  # type: ignore[arg-type]
+        assert [str(a) for a in schedule.actions[rank]] == [str(a) for a in listed if a is not None]
+
+
+def test_zbv_places_two_stages_per_rank_in_a_v_and_splits_the_backward() -> None:
+    schedule = build("zbv", 4, 8, 2)
+    assert [schedule.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert schedule.stages_of(1) == (1, 6) and schedule.split_backward
+    assert not build("1f1b", 4, 8).split_backward
+    for m in (4, 8, 12):
+        # a micro-batch is held from its forward to its I (the whole backward runs there)
+        assert [build("zbv", 4, m, 2).in_flight(s) for s in range(8)] == [min(m, 8 - s) for s in range(8)]
+    for rank in range(4):
+        assert sorted(str(a) for a in schedule.actions[rank]) == sorted(
+            f"{s}{k}{m}" for s in schedule.stages_of(rank) for k in "FIW" for m in range(8)
+        )
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (4, 8), (3, 2)])
+def test_zbv_walks_without_deadlock_holding_each_microbatch_from_f_to_i(
+    ranks: int, microbatches: int
+) -> None:
+    schedule = build("zbv", ranks, microbatches, 2)
+    line = walk(schedule, _costs(2 * ranks, microbatches, 1.0, 2.0, saved=10, peak=15))
+    assert all(s.end == s.start for s in line.spans if s.action.kind == "W")
+    assert line.busy(0) == pytest.approx(2 * microbatches * 3.0)
+    for rank, actions in enumerate(schedule.actions):
+        held = most = 0
+        for action in actions:
+            held += {"F": 1, "I": -1, "W": 0}[action.kind]
+            most = max(most, held)
+        assert line.peak_bytes[rank] == (most - 1) * 10 + 15
