@@ -82,11 +82,12 @@ def torch_stage(
     count as a micro-batch and update batch norm's statistics with garbage). Under a schedule
     that splits the backward (``split_backward``), the whole backward runs at ``I`` (NOTE [whole
     backward at I])."""
-    from torch.distributed.pipelining import PipelineStage
 
     def meta(end: tuple[tuple[int, ...], str], grad: bool) -> torch.Tensor:
         t = torch.empty(end[0], dtype=getattr(torch, end[1]), device="meta")
         return t.requires_grad_(grad and t.is_floating_point())
+
+    from torch.distributed.pipelining import PipelineStage
 
     return PipelineStage(
         module,
@@ -116,10 +117,26 @@ def pipeline_stages(
     ]
 
 
+def _compact(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` returning its loss in a storage of its own size.
+
+    NOTE [compact losses] The schedule keeps every micro-batch's loss until the step ends (and
+    hands them to the caller), and ``mse_loss`` or ``smooth_l1_loss`` return theirs in the storage
+    of their elementwise losses, as large as their input: a copy (one scalar, its gradient passed
+    through unchanged) lets that go at once, as the pipeline model counts."""
+
+    def compact(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(output, target)
+        return loss.clone() if loss.untyped_storage().nbytes() > loss.nbytes else loss
+
+    return compact
+
+
 def torch_schedule(
     name: str, stages: Sequence[Any], n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
 ) -> Any:
-    """The torch schedule class for ``name``, over ``stages`` (this rank's, in stage order)."""
+    """The torch schedule class for ``name``, over ``stages`` (this rank's, in stage order), its
+    losses from ``loss_fn`` (NOTE [compact losses])."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -127,6 +144,7 @@ def torch_schedule(
         ScheduleZBVZeroBubble,
     )
 
+    loss_fn = _compact(loss_fn)
     if name == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(list(stages), n_microbatches, loss_fn=loss_fn)
     if name == "zbv":

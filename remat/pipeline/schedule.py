@@ -101,6 +101,12 @@ class Schedule:
     placement: str = "loop"
 
     @property
+    def keeps_sends(self) -> bool:
+        """Whether torch runs it with ``_PipelineScheduleRuntime``, which keeps every send's work,
+        and the tensor it sends, until the step ends (``interleaved-1f1b``, ``zbv``)."""
+        return self.name in ("interleaved-1f1b", "zbv")
+
+    @property
     def split_backward(self) -> bool:
         """Whether the backward is split into ``I`` and ``W`` actions (``zbv``)."""
         return any(a.kind == "I" for row in self.actions for a in row)

@@ -153,3 +153,23 @@ def test_zbv_walks_without_deadlock_holding_each_microbatch_from_f_to_i(
             held += {"F": 1, "I": -1, "W": 0}[action.kind]
             most = max(most, held)
         assert line.peak_bytes[rank] == (most - 1) * 10 + 15
+
+
+def test_a_schedule_that_keeps_its_sends_holds_them_to_the_steps_end() -> None:
+    # NOTE [sends kept to the end]: interleaved 1F1B and ZBV keep every stage's output (sent
+    # forward) and input gradient (sent backward) once the micro-batch's backward ran; 1F1B only
+    # its last transfers (transfer_bytes, from the start)
+    def costs(stages: int) -> tuple:
+        return tuple(tuple(Cost(1.0, 1.0, 0.0, 0, 0, 8, 0, 100) for _ in range(4)) for _ in range(stages))
+
+    looped = build("interleaved-1f1b", 2, 4, 2)
+    assert looped.keeps_sends and build("zbv", 2, 4, 2).keeps_sends and not build("1f1b", 2, 4).keeps_sends
+    line = walk(looped, costs(4))
+    # rank 0 (stages 0, 2): 4 outputs of stage 0, 4 outputs and input gradients of stage 2
+    assert line.memory[0][-1][1] == 4 * 8 + 4 * 16
+    # rank 1 (stages 1, 3): stage 1 as stage 2, stage 3 its input gradients and its outputs (kept
+    # for the end), and at the end its outputs concatenated, the sends gone
+    assert max(b for _, b in line.memory[1]) == 4 * 16 + 4 * 8 + 4 * 8
+    assert line.memory[1][-1][1] == 4 * 8 + 4 * 8
+    one = walk(build("1f1b", 2, 4), costs(2))
+    assert one.memory[0][-1][1] == 100 and one.memory[1][-1][1] == 100 + 4 * 8 + 4 * 8
