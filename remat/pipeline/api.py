@@ -190,8 +190,9 @@ def _candidates(found: Frontier, module: nn.Module) -> list[Candidate]:
 
 
 def _as_plan(found: Frontier, candidate: Candidate) -> Plan:
-    """``candidate`` as the ``remat.Plan`` the static planner returns for it."""
-    return plan_at(replace(found, candidates=(candidate,)), candidate.pred.peak_bytes)
+    """``candidate`` as the ``remat.Plan`` the static planner returns for it, noted by who made it."""
+    one = plan_at(replace(found, candidates=(candidate,)), candidate.pred.peak_bytes)
+    return replace(one, notes=f"{candidate.solver}: {candidate.notes}")
 
 
 def _with_plan(base: StagePlan, plan: Plan, plain_held: int) -> StagePlan:
