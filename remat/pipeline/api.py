@@ -228,7 +228,14 @@ def _choose(
     found = frontier(trace, "auto", block_key(module))
     plain_held = plan_at(found, found.baseline).predicted_held_bytes
     if checkpoint != "planned":
-        sp = replace(_with_plan(base, _as_plan(found, _per_block(found, module)), plain_held),
+        uniform = _per_block(found, module)
+        if not uniform.regions:
+            raise _fail(
+                f"checkpoint={checkpoint!r} checkpoints each child of a stage, and this one has none",
+                f"stage {base.stage}: {type(module).__name__}",
+                "pass stages with children, such as nn.Sequential, or checkpoint='planned'",
+            )
+        sp = replace(_with_plan(base, _as_plan(found, uniform), plain_held),
                      except_last=checkpoint == "except_last")  # fmt: skip
         need = _rank_peak(order, sp, others)
         return (sp if need <= budget else None), need

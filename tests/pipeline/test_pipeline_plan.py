@@ -225,6 +225,18 @@ def test_torchgpipes_uniform_modes(example) -> None:
     assert all(sp.plan is None for sp in never.stage_plans)
     with pytest.raises(RematValueError, match=r"budget_per_rank below what some rank needs.*rank 0 needs"):
         _plan(example, max(never.timeline().peak_bytes) - 1, checkpoint="never", op_costs="model")
+    _, x, y = example
+    with pytest.raises(RematValueError, match=r"checkpoints each child of a stage.*\(stage 0: Linear\)"):
+        pp.plan(
+            [nn.Linear(32, 32), nn.Linear(32, 32)],
+            x,
+            n_stages=2,
+            n_microbatches=M,
+            budget_per_rank="1GB",
+            loss_fn=nn.functional.mse_loss,
+            target=y,
+            checkpoint="always",
+        )
     with pytest.raises(RematValueError, match=r"unknown checkpoint mode \('sometimes'\); use one of planned"):
         _plan(example, "1GB", checkpoint="sometimes")
     with pytest.raises(RematValueError, match=r"unknown op costs \('guessed'\); use one of measured, model"):
