@@ -2,8 +2,13 @@
 a 1F1B (or interleaved 1F1B) pipeline of P CPU processes over gloo (torch.distributed.pipelining).
 
     PYTHONPATH=. python benchmarks/pipeline/run.py --ranks 4 --microbatches 8 --out benchmarks/pipeline
+    PYTHONPATH=. python benchmarks/pipeline/run.py --model gpt2 --seq 64 --rows 8 --row-step 2 \
+        --out benchmarks/pipeline
 
-Four modes share the cut (an even split of the blocks, as one cuts a model by hand) and the batch:
+The model is the built-in MLP chain (--blocks, --width, --hidden; --rows rows per micro-batch) or
+the zoo's tiny GPT-2 cut at its embeddings, blocks and head (remat.pipeline.zoo_chain; --rows
+sequences of --seq tokens per micro-batch).
+Four modes share the cut (an even split of the children, as one cuts a model by hand) and the batch:
   none         no recomputation
   always       every block of every stage under torch.utils.checkpoint (use_reentrant=False) in
                every micro-batch: torchgpipe's 'always', and torch.distributed.pipelining with
@@ -20,7 +25,8 @@ Measured, per rank: the CPU time of a step (median of --steps, time.process_time
 and the allocator's peak in one more step (remat.memory.track(allocator=True)).
 The largest micro-batch each of none and planned fits in the same budget is found by the plan's
 prediction (rows in steps of --row-step) and run once more to measure each rank's peak.
-Writes results.json and planned.png (1f1b) or results-<schedule>.json and planned-<schedule>.png.
+Writes results<suffix>.json and planned<suffix>.png, the suffix naming the schedule if not 1f1b,
+and the model if not the 64x256 MLP chain (-256x1024, -gpt2).
 """
 
 from __future__ import annotations
@@ -47,9 +53,15 @@ from remat import RematValueError
 from remat.pipeline.chain import mlp_chain
 from remat.pipeline.launch import Job, run
 from remat.pipeline.picture import draw
+from remat.pipeline.zoo_chain import gpt2_chain, token_loss
 
 MODES = ("none", "always", "except_last", "planned")
-LOSS = nn.functional.mse_loss
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gpt2_model(seq: int) -> nn.Module:
+    """The zoo's tiny GPT-2 as a chain (the same weights in every process)."""
+    return gpt2_chain(1, seq)[0]
 
 
 class Checkpointed(nn.Module):
@@ -83,20 +95,25 @@ def checkpoint_blocks_except_last(n_microbatches: int, stage: nn.Module) -> nn.M
 
 
 def _step_times(
-    module: nn.Module, x: torch.Tensor, y: torch.Tensor, last: bool, context: AbstractContextManager[Any]
+    module: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Loss,
+    last: bool,
+    context: AbstractContextManager[Any],
 ) -> tuple[float, float]:
     """CPU seconds of one forward (under ``context``) and one backward of ``module`` on ``x``."""
     start = time.process_time()
     with context:
         out = module(x)
-        loss = LOSS(out, y) if last else out
+        loss = loss_fn(out, y) if last else out
     mid = time.process_time()
     loss.backward(None if last else torch.ones_like(out))
     return mid - start, time.process_time() - mid
 
 
 def stage_times(
-    plans: dict[str, pp.PipelinePlan], x: torch.Tensor, y: torch.Tensor, rounds: int
+    plans: dict[str, pp.PipelinePlan], x: torch.Tensor, y: torch.Tensor, loss_fn: Loss, rounds: int
 ) -> dict[str, list[tuple[float, float]]]:
     """Per mode and stage, the median forward and backward CPU seconds of one micro-batch (``x``
     enters the first stage, ``y`` is the target) as the mode runs it: plain, every block under
@@ -115,7 +132,8 @@ def stage_times(
 
         def once() -> tuple[float, float]:
             context = nullcontext() if plan is None else plan.apply(modules[s])
-            return _step_times(body, inputs[s].detach().requires_grad_(s > 0), y, s == n - 1, context)
+            feed = inputs[s].detach().requires_grad_(s > 0 and inputs[s].is_floating_point())
+            return _step_times(body, feed, y, loss_fn, s == n - 1, context)
 
         return once
 
@@ -174,6 +192,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--rows", type=int, default=128, help="rows per micro-batch")
     parser.add_argument("--row-step", type=int, default=16, help="rows step of the largest micro-batch")
+    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"))
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (gpt2; rows are sequences)")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
@@ -184,15 +204,26 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/pipeline")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    build = functools.partial(mlp_chain, args.blocks, args.width, args.hidden)
+    gpt2 = args.model == "gpt2"
+    build = (
+        functools.partial(gpt2_model, args.seq)
+        if gpt2
+        else functools.partial(mlp_chain, args.blocks, args.width, args.hidden)
+    )
+    loss: Loss = token_loss if gpt2 else nn.functional.mse_loss
     torch.manual_seed(0)
     model = build()
     m = args.microbatches
     n_stages = args.ranks * args.stages_per_rank
-    cut = [args.blocks * s // n_stages for s in range(1, n_stages)]
+    children = len(list(model.children()))
+    cut = [children * s // n_stages for s in range(1, n_stages)]
 
     def batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(rows)
+        if gpt2:
+            vocab = model[-1].lm_head.out_features
+            tokens = torch.randint(0, vocab, (m * rows, args.seq), generator=g)
+            return tokens, tokens.roll(-1, 1)
         return torch.randn(m * rows, args.width, generator=g), torch.randn(m * rows, args.width, generator=g)
 
     def plan_for(mode: str, rows: int, budget: int | str, costs: str = "measured") -> pp.PipelinePlan:
@@ -205,7 +236,7 @@ def main() -> None:
             schedule=args.schedule,
             stages_per_rank=args.stages_per_rank,
             budget_per_rank=budget,
-            loss_fn=LOSS,
+            loss_fn=loss,
             target=y[:rows],
             boundaries=cut,
             checkpoint=mode,
@@ -218,7 +249,7 @@ def main() -> None:
     plans["planned"] = plan_for("planned", rows, budget)
     plans["planned"].explain()
     x, y = batch(rows)
-    times = stage_times(plans, x[:rows], y[:rows], args.rounds)
+    times = stage_times(plans, x[:rows], y[:rows], loss, args.rounds)
     predicted = {mode: timed(plans[mode], times[mode], times["none"]) for mode in MODES}
 
     def fits(mode: str) -> Callable[[int], pp.PipelinePlan | None]:
@@ -246,7 +277,7 @@ def main() -> None:
             (plans[mode] if mode == "planned" else plans["none"]).to_json(),
             x,
             y,
-            LOSS,
+            loss,
             1,
             wraps[mode],
             args.steps,
@@ -255,7 +286,7 @@ def main() -> None:
     ]
     for _, (r, p) in big.items():
         assert p is not None
-        jobs.append(Job(build, p.to_json(), *batch(r), LOSS, 1, None, 1))
+        jobs.append(Job(build, p.to_json(), *batch(r), loss, 1, None, 1))
     results = run(jobs, args.ranks, tempfile.mkdtemp(prefix="remat-pipeline-"))
     rows_out = []
     for mode, ranks in zip(MODES, results, strict=False):
@@ -295,7 +326,7 @@ def main() -> None:
         "args": vars(args),
     }
     suffix = ("" if args.schedule == "1f1b" else f"-{args.schedule}") + (
-        "" if (args.width, args.hidden) == (64, 256) else f"-{args.width}x{args.hidden}"
+        "-gpt2" if gpt2 else "" if (args.width, args.hidden) == (64, 256) else f"-{args.width}x{args.hidden}"
     )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"results{suffix}.json").write_text(
