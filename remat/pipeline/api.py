@@ -7,10 +7,14 @@ stage's step on one micro-batch is traced (``remat.planner.trace_step``), and ev
 static planner offers it at any budget (``remat.planner.frontier``) is weighed on the rank by the
 pipeline model (``remat.pipeline.timeline``): the micro-batches the rank holds at once each keep
 what the plan saves, and the one running its step adds the plan's own peak. The fitting plan that
-recomputes least wins (NOTE [stage plans from the frontier]). Where the budget allows, the
+recomputes least wins (NOTE [stage plans from the frontier]); plain checkpointing's plans (every
+block its own region, as ``torch.utils.checkpoint`` per block) are always among those weighed, so
+a rank budget that uniform per-block checkpointing meets is met. Where the budget allows, the
 last micro-batch runs without recomputation (torchgpipe's ``except_last``: its backward follows at
 once). A budget that no plan meets on some rank raises before any process starts, naming what
-each rank needs.
+each rank needs. ``checkpoint="always" | "except_last" | "never"`` gives torchgpipe's uniform modes
+instead: every block of every stage checkpointed in every micro-batch, in all but the last, or in
+none.
 
 Under interleaved 1F1B a rank runs several stages, each holding its own count of micro-batches
 (``Schedule.in_flight``), and shares one budget among them: the stages are planned twice, first
@@ -36,13 +40,23 @@ from remat.pipeline.split import BALANCES, balance, profile
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import walk
 from remat.planner.api import block_key, plan_at, plan_trace, trace_step
-from remat.planner.frontier import frontier
+from remat.planner.frontier import Frontier, frontier
+from remat.planner.plan import Plan
+from remat.planner.search import Candidate, chain_regions, floor, predicted
+from remat.planner.single_level import chain_segments
 from remat.trace.events import Phase
-from remat.trace.types import Trace
+from remat.trace.types import Op, Trace
 
-__all__ = ["measure", "plan"]
+__all__ = ["CHECKPOINT_MODES", "OP_COSTS", "measure", "plan"]
 
 _UNLIMITED = 2**62
+
+# "planned" per stage; torchgpipe's uniform modes: every block checkpointed in every micro-batch,
+# in all but the last, in none
+CHECKPOINT_MODES: tuple[str, ...] = ("planned", "always", "except_last", "never")
+# the op times the plans are weighed with: as measured on the example, or the cost model's
+# estimates (the same on every machine and every run)
+OP_COSTS: tuple[str, ...] = ("measured", "model")
 
 
 def _fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValueError) -> Exception:
@@ -105,18 +119,23 @@ def measure(
     x: torch.Tensor,
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    op_costs: str = "measured",
 ) -> tuple[StagePlan, Trace, torch.Tensor]:
     """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
     micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
-    step, the trace, and its output (detached; the buffers and the RNG are the caller's to
-    restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
+    step (``op_costs``: its measured op times, or the cost model's estimates), the trace, and its
+    output (detached; the buffers and the RNG are the caller's to restore). The last stage's step
+    ends in ``loss_fn(output, target)``, the others' in a sum."""
     last = stage == order.n_stages - 1
     inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
 
     def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return loss_fn(m(x), target) if last else m(x).sum()
 
-    trace = trace_step(module, (inputs,), step_loss)
+    trace = trace_step(module, (inputs,), step_loss, repeats=3 if op_costs == "measured" else 1)
+    if op_costs == "model":
+        events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
+        trace = replace(trace, events=events)
     with torch.no_grad():
         out = module(inputs).detach()
     sizes = [t.numel() * t.element_size() for t in (inputs, out)]
@@ -132,40 +151,101 @@ def measure(
     return base, trace, out
 
 
+def _per_block(found: Frontier, module: nn.Module) -> Candidate:
+    """Uniform per-block checkpointing of the stage as a plan: each child of ``module`` its own
+    region (what ``torch.utils.checkpoint`` around each child does)."""
+    children = {name for name, _ in module.named_children()}
+    blocks = [(k, k + 1) for k, stage in enumerate(found.chain.stages) if stage.name in children]
+    regions = chain_regions(found.step, found.chain, chain_segments(found.chain, blocks))
+    return Candidate("auto", None, "every block checkpointed", regions, predicted(found.step, regions))
+
+
+def _candidates(found: Frontier, module: nn.Module) -> list[Candidate]:
+    """The plans weighed for a stage: the frontier's, plain checkpointing's and the chain DP's
+    plans near the smallest peak (``floor``), and uniform per-block checkpointing, less each one
+    another matches or beats in peak, held bytes and overhead at once (the first of equal ones
+    kept). NOTE [stage plans from the frontier] the frontier keeps only the plans no other beats
+    in one step's peak and overhead; on a rank holding several micro-batches the bytes a plan
+    holds from its forward to its backward count once per micro-batch, so a plan the frontier
+    drops (per-block checkpointing beside "every block but the last" at the same peak) may be the
+    only one that fits."""
+    tried = [*found.candidates, *floor(found.step, found.chain), _per_block(found, module)]
+
+    def figures(c: Candidate) -> tuple[int, int, float]:
+        return c.pred.peak_bytes, c.pred.held_bytes, c.pred.overhead
+
+    def beaten(k: int) -> bool:
+        mine = figures(tried[k])
+        for j, other in enumerate(tried):
+            theirs = figures(other)
+            if (
+                j != k
+                and all(a <= b for a, b in zip(theirs, mine, strict=True))
+                and (theirs != mine or j < k)
+            ):
+                return True
+        return False
+
+    return [c for k, c in enumerate(tried) if not beaten(k)]
+
+
+def _as_plan(found: Frontier, candidate: Candidate) -> Plan:
+    """``candidate`` as the ``remat.Plan`` the static planner returns for it, noted by who made it."""
+    one = plan_at(replace(found, candidates=(candidate,)), candidate.pred.peak_bytes)
+    return replace(one, notes=f"{candidate.solver}: {candidate.notes}")
+
+
+def _with_plan(base: StagePlan, plan: Plan, plain_held: int) -> StagePlan:
+    """``base`` (nothing planned) running ``plan`` on its micro-batches."""
+    return replace(
+        base,
+        plan=plan,
+        recompute_s=max(plan.predicted_overhead - 1.0, 0.0) * (base.forward_s + base.backward_s),
+        # what a micro-batch in flight holds: the plain step's saved bytes (as the pipeline model
+        # counts them) less what the plan frees by the forward's end, or plus what its regions hold
+        # (their inputs, generator states)
+        saved_bytes=base.plain_saved_bytes + plan.predicted_held_bytes - plain_held,
+        peak_bytes=plan.predicted_peak_bytes,
+    )
+
+
 def _choose(
     order: Schedule,
     base: StagePlan,
     trace: Trace,
-    key: Callable[[str], str],
+    module: nn.Module,
     budget: int,
     others: Sequence[StagePlan | None],
+    checkpoint: str,
 ) -> tuple[StagePlan | None, int]:
     """The stage's plan with the least predicted overhead that fits ``budget`` on its rank beside
     ``others`` (the other stages' plans, as for ``_rank_peak``), or None, and the least peak found
-    on the rank, from ``base`` (nothing planned)."""
-    f, b = base.forward_s, base.backward_s
+    on the rank, from ``base`` (nothing planned). Under a uniform ``checkpoint`` mode, that mode's
+    plan and its peak."""
     lowest = _rank_peak(order, base, others)
-    if lowest <= budget:
-        return base, lowest
-    # NOTE [stage plans from the frontier] every plan the static planner offers this stage, at any
-    # one-micro-batch budget (found once: remat.planner.frontier), is weighed on the rank as the
-    # schedule runs it; the cheapest that fits wins. A rank budget that one plan meets is then met
-    # at every larger budget, and the least peak named in a refusal does not depend on the budget.
-    found = frontier(trace, "auto", key)
+    if checkpoint == "never" or (checkpoint == "planned" and lowest <= budget):
+        return (base if lowest <= budget else None), lowest
+    found = frontier(trace, "auto", block_key(module))
     plain_held = plan_at(found, found.baseline).predicted_held_bytes
+    if checkpoint != "planned":
+        uniform = _per_block(found, module)
+        if not uniform.regions:
+            raise _fail(
+                f"checkpoint={checkpoint!r} checkpoints each child of a stage, and this one has none",
+                f"stage {base.stage}: {type(module).__name__}",
+                "pass stages with children, such as nn.Sequential, or checkpoint='planned'",
+            )
+        sp = replace(_with_plan(base, _as_plan(found, uniform), plain_held),
+                     except_last=checkpoint == "except_last")  # fmt: skip
+        need = _rank_peak(order, sp, others)
+        return (sp if need <= budget else None), need
+    # NOTE [stage plans from the frontier] every plan weighed (``_candidates``: found once, for any
+    # one-micro-batch budget) is run on the rank as the schedule runs it; the cheapest that fits
+    # wins. A rank budget that one plan meets is then met at every larger budget, and the least
+    # peak named in a refusal does not depend on the budget.
     fits = []
-    for peak in sorted({c.pred.peak_bytes for c in found.candidates}):
-        one = plan_at(found, peak)
-        sp = replace(
-            base,
-            plan=one,
-            recompute_s=max(one.predicted_overhead - 1.0, 0.0) * (f + b),
-            # what a micro-batch in flight holds: the plain step's saved bytes (as the pipeline
-            # model counts them) less what the plan frees by the forward's end, or plus what its
-            # regions hold (their inputs, generator states)
-            saved_bytes=base.plain_saved_bytes + one.predicted_held_bytes - plain_held,
-            peak_bytes=one.predicted_peak_bytes,
-        )
+    for candidate in _candidates(found, module):
+        sp = _with_plan(base, _as_plan(found, candidate), plain_held)
         need = _rank_peak(order, sp, others)
         lowest = min(lowest, need)
         if need <= budget:
@@ -184,6 +264,8 @@ def _plan_stages(
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     budget: int,
+    checkpoint: str,
+    op_costs: str,
 ) -> tuple[list[StagePlan | None], list[int]]:
     """Each stage's plan (None where none fits) and the least peak found on its rank, the stages
     fed one after another from ``example``. Where a rank runs several stages, each is first planned
@@ -192,7 +274,7 @@ def _plan_stages(
     measured = []
     x = example.detach()
     for s, module in enumerate(modules):
-        base, trace, x = measure(order, s, module, x, target, loss_fn)
+        base, trace, x = measure(order, s, module, x, target, loss_fn, op_costs)
         measured.append((base, trace))
     chosen: list[StagePlan | None] = [None] * order.n_stages
     needs = [0] * order.n_stages
@@ -200,7 +282,7 @@ def _plan_stages(
     for rounds in range(1 if order.n_stages == order.n_ranks else 2):
         for s, (base, trace) in enumerate(measured):
             sp, needs[s] = _choose(
-                order, base, trace, block_key(modules[s]), budget, chosen if rounds else alike
+                order, base, trace, modules[s], budget, chosen if rounds else alike, checkpoint
             )
             chosen[s] = sp if sp is not None or not rounds else chosen[s]
     if rounds and all(sp is not None for sp in chosen):
@@ -226,6 +308,8 @@ def plan(
     target: torch.Tensor,
     boundaries: Sequence[int] | None = None,
     balance_by: str = "memory",
+    checkpoint: str = "planned",
+    op_costs: str = "measured",
 ) -> PipelinePlan:
     """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks, ``stages_per_rank``
     stages each (more than one under ``"interleaved-1f1b"``: rank r runs stages r, r + P, ...;
@@ -242,6 +326,13 @@ def plan(
     (``remat.memory.track(allocator=True)`` around ``schedule.step``), parameters not counted.
     ``schedule`` is one of ``remat.pipeline.SCHEDULES``. The model's buffers, gradients and the
     RNG are left as they were.
+
+    ``checkpoint`` is ``"planned"`` (each stage's plan chosen within the budget, see the module
+    doc) or one of torchgpipe's uniform modes, each child of every stage its own checkpointed
+    region: ``"always"`` in every micro-batch, ``"except_last"`` in all but the last, ``"never"``
+    in none (a mode the budget cannot hold is refused, naming each rank's need). ``op_costs`` is
+    ``"measured"`` (the op times of the example's step) or ``"model"`` (the cost model's
+    estimates: the same plan on every run and machine).
     """
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
@@ -256,12 +347,18 @@ def plan(
         )
     if balance_by not in BALANCES:
         raise _fail("unknown balance", repr(balance_by), f"use one of {', '.join(BALANCES)}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise _fail("unknown checkpoint mode", repr(checkpoint), f"use one of {', '.join(CHECKPOINT_MODES)}")
+    if op_costs not in OP_COSTS:
+        raise _fail("unknown op costs", repr(op_costs), f"use one of {', '.join(OP_COSTS)}")
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
     per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
     modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
     with untouched(modules):
-        chosen, needs = _plan_stages(modules, order, example_microbatch, target, loss_fn, budget)
+        chosen, needs = _plan_stages(
+            modules, order, example_microbatch, target, loss_fn, budget, checkpoint, op_costs
+        )
     if any(sp is None for sp in chosen):
         each = ", ".join(
             f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)

@@ -1,25 +1,31 @@
-"""``remat pipeline``: plan a pipeline step of the built-in chain, explain it per rank and draw it.
+"""``remat pipeline``: plan a pipeline step of a chain, explain it per rank and draw it.
 
     remat pipeline --model mlp --stages 4 --microbatches 8 --schedule 1f1b --budget 3MB --plot p.png
+    remat pipeline --model gpt2 --stages 4 --microbatches 8 --batch 8 --seq 64 --budget 4MB
 
-The model is ``remat.pipeline.chain.mlp_chain`` (``--blocks``, ``--width``, ``--hidden``,
-``--batch`` rows per micro-batch); the plan (``remat.pipeline.plan``) is printed as its per-rank
-table, saved with ``--save``, and its pipeline model drawn with ``--plot``. Nothing is started:
-running it takes processes (``PipelinePlan.stages``, ``remat.pipeline.launch``).
+The model is the built-in chain ``remat.pipeline.chain.mlp_chain`` (``--blocks``, ``--width``,
+``--hidden``, ``--batch`` rows per micro-batch) or the zoo's tiny GPT-2 cut at its embeddings,
+blocks and head (``remat.pipeline.zoo_chain``; ``--batch`` sequences of ``--seq`` tokens per
+micro-batch); ``--checkpoint`` picks torchgpipe's uniform modes instead of the plan. The plan
+(``remat.pipeline.plan``) is printed as its per-rank table, saved with ``--save``, and its
+pipeline model drawn with ``--plot``. Nothing is started: running it takes processes
+(``PipelinePlan.stages``, ``remat.pipeline.launch``).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from remat._errors import RematError
 from remat._units import parse_bytes
 
-MODELS = ("mlp",)
+MODELS = ("mlp", "gpt2")
 
 
 def register(subparsers: Any) -> None:
+    from remat.pipeline.api import CHECKPOINT_MODES
     from remat.pipeline.schedule import SCHEDULES
 
     parser = subparsers.add_parser(
@@ -27,11 +33,22 @@ def register(subparsers: Any) -> None:
         help="plan recomputation per stage and micro-batch of a pipeline, explain and draw it",
         description="Cut the built-in chain into stages, plan each within a per-rank budget, explain it.",
     )
-    parser.add_argument("--model", default="mlp", choices=MODELS, help="the built-in chain of MLP blocks")
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        choices=MODELS,
+        help="the built-in chain of MLP blocks, or the zoo's tiny GPT-2",
+    )
     parser.add_argument("--blocks", type=_positive, default=8, help="blocks in the chain (default 8)")
     parser.add_argument("--width", type=_positive, default=64, help="block width (default 64)")
     parser.add_argument("--hidden", type=_positive, default=256, help="hidden width (default 256)")
-    parser.add_argument("--batch", type=_positive, default=256, help="rows per micro-batch (default 256)")
+    parser.add_argument(
+        "--batch",
+        type=_positive,
+        default=256,
+        help="rows (mlp) or sequences (gpt2) per micro-batch (default 256)",
+    )
+    parser.add_argument("--seq", type=_positive, default=64, help="tokens per sequence (gpt2; default 64)")
     parser.add_argument("--stages", type=_positive, required=True, help="ranks (processes)")
     parser.add_argument(
         "--stages-per-rank",
@@ -43,6 +60,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="schedule (default 1f1b)")
     parser.add_argument("--budget", required=True, type=_budget, help="bytes per rank ('3MB')")
     parser.add_argument("--balance", default="memory", choices=("memory", "time"), help="how to cut")
+    parser.add_argument(
+        "--checkpoint",
+        default="planned",
+        choices=CHECKPOINT_MODES,
+        help="planned per stage (default), or torchgpipe's uniform modes: every block checkpointed",
+    )
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (PipelinePlan.load reads it)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the schedule and per-rank memory")
     parser.set_defaults(func=run)
@@ -72,10 +95,17 @@ def run(args: argparse.Namespace) -> int:
     from remat.pipeline.api import plan
     from remat.pipeline.chain import mlp_chain
     from remat.pipeline.picture import draw
+    from remat.pipeline.zoo_chain import gpt2_chain, token_loss
 
     torch.manual_seed(0)
-    model = mlp_chain(args.blocks, args.width, args.hidden)
-    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    if args.model == "gpt2":
+        model, x, y = gpt2_chain(args.batch, args.seq)
+        loss_fn = token_loss
+    else:
+        model = mlp_chain(args.blocks, args.width, args.hidden)
+        x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+        loss_fn = nn.functional.mse_loss
     planned = plan(
         model,
         x,
@@ -84,9 +114,10 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         stages_per_rank=args.stages_per_rank,
         budget_per_rank=args.budget,
-        loss_fn=nn.functional.mse_loss,
+        loss_fn=loss_fn,
         target=y,
         balance_by=args.balance,
+        checkpoint=args.checkpoint,
     )
     planned.explain()
     if args.save:

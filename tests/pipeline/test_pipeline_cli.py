@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from remat.cli import main
+from remat.pipeline.zoo_chain import gpt2_chain
+from remat.zoo import build
 
 
 def test_plans_explains_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,3 +33,22 @@ def test_plans_an_interleaved_pipeline(capsys: pytest.CaptureFixture[str]) -> No
     extra = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2"]
     assert main(["pipeline", *args, *extra, "--batch", "16", "--budget", "1MB"]) == 0
     assert "PipelinePlan(interleaved-1f1b, 4 stages x 2 micro-batches" in capsys.readouterr().out
+
+
+def test_the_gpt2_chain_computes_what_the_zoo_model_computes() -> None:
+    chain, tokens, target = gpt2_chain(2, 8)
+    model = build("gpt2", batch=2, seq=8, tiny=True).model
+    chain.eval()
+    model.eval()
+    assert len(chain) == 4 and tokens.shape == target.shape == (2, 8)
+    assert torch.equal(chain(tokens), model(tokens).logits)
+    assert torch.equal(target[:, :-1], tokens[:, 1:])
+
+
+def test_plans_gpt2_blocks_and_torchgpipes_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["pipeline", "--model", "gpt2", "--stages", "2", "--microbatches", "2", "--batch", "2"]
+    assert main([*args, "--seq", "8", "--budget", "1GB", "--checkpoint", "always"]) == 0
+    text = capsys.readouterr().out
+    assert "PipelinePlan(1f1b, 2 stages x 2 micro-batches" in text and "nothing" not in text
+    assert main([*args, "--seq", "8", "--budget", "1GB"]) == 0
+    assert "nothing" in capsys.readouterr().out  # a budget this large needs no recomputation

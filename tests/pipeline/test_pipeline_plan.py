@@ -176,3 +176,68 @@ def test_interleaved_refusals_name_plan(example) -> None:
         r"\('1f1b' with stages_per_rank=2\)",
     ):
         _plan(example, "1GB", stages_per_rank=2)
+
+
+def _four(budget, **options) -> pp.PipelinePlan:
+    torch.manual_seed(0)
+    model, x, y = mlp_chain(8, 32, 128), torch.randn(64, 32), torch.randn(64, 32)
+    return pp.plan(
+        model,
+        x,
+        n_stages=4,
+        n_microbatches=8,
+        budget_per_rank=budget,
+        loss_fn=nn.functional.mse_loss,
+        target=y,
+        boundaries=[2, 4, 6],
+        op_costs="model",
+        **options,
+    )
+
+
+def test_the_plan_at_per_block_checkpointings_need_fits_and_is_no_slower() -> None:
+    # NOTE [stage plans from the frontier]: rank 0 holds 4 micro-batches; only plans that hold
+    # little per micro-batch (every block checkpointed) reach uniform checkpointing's need there
+    always = _four("1GB", checkpoint="always")
+    assert all(sp.plan is not None and not sp.except_last for sp in always.stage_plans)
+    need = max(always.timeline().peak_bytes)
+    joint = _four(need)
+    assert max(joint.timeline().peak_bytes) <= need
+    assert joint.timeline().makespan <= always.timeline().makespan
+    assert all(
+        j.recompute_s <= a.recompute_s for j, a in zip(joint.stage_plans, always.stage_plans, strict=True)
+    )
+    # the last rank holds one micro-batch at a time: it needs less than per-block checkpointing
+    assert joint.stage_plans[3].recompute_s < always.stage_plans[3].recompute_s
+    # the cost model's op times give the same plan on every run
+
+    def chosen(p: pp.PipelinePlan) -> list[object]:
+        return [(sp.plan and sp.plan.regions, sp.except_last, sp.recompute_s) for sp in p.stage_plans]
+
+    assert chosen(_four(need)) == chosen(joint)
+
+
+def test_torchgpipes_uniform_modes(example) -> None:
+    last = _plan(example, "1GB", checkpoint="except_last", op_costs="model")
+    assert all(sp.plan is not None and sp.except_last for sp in last.stage_plans)
+    assert all("every block checkpointed" in sp.plan.notes for sp in last.stage_plans if sp.plan is not None)
+    never = _plan(example, "1GB", checkpoint="never", op_costs="model")
+    assert all(sp.plan is None for sp in never.stage_plans)
+    with pytest.raises(RematValueError, match=r"budget_per_rank below what some rank needs.*rank 0 needs"):
+        _plan(example, max(never.timeline().peak_bytes) - 1, checkpoint="never", op_costs="model")
+    _, x, y = example
+    with pytest.raises(RematValueError, match=r"checkpoints each child of a stage.*\(stage 0: Linear\)"):
+        pp.plan(
+            [nn.Linear(32, 32), nn.Linear(32, 32)],
+            x,
+            n_stages=2,
+            n_microbatches=M,
+            budget_per_rank="1GB",
+            loss_fn=nn.functional.mse_loss,
+            target=y,
+            checkpoint="always",
+        )
+    with pytest.raises(RematValueError, match=r"unknown checkpoint mode \('sometimes'\); use one of planned"):
+        _plan(example, "1GB", checkpoint="sometimes")
+    with pytest.raises(RematValueError, match=r"unknown op costs \('guessed'\); use one of measured, model"):
+        _plan(example, "1GB", op_costs="guessed")
