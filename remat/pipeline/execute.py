@@ -82,12 +82,11 @@ def torch_stage(
     count as a micro-batch and update batch norm's statistics with garbage). Under a schedule
     that splits the backward (``split_backward``), the whole backward runs at ``I`` (NOTE [whole
     backward at I])."""
+    from torch.distributed.pipelining import PipelineStage
 
     def meta(end: tuple[tuple[int, ...], str], grad: bool) -> torch.Tensor:
         t = torch.empty(end[0], dtype=getattr(torch, end[1]), device="meta")
         return t.requires_grad_(grad and t.is_floating_point())
-
-    from torch.distributed.pipelining import PipelineStage
 
     return PipelineStage(
         module,
