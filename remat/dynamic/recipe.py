@@ -90,6 +90,8 @@ def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
     leaves = list(flat)
     tensors = False
     for i, x in enumerate(flat):
+        if type(x) in _PLAIN:  # most leaves; ``isinstance(x, torch.Generator)`` runs Python code
+            continue
         if isinstance(x, torch.Tensor):
             tensors = True
             leaves[i] = None
@@ -101,6 +103,10 @@ def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
         elif isinstance(x, torch.device):
             named.append(x)
     return Scan(positions, explicit, named, leaves, tensors)
+
+
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format})
+"""Types of argument leaves that are neither tensors, generators nor devices."""
 
 
 class Slot(NamedTuple):
