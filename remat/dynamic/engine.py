@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -122,11 +123,12 @@ class Engine:
         self.handles[storage._cdata] = handle
         self.backend.homes.add_handle(handle, storage, pin=True)
         self.runtime.constant(handle, nbytes)
+        core = self.runtime.storage_of(handle)
         if outside:
-            self.entry[handle] = self.runtime.storage_of(handle)
+            self.entry[handle] = core
             self.outside_bytes += nbytes
-        self.backend.handle_of[self.runtime.storage_of(handle)] = handle
-        self.backend.homes.hold(self.runtime.storage_of(handle), handle)
+        self.backend.handle_of[core] = handle
+        self.backend.homes.hold(core, handle)
         return handle
 
     def handle(self, t: torch.Tensor) -> int:
@@ -145,10 +147,10 @@ class Engine:
         """The new storage of ``handle`` is ``t``'s: follow it until the program drops it. False
         when ``t``'s storage is not new after all (a view): the handle is released at once."""
         storage = t.untyped_storage()
-        if storage._cdata in self.handles:
+        key = storage._cdata
+        if key in self.handles:
             self.released.append(handle)
             return False
-        key = storage._cdata
         self.handles[key] = handle
         self.backend.homes.add_handle(handle, storage, pin=False, died=lambda _: self._died(key, handle))
         return True
@@ -283,7 +285,7 @@ class Engine:
             generators,
         )
         if metas is not None:
-            pending.run = lambda record: backend.first_run(func, args, kwargs, record, pending, self.bind)
+            pending.run = partial(backend.first_run, func, args, kwargs, pending=pending, bind=self.bind)
             pending.measure = not self.estimated
             pending.metas = metas
             pending.states = states if drawn else None
