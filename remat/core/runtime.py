@@ -243,13 +243,15 @@ class Runtime(Residency):
             frame.relaxed = False
             locked = frame.locked
             missing = []
+            flags = evictable.values
             for storage in storages:  # lock the resident ones (``_lock``, inlined), find the others
                 if not resident[storage]:
                     missing.append(storage)
                 elif storage not in locked:
                     locks[storage] += 1
                     locked.append(storage)
-                    evictable.set(storage, False)
+                    if flags[storage]:  # a constant or a locked storage is not evictable already
+                        evictable.set(storage, False)
             if not missing:
                 return
             for storage in missing:

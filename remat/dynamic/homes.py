@@ -135,7 +135,8 @@ class Homes:
         handle = self.held_by.pop(storage, None)
         if handle is None:
             return
-        real = self.storage_of_handle(handle)
+        ref = self.program.get(handle)  # ``storage_of_handle``, inlined: every dead storage comes here
+        real = None if ref is None else ref()
         if real is not None:
             swap(real, ghost(real))
 
