@@ -111,7 +111,7 @@ class Runtime(Residency):
         """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order. ``prepared``:
         :meth:`prepare` made the inputs resident just before, and their accesses are counted."""
         storage_of, graph = self._storage_of, self.graph
-        inputs = tuple(dict.fromkeys([storage_of[h] for h in op.inputs]))
+        inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, op.inputs)))
         frame = Frame()
         self._frames.append(frame)
         try:
@@ -168,7 +168,7 @@ class Runtime(Residency):
         its outputs, so it restores the inputs first; the :meth:`call` that follows finds them
         resident and decides everything else as it would have without this step."""
         storage_of, resident = self._storage_of, self.resident
-        inputs = tuple(dict.fromkeys([storage_of[h] for h in handles]))
+        inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, handles)))
         if not self._frames:  # all resident: gathering them would only touch them (locks undone)
             for storage in inputs:
                 if not resident[storage]:
@@ -241,9 +241,7 @@ class Runtime(Residency):
                     last.set(storage, clock)
         while True:
             frame.relaxed = False
-            locked = frame.locked
-            missing = []
-            flags = evictable.values
+            locked, flags, missing = frame.locked, evictable.values, []
             for storage in storages:  # lock the resident ones (``_lock``, inlined), find the others
                 if not resident[storage]:
                     missing.append(storage)

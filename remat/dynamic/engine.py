@@ -65,7 +65,7 @@ from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
-from remat.dynamic.homes import aligned, swap
+from remat.dynamic.homes import aligned
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes
 from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves, scan
 from remat.trace.cost import op_cost
@@ -100,7 +100,7 @@ class Engine:
         self.marks = (0, 0)  # evictions and recomputations when the program's last op was done
         self.peak_in_program = 0
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
-        self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
+        self.explain: Callable[[BaseException], Exception] = _plain
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
@@ -355,45 +355,15 @@ class Engine:
         self.flush()
         self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.peak_real_bytes)
 
-    def undo_writes(self) -> tuple[int, list[str]]:
-        """After an error: write back the content every storage from before the region had at
-        entry (NOTE [constants stay] in ``remat.core.runtime``). Returns how many were written
-        back, and a description of each that could not be."""
-        runtime, homes, pending = self.runtime, self.backend.homes, self.backend.pending
-        restored, lost = 0, []
-        saved = pending.saved if pending is not None and pending.run is None else {}
-        for handle, first in self.entry.items():
-            real = homes.storage_of_handle(handle)
-            if real is None:
-                continue
-            if handle in saved:  # the op that failed had already written it
-                real.copy_(saved[handle])
-                restored += 1
-            elif runtime.storage_of(handle) != first:
-                if not homes.holds(first):
-                    lost.append(str(self.tensors[handle]))
-                    continue
-                real.copy_(homes.get(first))
-                restored += 1
-        return restored, lost
-
-    def abandon(self) -> None:
-        """After an error: give every live program storage that is evicted memory again (its
-        content is lost) so that no tensor of the program is left without memory."""
-        runtime, homes = self.runtime, self.backend.homes
-        for handle in list(homes.program):
-            real = homes.storage_of_handle(handle)
-            try:
-                if real is None or homes.holds(runtime.storage_of(handle)):
-                    continue
-            except KeyError:  # made by the op that failed: never given to the core
-                continue
-            swap(real, torch.UntypedStorage(real.nbytes(), device=real.device))
-
     def close(self) -> None:
         self.backend.close()
         self.backend.homes.clear()
         self.backend.recipes.clear()
+        # The runtime and its backend refer to each other, and ``explain`` to this engine: without
+        # those references the region's state (a few lists per storage) is freed as the region ends,
+        # not left to the cycle collector's next pass.
+        self.backend.runtime = None
+        self.explain = _plain
 
     def trace(self, name: str = "dynamic") -> Trace:
         """What ran, as the simulator reads it (NOTE [same decisions])."""
@@ -404,6 +374,11 @@ _OPS: dict[int, tuple[Any, OpFacts, bool]] = {}
 """``id(overload)`` -> the overload, its facts, and whether it reads no data or is no op of the program
 (then it passes straight through). Keyed by ``id``: an overload's ``__hash__`` is Python code, run on
 every op otherwise; the entry holds the overload, so its ``id`` is never another's."""
+
+
+def _plain(failure: BaseException) -> Exception:
+    """An engine's ``explain`` until its region sets one: the failure as it is."""
+    return RuntimeError(str(failure))
 
 
 def _same_device(a: torch.device | str, b: torch.device) -> bool:

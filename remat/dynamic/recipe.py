@@ -24,6 +24,8 @@ from remat.aten import RngState
 
 def result_leaves(returns: tuple[bool, ...], out: Any) -> list[tuple[int, Any]]:
     """(return index, value) of every result of an op, lists of tensors flattened, None kept."""
+    if type(out) is torch.Tensor:  # one tensor: most ops
+        return [(0, out)]
     results = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
     leaves: list[tuple[int, Any]] = []
     for r, result in enumerate(results):
