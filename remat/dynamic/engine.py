@@ -198,7 +198,7 @@ class Engine:
         self.current = schema.name
         # Each tensor argument's handle (a storage first read here becomes a constant, in argument
         # order) and its slot in the recipe: the storage version it reads and its geometry.
-        known, storage_of = self.handles, runtime.storage_of
+        known, storage_of, geometry = self.handles, runtime.storage_of, aten.geometry
         handles: list[int] = []
         slots: list[Slot] = []
         for i in positions:
@@ -207,9 +207,7 @@ class Engine:
             if handle is None:
                 handle = self.constant(t)
             handles.append(handle)
-            slots.append(
-                Slot(i, storage_of(handle), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            )
+            slots.append(Slot(i, storage_of(handle), *geometry(t)))
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs) if schema.writes else []
