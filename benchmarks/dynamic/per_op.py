@@ -5,7 +5,9 @@ round in one process: plain, inside a ``TorchDispatchMode`` that only calls each
 dispatch mode pays), and inside ``remat.dynamic(budget=None)`` (no eviction: the runtime's
 bookkeeping alone). The cost per op is (step CPU time - plain step CPU time) / ATen ops per step,
 the median over rounds. One intra-op thread, so that the process's CPU time is the ops' and the
-runtime's, not idle workers spinning.
+runtime's, not idle workers spinning. Beside the times, a figure free of the machine's load: the
+Python and C function calls the runtime makes per ATen op beyond the pass-through mode's (counted
+with ``sys.setprofile`` over one step of each).
 
     .venv/bin/python benchmarks/dynamic/per_op.py [--rounds 30] [--json out.json]
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +73,23 @@ def gpt2() -> Callable[[], None]:
 WORKLOADS = {"mlp": mlp, "gpt2": gpt2}
 
 
+def calls(run: Callable[[], None]) -> int:
+    """Python and C function calls made by one ``run()``."""
+    count = 0
+
+    def counter(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(counter)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
 def measure(name: str, rounds: int) -> dict[str, Any]:
     step = WORKLOADS[name]()
     region = remat.dynamic(budget=None)
@@ -93,6 +113,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
     counter.ops = 0
     passing()
     ops = counter.ops
+    extra_calls = (calls(managed) - calls(passing)) / ops
     times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(rounds):
         for way, run in ways.items():
@@ -110,6 +131,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
         "plain_ms": statistics.median(plain_rounds) * 1e3,
         "pass_us_per_op": per_op["pass-through"],
         "dynamic_us_per_op": per_op["dynamic"],
+        "calls_per_op": extra_calls,
     }
 
 
@@ -122,13 +144,15 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [measure(name, args.rounds) for name in args.workloads.split(",")]
     print(
-        "| workload | ATen ops per step | plain step | pass-through, per op | remat.dynamic(None), per op |"
+        "| workload | ATen ops per step | plain step | pass-through, per op | remat.dynamic(None), per op "
+        "| / pass-through | calls per op beyond pass-through |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['workload']} | {r['ops']} | {r['plain_ms']:.2f} ms | {r['pass_us_per_op']:.1f} µs "
-            f"| {r['dynamic_us_per_op']:.1f} µs |"
+            f"| {r['dynamic_us_per_op']:.1f} µs | {r['dynamic_us_per_op'] / r['pass_us_per_op']:.1f} "
+            f"| {r['calls_per_op']:.1f} |"
         )
     if args.json:
         env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}

@@ -10,8 +10,6 @@ the runtime's decisions (what to restore, evict, allocate) build on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from remat.core.backend import Backend
 from remat.core.classes import EvictedClasses
 from remat.core.graph import Column, Graph
@@ -20,13 +18,16 @@ from remat.core.pool import Pool
 from remat.core.telemetry import Telemetry
 
 
-@dataclass
 class Frame:
-    """One op being run or restored: the storages it has locked."""
+    """One op being run or restored: the storages it has locked. (A plain class with slots: the
+    runtime makes one or two per op.)"""
 
-    locked: list[int] = field(default_factory=list)
-    relaxed: bool = False
-    firm: bool = False  # its locks are never relaxed (the storages the program ends holding)
+    __slots__ = ("locked", "relaxed", "firm")
+
+    def __init__(self, firm: bool = False) -> None:
+        self.locked: list[int] = []
+        self.relaxed = False
+        self.firm = firm  # its locks are never relaxed (the storages the program ends holding)
 
 
 class Residency:
@@ -78,7 +79,8 @@ class Residency:
             self.classes.restored(storage, self.graph)
         if self.regions is not None:
             self.regions.restored(storage)
-        if self.locks[storage] == 0 and self._evictable(storage):
+        graph = self.graph  # ``_evictable``, inlined: every op's outputs arrive
+        if self.locks[storage] == 0 and not graph.constant[storage] and graph.nbytes[storage] > 0:
             self.evictable.set(storage, True)
 
     def _depart(self, storage: int) -> None:
@@ -93,9 +95,14 @@ class Residency:
 
     def _count_nearby(self, storage: int, sign: float) -> None:
         self._counted[storage] = sign > 0
-        cost, nearby = sign * self.graph.cost[storage], self.evicted_nearby
-        for neighbour in set(self.graph.neighbours(storage)):
-            nearby.set(neighbour, nearby.values[neighbour] + cost)
+        graph = self.graph
+        cost, nearby = sign * graph.cost[storage], self.evicted_nearby
+        parents, children = graph.parents[storage], graph.children[storage]
+        if not parents and not children:
+            return
+        values = nearby.values
+        for neighbour in set(parents + children):
+            nearby.set(neighbour, values[neighbour] + cost)
 
     def _evictable(self, storage: int) -> bool:
         return self.resident[storage] and not self.graph.constant[storage] and self.graph.nbytes[storage] > 0

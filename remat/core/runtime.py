@@ -110,8 +110,8 @@ class Runtime(Residency):
     def call(self, op: Op, outputs: Sequence[TensorInfo], prepared: bool = False) -> None:
         """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order. ``prepared``:
         :meth:`prepare` made the inputs resident just before, and their accesses are counted."""
-        storage_of = self._storage_of
-        inputs = tuple(dict.fromkeys([storage_of[h] for h in op.inputs]))
+        storage_of, graph = self._storage_of, self.graph
+        inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, op.inputs)))
         frame = Frame()
         self._frames.append(frame)
         try:
@@ -121,13 +121,12 @@ class Runtime(Residency):
                 self._allocate(state, op.state, End.LOW)
                 self._arrive(state)
                 self._constant_bytes += op.state
-            record = self.graph.add_record(op, inputs)
-            fresh = [info for info in outputs if info.alias_of is None]
-            created = [self._new_storage(info.nbytes, record.id, False, inputs) for info in fresh]
+            record = graph.add_record(op, inputs)
+            new, rid = self._new_storage, record.id
+            created = [new(info.nbytes, rid, False, inputs) for info in outputs if info.alias_of is None]
             reuse = [NO_REUSE] * len(created)
-            for old in (self._storage_of[h] for h in op.mutates):  # each gets a new version
-                nbytes, constant = self.graph.nbytes[old], self.graph.constant[old]
-                created.append(self._new_storage(nbytes, record.id, constant, inputs))
+            for old in (storage_of[h] for h in op.mutates):  # each gets a new version
+                created.append(new(graph.nbytes[old], rid, graph.constant[old], inputs))
                 reuse.append(old)
             record.outputs, record.reuse = tuple(created), tuple(reuse)
             if not created:  # only views of inputs: restoring their storage re-runs this op
@@ -139,7 +138,7 @@ class Runtime(Residency):
                         break
             allocated = self._run(frame, record, recompute=False, keep=record.outputs)
             need = self._constant_bytes + allocated
-            sizes, constants = self.graph.nbytes, self.graph.constant
+            sizes, constants = graph.nbytes, graph.constant
             for s in inputs:
                 if not constants[s]:
                     need += sizes[s]
@@ -149,13 +148,17 @@ class Runtime(Residency):
             self._unlock_all(frame)
             self._frames.pop()
         made = iter(record.outputs)
-        for handle, info in zip(op.outputs, outputs, strict=True):
-            self._bind(handle, self._storage_of[info.alias_of] if info.alias_of is not None else next(made))
-        for handle, new in zip(op.mutates, made, strict=True):
-            old = self._storage_of[handle]
-            if self.graph.constant[new] and self.resident[old]:  # a copied constant: both stay
-                self._constant_bytes += self.graph.nbytes[new]
-            self._move_handles(old, new)
+        members, live = self._members, self.live
+        for handle, info in zip(op.outputs, outputs, strict=True):  # ``_bind``, inlined
+            storage = storage_of[info.alias_of] if info.alias_of is not None else next(made)
+            storage_of[handle] = storage
+            members[storage].append(handle)
+            live[storage] += 1
+        for handle, version in zip(op.mutates, made, strict=True):
+            old = storage_of[handle]
+            if graph.constant[version] and self.resident[old]:  # a copied constant: both stay
+                self._constant_bytes += graph.nbytes[version]
+            self._move_handles(old, version)
             if self.swap is not None:
                 self.swap.forget(self, old)
 
@@ -165,7 +168,7 @@ class Runtime(Residency):
         its outputs, so it restores the inputs first; the :meth:`call` that follows finds them
         resident and decides everything else as it would have without this step."""
         storage_of, resident = self._storage_of, self.resident
-        inputs = tuple(dict.fromkeys([storage_of[h] for h in handles]))
+        inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, handles)))
         if not self._frames:  # all resident: gathering them would only touch them (locks undone)
             for storage in inputs:
                 if not resident[storage]:
@@ -230,19 +233,27 @@ class Runtime(Residency):
     def _gather(self, frame: Frame, storages: Sequence[int], touch: bool = True) -> None:
         """Make every storage of ``storages`` resident at once, locked by ``frame``; ``touch``: the
         ones already resident count as used now."""
-        for storage in storages:
-            if touch and self.resident[storage]:
-                self.last.set(storage, self.clock)
+        resident, locks, evictable = self.resident, self.locks, self.evictable
+        if touch:
+            last, clock = self.last, self.clock
+            for storage in storages:
+                if resident[storage]:
+                    last.set(storage, clock)
         while True:
             frame.relaxed = False
-            for storage in storages:
-                if self.resident[storage] and storage not in frame.locked:
-                    self._lock(frame, storage)
-            missing = [s for s in storages if not self.resident[s]]
+            locked, flags, missing = frame.locked, evictable.values, []
+            for storage in storages:  # lock the resident ones (``_lock``, inlined), find the others
+                if not resident[storage]:
+                    missing.append(storage)
+                elif storage not in locked:
+                    locks[storage] += 1
+                    locked.append(storage)
+                    if flags[storage]:  # a constant or a locked storage is not evictable already
+                        evictable.set(storage, False)
             if not missing:
                 return
             for storage in missing:
-                if not self.resident[storage]:
+                if not resident[storage]:
                     self._restore(storage)
                 if frame.relaxed:  # NOTE [relaxed locks]: gather again
                     break

@@ -113,6 +113,7 @@ class AccountingBackend:
 
     def __init__(self, device: torch.device, thrash_limit: float) -> None:
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.homes = Homes()
         self.recipes: dict[int, Recipe] = {}
         self.handle_of: dict[int, int] = {}  # core storage -> the handle it was made for
@@ -188,7 +189,7 @@ class AccountingBackend:
         out, seconds = scratch.timed(lambda: func(*args, **kwargs), pending.learn)
         assert pending.recipe is not None
         leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
-        on_cpu = self.device.type == "cpu"
+        on_cpu = self.on_cpu
         for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):
             here = isinstance(leaf, torch.Tensor) and (leaf.is_cpu if on_cpu else leaf.device == self.device)
             if not here:
@@ -264,11 +265,12 @@ class AccountingBackend:
             if pending.measure:
                 self.runtime.graph.set_cost(record, pending.seconds)
         self.recipes[record.id] = pending.recipe
-        homes, pool, handle_of = self.homes, self.runtime.pool, self.handle_of
+        homes, handle_of = self.homes, self.handle_of
         n = len(pending.fresh)
         for storage, handle in zip(record.outputs[:n], pending.fresh, strict=True):
             handle_of[storage] = handle
             homes.hold(storage, handle)
+        pool = self.runtime.pool
         for storage, old, handle in zip(record.outputs[n:], record.reuse[n:], pending.written, strict=True):
             self.handle_of[storage] = handle
             copy = pending.saved.get(handle)

@@ -51,7 +51,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from functools import partial
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,7 +65,7 @@ from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import Pool
 from remat.core.runtime import OutOfMemory, Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
-from remat.dynamic.homes import aligned, swap
+from remat.dynamic.homes import aligned
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes
 from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves, scan
 from remat.trace.cost import op_cost
@@ -99,7 +100,7 @@ class Engine:
         self.marks = (0, 0)  # evictions and recomputations when the program's last op was done
         self.peak_in_program = 0
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
-        self.explain: Callable[[BaseException], Exception] = lambda failure: RuntimeError(str(failure))
+        self.explain: Callable[[BaseException], Exception] = _plain
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
@@ -122,11 +123,12 @@ class Engine:
         self.handles[storage._cdata] = handle
         self.backend.homes.add_handle(handle, storage, pin=True)
         self.runtime.constant(handle, nbytes)
+        core = self.runtime.storage_of(handle)
         if outside:
-            self.entry[handle] = self.runtime.storage_of(handle)
+            self.entry[handle] = core
             self.outside_bytes += nbytes
-        self.backend.handle_of[self.runtime.storage_of(handle)] = handle
-        self.backend.homes.hold(self.runtime.storage_of(handle), handle)
+        self.backend.handle_of[core] = handle
+        self.backend.homes.hold(core, handle)
         return handle
 
     def handle(self, t: torch.Tensor) -> int:
@@ -145,10 +147,10 @@ class Engine:
         """The new storage of ``handle`` is ``t``'s: follow it until the program drops it. False
         when ``t``'s storage is not new after all (a view): the handle is released at once."""
         storage = t.untyped_storage()
-        if storage._cdata in self.handles:
+        key = storage._cdata
+        if key in self.handles:
             self.released.append(handle)
             return False
-        key = storage._cdata
         self.handles[key] = handle
         self.backend.homes.add_handle(handle, storage, pin=False, died=lambda _: self._died(key, handle))
         return True
@@ -165,35 +167,47 @@ class Engine:
 
     def flush(self) -> None:
         """Give queued releases to the core (NOTE [releases])."""
-        while self.released:
-            handle = self.released.pop(0)
-            self.events.append(Release(handle))
-            self.runtime.release(handle)
+        released, events, release = self.released, self.events, self.runtime.release
+        while released:
+            handle = released.pop(0)
+            events.append(Release(handle))
+            release(handle)
 
     # -- ops ------------------------------------------------------------------------------------
 
     def run(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        schema = aten.facts(func)
-        passed = _PASSED.get(func)
-        if passed is None:
-            passed = _PASSED[func] = schema.view_only or schema.skipped
-        if passed or self.failed:
+        known = _OPS.get(id(func))
+        if known is None:
+            schema = aten.facts(func)
+            known = _OPS[id(func)] = (func, schema, schema.view_only or schema.skipped)
+        if known[2] or self.failed:
             return func(*args, **kwargs)
         try:
-            return self._run(func, schema, args, kwargs)
+            return self._run(func, known[1], args, kwargs)
         except (OutOfMemory, Thrashed) as failure:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        self.flush()
+        if self.released:
+            self.flush()
         flat, spec = flatten(args, kwargs)
         positions, explicit, named, leaves, tensors = scan(flat, self.managed)
         if tensors and not positions:
             return func(*args, **kwargs)  # only tensors of another device: not the region's memory
         runtime, backend = self.runtime, self.backend
         self.current = schema.name
-        found = [self.handles.get(flat[i].untyped_storage()._cdata) for i in positions]
-        handles = [self.handle(flat[i]) for i in positions] if None in found else cast(list[int], found)
+        # Each tensor argument's handle (a storage first read here becomes a constant, in argument
+        # order) and its slot in the recipe: the storage version it reads and its geometry.
+        known, storage_of, geometry = self.handles, runtime.storage_of, aten.geometry
+        handles: list[int] = []
+        slots: list[Slot] = []
+        for i in positions:
+            t = flat[i]
+            handle = known.get(t.untyped_storage()._cdata)
+            if handle is None:
+                handle = self.constant(t)
+            handles.append(handle)
+            slots.append(Slot(i, storage_of(handle), *geometry(t)))
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs) if schema.writes else []
@@ -212,12 +226,12 @@ class Engine:
                     runtime.graph.constant[storage] or not runtime.overwrites(handle)
                 ):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
-        storage_of, geometry = runtime.storage_of, aten.geometry
-        slots = tuple(
-            [Slot(i, storage_of(h), *geometry(flat[i])) for i, h in zip(positions, handles, strict=True)]
-        )
-        source = aten.source_of(args, kwargs) if schema.random else None
-        default = source if isinstance(source, torch.device) else None
+        drawn = bool(explicit)
+        default = None
+        if schema.random:
+            source = aten.source_of(args, kwargs)
+            if isinstance(source, torch.device):
+                default, drawn = source, True
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
             """The generator states the recipe keeps (``rng``: a device's default one), taken just
@@ -227,16 +241,16 @@ class Engine:
 
         scratch = op_scratch.known(key)
         learn = key if scratch is None and self.on_cpu and _allocator.available() else None
-        drawn = default is not None or bool(explicit)
         extra = 0
         if drawn or schema.hidden_writes:
             extra = recompute_bytes(func, args, default, self.device, self.managed)
+        tensors_info = self.tensors
         if metas is None:
             rng, generators = states()
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
-                op_scratch.learn_results(key, tuple(self.tensors[h].nbytes for h in fresh))
+                op_scratch.learn_results(key, tuple(tensors_info[h].nbytes for h in fresh))
         else:  # the backend runs it once the core has placed the outputs
             rng, generators, out, seconds = None, (), None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
@@ -254,7 +268,7 @@ class Engine:
             state=state_bytes(default, tuple(x for _, x in explicit), self.device) if drawn else 0,
         )
         if self.estimated:  # NOTE [same decisions]: a cost free of timing noise
-            op = replace(op, cost=op_cost(op, self.tensors))
+            op = replace(op, cost=op_cost(op, tensors_info))
         pending = Pending(fresh, written, saved)
         pending.learn = learn
         pending.recipe = Recipe(
@@ -262,27 +276,30 @@ class Engine:
             schema.fresh_returns,
             tuple(leaves),
             spec,
-            slots,
+            tuple(slots),
             tuple(positions_out),
             rng,
             torch.is_grad_enabled(),
             generators,
         )
         if metas is not None:
-            pending.run = lambda record: backend.first_run(func, args, kwargs, record, pending, self.bind)
+            pending.run = partial(backend.first_run, func, args, kwargs, pending=pending, bind=self.bind)
             pending.measure = not self.estimated
             pending.metas = metas
             pending.states = states if drawn else None
         backend.pending = pending
-        runtime.call(op, [self.tensors[h] for h in fresh], prepared=True)
+        runtime.call(op, [tensors_info[h] for h in fresh], prepared=True)
         if metas is not None:
             out, seconds = pending.out, pending.seconds
             pending.out = pending.run = None
         self.base_seconds += seconds
         self.events.append(runtime.graph.records[-1].op)
         self.ops += 1
-        self.flush()
-        self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.real_bytes)
+        if self.released:
+            self.flush()
+        real = backend.homes.real_bytes
+        if real > self.peak_real_bytes:
+            self.peak_real_bytes = real
         return out
 
     def _outputs_here(self, named: list[torch.device], reads_here: bool) -> bool:
@@ -336,52 +353,30 @@ class Engine:
         self.flush()
         self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.peak_real_bytes)
 
-    def undo_writes(self) -> tuple[int, list[str]]:
-        """After an error: write back the content every storage from before the region had at
-        entry (NOTE [constants stay] in ``remat.core.runtime``). Returns how many were written
-        back, and a description of each that could not be."""
-        runtime, homes, pending = self.runtime, self.backend.homes, self.backend.pending
-        restored, lost = 0, []
-        saved = pending.saved if pending is not None and pending.run is None else {}
-        for handle, first in self.entry.items():
-            real = homes.storage_of_handle(handle)
-            if real is None:
-                continue
-            if handle in saved:  # the op that failed had already written it
-                real.copy_(saved[handle])
-                restored += 1
-            elif runtime.storage_of(handle) != first:
-                if not homes.holds(first):
-                    lost.append(str(self.tensors[handle]))
-                    continue
-                real.copy_(homes.get(first))
-                restored += 1
-        return restored, lost
-
-    def abandon(self) -> None:
-        """After an error: give every live program storage that is evicted memory again (its
-        content is lost) so that no tensor of the program is left without memory."""
-        runtime, homes = self.runtime, self.backend.homes
-        for handle in list(homes.program):
-            real = homes.storage_of_handle(handle)
-            try:
-                if real is None or homes.holds(runtime.storage_of(handle)):
-                    continue
-            except KeyError:  # made by the op that failed: never given to the core
-                continue
-            swap(real, torch.UntypedStorage(real.nbytes(), device=real.device))
-
     def close(self) -> None:
         self.backend.close()
         self.backend.homes.clear()
         self.backend.recipes.clear()
+        # The runtime and its backend refer to each other, and ``explain`` to this engine: without
+        # those references the region's state (a few lists per storage) is freed as the region ends,
+        # not left to the cycle collector's next pass.
+        self.backend.runtime = None
+        self.explain = _plain
 
     def trace(self, name: str = "dynamic") -> Trace:
         """What ran, as the simulator reads it (NOTE [same decisions])."""
         return Trace(tuple(self.tensors), tuple(self.events), frozenset(), name, self.device.type, "dynamic")
 
 
-_PASSED: dict[Any, bool] = {}  # overload -> it reads no data or is no op of the program (cached)
+_OPS: dict[int, tuple[Any, OpFacts, bool]] = {}
+"""``id(overload)`` -> the overload, its facts, and whether it reads no data or is no op of the program
+(then it passes straight through). Keyed by ``id``: an overload's ``__hash__`` is Python code, run on
+every op otherwise; the entry holds the overload, so its ``id`` is never another's."""
+
+
+def _plain(failure: BaseException) -> Exception:
+    """An engine's ``explain`` until its region sets one: the failure as it is."""
+    return RuntimeError(str(failure))
 
 
 def _same_device(a: torch.device | str, b: torch.device) -> bool:
@@ -397,4 +392,7 @@ class Interceptor(TorchDispatchMode):
         self.engine = engine
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        known = _OPS.get(id(func))
+        if known is not None and known[2]:  # reads no data: straight through (``Engine.run``)
+            return func(*args, **(kwargs or {}))
         return self.engine.run(func, args, kwargs or {})

@@ -100,7 +100,8 @@ class Homes:
 
     def hold(self, storage: int, handle: int) -> None:
         """The program storage of ``handle`` holds core ``storage`` now (its content is in place)."""
-        real = self.storage_of_handle(handle)
+        ref = self.program.get(handle)  # ``storage_of_handle``, inlined: every new storage comes here
+        real = None if ref is None else ref()
         self.held_by[storage] = handle
         self._count(storage, real.nbytes() if real is not None else 0)
 
@@ -134,7 +135,8 @@ class Homes:
         handle = self.held_by.pop(storage, None)
         if handle is None:
             return
-        real = self.storage_of_handle(handle)
+        ref = self.program.get(handle)  # ``storage_of_handle``, inlined: every dead storage comes here
+        real = None if ref is None else ref()
         if real is not None:
             swap(real, ghost(real))
 
@@ -146,7 +148,8 @@ class Homes:
         self.sizes.clear()
 
     def _count(self, storage: int, nbytes: int) -> None:
-        self.real_bytes += nbytes - self.sizes.pop(storage, 0)
+        real = self.real_bytes = self.real_bytes + nbytes - self.sizes.pop(storage, 0)
         if nbytes:
             self.sizes[storage] = nbytes
-        self.peak_real_bytes = max(self.peak_real_bytes, self.real_bytes)
+            if real > self.peak_real_bytes:  # only a count that grew can pass the peak
+                self.peak_real_bytes = real

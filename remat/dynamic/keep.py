@@ -18,33 +18,35 @@ def members(keep: object) -> list[object]:
     """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
     state tensors, in that order after their owner), from (nested) sequences or mappings."""
     found: list[object] = []
-
-    def visit(item: object) -> None:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, nn.Module):
-            found.append(item)
-            found.extend(item.parameters())
-            found.extend(item.buffers())
-        elif isinstance(item, torch.optim.Optimizer):
-            found.append(item)
-            for state in item.state.values():
-                visit(list(state.values()))
-        elif isinstance(item, Mapping):
-            for value in item.values():
-                visit(value)
-        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
-            for value in item:
-                visit(value)
-        elif item is not None and not isinstance(item, (int, float, bool)):
-            raise RematTypeError(
-                message(
-                    API,
-                    "keep takes modules, optimizers, tensors and collections of them",
-                    f"got {type(item).__name__}",
-                    "pass e.g. keep=(model, optimizer)",
-                )
-            )
-
-    visit(keep)
+    _visit(keep, found)
     return found
+
+
+def _visit(item: object, found: list[object]) -> None:
+    """Add what ``item`` holds to ``found`` (a function of the module, not a closure that refers to
+    itself: that would be a reference cycle on every region's entry)."""
+    if isinstance(item, torch.Tensor):
+        found.append(item)
+    elif isinstance(item, nn.Module):
+        found.append(item)
+        found.extend(item.parameters())
+        found.extend(item.buffers())
+    elif isinstance(item, torch.optim.Optimizer):
+        found.append(item)
+        for state in item.state.values():
+            _visit(list(state.values()), found)
+    elif isinstance(item, Mapping):
+        for value in item.values():
+            _visit(value, found)
+    elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+        for value in item:
+            _visit(value, found)
+    elif item is not None and not isinstance(item, (int, float, bool)):
+        raise RematTypeError(
+            message(
+                API,
+                "keep takes modules, optimizers, tensors and collections of them",
+                f"got {type(item).__name__}",
+                "pass e.g. keep=(model, optimizer)",
+            )
+        )

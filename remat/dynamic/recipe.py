@@ -24,6 +24,8 @@ from remat.aten import RngState
 
 def result_leaves(returns: tuple[bool, ...], out: Any) -> list[tuple[int, Any]]:
     """(return index, value) of every result of an op, lists of tensors flattened, None kept."""
+    if type(out) is torch.Tensor:  # one tensor: most ops
+        return [(0, out)]
     results = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
     leaves: list[tuple[int, Any]] = []
     for r, result in enumerate(results):
@@ -90,6 +92,8 @@ def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
     leaves = list(flat)
     tensors = False
     for i, x in enumerate(flat):
+        if type(x) in _PLAIN:  # most leaves; ``isinstance(x, torch.Generator)`` runs Python code
+            continue
         if isinstance(x, torch.Tensor):
             tensors = True
             leaves[i] = None
@@ -101,6 +105,10 @@ def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
         elif isinstance(x, torch.device):
             named.append(x)
     return Scan(positions, explicit, named, leaves, tensors)
+
+
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format})
+"""Types of argument leaves that are neither tensors, generators nor devices."""
 
 
 class Slot(NamedTuple):

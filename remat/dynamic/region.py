@@ -47,7 +47,7 @@ from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.failures import explain
 from remat.dynamic.keep import API, members
 from remat.dynamic.stats import DynamicStats, Recorder
-from remat.dynamic.undo import Snapshot, rewind, take
+from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
 from remat.host.link import Link
 
 _UNLIMITED = 2**62
@@ -259,8 +259,8 @@ class Dynamic:
 
     def _undo(self, engine: Engine, error: BaseException) -> None:
         """Put training back as it was at entry and say so in ``error`` (:mod:`undo`)."""
-        restored, lost = engine.undo_writes()
-        engine.abandon()
+        restored, lost = write_back(engine)
+        abandon(engine)
         assert self._snapshot is not None
         rewind(self._snapshot)
         said = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from remat._units import format_bytes
@@ -28,6 +29,7 @@ class Recorder:
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
+        self.end: Callable[[Op], End] = policy.end  # the runtime asks on every op: no call in between
         self.victims: list[int] = []
         self.moments: list[tuple[int, str]] = []  # (time.time_ns(), "evict") per victim
 
@@ -42,9 +44,6 @@ class Recorder:
     @property
     def inplace(self) -> bool:
         return self.policy.inplace
-
-    def end(self, op: Op) -> End:
-        return self.policy.end(op)
 
     def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         victims = self.policy.choose(runtime, nbytes)

@@ -35,6 +35,8 @@ from torch import nn
 
 from remat import aten
 from remat.aten import RngState
+from remat.dynamic.engine import Engine
+from remat.dynamic.homes import swap
 
 
 @dataclass(frozen=True)
@@ -79,3 +81,40 @@ def rewind(snapshot: Snapshot) -> None:
     with torch.no_grad():
         for buffer, content in snapshot.buffers:
             buffer.copy_(content)
+
+
+def write_back(engine: Engine) -> tuple[int, list[str]]:
+    """After an error: write back the content every storage from before ``engine``'s region had at
+    entry (NOTE [constants stay] in ``remat.core.runtime``). Returns how many were written back, and
+    a description of each that could not be."""
+    runtime, homes, pending = engine.runtime, engine.backend.homes, engine.backend.pending
+    restored, lost = 0, []
+    saved = pending.saved if pending is not None and pending.run is None else {}
+    for handle, first in engine.entry.items():
+        real = homes.storage_of_handle(handle)
+        if real is None:
+            continue
+        if handle in saved:  # the op that failed had already written it
+            real.copy_(saved[handle])
+            restored += 1
+        elif runtime.storage_of(handle) != first:
+            if not homes.holds(first):
+                lost.append(str(engine.tensors[handle]))
+                continue
+            real.copy_(homes.get(first))
+            restored += 1
+    return restored, lost
+
+
+def abandon(engine: Engine) -> None:
+    """After an error: give every live program storage of ``engine``'s region that is evicted memory
+    again (its content is lost) so that no tensor of the program is left without memory."""
+    runtime, homes = engine.runtime, engine.backend.homes
+    for handle in list(homes.program):
+        real = homes.storage_of_handle(handle)
+        try:
+            if real is None or homes.holds(runtime.storage_of(handle)):
+                continue
+        except KeyError:  # made by the op that failed: never given to the core
+            continue
+        swap(real, torch.UntypedStorage(real.nbytes(), device=real.device))
