@@ -5,9 +5,9 @@ costs link time, and link time is free while it hides behind compute. So time is
 op costs: the model keeps a timeline of compute steps (the forward of each stage of a Chain, then
 the backward of each, a recomputed stage replaying just before its backward) and charges a step the
 longer of its compute and the transfers each direction of the link (``remat.Link``) carries during
-it. The formulation follows Rockmate's offload extension (transfers placed in the compute steps
-they overlap, each step as long as the longest of its three streams), with one simplification: a
-tensor moves in one piece, within one step, as one copy on a side stream does.
+it. The formulation follows Rockmate's offload extension (transfers beside the compute steps they
+overlap), with each direction of the link one stream of copies in issue order, as one side stream
+per direction runs them: a copy spreads over as many steps as it takes.
 
 NOTE [offload model] Steps s = 0 .. 2n-1: step k < n is stage k's forward, step 2n-1-k its
 backward (``backward_step(n, k)``). A saved tensor (``Item``) is made in step ``stage``, read by
@@ -15,17 +15,22 @@ the forward up to step ``until``, first read by backward in step ``need`` and la
 ``freed``; it is on the device in steps ``stage`` .. ``freed`` unless
 - RECOMPUTE (its stage replays alone, single-level checkpointing; only for a tensor internal to its
   stage, first read by the stage's own backward): absent between its forward step and ``need``;
-- OFFLOAD (``Move(item, out, back)``): its device-to-host copy runs in step ``out`` (after the step
-  that made it, ``stage < out``), and it is gone from step ``max(out, until) + 1``: it counts until
-  the copy completes and the forward no longer reads it; its host-to-device copy runs in step
-  ``back`` (``out < back < need``) and it counts again from step ``back``, before its first use.
-Per step: compute c_s (a backward step adds its stage's forward when the stage is recomputed),
-D_s and H_s the seconds of the copies placed in it each way (``Link.d2h_seconds`` per tensor,
-latency included); the step lasts max(c_s, D_s, H_s), the excess over c_s being a stall. Memory of
-a step: the items on the device in it plus the backward's gradients (the chain's activation bytes
-of the stage's output and input). Host bytes: the sum of the offloaded items (each stays on the
-host until the end of the step, the most the host pool can hold). A tensor a recomputed stage
-reads in its forward, other than its own, cannot move: the stage's replay keeps a reference to it.
+- OFFLOAD (``Move(item, out, back, gone)``): its device-to-host copy is issued at the start of
+  step ``out`` (after the step that made it, ``stage < out``) and runs on the d2h stream when the
+  copies issued before it are done; the tensor leaves the device after step ``max(gone, until)``:
+  the copy and the forward's reads are over. ``gone=None``: the step the copy completes in (the
+  compute never waits for it); a given ``gone``: the compute waits at that step's end until the
+  copy is done (a stall). Its host-to-device copy is issued at the start of step ``back``
+  (``out < back < need``), runs on the h2d stream once the copy out and the copies back issued
+  before it are done, and the tensor counts again from step ``back``; step ``need`` starts when
+  it is back (a stall where it is late).
+Time: the steps run one after another, each its compute c_s (a backward step adds its stage's
+forward when the stage is recomputed) after the waits above; the step's time is the end of the
+last step, compute plus stalls. Memory of a step: the items on the device in it plus the
+backward's gradients (the chain's activation bytes of the stage's output and input). Host bytes:
+the sum of the offloaded items (each stays on the host until the end of the step, the most the host
+pool can hold). A tensor a recomputed stage reads in its forward, other than its own, cannot move:
+the stage's replay keeps a reference to it.
 """
 
 from __future__ import annotations
@@ -129,11 +134,14 @@ class OffloadProblem:
 
 @dataclass(frozen=True)
 class Move:
-    """Item ``item`` goes to the host in step ``out`` and comes back in step ``back``."""
+    """Item ``item``'s copy to the host is issued in step ``out``, its copy back in step ``back``;
+    it leaves the device after step ``gone`` (None: the step its copy completes in), NOTE
+    [offload model]."""
 
     item: int
     out: int
     back: int
+    gone: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,8 @@ class OffloadSchedule:
 @dataclass(frozen=True)
 class OffloadCost:
     """What a schedule costs under NOTE [offload model]: the peak, where, the time (compute plus
-    stalls), the compute alone, the seconds each way, and the bytes on the host."""
+    stalls), the compute alone, the seconds each way, the bytes on the host; per step the bytes on
+    the device and when it ends; per moved item the step after which it leaves."""
 
     peak_bytes: int
     peak_at: str
@@ -163,21 +172,63 @@ class OffloadCost:
     h2d_seconds: float
     host_bytes: int
     memory: tuple[int, ...] = field(repr=False, default=())
+    gone: tuple[tuple[int, int], ...] = field(repr=False, default=())
+    ends: tuple[float, ...] = field(repr=False, default=())
+
+    def gone_step(self, item: int) -> int:
+        """The last step item ``item`` (a moved one) is on the device before it goes."""
+        return dict(self.gone)[item]
 
 
 def _invalid(rule: str, given: object) -> RematValueError:
     return RematValueError(message("plan", rule, given, "fix the schedule (or the solver that made it)"))
 
 
-def presence(item: Item, s: int, recomputed: bool, move: Move | None) -> bool:
-    """Whether ``item`` is on the device in step ``s`` (NOTE [offload model])."""
-    if not item.stage <= s <= item.freed:
-        return False
-    if not item.until < s < item.need:
-        return True
-    if recomputed:
-        return False
-    return move is None or not (move.out < s < move.back)
+def _timeline(
+    problem: OffloadProblem, compute: list[float], moves: dict[int, Move]
+) -> tuple[list[float], float, dict[int, int]]:
+    """The steps' ends, the seconds the compute waited, and the step after which each moved item
+    leaves, under NOTE [offload model]'s streams."""
+    link, items, steps = problem.link, problem.items, problem.steps
+    issued_out: list[list[Move]] = [[] for _ in range(steps)]
+    issued_back: list[list[Move]] = [[] for _ in range(steps)]
+    waits: list[list[int]] = [[] for _ in range(steps)]
+    needs: list[list[int]] = [[] for _ in range(steps)]
+    for i in sorted(moves):
+        m = moves[i]
+        issued_out[m.out].append(m)
+        issued_back[m.back].append(m)
+        needs[items[i].need].append(i)
+        if m.gone is not None:
+            waits[m.gone].append(i)
+    out_done: dict[int, float] = {}
+    back_done: dict[int, float] = {}
+    ends: list[float] = []
+    clock = stalled = d2h_free = h2d_free = 0.0
+    for s in range(steps):
+        ready = max((back_done[i] for i in needs[s]), default=clock)
+        stalled += max(0.0, ready - clock)
+        clock = max(clock, ready)
+        for m in issued_out[s]:
+            d2h_free = out_done[m.item] = max(clock, d2h_free) + link.d2h_seconds(items[m.item].nbytes)
+        for m in issued_back[s]:
+            begin = max(clock, h2d_free, out_done[m.item])
+            h2d_free = back_done[m.item] = begin + link.h2d_seconds(items[m.item].nbytes)
+        clock += compute[s]
+        done = max((out_done[i] for i in waits[s]), default=clock)
+        stalled += max(0.0, done - clock)
+        clock = max(clock, done)
+        ends.append(clock)
+    gone = {}
+    for i, m in moves.items():
+        if m.gone is None:
+            s = m.out
+            while s < steps - 1 and ends[s] < out_done[i]:
+                s += 1
+            gone[i] = max(s, items[i].until)
+        else:
+            gone[i] = max(m.gone, items[i].until)
+    return ends, stalled, gone
 
 
 def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
@@ -188,7 +239,6 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
     compute = [problem.compute(s) for s in range(steps)]
     for k in schedule.recompute:
         compute[backward_step(n, k)] += problem.chain.stages[k].forward_cost
-    d2h, h2d = [0.0] * steps, [0.0] * steps
     moved: dict[int, Move] = {}
     for m in schedule.moves:
         if not 0 <= m.item < len(problem.items) or m.item in moved:
@@ -196,30 +246,48 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
         item = problem.items[m.item]
         if not item.movable or not item.stage < m.out < m.back < item.need:
             raise _invalid("an item goes out after the step that made it and back before its need", m)
+        if m.gone is not None and not m.out <= m.gone < m.back:
+            raise _invalid("an item goes after its copy out is issued and before its copy back", m)
         if item.stage in schedule.recompute and item.recomputable or item.readers & schedule.recompute:
             raise _invalid("an item that a recomputed stage drops or reads stays on the device", m)
         moved[m.item] = m
-        d2h[m.out] += problem.link.d2h_seconds(item.nbytes)
-        h2d[m.back] += problem.link.h2d_seconds(item.nbytes)
-    memory = [problem.gradients(s) for s in range(steps)]
+    ends, stall, gone = _timeline(problem, compute, moved)
+    # memory as differences: +nbytes from the step an item is made, - after it is freed, and the
+    # span it is off the device (recomputed, or between its leaving and its copy back)
+    delta = [0] * (steps + 1)
+    for s in range(n, steps):
+        delta[s] += problem.gradients(s)
+        delta[s + 1] -= problem.gradients(s)
     for i, item in enumerate(problem.items):
-        again = item.recomputable and item.stage in schedule.recompute
-        for s in range(item.stage, item.freed + 1):
-            if presence(item, s, again, moved.get(i)):
-                memory[s] += item.nbytes
-    stall = [max(0.0, d2h[s] - compute[s], h2d[s] - compute[s]) for s in range(steps)]
+        delta[item.stage] += item.nbytes
+        delta[item.freed + 1] -= item.nbytes
+        if item.recomputable and item.stage in schedule.recompute:
+            away = (item.until + 1, item.need)
+        elif i in moved:
+            away = (gone[i] + 1, moved[i].back)
+        else:
+            continue
+        if away[0] < away[1]:
+            delta[away[0]] -= item.nbytes
+            delta[away[1]] += item.nbytes
+    memory, held = [], 0
+    for s in range(steps):
+        held += delta[s]
+        memory.append(held)
     peak = max(memory)
     host = sum(problem.items[i].nbytes for i in moved)
     return OffloadCost(
         peak,
         problem.step_name(memory.index(peak)),
-        math.fsum(compute) + math.fsum(stall),
+        math.fsum(compute) + stall,
         math.fsum(compute),
-        math.fsum(stall),
-        math.fsum(d2h),
-        math.fsum(h2d),
+        stall,
+        math.fsum(problem.link.d2h_seconds(problem.items[i].nbytes) for i in moved),
+        math.fsum(problem.link.h2d_seconds(problem.items[i].nbytes) for i in moved),
         host,
         tuple(memory),
+        tuple(sorted(gone.items())),
+        tuple(ends),
     )
 
 

@@ -4,7 +4,7 @@ Why apart from ``remat.planner.search``: a three-way answer is a recomputation p
 regions, as ``search`` makes them) plus storages that leave the device and come back, and its time
 has a part no op costs: the stalls where the link is slower than the compute it hides behind. This
 module maps an ``OffloadSolution`` onto the step: its regions, and each moved storage's op after
-which it leaves (the last op of the step where its copy out runs, or of its last forward reader)
+which it leaves (the last op of the step its copy out completes in, or of its last forward reader)
 and the op before which it is back (the first of the step where its copy in starts); it predicts
 the step with both (``predict(..., moved=...)``), adds the solver's stalls, and lowers the solver's
 budget while the step's peak is over the budget, as ``search`` does. The candidates go beside the
@@ -77,7 +77,8 @@ def checked(
 ) -> OffloadCandidate:
     """A three-way answer as regions and moves of the step, with the step's predicted figures;
     on top of the regions of ``base`` when given (``on_top``)."""
-    trace, chain, schedule = step.trace, problem.chain, solution.offload
+    trace, chain, schedule, cost = step.trace, problem.chain, solution.offload, solution.cost
+    assert cost is not None
     segments = [(k, k + 1) for k in sorted(schedule.recompute)]
     regions = chain_regions(step, chain, chain_segments(chain, segments))
     if base is not None:
@@ -90,7 +91,7 @@ def checked(
     moved, reasons = [], []
     for m in schedule.moves:
         it = problem.items[m.item]
-        gone = problem.bounds[max(m.out, it.until)][1]
+        gone = problem.bounds[cost.gone_step(m.item)][1]
         back = min(problem.bounds[m.back][0], first_read.get(it.root, len(trace.ops)))
         moved.append((it.root, gone, back))
         why = (
@@ -99,8 +100,6 @@ def checked(
         )
         reasons.append((it.root, why))
     pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved)
-    cost = solution.cost
-    assert cost is not None
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
     notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
     return OffloadCandidate(
