@@ -35,17 +35,17 @@ the stage's replay keeps a reference to it.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from remat._errors import RematValueError, message
 from remat.host.link import Link
-from remat.planner.lowering import chain_from_trace, stage_key
 from remat.planner.single_level import chain_segments
 from remat.planner.types import Chain, Solution, SolverDecision
 from remat.policy import Decision
-from remat.trace.types import Phase, Trace
 
 __all__ = [
     "Item",
@@ -56,9 +56,7 @@ __all__ = [
     "OffloadSolution",
     "backward_step",
     "evaluate",
-    "offload_problem",
     "offload_solution",
-    "sub_block",
 ]
 
 
@@ -125,6 +123,23 @@ class OffloadProblem:
         k = 2 * n - 1 - s
         return act[k + 1] + (act[k] if k > 0 else 0)
 
+    @functools.cached_property
+    def computes(self) -> tuple[float, ...]:
+        """Every step's ``compute``."""
+        return tuple(self.compute(s) for s in range(self.steps))
+
+    @functools.cached_property
+    def held(self) -> tuple[int, ...]:
+        """Every step's memory with nothing recomputed or moved: its items and gradients."""
+        delta = [0] * (self.steps + 1)
+        for s in range(len(self.chain), self.steps):
+            delta[s] += self.gradients(s)
+            delta[s + 1] -= self.gradients(s)
+        for item in self.items:
+            delta[item.stage] += item.nbytes
+            delta[item.freed + 1] -= item.nbytes
+        return tuple(itertools.accumulate(delta[:-1]))
+
     def step_name(self, s: int) -> str:
         n = len(self.chain)
         if s < n:
@@ -189,43 +204,41 @@ def _timeline(
 ) -> tuple[list[float], float, dict[int, int]]:
     """The steps' ends, the seconds the compute waited, and the step after which each moved item
     leaves, under NOTE [offload model]'s streams."""
+    if not moves:
+        return list(itertools.accumulate(compute)), 0.0, {}
     link, items, steps = problem.link, problem.items, problem.steps
-    issued_out: list[list[Move]] = [[] for _ in range(steps)]
-    issued_back: list[list[Move]] = [[] for _ in range(steps)]
-    waits: list[list[int]] = [[] for _ in range(steps)]
-    needs: list[list[int]] = [[] for _ in range(steps)]
+    events: dict[int, list[tuple[int, int]]] = {}  # step -> (kind, item): 0 need, 1 out, 2 back, 3 wait
     for i in sorted(moves):
         m = moves[i]
-        issued_out[m.out].append(m)
-        issued_back[m.back].append(m)
-        needs[items[i].need].append(i)
-        if m.gone is not None:
-            waits[m.gone].append(i)
+        for s, kind in ((items[i].need, 0), (m.out, 1), (m.back, 2), (m.gone, 3)):
+            if s is not None:
+                events.setdefault(s, []).append((kind, i))
     out_done: dict[int, float] = {}
     back_done: dict[int, float] = {}
     ends: list[float] = []
     clock = stalled = d2h_free = h2d_free = 0.0
     for s in range(steps):
-        ready = max((back_done[i] for i in needs[s]), default=clock)
-        stalled += max(0.0, ready - clock)
-        clock = max(clock, ready)
-        for m in issued_out[s]:
-            d2h_free = out_done[m.item] = max(clock, d2h_free) + link.d2h_seconds(items[m.item].nbytes)
-        for m in issued_back[s]:
-            begin = max(clock, h2d_free, out_done[m.item])
-            h2d_free = back_done[m.item] = begin + link.h2d_seconds(items[m.item].nbytes)
+        mine = sorted(events.get(s, ()))
+        for kind, i in mine:
+            if kind == 0 and back_done[i] > clock:
+                stalled += back_done[i] - clock
+                clock = back_done[i]
+            elif kind == 1:
+                d2h_free = out_done[i] = max(clock, d2h_free) + link.d2h_seconds(items[i].nbytes)
+            elif kind == 2:
+                begin = max(clock, h2d_free, out_done[i])
+                h2d_free = back_done[i] = begin + link.h2d_seconds(items[i].nbytes)
         clock += compute[s]
-        done = max((out_done[i] for i in waits[s]), default=clock)
-        stalled += max(0.0, done - clock)
-        clock = max(clock, done)
+        for kind, i in mine:
+            if kind == 3 and out_done[i] > clock:
+                stalled += out_done[i] - clock
+                clock = out_done[i]
         ends.append(clock)
     gone = {}
     for i, m in moves.items():
         if m.gone is None:
-            s = m.out
-            while s < steps - 1 and ends[s] < out_done[i]:
-                s += 1
-            gone[i] = max(s, items[i].until)
+            s = bisect.bisect_left(ends, out_done[i], lo=m.out)
+            gone[i] = max(min(s, steps - 1), items[i].until)
         else:
             gone[i] = max(m.gone, items[i].until)
     return ends, stalled, gone
@@ -236,7 +249,7 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
     n, steps = len(problem.chain), problem.steps
     if any(not 0 <= k < n - 1 for k in schedule.recompute):
         raise _invalid("a recomputed stage is a stage of the chain but the last", sorted(schedule.recompute))
-    compute = [problem.compute(s) for s in range(steps)]
+    compute = list(problem.computes)
     for k in schedule.recompute:
         compute[backward_step(n, k)] += problem.chain.stages[k].forward_cost
     moved: dict[int, Move] = {}
@@ -252,15 +265,10 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
             raise _invalid("an item that a recomputed stage drops or reads stays on the device", m)
         moved[m.item] = m
     ends, stall, gone = _timeline(problem, compute, moved)
-    # memory as differences: +nbytes from the step an item is made, - after it is freed, and the
-    # span it is off the device (recomputed, or between its leaving and its copy back)
+    # memory: the plain step's, less each item's span off the device (recomputed, or between its
+    # leaving and its copy back), as differences
     delta = [0] * (steps + 1)
-    for s in range(n, steps):
-        delta[s] += problem.gradients(s)
-        delta[s + 1] -= problem.gradients(s)
     for i, item in enumerate(problem.items):
-        delta[item.stage] += item.nbytes
-        delta[item.freed + 1] -= item.nbytes
         if item.recomputable and item.stage in schedule.recompute:
             away = (item.until + 1, item.need)
         elif i in moved:
@@ -270,10 +278,7 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
         if away[0] < away[1]:
             delta[away[0]] -= item.nbytes
             delta[away[1]] += item.nbytes
-    memory, held = [], 0
-    for s in range(steps):
-        held += delta[s]
-        memory.append(held)
+    memory = [a + b for a, b in zip(problem.held, itertools.accumulate(delta[:-1]), strict=True)]
     peak = max(memory)
     host = sum(problem.items[i].nbytes for i in moved)
     return OffloadCost(
@@ -340,99 +345,3 @@ def offload_solution(
         offload=schedule,
         cost=cost,
     )
-
-
-def sub_block(key: Callable[[str], str]) -> Callable[[str], str]:
-    """The key one module level below ``key``'s blocks (``transformer.h.3.attn.c_attn`` ->
-    ``transformer.h.3.attn``): offload's steps. A reload must be done before the step that needs
-    it starts and counts from the step it starts in, so steps of whole blocks would hold the next
-    block's tensors through the current one's backward."""
-
-    def finer(module: str) -> str:
-        block = key(module)
-        depth = len(block.split(".")) + 1 if block else 1
-        return ".".join(module.split(".")[:depth])
-
-    return finer
-
-
-def offload_problem(
-    trace: Trace,
-    link: Link,
-    *,
-    host_budget: int | None = None,
-    key: Callable[[str], str] | None = None,
-) -> OffloadProblem:
-    """The offload problem of a captured step: a chain of the sub-blocks of ``key``'s blocks
-    (``sub_block``, ``chain_from_trace``) and one Item per storage autograd saved that a stage's
-    op made and a backward op reads. A backward op belongs to the stage of its module's
-    sub-block (ops of an ambiguous one go with the previous backward op's stage, as
-    ``chain_from_trace`` does)."""
-    block = sub_block(key or stage_key)
-    chain = chain_from_trace(trace, key=block)
-    n = len(chain)
-    stage_of_op = {i: k for k, st in enumerate(chain.stages) for i in st.ops}
-    stages_by_name: dict[str, list[int]] = {}
-    for k, st in enumerate(chain.stages):
-        stages_by_name.setdefault(st.name, []).append(k)
-    top = "(top level)"
-    back_stage: dict[int, int] = {}
-    current = n - 1
-    for op in trace.ops:
-        if op.phase is Phase.BACKWARD:
-            owners = stages_by_name.get(block(op.module) or top, [])
-            current = owners[0] if len(owners) == 1 else current
-            back_stage[op.index] = current
-    saved = {trace.root(t) for t in trace.saved}
-    maker: dict[int, int] = {}
-    readers: dict[int, set[int]] = {}
-    backward: dict[int, list[int]] = {}
-    for op in trace.ops:
-        if op.phase is Phase.FORWARD and op.index in stage_of_op:
-            for t in op.inputs:
-                readers.setdefault(trace.root(t), set()).add(stage_of_op[op.index])
-            for t in op.outputs:
-                info = trace.tensors[t]
-                if info.alias_of is None and not info.constant and t in saved:
-                    maker.setdefault(t, op.index)
-        elif op.phase is Phase.BACKWARD:
-            for r in {trace.root(t) for t in op.inputs} & saved:
-                backward.setdefault(r, []).append(backward_step(n, back_stage[op.index]))
-    items = []
-    for r, i in sorted(maker.items(), key=lambda kv: (kv[1], kv[0])):
-        if r not in backward:
-            continue
-        a = stage_of_op[i]
-        others = frozenset(readers.get(r, set()) - {a})
-        until = max([a, *others])
-        need, freed = min(backward[r]), max(backward[r])
-        op = trace.ops[i]
-        items.append(
-            Item(
-                f"{op.packet}@{op.module or top}",
-                r,
-                trace.tensors[r].nbytes,
-                a,
-                until,
-                need,
-                max(freed, until),
-                others,
-                until == a and need == backward_step(n, a) and a < n - 1,
-                (i,),
-            )
-        )
-    # steps as runs of ops: a forward step is its stage's ops; a backward step starts at the first
-    # backward op of its stage (or where the next step starts, for a stage without one) and runs
-    # to the next step's start
-    starts: list[int | None] = [min(st.ops) for st in chain.stages] + [None] * n
-    for i, k in sorted(back_stage.items(), reverse=True):
-        starts[backward_step(n, k)] = i
-    end = len(trace.ops)
-    for s in reversed(range(n, 2 * n)):
-        starts[s] = starts[s] if starts[s] is not None else (starts[s + 1] if s + 1 < 2 * n else end - 1)
-    first = [int(x) for x in starts if x is not None]
-    for s in range(n + 1, 2 * n):
-        first[s] = max(first[s], first[s - 1])
-    bounds = [(first[s], max(chain.stages[s].ops)) for s in range(n)]
-    bounds += [(first[s], (first[s + 1] - 1 if s + 1 < 2 * n else end - 1)) for s in range(n, 2 * n)]
-    return OffloadProblem(chain, tuple(items), link, host_budget, tuple(bounds))

@@ -8,11 +8,14 @@ copy out issued as soon as it is made and leaving when the copy completes, or, w
 the peak, waited for just before it; its copy back issued as late as the link, with the reloads
 already issued, still brings it back before it is needed) or recomputing a stage. The actions are
 ranked by an estimate of their added seconds per byte removed at the peak, read off the current
-plan's timeline; the best few are evaluated exactly, and the one of fewest added seconds per byte
-wins, until the plan fits. Then it undoes, last first, the actions the plan no longer needs.
+plan's timeline; the best few of each kind (more where none of those lowers the peak) are
+evaluated exactly, and the one of fewest added seconds per byte wins, until the plan fits. Then it
+undoes, last first, the actions the plan no longer needs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from remat._errors import RematValueError, message
 from remat.planner.offload_model import (
@@ -28,7 +31,7 @@ from remat.planner.solvers.registry import register
 
 __all__ = ["OffloadFailed", "solve"]
 
-_EXACT = 8  # actions evaluated exactly per round, the best by their estimate
+_EXACT = 4  # actions of each kind evaluated exactly per round, the best by their estimate
 
 
 class OffloadFailed(RematValueError):
@@ -59,6 +62,12 @@ def _estimates(
         issued_back[m.back + 1] += link.h2d_seconds(items[m.item].nbytes)
     for s in range(problem.steps):
         issued_back[s + 1] += issued_back[s]
+    busy = [0.0] * problem.steps  # when the d2h stream is done with the copies issued up to each step
+    for m in sorted(schedule.moves, key=lambda m: (m.out, m.item)):
+        start = max(ends[m.out - 1], busy[m.out])
+        busy[m.out] = start + link.d2h_seconds(items[m.item].nbytes)
+    for s in range(1, problem.steps):
+        busy[s] = max(busy[s], busy[s - 1])
     out: list[tuple[float, int, Action]] = []
     for i, item in enumerate(items):
         if i in moved or not item.movable or item.readers & schedule.recompute:
@@ -68,7 +77,7 @@ def _estimates(
         if problem.host_budget is not None and host + item.nbytes > problem.host_budget:
             continue
         out_at = item.stage + 1
-        done = ends[item.stage] + link.d2h_seconds(item.nbytes)
+        done = max(ends[item.stage], busy[out_at]) + link.d2h_seconds(item.nbytes)
         late = max(0.0, done - ends[peak - 1])
         gone = None if late == 0.0 or peak - 1 < out_at else peak - 1
         reload, need_at = link.h2d_seconds(item.nbytes), ends[item.need - 1]
@@ -110,9 +119,18 @@ def solve(problem: OffloadProblem, budget_bytes: int, *, recompute: bool = True)
             _estimates(problem, schedule, cost, peak, recompute), key=lambda o: (o[0] / o[1], -o[1])
         )
         best: tuple[tuple[float, int], Action, OffloadSchedule, OffloadCost] | None = None
-        for _, _, action in options[:_EXACT]:
+        moving = [o for o in options if isinstance(o[2], Move)]
+        again = [o for o in options if not isinstance(o[2], Move)]
+        for k, (_, _, action) in enumerate(moving[:_EXACT] + again[:_EXACT] + moving[_EXACT:]):
+            if k >= 2 * _EXACT and best is not None:
+                break
             trial = _with(schedule, action)
             trial_cost = evaluate(problem, trial)
+            if isinstance(action, Move) and trial_cost.gone_step(action.item) >= peak > action.out:
+                # the copies out ahead of it keep it on the device past the peak: wait for it there
+                action = dataclasses.replace(action, gone=peak - 1)
+                trial = _with(schedule, action)
+                trial_cost = evaluate(problem, trial)
             removed = cost.memory[peak] - trial_cost.memory[peak]
             if removed <= 0:
                 continue

@@ -5,8 +5,9 @@ step, and on which stages recompute (a replay lengthens its backward step, and s
 the choices do not decompose by tensor. The program encodes NOTE [offload model] with each copy
 placed within one step (a move's ``gone`` is its ``out``: the compute waits at the end of that
 step for the copy), so its optimum is the model's over those schedules; the greedy rule's copies,
-which run over several steps, can beat it where copies are longer than steps. HiGHS solves it through ``scipy.optimize.milp`` (imported when a plan is
-solved) with a time limit, and the figures are re-evaluated by ``remat.planner.offload_model``.
+which run over several steps, can beat it where copies are longer than steps. HiGHS solves it
+through ``scipy.optimize.milp`` (imported when a plan is solved) with a time limit, and the figures
+are re-evaluated by ``remat.planner.offload_model``.
 
 NOTE [offload MILP] Binaries r_k (stage k recomputed), w[i,s] (item i goes out in step s, for
 stage_i < s < need_i - 1) and v[i,s] (item i comes back in step s, stage_i + 1 < s < need_i);
