@@ -208,9 +208,9 @@ class Offloader:
             return replace(self._stats, host_peak_bytes=self.pool.peak_bytes)
 
     # out ---------------------------------------------------------------------------------------
-    def out(self, t: torch.Tensor) -> Parcel:
-        """Copy ``t``'s storage to the host pool. The same tensor moved twice (unchanged) gives the
-        same parcel. Raises for a tensor that cannot move (``unmovable``)."""
+    def check(self, t: torch.Tensor) -> None:
+        """Raise the error ``out`` raises for a tensor that cannot move (``unmovable``), without
+        moving anything."""
         reason = unmovable(t)
         if reason is not None:
             raise RematValueError(
@@ -221,6 +221,11 @@ class Offloader:
                     "keep it on the device: decide SAVE or RECOMPUTE for the op that makes it",
                 )
             )
+
+    def out(self, t: torch.Tensor) -> Parcel:
+        """Copy ``t``'s storage to the host pool. The same tensor moved twice (unchanged) gives the
+        same parcel. Raises for a tensor that cannot move (``check``)."""
+        self.check(t)
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         with self._lock:

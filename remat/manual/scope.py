@@ -90,12 +90,13 @@ class TapedRegion:
         vid = tape.lookup(t)
         if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
             return _Kept(t, t._version)
-        if vid in tape.moved:
+        parcel = tape.move(vid)
+        if parcel is not None:
             self.moved_packs[vid] = self.moved_packs.get(vid, 0) + 1
-            return tape.moved[vid]
+            return parcel
         group = tape.group[vid]
         writer = tape.writers.get(group)
-        if writer is None and group in tape.moved and tape.offloader is not None:
+        if writer is None and tape.move(group) is not None and tape.offloader is not None:
             return tape.offloader.out(t)  # a view of an offloaded tensor: its storage moves too
         if writer is None and (group in tape.kept or tape.producer[group] == EXTERNAL):
             # a view of a kept or outside tensor that nothing wrote since: its memory is kept anyway

@@ -10,8 +10,10 @@ Value ids
     A tensor no recorded op produced is *external* (a parameter, an input of the region): the tape
     keeps it, with its version counter, and that is the region's memory cost. An internal tensor is
     known only through a weak reference: the tape keeps it alive only when the policy says SAVE.
-    When the policy says OFFLOAD, the tape moves it to host memory at once (``remat.host``) and
-    keeps the parcel: replay and backward bring it back instead of recomputing it.
+    When the policy says OFFLOAD, the tape moves it to host memory (``remat.host``) when something
+    will read it back: autograd saving it, or a later op that reads it and may replay (one whose
+    outputs are neither kept nor moved); it keeps the parcel, and replay and backward bring it back
+    instead of recomputing it. A value nothing reads back never crosses the link.
 
 NOTE [aliasing]
     Values that share storage form a *group*: a view joins the group of the tensor it views (read
@@ -119,6 +121,7 @@ class Tape:
         self.policy = policy
         self.offloader = offloader  # made when the policy first says OFFLOAD, if None
         self.moved: dict[int, Parcel] = {}  # value id -> its bytes in host memory (OFFLOAD)
+        self.offloading: dict[int, weakref.ref[torch.Tensor]] = {}  # OFFLOAD, not moved yet
         self.nodes: list[Node] = []
         self.producer: list[int] = []  # value id -> index of the node that made it, or EXTERNAL
         self.group: list[int] = []  # value id -> its storage group (NOTE [aliasing])
@@ -208,6 +211,7 @@ class Tape:
         for vid in self._saved_in_group.pop(group, ()):
             self.kept.pop(vid, None)
             self.moved.pop(vid, None)
+            self.offloading.pop(vid, None)
         self.writers[group] = node
         if not hidden:
             self.declared[group] = node
@@ -274,6 +278,9 @@ class Tape:
         owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid]
         if owned:
             self._decide(info, owned, (func, args, kwargs))
+        if self.offloading and not (owned and all(v in self.kept or v in self.offloading for v, _ in owned)):
+            for vid in reads:  # this op may replay: what it reads that is to move moves now
+                self.move(vid)
         self.nodes.append(Node(func, targs, tkwargs, outs, tuple(reads), writes, tuple(after), rng))
         return out
 
@@ -301,10 +308,21 @@ class Tape:
         for vid, t in owned if decision is not Decision.RECOMPUTE else ():
             offloader = self.offloader
             if decision is Decision.OFFLOAD and offloader is not None and offloader.takes(t, demanded=True):
-                self.moved[vid] = offloader.out(t)
+                offloader.check(t)
+                self.offloading[vid] = weakref.ref(t)
             else:  # SAVE, or too small to move
                 self.kept[vid] = (t, t._version)
             self._saved_in_group.setdefault(vid, []).append(vid)
+
+    def move(self, vid: int) -> Parcel | None:
+        """The parcel of value ``vid`` if it is decided OFFLOAD, moving it now if it has not
+        moved yet; None for another value."""
+        ref = self.offloading.pop(vid, None)
+        if ref is not None:
+            t = ref()
+            assert t is not None and self.offloader is not None, "a value is moved while it is read"
+            self.moved[vid] = self.offloader.out(t)
+        return self.moved.get(vid)
 
     def slice(self, targets: Iterable[int], also: Iterable[int]) -> Slice:
         """The steps that recompute ``targets`` (value ids) after running the nodes ``also``."""

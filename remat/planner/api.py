@@ -27,8 +27,15 @@ from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.lowering import stage_key
-from remat.planner.offload_model import OffloadProblem, offload_problem
-from remat.planner.offload_search import OffloadCandidate, check_host, mark, offload_arguments, offload_search
+from remat.planner.offload_lowering import offload_problem
+from remat.planner.offload_model import OffloadProblem
+from remat.planner.offload_search import (
+    OffloadCandidate,
+    check_host,
+    mark,
+    offload_arguments,
+    offload_frontier,
+)
 from remat.planner.plan import Plan
 from remat.planner.search import (
     best,
@@ -156,19 +163,19 @@ def plan_at(
 ) -> Plan:
     """The plan ``plan_trace`` returns at ``budget`` from ``found``'s candidates: the cheapest that
     fits (NOTE [monotone plans]); the Pareto sweep finds the candidates once and picks per point.
-    With ``link``, offload's plans at this budget compete too (``remat.planner.offload_search``:
-    they are found per budget, so the monotone rule holds for the recompute-only plans only);
-    ``solver`` names the three-way solver that finds them (default ``found``'s own)."""
-    step, chain, baseline = found.step, found.chain, found.baseline
+    With ``link``, offload's plans over it compete too, found once for every budget
+    (``remat.planner.offload_search.offload_frontier``; pass a frontier made by it to pick at many
+    budgets); ``solver`` names the three-way solver that finds them (default ``found``'s own)."""
     solver = solver or found.solver
+    if link is not None and (found.link, found.host_budget) != (link, host_budget):
+        found = offload_frontier(found, link, host_budget, solver, options)
+    step, chain, baseline, link = found.step, found.chain, found.baseline, found.link
     limit = parse_budget(budget, api="plan")
     budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
     tried = list(found.candidates)
-    if link is not None:
-        problem = offload_problem(step.trace, link, host_budget=host_budget, key=step.key)
-        tried += offload_search(step, problem, budget_bytes, baseline, solver, options or {}, tried)
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
     if not fits and link is not None:
+        problem = offload_problem(step.trace, link, host_budget=found.host_budget, key=step.key)
         check_host(step, problem, budget_bytes, baseline, solver, options or {})
     if not fits:
         known = tried + floor(step, chain) if solver != "auto" else tried

@@ -187,6 +187,7 @@ def sweep(
     from remat._console import console, progress
     from remat.planner.api import plan_at
     from remat.planner.frontier import frontier
+    from remat.planner.offload_search import offload_frontier
 
     screen = console(stderr=True)
     found = {}
@@ -201,14 +202,15 @@ def sweep(
     low = min(c.pred.peak_bytes for f in found.values() for c in f.candidates)
     budgets = [low + (base - low) * k // (args.points - 1) for k in range(args.points)]
     chosen = []
-    series = [(solver, plans, None) for solver, plans in found.items()]
-    if args.link is not None:  # offload's plans beside recomputation's, on the auto candidates
-        series.append(("auto+offload", found.get("auto") or frontier(trace, "auto"), args.link))
+    series = list(found.items())
     host = None if args.host_budget is None else parse_bytes(args.host_budget, "plan")
-    for solver, plans, link in series:
+    if args.link is not None:  # offload's plans beside recomputation's, on the auto candidates
+        auto = found.get("auto") or frontier(trace, "auto")
+        series.append(("auto+offload", offload_frontier(auto, args.link, host)))
+    for solver, plans in series:
         for budget in budgets:
             try:
-                plan = plan_at(plans, budget, link=link, host_budget=host)
+                plan = plan_at(plans, budget)
             except RematError:
                 screen.print(f"{solver}: no plan within {budget} bytes (its plans start higher)")
                 continue

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat._errors import RematValueError
+from remat.host.link import Link
 from remat.planner.bounds import lower_bound
 from remat.planner.chain_recursion import minimum_peak
 from remat.planner.lowering import chain_from_trace, dag_from_trace
@@ -67,7 +68,8 @@ _FINE_STAGES = 40
 @dataclass(frozen=True)
 class Frontier:
     """Every candidate plan of ``solver`` for a step (``candidates``, in the order they were made),
-    the plain step's predicted peak (``baseline``), and the seconds it took to find them."""
+    the plain step's predicted peak (``baseline``), and the seconds it took to find them; with
+    ``link``, offload's plans over it are among them (``remat.planner.offload_search``)."""
 
     solver: str
     step: Step
@@ -75,6 +77,8 @@ class Frontier:
     baseline: int
     candidates: tuple[Candidate, ...]
     seconds: float
+    link: Link | None = None
+    host_budget: int | None = None
 
 
 def finer_key(key: Callable[[str], str]) -> Callable[[str], str]:
@@ -206,7 +210,7 @@ def frontier(
     elif Chain in get(solver).problems:
         tried += ladder(step, solver, chain, options)
     elif OffloadProblem in get(solver).problems:
-        pass  # a three-way solver plans per budget, over a link (remat.planner.api.plan_at)
+        pass  # a three-way solver plans over a link (remat.planner.offload_search.offload_frontier)
     else:
         dag = dag_from_trace(trace, max_nodes=None)
         tried += milp_rungs(step, solver, dag, baseline, options)

@@ -9,9 +9,13 @@ whose storage a planned op made goes to the host pool when autograd saves it, an
 backward unpacks it. Regions' own hooks are innermost while they record, so what a region packs
 stays its own (the planner never offloads a tensor a recomputed region reads).
 
-Prefetch is off: a tensor comes back when backward first unpacks it, no earlier than the plan's
-prediction brings it back (``remat.planner.offload_search``), so the device holds at most what the
-plan predicts; on CUDA the copy is then waited for, which the predicted stall does not count.
+NOTE [plan prefetch] The offloader brings tensors back ``PREFETCH`` ahead in backward order: when
+backward first unpacks a moved storage, the copies back of the ``PREFETCH`` storages moved out just
+before it start (on CUDA on the side stream, behind backward's compute; on CPU at once). So a
+storage is back by the first backward read of the ``PREFETCH`` storages moved out after it, or by
+its own; the plan's prediction counts it on the device from then, when that is earlier than the
+step its planned copy back starts in (``remat.planner.offload_search.prefetched``), so the device
+holds at most what the plan predicts.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from remat.planner.execute import _Runner, apply
 from remat.planner.regions import Region
 from remat.policy import Decision
 
-__all__ = ["apply_offload"]
+__all__ = ["PREFETCH", "apply_offload"]
+
+PREFETCH = 2  # storages brought back ahead of backward's demand (NOTE [plan prefetch])
 
 
 class _PlannedMakers(Makers):
@@ -102,7 +108,7 @@ def apply_offload(
     """``remat.planner.execute.apply`` with the saved outputs of the forward ops at ``positions``
     offloaded over ``link``."""
     makers = _PlannedMakers(None)
-    hooks = _Hooks(OffloadRegion(makers, Offloader(link=link, prefetch=0), demanded=True))
+    hooks = _Hooks(OffloadRegion(makers, Offloader(link=link, prefetch=PREFETCH), demanded=True))
     make = functools.partial(_OffloadRunner, positions=positions, makers=makers, hooks=hooks)
     with (
         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack),

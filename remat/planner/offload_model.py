@@ -5,9 +5,9 @@ costs link time, and link time is free while it hides behind compute. So time is
 op costs: the model keeps a timeline of compute steps (the forward of each stage of a Chain, then
 the backward of each, a recomputed stage replaying just before its backward) and charges a step the
 longer of its compute and the transfers each direction of the link (``remat.Link``) carries during
-it. The formulation follows Rockmate's offload extension (transfers placed in the compute steps
-they overlap, each step as long as the longest of its three streams), with one simplification: a
-tensor moves in one piece, within one step, as one copy on a side stream does.
+it. The formulation follows Rockmate's offload extension (transfers beside the compute steps they
+overlap), with each direction of the link one stream of copies in issue order, as one side stream
+per direction runs them: a copy spreads over as many steps as it takes.
 
 NOTE [offload model] Steps s = 0 .. 2n-1: step k < n is stage k's forward, step 2n-1-k its
 backward (``backward_step(n, k)``). A saved tensor (``Item``) is made in step ``stage``, read by
@@ -15,32 +15,37 @@ the forward up to step ``until``, first read by backward in step ``need`` and la
 ``freed``; it is on the device in steps ``stage`` .. ``freed`` unless
 - RECOMPUTE (its stage replays alone, single-level checkpointing; only for a tensor internal to its
   stage, first read by the stage's own backward): absent between its forward step and ``need``;
-- OFFLOAD (``Move(item, out, back)``): its device-to-host copy runs in step ``out`` (after the step
-  that made it, ``stage < out``), and it is gone from step ``max(out, until) + 1``: it counts until
-  the copy completes and the forward no longer reads it; its host-to-device copy runs in step
-  ``back`` (``out < back < need``) and it counts again from step ``back``, before its first use.
-Per step: compute c_s (a backward step adds its stage's forward when the stage is recomputed),
-D_s and H_s the seconds of the copies placed in it each way (``Link.d2h_seconds`` per tensor,
-latency included); the step lasts max(c_s, D_s, H_s), the excess over c_s being a stall. Memory of
-a step: the items on the device in it plus the backward's gradients (the chain's activation bytes
-of the stage's output and input). Host bytes: the sum of the offloaded items (each stays on the
-host until the end of the step, the most the host pool can hold). A tensor a recomputed stage
-reads in its forward, other than its own, cannot move: the stage's replay keeps a reference to it.
+- OFFLOAD (``Move(item, out, back, gone)``): its device-to-host copy is issued at the start of
+  step ``out`` (after the step that made it, ``stage < out``) and runs on the d2h stream when the
+  copies issued before it are done; the tensor leaves the device after step ``max(gone, until)``:
+  the copy and the forward's reads are over. ``gone=None``: the step the copy completes in (the
+  compute never waits for it); a given ``gone``: the compute waits at that step's end until the
+  copy is done (a stall). Its host-to-device copy is issued at the start of step ``back``
+  (``out < back < need``), runs on the h2d stream once the copy out and the copies back issued
+  before it are done, and the tensor counts again from step ``back``; step ``need`` starts when
+  it is back (a stall where it is late).
+Time: the steps run one after another, each its compute c_s (a backward step adds its stage's
+forward when the stage is recomputed) after the waits above; the step's time is the end of the
+last step, compute plus stalls. Memory of a step: the items on the device in it plus the
+backward's gradients (the chain's activation bytes of the stage's output and input). Host bytes:
+the sum of the offloaded items (each stays on the host until the end of the step, the most the host
+pool can hold). A tensor a recomputed stage reads in its forward, other than its own, cannot move:
+the stage's replay keeps a reference to it.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from remat._errors import RematValueError, message
 from remat.host.link import Link
-from remat.planner.lowering import chain_from_trace, stage_key
 from remat.planner.single_level import chain_segments
 from remat.planner.types import Chain, Solution, SolverDecision
 from remat.policy import Decision
-from remat.trace.types import Phase, Trace
 
 __all__ = [
     "Item",
@@ -51,9 +56,7 @@ __all__ = [
     "OffloadSolution",
     "backward_step",
     "evaluate",
-    "offload_problem",
     "offload_solution",
-    "sub_block",
 ]
 
 
@@ -120,6 +123,23 @@ class OffloadProblem:
         k = 2 * n - 1 - s
         return act[k + 1] + (act[k] if k > 0 else 0)
 
+    @functools.cached_property
+    def computes(self) -> tuple[float, ...]:
+        """Every step's ``compute``."""
+        return tuple(self.compute(s) for s in range(self.steps))
+
+    @functools.cached_property
+    def held(self) -> tuple[int, ...]:
+        """Every step's memory with nothing recomputed or moved: its items and gradients."""
+        delta = [0] * (self.steps + 1)
+        for s in range(len(self.chain), self.steps):
+            delta[s] += self.gradients(s)
+            delta[s + 1] -= self.gradients(s)
+        for item in self.items:
+            delta[item.stage] += item.nbytes
+            delta[item.freed + 1] -= item.nbytes
+        return tuple(itertools.accumulate(delta[:-1]))
+
     def step_name(self, s: int) -> str:
         n = len(self.chain)
         if s < n:
@@ -129,11 +149,14 @@ class OffloadProblem:
 
 @dataclass(frozen=True)
 class Move:
-    """Item ``item`` goes to the host in step ``out`` and comes back in step ``back``."""
+    """Item ``item``'s copy to the host is issued in step ``out``, its copy back in step ``back``;
+    it leaves the device after step ``gone`` (None: the step its copy completes in), NOTE
+    [offload model]."""
 
     item: int
     out: int
     back: int
+    gone: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +175,8 @@ class OffloadSchedule:
 @dataclass(frozen=True)
 class OffloadCost:
     """What a schedule costs under NOTE [offload model]: the peak, where, the time (compute plus
-    stalls), the compute alone, the seconds each way, and the bytes on the host."""
+    stalls), the compute alone, the seconds each way, the bytes on the host; per step the bytes on
+    the device and when it ends; per moved item the step after which it leaves."""
 
     peak_bytes: int
     peak_at: str
@@ -163,21 +187,61 @@ class OffloadCost:
     h2d_seconds: float
     host_bytes: int
     memory: tuple[int, ...] = field(repr=False, default=())
+    gone: tuple[tuple[int, int], ...] = field(repr=False, default=())
+    ends: tuple[float, ...] = field(repr=False, default=())
+
+    def gone_step(self, item: int) -> int:
+        """The last step item ``item`` (a moved one) is on the device before it goes."""
+        return dict(self.gone)[item]
 
 
 def _invalid(rule: str, given: object) -> RematValueError:
     return RematValueError(message("plan", rule, given, "fix the schedule (or the solver that made it)"))
 
 
-def presence(item: Item, s: int, recomputed: bool, move: Move | None) -> bool:
-    """Whether ``item`` is on the device in step ``s`` (NOTE [offload model])."""
-    if not item.stage <= s <= item.freed:
-        return False
-    if not item.until < s < item.need:
-        return True
-    if recomputed:
-        return False
-    return move is None or not (move.out < s < move.back)
+def _timeline(
+    problem: OffloadProblem, compute: list[float], moves: dict[int, Move]
+) -> tuple[list[float], float, dict[int, int]]:
+    """The steps' ends, the seconds the compute waited, and the step after which each moved item
+    leaves, under NOTE [offload model]'s streams."""
+    if not moves:
+        return list(itertools.accumulate(compute)), 0.0, {}
+    link, items, steps = problem.link, problem.items, problem.steps
+    events: dict[int, list[tuple[int, int]]] = {}  # step -> (kind, item): 0 need, 1 out, 2 back, 3 wait
+    for i in sorted(moves):
+        m = moves[i]
+        for s, kind in ((items[i].need, 0), (m.out, 1), (m.back, 2), (m.gone, 3)):
+            if s is not None:
+                events.setdefault(s, []).append((kind, i))
+    out_done: dict[int, float] = {}
+    back_done: dict[int, float] = {}
+    ends: list[float] = []
+    clock = stalled = d2h_free = h2d_free = 0.0
+    for s in range(steps):
+        mine = sorted(events.get(s, ()))
+        for kind, i in mine:
+            if kind == 0 and back_done[i] > clock:
+                stalled += back_done[i] - clock
+                clock = back_done[i]
+            elif kind == 1:
+                d2h_free = out_done[i] = max(clock, d2h_free) + link.d2h_seconds(items[i].nbytes)
+            elif kind == 2:
+                begin = max(clock, h2d_free, out_done[i])
+                h2d_free = back_done[i] = begin + link.h2d_seconds(items[i].nbytes)
+        clock += compute[s]
+        for kind, i in mine:
+            if kind == 3 and out_done[i] > clock:
+                stalled += out_done[i] - clock
+                clock = out_done[i]
+        ends.append(clock)
+    gone = {}
+    for i, m in moves.items():
+        if m.gone is None:
+            s = bisect.bisect_left(ends, out_done[i], lo=m.out)
+            gone[i] = max(min(s, steps - 1), items[i].until)
+        else:
+            gone[i] = max(m.gone, items[i].until)
+    return ends, stalled, gone
 
 
 def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
@@ -185,10 +249,9 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
     n, steps = len(problem.chain), problem.steps
     if any(not 0 <= k < n - 1 for k in schedule.recompute):
         raise _invalid("a recomputed stage is a stage of the chain but the last", sorted(schedule.recompute))
-    compute = [problem.compute(s) for s in range(steps)]
+    compute = list(problem.computes)
     for k in schedule.recompute:
         compute[backward_step(n, k)] += problem.chain.stages[k].forward_cost
-    d2h, h2d = [0.0] * steps, [0.0] * steps
     moved: dict[int, Move] = {}
     for m in schedule.moves:
         if not 0 <= m.item < len(problem.items) or m.item in moved:
@@ -196,30 +259,40 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
         item = problem.items[m.item]
         if not item.movable or not item.stage < m.out < m.back < item.need:
             raise _invalid("an item goes out after the step that made it and back before its need", m)
+        if m.gone is not None and not m.out <= m.gone < m.back:
+            raise _invalid("an item goes after its copy out is issued and before its copy back", m)
         if item.stage in schedule.recompute and item.recomputable or item.readers & schedule.recompute:
             raise _invalid("an item that a recomputed stage drops or reads stays on the device", m)
         moved[m.item] = m
-        d2h[m.out] += problem.link.d2h_seconds(item.nbytes)
-        h2d[m.back] += problem.link.h2d_seconds(item.nbytes)
-    memory = [problem.gradients(s) for s in range(steps)]
+    ends, stall, gone = _timeline(problem, compute, moved)
+    # memory: the plain step's, less each item's span off the device (recomputed, or between its
+    # leaving and its copy back), as differences
+    delta = [0] * (steps + 1)
     for i, item in enumerate(problem.items):
-        again = item.recomputable and item.stage in schedule.recompute
-        for s in range(item.stage, item.freed + 1):
-            if presence(item, s, again, moved.get(i)):
-                memory[s] += item.nbytes
-    stall = [max(0.0, d2h[s] - compute[s], h2d[s] - compute[s]) for s in range(steps)]
+        if item.recomputable and item.stage in schedule.recompute:
+            away = (item.until + 1, item.need)
+        elif i in moved:
+            away = (gone[i] + 1, moved[i].back)
+        else:
+            continue
+        if away[0] < away[1]:
+            delta[away[0]] -= item.nbytes
+            delta[away[1]] += item.nbytes
+    memory = [a + b for a, b in zip(problem.held, itertools.accumulate(delta[:-1]), strict=True)]
     peak = max(memory)
     host = sum(problem.items[i].nbytes for i in moved)
     return OffloadCost(
         peak,
         problem.step_name(memory.index(peak)),
-        math.fsum(compute) + math.fsum(stall),
+        math.fsum(compute) + stall,
         math.fsum(compute),
-        math.fsum(stall),
-        math.fsum(d2h),
-        math.fsum(h2d),
+        stall,
+        math.fsum(problem.link.d2h_seconds(problem.items[i].nbytes) for i in moved),
+        math.fsum(problem.link.h2d_seconds(problem.items[i].nbytes) for i in moved),
         host,
         tuple(memory),
+        tuple(sorted(gone.items())),
+        tuple(ends),
     )
 
 
@@ -272,99 +345,3 @@ def offload_solution(
         offload=schedule,
         cost=cost,
     )
-
-
-def sub_block(key: Callable[[str], str]) -> Callable[[str], str]:
-    """The key one module level below ``key``'s blocks (``transformer.h.3.attn.c_attn`` ->
-    ``transformer.h.3.attn``): offload's steps. A reload must be done before the step that needs
-    it starts and counts from the step it starts in, so steps of whole blocks would hold the next
-    block's tensors through the current one's backward."""
-
-    def finer(module: str) -> str:
-        block = key(module)
-        depth = len(block.split(".")) + 1 if block else 1
-        return ".".join(module.split(".")[:depth])
-
-    return finer
-
-
-def offload_problem(
-    trace: Trace,
-    link: Link,
-    *,
-    host_budget: int | None = None,
-    key: Callable[[str], str] | None = None,
-) -> OffloadProblem:
-    """The offload problem of a captured step: a chain of the sub-blocks of ``key``'s blocks
-    (``sub_block``, ``chain_from_trace``) and one Item per storage autograd saved that a stage's
-    op made and a backward op reads. A backward op belongs to the stage of its module's
-    sub-block (ops of an ambiguous one go with the previous backward op's stage, as
-    ``chain_from_trace`` does)."""
-    block = sub_block(key or stage_key)
-    chain = chain_from_trace(trace, key=block)
-    n = len(chain)
-    stage_of_op = {i: k for k, st in enumerate(chain.stages) for i in st.ops}
-    stages_by_name: dict[str, list[int]] = {}
-    for k, st in enumerate(chain.stages):
-        stages_by_name.setdefault(st.name, []).append(k)
-    top = "(top level)"
-    back_stage: dict[int, int] = {}
-    current = n - 1
-    for op in trace.ops:
-        if op.phase is Phase.BACKWARD:
-            owners = stages_by_name.get(block(op.module) or top, [])
-            current = owners[0] if len(owners) == 1 else current
-            back_stage[op.index] = current
-    saved = {trace.root(t) for t in trace.saved}
-    maker: dict[int, int] = {}
-    readers: dict[int, set[int]] = {}
-    backward: dict[int, list[int]] = {}
-    for op in trace.ops:
-        if op.phase is Phase.FORWARD and op.index in stage_of_op:
-            for t in op.inputs:
-                readers.setdefault(trace.root(t), set()).add(stage_of_op[op.index])
-            for t in op.outputs:
-                info = trace.tensors[t]
-                if info.alias_of is None and not info.constant and t in saved:
-                    maker.setdefault(t, op.index)
-        elif op.phase is Phase.BACKWARD:
-            for r in {trace.root(t) for t in op.inputs} & saved:
-                backward.setdefault(r, []).append(backward_step(n, back_stage[op.index]))
-    items = []
-    for r, i in sorted(maker.items(), key=lambda kv: (kv[1], kv[0])):
-        if r not in backward:
-            continue
-        a = stage_of_op[i]
-        others = frozenset(readers.get(r, set()) - {a})
-        until = max([a, *others])
-        need, freed = min(backward[r]), max(backward[r])
-        op = trace.ops[i]
-        items.append(
-            Item(
-                f"{op.packet}@{op.module or top}",
-                r,
-                trace.tensors[r].nbytes,
-                a,
-                until,
-                need,
-                max(freed, until),
-                others,
-                until == a and need == backward_step(n, a) and a < n - 1,
-                (i,),
-            )
-        )
-    # steps as runs of ops: a forward step is its stage's ops; a backward step starts at the first
-    # backward op of its stage (or where the next step starts, for a stage without one) and runs
-    # to the next step's start
-    starts: list[int | None] = [min(st.ops) for st in chain.stages] + [None] * n
-    for i, k in sorted(back_stage.items(), reverse=True):
-        starts[backward_step(n, k)] = i
-    end = len(trace.ops)
-    for s in reversed(range(n, 2 * n)):
-        starts[s] = starts[s] if starts[s] is not None else (starts[s + 1] if s + 1 < 2 * n else end - 1)
-    first = [int(x) for x in starts if x is not None]
-    for s in range(n + 1, 2 * n):
-        first[s] = max(first[s], first[s - 1])
-    bounds = [(first[s], max(chain.stages[s].ops)) for s in range(n)]
-    bounds += [(first[s], (first[s + 1] - 1 if s + 1 < 2 * n else end - 1)) for s in range(n, 2 * n)]
-    return OffloadProblem(chain, tuple(items), link, host_budget, tuple(bounds))

@@ -4,17 +4,23 @@ Why apart from ``remat.planner.search``: a three-way answer is a recomputation p
 regions, as ``search`` makes them) plus storages that leave the device and come back, and its time
 has a part no op costs: the stalls where the link is slower than the compute it hides behind. This
 module maps an ``OffloadSolution`` onto the step: its regions, and each moved storage's op after
-which it leaves (the last op of the step where its copy out runs, or of its last forward reader)
+which it leaves (the last op of the step its copy out completes in, or of its last forward reader)
 and the op before which it is back (the first of the step where its copy in starts); it predicts
 the step with both (``predict(..., moved=...)``), adds the solver's stalls, and lowers the solver's
 budget while the step's peak is over the budget, as ``search`` does. The candidates go beside the
 recompute-only ones, so the plan picked is never predicted slower than recomputation alone.
+
+They are found once for every budget (``offload_frontier``, NOTE [monotone plans]): the search runs
+down a ladder of step budgets that depends on the step and the link only, from the plain peak to the
+least peak it reaches, and a budget picks the cheapest candidate that fits; so more budget never
+gives a costlier three-way plan either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,15 +28,31 @@ from typing import Any
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import parse_bytes
 from remat.host.link import Link
-from remat.planner.offload_model import OffloadProblem, OffloadSchedule, OffloadSolution, evaluate
+from remat.planner.frontier import Frontier, pareto
+from remat.planner.offload_execute import PREFETCH
+from remat.planner.offload_lowering import offload_problem
+from remat.planner.offload_model import (
+    OffloadProblem,
+    OffloadSchedule,
+    OffloadSolution,
+    evaluate,
+)
 from remat.planner.predict import predict
 from remat.planner.regions import TensorDecision
-from remat.planner.search import Candidate, Step, chain_regions
+from remat.planner.search import Candidate, Step, chain_regions, untied
 from remat.planner.single_level import chain_segments
 from remat.planner.solvers import get
 from remat.policy import Decision
 
-__all__ = ["OffloadCandidate", "check_host", "mark", "offload_arguments", "offload_search", "on_top"]
+__all__ = [
+    "OffloadCandidate",
+    "check_host",
+    "mark",
+    "offload_arguments",
+    "offload_frontier",
+    "offload_search",
+    "on_top",
+]
 
 _ATTEMPTS = 6
 # ``solver="auto"`` tries the three-way MILP up to this many binaries (about 1 s of HiGHS on a tiny GPT-2's
@@ -38,6 +60,12 @@ _ATTEMPTS = 6
 _MILP_COLUMNS = 8000
 _AUTO_TIME_LIMIT = 5.0  # seconds per MILP solve when ``solver="auto"`` tries it
 _ON_TOP = 4  # recompute-only plans ``solver="auto"`` adds offload to (``on_top``)
+# the ladder of step budgets ``offload_frontier`` searches at, beside recomputation's peaks: rungs
+# at least 1/_RUNGS of the span from the plain peak to recomputation's least peak apart, at most
+# _MAX_RUNGS of them
+_RUNGS = 12
+_MAX_RUNGS = 36
+_MILP_RUNGS = 3  # rungs the MILP runs at (the greedy rule alone at the others): each solve takes seconds
 
 
 @dataclass(frozen=True)
@@ -77,7 +105,8 @@ def checked(
 ) -> OffloadCandidate:
     """A three-way answer as regions and moves of the step, with the step's predicted figures;
     on top of the regions of ``base`` when given (``on_top``)."""
-    trace, chain, schedule = step.trace, problem.chain, solution.offload
+    trace, chain, schedule, cost = step.trace, problem.chain, solution.offload, solution.cost
+    assert cost is not None
     segments = [(k, k + 1) for k in sorted(schedule.recompute)]
     regions = chain_regions(step, chain, chain_segments(chain, segments))
     if base is not None:
@@ -90,7 +119,7 @@ def checked(
     moved, reasons = [], []
     for m in schedule.moves:
         it = problem.items[m.item]
-        gone = problem.bounds[max(m.out, it.until)][1]
+        gone = problem.bounds[cost.gone_step(m.item)][1]
         back = min(problem.bounds[m.back][0], first_read.get(it.root, len(trace.ops)))
         moved.append((it.root, gone, back))
         why = (
@@ -98,9 +127,8 @@ def checked(
             f"{problem.step_name(m.back)} for {problem.step_name(it.need)}"
         )
         reasons.append((it.root, why))
+    moved = prefetched(step, moved, first_read)
     pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved)
-    cost = solution.cost
-    assert cost is not None
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
     notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
     return OffloadCandidate(
@@ -116,6 +144,30 @@ def checked(
     )
 
 
+def prefetched(
+    step: Step, moved: list[tuple[int, int, int]], first_read: dict[int, int]
+) -> list[tuple[int, int, int]]:
+    """``moved`` (root, gone after op, back before op) with each storage back no later than the
+    executor's prefetch brings it (NOTE [plan prefetch]): at the first backward read of the
+    ``PREFETCH`` storages moved out after it."""
+    trace = step.trace
+    roots = {r for r, _, _ in moved}
+    saved_first: dict[int, int] = {}  # when autograd first saved it (the op that made it, unknown)
+    for op in step.forward:
+        for r in roots.intersection(op.outputs):
+            saved_first.setdefault(r, op.index + 1)
+    for t, position in trace.saved_at:
+        r = trace.root(t)
+        if r in roots:
+            saved_first[r] = min(saved_first.get(r, position), position)
+    order = sorted(moved, key=lambda m: (saved_first.get(m[0], 0), m[0]))
+    out = []
+    for k, (root, gone, back) in enumerate(order):
+        reads = [first_read[r] for r, _, _ in order[k + 1 : k + 1 + PREFETCH] if r in first_read]
+        out.append((root, gone, min([back, *reads])))
+    return out
+
+
 def offload_search(
     step: Step,
     problem: OffloadProblem,
@@ -124,12 +176,15 @@ def offload_search(
     solver: str,
     options: dict[str, Any],
     recomputing: Sequence[Candidate] = (),
+    exact: bool = True,
 ) -> list[Candidate]:
     """The three-way plans of ``solver`` (for ``"auto"``: the greedy rule, and the MILP up to
-    ``_MILP_COLUMNS`` binaries), then ``on_top`` of the recompute-only plans ``recomputing``, each
-    solver's budget lowered by what the step's peak was over ``budget`` until one fits (see the
-    module doc)."""
-    if solver == "auto":
+    ``_MILP_COLUMNS`` binaries; without ``exact``, the greedy rule alone), then ``on_top`` of the
+    recompute-only plans ``recomputing``, each solver's budget lowered by what the step's peak was
+    over ``budget`` until one fits (see the module doc)."""
+    if not exact:
+        solvers = ["offload_greedy"]
+    elif solver == "auto":
         size = sum(2 * (it.need - it.stage) for it in problem.items if it.movable)
         solvers = ["offload_greedy"] + (["offload_milp"] if size <= _MILP_COLUMNS else [])
         options = {"time_limit": _AUTO_TIME_LIMIT, **options}
@@ -143,7 +198,7 @@ def offload_search(
             if target <= 0:
                 break
             try:
-                mine = options if solver != "auto" or name == "offload_milp" else {}
+                mine = options if name == "offload_milp" or solver == name else {}
                 solution = get(name).solve(problem, target, **mine)
             except RematValueError:
                 break
@@ -235,3 +290,65 @@ def mark(
         dataclasses.replace(t, action=Decision.OFFLOAD, reason=why[r]) if r in why else t
         for r, t in zip(roots, tensors, strict=True)
     )
+
+
+def offload_frontier(
+    found: Frontier,
+    link: Link,
+    host_budget: int | None = None,
+    solver: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Frontier:
+    """``found`` with the three-way plans of ``solver`` (default ``found``'s own) over ``link``
+    among its candidates, for every budget at once (see the module doc): ``offload_search`` at the
+    peak of each recompute-only candidate (the three-way plan at equal device peak) and at rungs a
+    stride apart from the plain peak down, each below the least peak that fit the rung before,
+    going on below recomputation's least peak until the search finds no plan that fits (the MILP
+    at ``_MILP_RUNGS`` of them, spread out)."""
+    start = time.perf_counter()
+    step, baseline = found.step, found.baseline
+    problem = offload_problem(step.trace, link, host_budget=host_budget, key=step.key)
+    least = min((c.pred.peak_bytes for c in found.candidates), default=baseline)
+    stride = max(1, (baseline - least) // _RUNGS)
+    peaks = sorted(
+        {c.pred.peak_bytes for c in found.candidates if c.pred.peak_bytes < baseline}, reverse=True
+    )
+    every = max(1, math.ceil((_RUNGS + len(peaks)) / _MILP_RUNGS))  # the MILP's rungs: one in ``every``
+    tried = list(found.candidates)
+    budget, rung = baseline - stride, 0
+    for _ in range(_MAX_RUNGS):
+        while peaks and peaks[0] > budget:  # a recompute-only peak above this rung: search it first
+            _rung(step, problem, peaks.pop(0), found, solver, options, rung % every == 0, tried)
+            rung += 1
+        lowest = _rung(step, problem, budget, found, solver, options, rung % every == 0, tried)
+        rung += 1
+        if lowest is None:
+            break
+        budget = min(lowest - 1, budget - stride)
+    for peak in peaks:  # those below the last rung
+        _rung(step, problem, peak, found, solver, options, False, tried)
+    return dataclasses.replace(
+        found,
+        candidates=tuple(pareto(untied(tried))),
+        seconds=found.seconds + time.perf_counter() - start,
+        link=link,
+        host_budget=host_budget,
+    )
+
+
+def _rung(
+    step: Step,
+    problem: OffloadProblem,
+    budget: int,
+    found: Frontier,
+    solver: str | None,
+    options: dict[str, Any] | None,
+    exact: bool,
+    tried: list[Candidate],
+) -> int | None:
+    """Add to ``tried`` the plans ``offload_search`` makes at ``budget`` (``exact``: with the
+    MILP); the least peak of those that fit it (None: none does)."""
+    name, given = solver or found.solver, options or {}
+    made = offload_search(step, problem, budget, found.baseline, name, given, found.candidates, exact)
+    tried += made
+    return min((c.pred.peak_bytes for c in made if c.pred.peak_bytes <= budget), default=None)

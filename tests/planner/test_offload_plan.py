@@ -4,10 +4,12 @@ table), and refuse clearly what they cannot do."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from models import assert_same, build, train, twin
@@ -16,13 +18,38 @@ from plans import SCALARS, _measured_peak, _traced, trace_with_fixed_costs
 import remat
 from remat import Plan, RematTypeError, RematValueError
 from remat.cli import main
-from remat.planner import plan_trace
-from remat.planner.api import BudgetTooSmall
+from remat.planner import offload_execute, plan_trace
+from remat.planner.api import BudgetTooSmall, plan_at
+from remat.planner.frontier import Frontier, frontier
+from remat.planner.offload_search import offload_frontier
 from remat.policy import Decision
-from remat.trace.types import Trace
 
 FAST = remat.Link(d2h=1e18, h2d=1e18, latency=0)
 SLOW = remat.Link(d2h="1KB/s", h2d="1KB/s")
+
+
+@functools.cache
+def _offload(name: str, link: remat.Link, host: int | None = None) -> Frontier:
+    """The candidates ``plan_trace(..., link=link, solver="offload_greedy")`` picks from, found
+    once per test model, link and host budget."""
+    trace, _, _ = _traced(name)
+    return offload_frontier(frontier(trace, "auto"), link, host, "offload_greedy")
+
+
+def _three_way(name: str, budget: int, link: remat.Link, host: int | None = None) -> Plan:
+    return plan_at(_offload(name, link, host), budget)
+
+
+def test_plan_trace_picks_from_the_offload_frontier() -> None:
+    trace, base, low = _traced("gpt2")
+    budget = (low + base) // 2
+    plan = plan_trace(trace, budget, link=remat.Link(), solver="offload_greedy")
+    picked = _three_way("gpt2", budget, remat.Link())
+    assert (plan.regions, plan.tensors, plan.predicted_overhead) == (
+        picked.regions,
+        picked.tensors,
+        picked.predicted_overhead,
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt2", "cnn"])
@@ -30,17 +57,17 @@ def test_a_three_way_plan_is_never_predicted_slower_than_recomputation_alone(nam
     trace, base, low = _traced(name)
     for budget in (low, (low + base) // 2):
         alone = plan_trace(trace, budget)
-        both = plan_trace(trace, budget, link=remat.Link(), solver="offload_greedy")
+        both = _three_way(name, budget, remat.Link())
         assert both.predicted_peak_bytes <= budget
         assert both.predicted_overhead <= alone.predicted_overhead
         assert both.offloaded_bytes == sum(t.nbytes for t in both.tensors if t.action is Decision.OFFLOAD)
 
 
-def _below(trace: Trace, low: int, link: remat.Link) -> Plan:
+def _below(name: str, low: int, link: remat.Link) -> Plan:
     """The three-way plan at the least of a few budgets below recomputation's smallest peak."""
     for percent in (90, 93, 96, 99):
         try:
-            return plan_trace(trace, low * percent // 100, link=link, solver="offload_greedy")
+            return _three_way(name, low * percent // 100, link)
         except BudgetTooSmall:
             continue
     raise AssertionError(f"no three-way plan below {low} bytes")
@@ -48,7 +75,7 @@ def _below(trace: Trace, low: int, link: remat.Link) -> Plan:
 
 def test_an_infinitely_fast_link_reaches_budgets_recomputation_cannot() -> None:
     trace, _, low = _traced("gpt2")
-    plan = _below(trace, low, FAST)
+    plan = _below("gpt2", low, FAST)
     budget = plan.budget_bytes
     assert budget < low
     with pytest.raises(RematValueError, match="budget below the smallest feasible peak"):
@@ -59,17 +86,17 @@ def test_an_infinitely_fast_link_reaches_budgets_recomputation_cannot() -> None:
 
 
 def test_a_slow_link_leaves_offload_out_where_recomputation_fits() -> None:
-    trace, base, low = _traced("gpt2")
-    plan = plan_trace(trace, (low + base) // 2, link=SLOW, solver="offload_greedy")
+    _, base, low = _traced("gpt2")
+    plan = _three_way("gpt2", (low + base) // 2, SLOW)
     assert plan.offloaded_bytes == 0
     assert any(t.action is Decision.RECOMPUTE for t in plan.tensors)
 
 
 def test_the_host_budget_holds_and_a_too_small_one_is_named() -> None:
     trace, _, low = _traced("gpt2")
-    free = _below(trace, low, FAST)
+    free = _below("gpt2", low, FAST)
     budget = free.budget_bytes
-    capped = plan_trace(trace, budget, link=FAST, solver="offload_greedy", host_budget=free.offloaded_bytes)
+    capped = _three_way("gpt2", budget, FAST, host=free.offloaded_bytes)
     assert capped.offloaded_bytes <= free.offloaded_bytes
     with pytest.raises(
         RematValueError, match=r"host_budget too small .* a plan fits with \d+ bytes on the host"
@@ -78,8 +105,8 @@ def test_the_host_budget_holds_and_a_too_small_one_is_named() -> None:
 
 
 def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) -> None:
-    trace, _, low = _traced("gpt2")
-    plan = plan_trace(trace, low, link=remat.Link(), solver="offload_milp", time_limit=10.0)
+    _, _, low = _traced("gpt2")
+    plan = _three_way("gpt2", low, remat.Link())
     moved = [t for t in plan.tensors if t.action is Decision.OFFLOAD]
     assert moved and all("to host in forward of" in t.reason for t in moved)
     plan.save(tmp_path / "plan.json")
@@ -100,15 +127,25 @@ def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) ->
     ],
 )
 def test_an_applied_three_way_plan_is_transparent_and_measures_less(
-    name: str, link: remat.Link, below: bool, mixed: bool
+    name: str, link: remat.Link, below: bool, mixed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Outputs, every gradient, buffers and the RNG stream equal to the plain run's, bit for bit;
-    the allocator's peak within the prediction (prefetch is off, so nothing comes back earlier
-    than predicted) and below the plain step's; also for a plan that recomputes and offloads."""
-    trace, _, low = _traced(name)
-    plan = _below(trace, low, link) if below else plan_trace(trace, low, link=link, solver="offload_greedy")
+    the allocator's peak within the prediction (which counts a tensor from when the executor's
+    prefetch brings it back, NOTE [plan prefetch]) and below the plain step's; also for a plan
+    that recomputes and offloads."""
+    made: list[remat.Offloader] = []
+
+    class Noted(remat.Offloader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(offload_execute, "Offloader", Noted)
+    _, _, low = _traced(name)
+    plan = _below(name, low, link) if below else _three_way(name, low, link)
     assert plan.offloaded_bytes > 0
-    assert bool(plan.regions) is mixed
+    if mixed:
+        assert plan.regions
     model, batch, _ = build(name)
     planned = twin(model)
     plain = train(model, batch, steps=2)
@@ -117,6 +154,9 @@ def test_an_applied_three_way_plan_is_transparent_and_measures_less(
     peak = _measured_peak(planned, batch(0), plan)
     assert peak <= plan.predicted_peak_bytes + SCALARS
     assert peak < _measured_peak(planned, batch(0), None)
+    assert made and all(o.prefetch == offload_execute.PREFETCH for o in made)
+    if sum(t.action is Decision.OFFLOAD for t in plan.tensors) > 1:
+        assert sum(o.stats().prefetched for o in made) > 0
 
 
 def test_bad_offload_arguments_are_refused() -> None:

@@ -1,124 +1,105 @@
 """The fast three-way plan: offload or recompute, cheapest seconds per byte at the peak first.
 
 Why a heuristic beside the MILP: the MILP has a binary per saved tensor and step, too many for a
-ResNet-50's hundreds of saved tensors, while a plan is wanted in a second. Each round looks at the
-step holding the peak (NOTE [offload model]) and weighs every action that lowers it: offloading a
-saved tensor (its copy out placed in the step before the peak where it stalls least, the earliest of
-those, its copy back after the peak likewise, the latest: the link's load per step is kept so a
-placement's added stall is known at once) or recomputing a stage. It takes the one of
-fewest added seconds per byte removed at the peak, until the plan fits; then it undoes, last first,
-the actions the plan no longer needs. Its plans lie in the MILP's space, so the MILP's are never
-worse.
+ResNet-50's hundreds of saved tensors, while a plan is wanted in a second; and it places each copy
+within one step, where NOTE [offload model]'s streams let a copy run over several. Each round looks
+at the step holding the peak and weighs every action that lowers it: offloading a saved tensor (its
+copy out issued as soon as it is made and leaving when the copy completes, or, where that is after
+the peak, waited for just before it; its copy back issued as late as the link, with the reloads
+already issued, still brings it back before it is needed) or recomputing a stage. The actions are
+ranked by an estimate of their added seconds per byte removed at the peak, read off the current
+plan's timeline; the best few of each kind (more where none of those lowers the peak) are
+evaluated exactly, and the one of fewest added seconds per byte wins, until the plan fits. Then it
+undoes, last first, the actions the plan no longer needs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 from remat._errors import RematValueError, message
 from remat.planner.offload_model import (
     Move,
+    OffloadCost,
     OffloadProblem,
     OffloadSchedule,
     OffloadSolution,
-    backward_step,
     evaluate,
     offload_solution,
-    presence,
 )
 from remat.planner.solvers.registry import register
 
 __all__ = ["OffloadFailed", "solve"]
+
+_EXACT = 4  # actions of each kind evaluated exactly per round, the best by their estimate
 
 
 class OffloadFailed(RematValueError):
     """The greedy rule found no three-way plan within the budget."""
 
 
-@dataclass
-class _State:
-    """The plan being built, with the per-step compute, link loads and memory it implies."""
+Action = Move | int
 
-    problem: OffloadProblem
-    recompute: set[int]
-    moves: dict[int, Move]
-    compute: list[float]
-    d2h: list[float]
-    h2d: list[float]
-    memory: list[int]
-    host: int = 0
 
-    def stall(self, s: int, d2h: float = 0.0, h2d: float = 0.0, extra: float = 0.0) -> float:
-        c = self.compute[s] + extra
-        return max(0.0, self.d2h[s] + d2h - c, self.h2d[s] + h2d - c)
+def _with(schedule: OffloadSchedule, action: Action) -> OffloadSchedule:
+    if isinstance(action, Move):
+        moves = tuple(sorted((*schedule.moves, action), key=lambda m: m.item))
+        return OffloadSchedule(schedule.recompute, moves)
+    return OffloadSchedule(schedule.recompute | {action}, schedule.moves)
 
-    def move_cost(self, i: int, peak: int) -> tuple[float, int, Move] | None:
-        """The least added seconds of offloading item ``i`` and the bytes it removes at step ``peak``."""
-        item, link = self.problem.items[i], self.problem.link
-        if i in self.moves or not item.movable or item.readers & self.recompute:
-            return None
-        if item.recomputable and item.stage in self.recompute:
-            return None
-        if self.problem.host_budget is not None and self.host + item.nbytes > self.problem.host_budget:
-            return None
-        if not item.until < peak < item.need:  # on the device at the peak whatever happens
-            return None
-        out_time, back_time = link.d2h_seconds(item.nbytes), link.h2d_seconds(item.nbytes)
-        outs = range(item.stage + 1, min(peak, item.need - 2) + 1)
-        backs = range(peak + 1, item.need)
-        if not outs or not backs:
-            return None
-        # the copy out where it stalls least, earliest of those; the copy back likewise, latest
-        out = min(outs, key=lambda s: (self.stall(s, d2h=out_time) - self.stall(s), s))
-        back = min(backs, key=lambda s: (self.stall(s, h2d=back_time) - self.stall(s), -s))
-        added = (
-            self.stall(out, d2h=out_time)
-            - self.stall(out)
-            + self.stall(back, h2d=back_time)
-            - self.stall(back)
-        )
-        return added, item.nbytes, Move(i, out, back)
 
-    def recompute_cost(self, k: int, peak: int) -> tuple[float, int] | None:
-        """The added seconds of recomputing stage ``k`` and the bytes it removes at step ``peak``."""
-        problem = self.problem
-        n = len(problem.chain)
-        if k in self.recompute or k >= n - 1:
-            return None
-        mine = [i for i, it in enumerate(problem.items) if it.recomputable and it.stage == k]
-        if not mine or any(i in self.moves for i in mine):
-            return None
-        if any(k in problem.items[i].readers for i in self.moves):
-            return None
-        gain = sum(problem.items[i].nbytes for i in mine if presence(problem.items[i], peak, False, None))
-        gain -= sum(problem.items[i].nbytes for i in mine if presence(problem.items[i], peak, True, None))
-        if gain <= 0:
-            return None
-        s, f = backward_step(n, k), problem.chain.stages[k].forward_cost
-        return f + self.stall(s, extra=f) - self.stall(s), gain
-
-    def apply_move(self, move: Move) -> None:
-        item, link = self.problem.items[move.item], self.problem.link
-        for s in range(item.stage, item.freed + 1):
-            if not presence(item, s, False, move):
-                self.memory[s] -= item.nbytes
-        self.d2h[move.out] += link.d2h_seconds(item.nbytes)
-        self.h2d[move.back] += link.h2d_seconds(item.nbytes)
-        self.moves[move.item] = move
-        self.host += item.nbytes
-
-    def apply_recompute(self, k: int) -> None:
-        problem = self.problem
-        for it in problem.items:
-            if it.recomputable and it.stage == k:
-                for s in range(it.stage, it.freed + 1):
-                    if not presence(it, s, True, None):
-                        self.memory[s] -= it.nbytes
-        self.compute[backward_step(len(problem.chain), k)] += problem.chain.stages[k].forward_cost
-        self.recompute.add(k)
-
-    def schedule(self) -> OffloadSchedule:
-        return OffloadSchedule(frozenset(self.recompute), tuple(self.moves[i] for i in sorted(self.moves)))
+def _estimates(
+    problem: OffloadProblem, schedule: OffloadSchedule, cost: OffloadCost, peak: int, recompute: bool
+) -> list[tuple[float, int, Action]]:
+    """Every action that lowers the peak at step ``peak``: (estimated added seconds, bytes removed
+    there, the action)."""
+    items, link, n = problem.items, problem.link, len(problem.chain)
+    ends = cost.ends
+    moved = {m.item for m in schedule.moves}
+    host = sum(items[i].nbytes for i in moved)
+    issued_back = [0.0] * (problem.steps + 1)  # h2d seconds issued before each step
+    for m in schedule.moves:
+        issued_back[m.back + 1] += link.h2d_seconds(items[m.item].nbytes)
+    for s in range(problem.steps):
+        issued_back[s + 1] += issued_back[s]
+    busy = [0.0] * problem.steps  # when the d2h stream is done with the copies issued up to each step
+    for m in sorted(schedule.moves, key=lambda m: (m.out, m.item)):
+        start = max(ends[m.out - 1], busy[m.out])
+        busy[m.out] = start + link.d2h_seconds(items[m.item].nbytes)
+    for s in range(1, problem.steps):
+        busy[s] = max(busy[s], busy[s - 1])
+    out: list[tuple[float, int, Action]] = []
+    for i, item in enumerate(items):
+        if i in moved or not item.movable or item.readers & schedule.recompute:
+            continue
+        if item.recomputable and item.stage in schedule.recompute or not item.until < peak < item.need:
+            continue
+        if problem.host_budget is not None and host + item.nbytes > problem.host_budget:
+            continue
+        out_at = item.stage + 1
+        done = max(ends[item.stage], busy[out_at]) + link.d2h_seconds(item.nbytes)
+        late = max(0.0, done - ends[peak - 1])
+        gone = None if late == 0.0 or peak - 1 < out_at else peak - 1
+        reload, need_at = link.h2d_seconds(item.nbytes), ends[item.need - 1]
+        back = peak + 1
+        for b in range(item.need - 1, peak, -1):
+            if need_at - ends[b - 1] >= reload + issued_back[item.need] - issued_back[b]:
+                back = b
+                break
+        if back <= (gone if gone is not None else out_at) or back >= item.need:
+            continue
+        behind = max(0.0, reload - (need_at - ends[back - 1]))
+        out.append((late + behind, item.nbytes, Move(i, out_at, back, gone)))
+    for k in range(n - 1 if recompute else 0):
+        if k in schedule.recompute:
+            continue
+        mine = [i for i, it in enumerate(items) if it.recomputable and it.stage == k]
+        if not mine or moved & set(mine) or any(k in items[i].readers for i in moved):
+            continue
+        gain = sum(items[i].nbytes for i in mine if items[i].until < peak < items[i].need)
+        if gain > 0:
+            out.append((problem.chain.stages[k].forward_cost, gain, k))
+    return out
 
 
 @register(
@@ -129,47 +110,44 @@ class _State:
 def solve(problem: OffloadProblem, budget_bytes: int, *, recompute: bool = True) -> OffloadSolution:
     """A three-way plan by the greedy rule of the module doc (offload alone without
     ``recompute``); ``OffloadFailed`` when none fits."""
-    plain = evaluate(problem, OffloadSchedule())
-    steps = problem.steps
-    state = _State(
-        problem,
-        set(),
-        {},
-        [problem.compute(s) for s in range(steps)],
-        [0.0] * steps,
-        [0.0] * steps,
-        list(plain.memory),
-    )
-    taken: list[Move | int] = []
-    while max(state.memory) > budget_bytes:
-        peak = state.memory.index(max(state.memory))
-        options: list[tuple[float, int, Move | int]] = []
-        for i in range(len(problem.items)):
-            found = state.move_cost(i, peak)
-            if found is not None:
-                options.append((found[0], found[1], found[2]))
-        for k in range(len(problem.chain) if recompute else 0):
-            again = state.recompute_cost(k, peak)
-            if again is not None:
-                options.append((again[0], again[1], k))
-        if not options:
+    schedule = OffloadSchedule()
+    cost = evaluate(problem, schedule)
+    taken: list[Action] = []
+    while cost.peak_bytes > budget_bytes:
+        peak = cost.memory.index(cost.peak_bytes)
+        options = sorted(
+            _estimates(problem, schedule, cost, peak, recompute), key=lambda o: (o[0] / o[1], -o[1])
+        )
+        best: tuple[tuple[float, int], Action, OffloadSchedule, OffloadCost] | None = None
+        moving = [o for o in options if isinstance(o[2], Move)]
+        again = [o for o in options if not isinstance(o[2], Move)]
+        for k, (_, _, action) in enumerate(moving[:_EXACT] + again[:_EXACT] + moving[_EXACT:]):
+            if k >= 2 * _EXACT and best is not None:
+                break
+            trial = _with(schedule, action)
+            trial_cost = evaluate(problem, trial)
+            if isinstance(action, Move) and trial_cost.gone_step(action.item) >= peak > action.out:
+                # the copies out ahead of it keep it on the device past the peak: wait for it there
+                action = dataclasses.replace(action, gone=peak - 1)
+                trial = _with(schedule, action)
+                trial_cost = evaluate(problem, trial)
+            removed = cost.memory[peak] - trial_cost.memory[peak]
+            if removed <= 0:
+                continue
+            rank = (max(0.0, trial_cost.total_cost - cost.total_cost) / removed, -removed)
+            if best is None or rank < best[0]:
+                best = (rank, action, trial, trial_cost)
+        if best is None:
             raise OffloadFailed(
                 message(
                     "plan",
                     "the greedy three-way rule found no plan within the budget",
-                    f"budget {budget_bytes} bytes; {max(state.memory)} bytes left at "
-                    f"{problem.step_name(peak)}",
+                    f"budget {budget_bytes} bytes; {cost.peak_bytes} bytes left at {cost.peak_at}",
                     "raise the budget or the host budget, or use solver='offload_milp'",
                 )
             )
-        added, gain, action = min(options, key=lambda o: (o[0] / o[1], -o[1]))
-        if isinstance(action, Move):
-            state.apply_move(action)
-        else:
-            state.apply_recompute(action)
+        _, action, schedule, cost = best
         taken.append(action)
-    schedule = state.schedule()
-    cost = evaluate(problem, schedule)
     for action in reversed(taken):  # undo what the plan no longer needs
         stages = set(schedule.recompute) - ({action} if isinstance(action, int) else set())
         moves = tuple(m for m in schedule.moves if m != action)

@@ -2,9 +2,12 @@
 
 Why an MILP: where a transfer hides depends on every other transfer sharing the link in the same
 step, and on which stages recompute (a replay lengthens its backward step, and so hides more), so
-the choices do not decompose by tensor. The program encodes NOTE [offload model] exactly, so its
-optimum is the model's; HiGHS solves it through ``scipy.optimize.milp`` (imported when a plan is
-solved) with a time limit, and the figures are re-evaluated by ``remat.planner.offload_model``.
+the choices do not decompose by tensor. The program encodes NOTE [offload model] with each copy
+placed within one step (a move's ``gone`` is its ``out``: the compute waits at the end of that
+step for the copy), so its optimum is the model's over those schedules; the greedy rule's copies,
+which run over several steps, can beat it where copies are longer than steps. HiGHS solves it
+through ``scipy.optimize.milp`` (imported when a plan is solved) with a time limit, and the figures
+are re-evaluated by ``remat.planner.offload_model``.
 
 NOTE [offload MILP] Binaries r_k (stage k recomputed), w[i,s] (item i goes out in step s, for
 stage_i < s < need_i - 1) and v[i,s] (item i comes back in step s, stage_i + 1 < s < need_i);
@@ -151,7 +154,7 @@ class _Program:
             out = [s for (j, s), c in self.w.items() if j == i and x[c]]
             back = [s for (j, s), c in self.v.items() if j == i and x[c]]
             if out and back:
-                moves.append(Move(i, out[0], back[0]))
+                moves.append(Move(i, out[0], back[0], out[0]))
         gap_found = float(getattr(result, "mip_gap", 0.0) or 0.0)
         return OffloadSchedule(recompute, tuple(moves)), gap_found, result.status
 
