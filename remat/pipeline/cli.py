@@ -2,7 +2,7 @@
 
     remat pipeline --model mlp --stages 4 --microbatches 8 --schedule 1f1b --budget 3MB --plot p.png
     remat pipeline --model gpt2 --stages 4 --microbatches 8 --batch 8 --seq 64 --budget 5MB
-    remat pipeline --stages 2 --microbatches 4 --schedule zbv --budget 3MB
+    remat pipeline --stages 2 --microbatches 4 --schedule zbv --budget 4MB
 
 The model is the built-in chain ``remat.pipeline.chain.mlp_chain`` (``--blocks``, ``--width``,
 ``--hidden``, ``--batch`` rows per micro-batch) or the zoo's tiny GPT-2 cut at its embeddings,

@@ -1,9 +1,9 @@
 """Measuring one pipeline stage as a rank runs it: its step on one micro-batch traced on one
-intra-op thread after a warm step, as the costs a ``StagePlan`` starts from.
+intra-op thread after an untimed trace, as the costs a ``StagePlan`` starts from.
 
 Why apart from ``remat.pipeline.api``: what a stage costs is a measurement, the same whatever plan
-is then chosen for it, and its rules (the thread count, the warm step, the output counted once)
-hold for every stage and schedule. The plans chosen from these costs are ``api``'s.
+is then chosen for it, and its rules (the thread count, the untimed first trace, the output
+counted once) hold for every stage and schedule. The plans chosen from these costs are ``api``'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from remat._state import untouched
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.stage_plan import StagePlan
 from remat.planner.api import block_key, plan_trace, trace_step
@@ -58,7 +57,7 @@ def measure(
 ) -> tuple[StagePlan, Trace, torch.Tensor]:
     """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
     micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
-    step (``op_costs``: its measured op times, after one untimed step, or the cost model's
+    step (``op_costs``: its measured op times, after one untimed trace, or the cost model's
     estimates), the trace, and its output (detached; the buffers and the RNG are the caller's to
     restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
     last = stage == order.n_stages - 1
@@ -68,11 +67,11 @@ def measure(
         return loss_fn(m(x), target) if last else m(x).sum()
 
     if op_costs == "measured":
-        # NOTE [a warm step first] an op's first run in a process is slower (kernels chosen,
-        # buffers made), and the ops the capture times once (those that draw random numbers or
-        # write, such as dropout and batch norm) would carry that into the first plan's choice
-        with untouched([module]):
-            step_loss(module, x.detach().requires_grad_(inputs.requires_grad)).backward()
+        # NOTE [an untimed trace first] an op's first run in a process, and the capture's first sight
+        # of it, are slower, and the ops the capture times once (those that draw random numbers
+        # or write, such as dropout and batch norm) would carry that into the first plan's choice:
+        # the step is traced once untimed first
+        trace_step(module, (x.detach().requires_grad_(inputs.requires_grad),), step_loss, repeats=1)
     trace = trace_step(module, (inputs,), step_loss, repeats=3 if op_costs == "measured" else 1)
     if op_costs == "model":
         events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
