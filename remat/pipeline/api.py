@@ -24,7 +24,6 @@ plans, and the rank's peak is checked with every stage's final plan.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -34,22 +33,20 @@ from torch import nn
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 from remat._units import format_bytes, parse_bytes
+from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import BALANCES, balance, profile
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import walk
-from remat.planner.api import block_key, plan_at, plan_trace, trace_step
+from remat.planner.api import block_key, plan_at
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.plan import Plan
 from remat.planner.search import Candidate, chain_regions, floor, predicted
 from remat.planner.single_level import chain_segments
-from remat.trace.events import Phase
-from remat.trace.types import Op, Trace
+from remat.trace.types import Trace
 
-__all__ = ["CHECKPOINT_MODES", "OP_COSTS", "measure", "plan"]
-
-_UNLIMITED = 2**62
+__all__ = ["CHECKPOINT_MODES", "OP_COSTS", "plan"]
 
 # "planned" per stage; torchgpipe's uniform modes: every block checkpointed in every micro-batch,
 # in all but the last, in none
@@ -98,10 +95,6 @@ def _cut(
     return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
 
 
-def _seconds(trace: Trace, phase: Phase) -> float:
-    return math.fsum(op.cost for op in trace.ops if op.phase is phase)
-
-
 def _rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None]) -> int:
     """The pipeline model's peak on ``sp``'s rank with ``sp`` for its stage and ``others[s]`` for
     the other stages (a rank's memory depends on its own stages only; where ``others[s]`` is None,
@@ -110,45 +103,6 @@ def _rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None
     plans = [sp if s == sp.stage else (others[s] or sp) for s in range(order.n_stages)]
     costs = tuple(tuple(each.cost(i, m) for i in range(m)) for each in plans)
     return walk(order, costs).peak_bytes[sp.rank]
-
-
-def measure(
-    order: Schedule,
-    stage: int,
-    module: nn.Module,
-    x: torch.Tensor,
-    target: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    op_costs: str = "measured",
-) -> tuple[StagePlan, Trace, torch.Tensor]:
-    """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
-    micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
-    step (``op_costs``: its measured op times, or the cost model's estimates), the trace, and its
-    output (detached; the buffers and the RNG are the caller's to restore). The last stage's step
-    ends in ``loss_fn(output, target)``, the others' in a sum."""
-    last = stage == order.n_stages - 1
-    inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
-
-    def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return loss_fn(m(x), target) if last else m(x).sum()
-
-    trace = trace_step(module, (inputs,), step_loss, repeats=3 if op_costs == "measured" else 1)
-    if op_costs == "model":
-        events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
-        trace = replace(trace, events=events)
-    with torch.no_grad():
-        out = module(inputs).detach()
-    sizes = [t.numel() * t.element_size() for t in (inputs, out)]
-    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
-    plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
-    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
-    base = StagePlan(
-        stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
-        plain.saved_bytes, plain.predicted_peak_bytes, plain.saved_bytes, plain.predicted_peak_bytes,
-        sizes[1], grads, sizes[1] + (sizes[0] if stage > 0 else 0), shapes[0], shapes[1],
-    )  # fmt: skip
-    return base, trace, out
 
 
 def _per_block(found: Frontier, module: nn.Module) -> Candidate:
@@ -331,8 +285,9 @@ def plan(
     doc) or one of torchgpipe's uniform modes, each child of every stage its own checkpointed
     region: ``"always"`` in every micro-batch, ``"except_last"`` in all but the last, ``"never"``
     in none (a mode the budget cannot hold is refused, naming each rank's need). ``op_costs`` is
-    ``"measured"`` (the op times of the example's step) or ``"model"`` (the cost model's
-    estimates: the same plan on every run and machine).
+    ``"measured"`` (the op times of the example's step on one intra-op thread, as each rank runs:
+    NOTE [stage times on one thread]) or ``"model"`` (the cost model's estimates: the same plan on
+    every run and machine).
     """
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
@@ -354,11 +309,12 @@ def plan(
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
     per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
-    modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
-    with untouched(modules):
-        chosen, needs = _plan_stages(
-            modules, order, example_microbatch, target, loss_fn, budget, checkpoint, op_costs
-        )
+    with one_thread():
+        modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
+        with untouched(modules):
+            chosen, needs = _plan_stages(
+                modules, order, example_microbatch, target, loss_fn, budget, checkpoint, op_costs
+            )
     if any(sp is None for sp in chosen):
         each = ", ".join(
             f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)

@@ -1,12 +1,16 @@
 """``remat pipeline``: plan a pipeline step of a chain, explain it per rank and draw it.
 
     remat pipeline --model mlp --stages 4 --microbatches 8 --schedule 1f1b --budget 3MB --plot p.png
-    remat pipeline --model gpt2 --stages 4 --microbatches 8 --batch 8 --seq 64 --budget 4MB
+    remat pipeline --model gpt2 --stages 4 --microbatches 8 --batch 8 --seq 64 --budget 5MB
+    remat pipeline --stages 2 --microbatches 4 --schedule zbv --budget 4MB
 
 The model is the built-in chain ``remat.pipeline.chain.mlp_chain`` (``--blocks``, ``--width``,
 ``--hidden``, ``--batch`` rows per micro-batch) or the zoo's tiny GPT-2 cut at its embeddings,
 blocks and head (``remat.pipeline.zoo_chain``; ``--batch`` sequences of ``--seq`` tokens per
-micro-batch); ``--checkpoint`` picks torchgpipe's uniform modes instead of the plan. The plan
+micro-batch); ``--checkpoint`` picks torchgpipe's uniform modes instead of the plan, and
+``--schedule`` one of ``remat.pipeline.SCHEDULES`` (``interleaved-1f1b`` with ``--stages-per-rank``,
+``zbv`` with two stages per rank in a V). Stage costs are measured on one intra-op thread, as
+each rank runs (``remat.pipeline.measure``). The plan
 (``remat.pipeline.plan``) is printed as its per-rank table, saved with ``--save``, and its
 pipeline model drawn with ``--plot``. Nothing is started: running it takes processes
 (``PipelinePlan.stages``, ``remat.pipeline.launch``).
@@ -54,7 +58,7 @@ def register(subparsers: Any) -> None:
         "--stages-per-rank",
         type=_positive,
         default=1,
-        help="stages on each rank (interleaved-1f1b; default 1)",
+        help="stages on each rank (interleaved-1f1b; default 1; zbv always runs two, in a V)",
     )
     parser.add_argument("--microbatches", type=_positive, required=True, help="micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="schedule (default 1f1b)")

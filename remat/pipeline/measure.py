@@ -1,0 +1,110 @@
+"""Measuring one pipeline stage as a rank runs it: its step on one micro-batch traced on one
+intra-op thread after an untimed trace, as the costs a ``StagePlan`` starts from.
+
+Why apart from ``remat.pipeline.api``: what a stage costs is a measurement, the same whatever plan
+is then chosen for it, and its rules (the thread count, the untimed first trace, the output
+counted once) hold for every stage and schedule. The plans chosen from these costs are ``api``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from remat.pipeline.schedule import Schedule
+from remat.pipeline.stage_plan import StagePlan
+from remat.planner.api import block_key, plan_trace, trace_step
+from remat.trace.events import Phase
+from remat.trace.types import Op, Trace
+
+__all__ = ["measure", "one_thread"]
+
+_UNLIMITED = 2**62
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Inside, torch runs one intra-op thread, as each rank does (``remat.pipeline.launch``).
+    NOTE [stage times on one thread] the ranks of a pipeline share their host's cores, one
+    process each; op times measured with the caller's thread pool are not those of a rank, and on
+    a loaded machine each parallel op waits for its threads to be scheduled (a 256 x 64 x 256
+    matmul took 40 ms on two threads of two busy cores, 0.15 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _seconds(trace: Trace, phase: Phase) -> float:
+    return math.fsum(op.cost for op in trace.ops if op.phase is phase)
+
+
+def measure(
+    order: Schedule,
+    stage: int,
+    module: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    op_costs: str = "measured",
+) -> tuple[StagePlan, Trace, torch.Tensor]:
+    """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
+    micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
+    step (``op_costs``: its measured op times, after one untimed trace, or the cost model's
+    estimates), the trace, and its output (detached; the buffers and the RNG are the caller's to
+    restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
+    last = stage == order.n_stages - 1
+    inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
+
+    def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return loss_fn(m(x), target) if last else m(x).sum()
+
+    if op_costs == "measured":
+        # NOTE [an untimed trace first] an op's first run in a process, and the capture's first sight
+        # of it, are slower, and the ops the capture times once (those that draw random numbers
+        # or write, such as dropout and batch norm) would carry that into the first plan's choice:
+        # the step is traced once untimed first
+        trace_step(module, (x.detach().requires_grad_(inputs.requires_grad),), step_loss, repeats=1)
+    trace = trace_step(module, (inputs,), step_loss, repeats=3 if op_costs == "measured" else 1)
+    if op_costs == "model":
+        events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
+        trace = replace(trace, events=events)
+    with torch.set_grad_enabled(last):
+        live = module(inputs)
+    out = live.detach()
+    sizes = [t.numel() * t.element_size() for t in (inputs, out)]
+    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
+    plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
+    # NOTE [the output counted once] the pipeline model holds every micro-batch's output beside
+    # its saved bytes (torch's stage keeps it); a loss that saves its input (mse_loss) makes the
+    # last stage's output one of the step's saved tensors too, so it leaves the saved bytes
+    saved = plain.saved_bytes - (sizes[1] if last and _loss_saves(live, target, loss_fn) else 0)
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
+    base = StagePlan(
+        stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
+        saved, plain.predicted_peak_bytes, saved, plain.predicted_peak_bytes,
+        sizes[1], grads, sizes[1] + (sizes[0] if stage > 0 else 0), shapes[0], shapes[1],
+    )  # fmt: skip
+    return base, trace, out
+
+
+def _loss_saves(output: torch.Tensor, target: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> bool:
+    """Whether ``loss_fn(output, target)`` saves ``output``'s storage for its backward."""
+    storage = output.untyped_storage().data_ptr()
+    seen: list[bool] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.untyped_storage().data_ptr() == storage)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(output, target)
+    return any(seen)

@@ -1,0 +1,72 @@
+"""What ``remat.pipeline.plan`` measures of each stage: on one intra-op thread, the same bytes on
+every call, and the last stage's output counted once where the loss saves it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import remat.pipeline as pp
+from remat.memory import track
+from remat.pipeline.chain import mlp_chain
+from remat.pipeline.measure import measure
+
+ROWS, M = 64, 4
+
+
+def _plan(loss_fn=nn.functional.mse_loss, **options) -> pp.PipelinePlan:
+    torch.manual_seed(0)
+    model = mlp_chain(4, 32, 128, dropout=0.1, batch_norm=True)
+    x, y = torch.randn(ROWS, 32), torch.randn(ROWS, 32)
+    options = {"n_stages": 2, "n_microbatches": M, "budget_per_rank": "1GB", **options}
+    return pp.plan(model, x, loss_fn=loss_fn, target=y, **options)
+
+
+def test_stages_are_measured_on_one_thread_and_the_callers_threads_come_back() -> None:
+    seen: list[int] = []
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return nn.functional.mse_loss(out, target)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _plan(loss_fn, boundaries=[2])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {1}
+
+
+def test_two_plans_on_fresh_models_predict_the_same_bytes() -> None:
+    first, second = _plan(), _plan()
+
+    def figures(p: pp.PipelinePlan) -> list[tuple[int, ...]]:
+        return [
+            (sp.saved_bytes, sp.peak_bytes, sp.plain_saved_bytes, sp.plain_peak_bytes, sp.output_bytes)
+            for sp in p.stage_plans
+        ]
+
+    assert figures(first) == figures(second)
+    assert first.boundaries == second.boundaries
+    assert first.timeline().peak_bytes == second.timeline().peak_bytes
+
+
+def test_the_last_stage_holds_its_output_once_where_the_loss_saves_it() -> None:
+    """After the last stage's forward and loss, the allocator holds what the model counts for a
+    micro-batch in flight there: its saved bytes and its output, once (``mse_loss`` saves the
+    output; a product with the target saves only the target). The loss's graph is kept, the loss
+    itself dropped (torch's schedule keeps a copy)."""
+    torch.manual_seed(0)
+    stage = mlp_chain(2, 32, 128)
+    x, y = torch.randn(ROWS, 32), torch.randn(ROWS, 32)
+    order = pp.build("gpipe", 1, M)
+    for loss_fn in (nn.functional.mse_loss, lambda out, target: (out * target).mean()):
+        base, _, _ = measure(order, 0, stage, x, y, loss_fn, "model")
+        with track(allocator=True) as memory:
+            out = stage(x)
+            graph = loss_fn(out, y).grad_fn
+        assert base.output_bytes == out.numel() * out.element_size()
+        assert memory.current_bytes == base.saved_bytes + base.output_bytes
+        del graph, out
