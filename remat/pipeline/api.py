@@ -12,9 +12,10 @@ block its own region, as ``torch.utils.checkpoint`` per block) are always among 
 a rank budget that uniform per-block checkpointing meets is met. Where the budget allows, the
 last micro-batch runs without recomputation (torchgpipe's ``except_last``: its backward follows at
 once). A budget that no plan meets on some rank raises before any process starts, naming what
-each rank needs. ``checkpoint="always" | "except_last" | "never"`` gives torchgpipe's uniform modes
-instead: every block of every stage checkpointed in every micro-batch, in all but the last, or in
-none.
+each rank needs. ``checkpoint="always" | "except_last" | "never"`` gives uniform per-block
+checkpointing instead, in torchgpipe's micro-batch patterns: every block of every stage
+checkpointed in every micro-batch, in all but the last, or in none. (torchgpipe itself checkpoints
+a whole stage as one region; per block is what ``torch.utils.checkpoint`` around each layer does.)
 
 Under interleaved 1F1B a rank runs several stages, each holding its own count of micro-batches
 (``Schedule.in_flight``), and shares one budget among them: the stages are planned twice, first
@@ -48,8 +49,8 @@ from remat.trace.types import Trace
 
 __all__ = ["CHECKPOINT_MODES", "OP_COSTS", "plan"]
 
-# "planned" per stage; torchgpipe's uniform modes: every block checkpointed in every micro-batch,
-# in all but the last, in none
+# "planned" per stage; uniform per-block checkpointing in torchgpipe's micro-batch patterns: every
+# block checkpointed in every micro-batch, in all but the last, in none
 CHECKPOINT_MODES: tuple[str, ...] = ("planned", "always", "except_last", "never")
 # the op times the plans are weighed with: as measured on the example, or the cost model's
 # estimates (the same on every machine and every run)
@@ -106,10 +107,12 @@ def _rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None
 
 
 def _per_block(found: Frontier, module: nn.Module) -> Candidate:
-    """Uniform per-block checkpointing of the stage as a plan: each child of ``module`` its own
-    region (what ``torch.utils.checkpoint`` around each child does)."""
-    children = {name for name, _ in module.named_children()}
-    blocks = [(k, k + 1) for k, stage in enumerate(found.chain.stages) if stage.name in children]
+    """Uniform per-block checkpointing of the stage as a plan: each block of ``module`` its own
+    region (what ``torch.utils.checkpoint`` around each block does). The blocks are the chain's
+    stages that name a module of ``module``: its children, or the members of its containers
+    (``nn.ModuleList``, ``nn.ModuleDict``, plain ``nn.Sequential``: ``remat.planner.block_key``)."""
+    modules = {name for name, _ in module.named_modules() if name}
+    blocks = [(k, k + 1) for k, stage in enumerate(found.chain.stages) if stage.name in modules]
     regions = chain_regions(found.step, found.chain, chain_segments(found.chain, blocks))
     return Candidate("auto", None, "every block checkpointed", regions, predicted(found.step, regions))
 
@@ -185,9 +188,10 @@ def _choose(
         uniform = _per_block(found, module)
         if not uniform.regions:
             raise _fail(
-                f"checkpoint={checkpoint!r} checkpoints each child of a stage, and this one has none",
+                f"checkpoint={checkpoint!r} checkpoints each block of a stage, and this one has none",
                 f"stage {base.stage}: {type(module).__name__}",
-                "pass stages with children, such as nn.Sequential, or checkpoint='planned'",
+                "pass stages made of child modules (an nn.Sequential, or blocks in an nn.ModuleList),"
+                " or checkpoint='planned'",
             )
         sp = replace(_with_plan(base, _as_plan(found, uniform), plain_held),
                      except_last=checkpoint == "except_last")  # fmt: skip
@@ -282,12 +286,13 @@ def plan(
     RNG are left as they were.
 
     ``checkpoint`` is ``"planned"`` (each stage's plan chosen within the budget, see the module
-    doc) or one of torchgpipe's uniform modes, each child of every stage its own checkpointed
-    region: ``"always"`` in every micro-batch, ``"except_last"`` in all but the last, ``"never"``
-    in none (a mode the budget cannot hold is refused, naming each rank's need). ``op_costs`` is
-    ``"measured"`` (the op times of the example's step on one intra-op thread, as each rank runs:
-    NOTE [stage times on one thread]) or ``"model"`` (the cost model's estimates: the same plan on
-    every run and machine).
+    doc) or uniform per-block checkpointing in one of torchgpipe's micro-batch patterns, each block
+    of every stage its own checkpointed region: ``"always"`` in every micro-batch,
+    ``"except_last"`` in all but the last, ``"never"`` in none (a mode the budget cannot hold is
+    refused, naming each rank's need). ``op_costs`` is ``"measured"`` (the op times of the
+    example's step on one intra-op thread, as each rank runs: NOTE [stage times on one thread]) or
+    ``"model"`` (the cost model's estimates: the same per-stage plans on every run and machine, for
+    a given cut; ``balance_by="time"`` still cuts by measured times).
     """
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
@@ -319,10 +324,14 @@ def plan(
         each = ", ".join(
             f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)
         )
+        planned = checkpoint == "planned"
         raise _fail(
-            "budget_per_rank below what some rank needs under any plan",
+            "budget_per_rank below what some rank needs under any plan"
+            if planned
+            else f"budget_per_rank below what some rank needs with checkpoint={checkpoint!r}",
             f"budget {budget} bytes; {each}",
-            "raise budget_per_rank, or use more stages or smaller micro-batches",
+            "raise budget_per_rank, or use more stages or smaller micro-batches"
+            + ("" if planned else ", or checkpoint='planned'"),
         )
     plans = tuple(sp for sp in chosen if sp is not None)
     model = model_or_stages if isinstance(model_or_stages, nn.Module) else tuple(model_or_stages)

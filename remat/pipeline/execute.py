@@ -88,6 +88,7 @@ def torch_stage(
         t = torch.empty(end[0], dtype=getattr(torch, end[1]), device="meta")
         return t.requires_grad_(grad and t.is_floating_point())
 
+    extra: dict[str, Any] = {"dw_builder": _nothing_left} if split_backward else {}  # torch 2.6 on
     return PipelineStage(
         module,
         stage_plan.stage,
@@ -96,7 +97,7 @@ def torch_stage(
         input_args=meta(stage_plan.inputs, stage_plan.stage > 0),
         output_args=meta(stage_plan.outputs, True),
         group=group,
-        dw_builder=_nothing_left if split_backward else None,
+        **extra,
     )
 
 
@@ -136,18 +137,24 @@ def torch_schedule(
 ) -> Any:
     """The torch schedule class for ``name``, over ``stages`` (this rank's, in stage order), its
     losses from ``loss_fn`` (NOTE [compact losses])."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleZBVZeroBubble,
-    )
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     loss_fn = _compact(loss_fn)
     if name == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(list(stages), n_microbatches, loss_fn=loss_fn)
     if name == "zbv":
-        return ScheduleZBVZeroBubble(list(stages), n_microbatches, loss_fn=loss_fn)
+        zbv = getattr(pipelining, "ScheduleZBVZeroBubble", None)  # torch 2.6 on
+        if zbv is None:
+            raise RematValueError(
+                message(
+                    "pipeline.PipelinePlan.schedule",
+                    "the zbv schedule needs torch.distributed.pipelining.ScheduleZBVZeroBubble",
+                    f"torch {torch.__version__}",
+                    "install torch 2.6 or later, or plan another schedule",
+                )
+            )
+        return zbv(list(stages), n_microbatches, loss_fn=loss_fn)
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     if len(stages) != 1 or name not in classes:
         raise RematValueError(

@@ -91,7 +91,7 @@ def measure(
     base = StagePlan(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         saved, plain.predicted_peak_bytes, saved, plain.predicted_peak_bytes,
-        sizes[1], grads, sizes[1] + (sizes[0] if stage > 0 else 0), shapes[0], shapes[1],
+        sizes[1], grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0), shapes[0], shapes[1],
     )  # fmt: skip
     return base, trace, out
 

@@ -41,7 +41,7 @@ def draw(
     fig = Figure(figsize=(10, 2.2 + 1.9 * ranks), layout="constrained")
     top, *panels = fig.subplots(1 + ranks, 1, sharex=True, height_ratios=[ranks * 0.6] + [1.0] * ranks)
     for span in line.spans:
-        if span.end == span.start:  # a W with nothing left to run (remat.pipeline.timeline)
+        if span.action.kind == "W" and span.end == span.start:  # nothing left to run (timeline)
             continue
         y = ranks - 1 - span.rank
         ms = (span.start * 1e3, (span.end - span.start) * 1e3)

@@ -32,7 +32,9 @@ from remat.planner.plan import Plan
 
 __all__ = ["FORMAT", "PipelinePlan"]
 
-FORMAT = "remat.pipeline/1"
+# 2: a stage's transfer_bytes is one micro-batch's output (unless the last stage) and input
+# gradient, where /1 stored twice one transfer: a /1 plan's figures would be read wrong, so it is refused
+FORMAT = "remat.pipeline/2"
 
 
 @dataclass(frozen=True)
