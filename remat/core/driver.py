@@ -14,15 +14,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from remat.core.pool import AddressPool, BytePool, Fit, Pool
+from remat.core.segments import SLOTS
+
+TINY = 512
+"""Blocks of at most this many bytes share segments (:mod:`remat.core.segments`) in pools of at
+least :data:`SEGMENTS_FROM` bytes, where one segment is at most 1/64 of the pool."""
+SEGMENTS_FROM = 64 * SLOTS * TINY
 
 DEPTH = 200_000
 """Recursion limit while a runtime works: recomputation chains recurse once per evicted ancestor."""
 
 
 def make_pool(capacity: int, layout: bool, fit: Fit | str = Fit.BEST) -> Pool:
-    """The pool of ``capacity`` bytes a run asks for: addresses placed by ``fit`` (``layout``) or
-    counted bytes."""
-    return AddressPool(capacity, Fit(fit)) if layout else BytePool(capacity)
+    """The pool of ``capacity`` bytes a run asks for: addresses placed by ``fit`` (``layout``), tiny
+    blocks in segments of their own, or counted bytes."""
+    if not layout:
+        return BytePool(capacity)
+    return AddressPool(capacity, Fit(fit), TINY if capacity >= SEGMENTS_FROM else 0)
 
 
 class Thrashed(Exception):
