@@ -7,7 +7,8 @@ not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switc
    0, an evictable storage its DTR heuristic h = c'(t) / (m(t) s(t)), its cost density; a locked or
    constant piece breaks the run. One two-pointer pass finds the contiguous run of pieces covering
    the request with the least summed h (the Coop paper's objective): O(n), where DTR's loop is
-   O(n^2). Without it, Coop evicts greedily by h_DTR^eq.
+   O(n^2). Without it, Coop evicts greedily by h_DTR^eq; so it does when no run holds the request
+   and the runtime may pack the pool (an eager runtime whose addresses are a model).
 2. Op-guided allocation (``op_guided``). Outputs of compute-dense ops (convolutions, matrix
    products, their gradients) go to the high end of the pool, the rest to the low end, so that
    cheap storages lie next to each other and a cheap window is easy to find.
@@ -63,7 +64,12 @@ class Coop:
     def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         if not self.layout:
             return choose_by_classes(runtime, adjacent_free=False)
-        return cheapest_window(runtime, nbytes, self.score)
+        window = cheapest_window(runtime, nbytes, self.score)
+        if window or not getattr(runtime, "compact", False):
+            return window
+        # NOTE [model addresses] in remat/core/runtime.py: the pool's pieces can be packed, so any
+        # victims make room once their bytes are free; with no window left, evict greedily by h.
+        return choose_by_classes(runtime, adjacent_free=False)
 
 
 def cheapest_window(runtime: Residency, nbytes: int, score: str = "density") -> list[int]:
