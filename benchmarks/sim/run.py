@@ -39,6 +39,7 @@ ABLATION = [
     "coop-no-opguided",
     "coop-no-inplace",
     "coop-per-byte",
+    "coop-eq",
     "dtr-eq",
 ]
 
