@@ -8,8 +8,8 @@ not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switc
    DTR's exact evicted neighbourhood (``coop-eq``: by equivalence classes, as DTE); a locked or
    constant piece breaks the run. One two-pointer pass finds the contiguous run of pieces covering
    the request with the least summed h (the Coop paper's objective): O(n), where DTR's loop is
-   O(n^2). Without it, Coop evicts greedily by h_DTR^eq; so it does when no run holds the request
-   and the runtime may pack the pool (an eager runtime whose addresses are a model).
+   O(n^2). Without it, Coop evicts greedily by h_DTR^eq. When no run holds the request and the
+   runtime may pack the pool (an eager runtime whose addresses are a model), it evicts greedily by h.
 2. Op-guided allocation (``op_guided``). Outputs of compute-dense ops (convolutions, matrix
    products, their gradients) go to the high end of the pool, the rest to the low end, so that
    cheap storages lie next to each other and a cheap window is easy to find.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.core.policies.base import TICK, lower_bound
+from remat.core.policies.dtr import DTR
 from remat.core.policies.dtr_eq import choose_by_classes
 from remat.core.policies.registry import register
 from remat.core.pool import FREE, AddressPool, End
@@ -45,6 +46,9 @@ def compute_dense(name: str) -> bool:
     """True for ops whose cost per output byte is high: convolutions and matrix products, forward
     or backward (``cudnn_convolution_backward``, ``aten.addmm.default``, ``bmm``...)."""
     return _DENSE.search(name.lower()) is not None
+
+
+_GREEDY = DTR()
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class Coop:
             return window
         # NOTE [model addresses] in remat/core/runtime.py: the pool's pieces can be packed, so any
         # victims make room once their bytes are free; with no window left, evict greedily by h.
-        return choose_by_classes(runtime, adjacent_free=False)
+        return _GREEDY.choose(runtime, nbytes) if self.exact else choose_by_classes(runtime, False)
 
 
 def cheapest_window(
