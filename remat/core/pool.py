@@ -110,8 +110,11 @@ class BytePool:
 class AddressPool:
     """``capacity`` bytes of addresses; allocations are placed from either end, best or first fit.
     With ``small`` > 0, allocations of at most ``small`` bytes are packed into segments
-    (:mod:`remat.core.segments`), each one block of the pool, placed at the top of the highest free
-    piece that holds it; where no piece holds a segment, a tiny block is placed like any other."""
+    (:mod:`remat.core.segments`), each one block of the pool placed like any block of its size, from
+    the end the allocation asks for (the low end for constants: the first segment lies next to
+    them, so that the blocks placed before an arena exists stay one run from address 0, as
+    ``remat.dynamic``'s arena backend needs); where no piece holds a segment, a tiny block is
+    placed like any other."""
 
     layout = True
 
@@ -183,7 +186,7 @@ class AddressPool:
             if segments.place(owner, nbytes):
                 return True
             segment = segments.open()
-            if self._place(segment, segments.size, End.HIGH, Fit.FIRST):  # the highest hole
+            if self._place(segment, segments.size, end):
                 return segments.place(owner, nbytes)
             segments.close(segment)  # no room for a segment: the block goes among the others
         return self._place(owner, nbytes, end)

@@ -16,11 +16,11 @@ from remat.sim.synthetic import Builder
 from remat.trace.types import Phase, Trace
 
 
-def test_tiny_blocks_share_one_segment_at_the_top() -> None:
+def test_tiny_blocks_share_one_segment_placed_from_their_end() -> None:
     pool = AddressPool(10_000, small=8)  # segments of 32 * 8 = 256 bytes
     assert pool.allocate(1, 1000) and pool.address(1) == 0
-    assert pool.allocate(2, 8) and pool.allocate(3, 4) and pool.allocate(4, 1000)
-    segment_start = 10_000 - SLOTS * 8
+    assert pool.allocate(2, 8, End.HIGH) and pool.allocate(3, 4) and pool.allocate(4, 1000)
+    segment_start = 10_000 - SLOTS * 8  # opened from the high end; 3 joins it, wherever it asked
     assert (pool.address(2), pool.address(3), pool.address(4)) == (segment_start, segment_start + 8, 1000)
     assert [owner for _, _, owner in pool.pieces()][:2] == [1, 4]  # the big blocks lie together
     assert pool.used == 2000 + SLOTS * 8 and pool.adjacent_free(2) == 0
@@ -31,6 +31,7 @@ def test_tiny_blocks_share_one_segment_at_the_top() -> None:
     pool.free(5)
     pool.free(7)  # the segment's last block: the segment goes back to the pool
     assert pool.used == 2000 and pool.largest_free() == 8000
+    assert pool.allocate(6, 8) and pool.address(6) == 2000  # from the low end: next to the others
     pool.check()
 
 
