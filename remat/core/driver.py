@@ -17,18 +17,10 @@ from remat.core.pool import AddressPool, BytePool, Fit, Pool
 from remat.core.segments import SLOTS
 
 TINY = 512
-"""Blocks of at most this many bytes share segments (:mod:`remat.core.segments`) in large pools."""
-SHARE = 64
-"""A segment is at most 1/SHARE of its pool: smaller pools pack smaller blocks, down to 8 bytes."""
-
-
-def tiny(capacity: int) -> int:
-    """The largest block size packed into segments in a pool of ``capacity`` bytes (0: none): a
-    power of two, at most :data:`TINY`, whose segment is at most 1/:data:`SHARE` of the pool."""
-    size = TINY
-    while size >= 8 and SHARE * SLOTS * size > capacity:
-        size //= 2
-    return size if size >= 8 else 0
+"""Blocks of at most this many bytes share segments (:mod:`remat.core.segments`) in pools of at
+least :data:`SEGMENTS_FROM` bytes, where a segment is at most 1/64 of the pool; smaller pools have
+none (a segment would split them as much as the blocks it holds)."""
+SEGMENTS_FROM = 64 * SLOTS * TINY
 
 
 DEPTH = 200_000
@@ -40,7 +32,7 @@ def make_pool(capacity: int, layout: bool, fit: Fit | str = Fit.BEST) -> Pool:
     blocks in segments of their own, or counted bytes."""
     if not layout:
         return BytePool(capacity)
-    return AddressPool(capacity, Fit(fit), tiny(capacity))
+    return AddressPool(capacity, Fit(fit), TINY if capacity >= SEGMENTS_FROM else 0)
 
 
 class Thrashed(Exception):

@@ -154,6 +154,12 @@ class AddressPool:
     def largest_free(self) -> int:
         return self._free_sorted[-1][0] if self._free_sorted else 0
 
+    def seal(self) -> None:
+        """Blocks placed from now on never join the segments there are now (an arena that covers
+        only the addresses past what is placed now must not find its blocks below them)."""
+        if self.segments is not None:
+            self.segments.seal()
+
     def compact(self) -> None:
         """Move every block down, in address order, so that the free bytes are one block at the
         high end: for a pool whose addresses are a model of the memory, not the memory itself."""

@@ -31,6 +31,7 @@ class Segments:
         self.size = SLOTS * small
         self._blocks: dict[int, list[tuple[int, int, int]]] = {}  # segment -> (offset, size, owner)
         self._where: dict[int, tuple[int, int]] = {}  # owner -> (segment, offset)
+        self._sealed: set[int] = set()  # segments no new block joins
         self._opened = 0
 
     def tiny(self, nbytes: int) -> bool:
@@ -41,8 +42,10 @@ class Segments:
         return owner in self._where
 
     def place(self, owner: int, nbytes: int) -> bool:
-        """Put ``owner`` in the first gap of ``nbytes`` of the oldest segment that has one."""
+        """Put ``owner`` in the first gap of ``nbytes`` of the oldest open segment that has one."""
         for segment, blocks in self._blocks.items():
+            if segment in self._sealed:
+                continue
             position = 0
             for i, (offset, size, _) in enumerate(blocks):
                 if offset - position >= nbytes:
@@ -65,6 +68,11 @@ class Segments:
     def close(self, segment: int) -> None:
         """Forget an empty segment (the pool no longer holds it)."""
         assert not self._blocks.pop(segment)
+        self._sealed.discard(segment)
+
+    def seal(self) -> None:
+        """No new block joins the segments there are now; later tiny blocks open new ones."""
+        self._sealed.update(self._blocks)
 
     def remove(self, owner: int) -> tuple[int, int, bool]:
         """Take ``owner`` out; returns its segment, its size, and whether the segment is now empty."""

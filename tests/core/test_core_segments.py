@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.core.driver import SHARE, TINY, make_pool, tiny
+from remat.core.driver import SEGMENTS_FROM, TINY, make_pool
 from remat.core.pool import FREE, AddressPool, End, Fit
 from remat.core.segments import SLOTS
 from remat.sim import Outcome, simulate
@@ -40,6 +40,16 @@ def test_a_tiny_block_goes_among_the_others_when_no_segment_fits() -> None:
     assert pool.allocate(1, 100) and pool.allocate(2, 100)
     assert pool.allocate(3, 8)  # 100 bytes free, a segment needs 256
     assert pool.address(3) == 200 and pool.used == 208
+    pool.check()
+
+
+def test_a_sealed_segment_takes_no_new_block() -> None:
+    pool = AddressPool(10_000, small=8)
+    assert pool.allocate(1, 1000) and pool.allocate(2, 8)  # a constant and its segment, at 1000
+    pool.seal()
+    assert pool.allocate(3, 8) and pool.address(3) == 1000 + SLOTS * 8  # a new segment past it
+    pool.free(2)
+    assert pool.allocate(4, 8) and pool.address(4) == 1000 + SLOTS * 8 + 8
     pool.check()
 
 
@@ -100,7 +110,7 @@ def counter_chain(layers: int = 12, size: int = 2**18) -> Trace:
 
 def test_tiny_constants_no_longer_split_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     trace = counter_chain()
-    assert tiny(int(0.6 * trace.peak_bytes)) == TINY
+    assert 0.6 * trace.peak_bytes >= SEGMENTS_FROM
     with_segments = simulate(trace, 0.6, "dtr")
     assert with_segments.outcome is Outcome.OK
     # The same run in a pool that places every block by best fit: the 8-byte versions land
@@ -110,12 +120,9 @@ def test_tiny_constants_no_longer_split_the_pool(monkeypatch: pytest.MonkeyPatch
     assert simulate(trace, 0.6, "dtr").outcome is Outcome.OOM
 
 
-def test_smaller_pools_pack_smaller_blocks_and_the_smallest_none() -> None:
-    assert tiny(2**30) == TINY and tiny(SHARE * SLOTS * TINY) == TINY
-    assert tiny(SHARE * SLOTS * TINY - 1) == TINY // 2
-    assert tiny(SHARE * SLOTS * 8) == 8 and tiny(SHARE * SLOTS * 8 - 1) == 0
-    small = make_pool(1000, True)
+def test_small_pools_have_no_segments() -> None:
+    small = make_pool(SEGMENTS_FROM - 1, True)
     assert isinstance(small, AddressPool) and small.segments is None
-    large = make_pool(2**20, True)
-    assert isinstance(large, AddressPool) and large.segments is not None and large.segments.small == 512
+    large = make_pool(SEGMENTS_FROM, True)
+    assert isinstance(large, AddressPool) and large.segments is not None and large.segments.small == TINY
     assert [owner for _, _, owner in large.pieces()] == [FREE]
