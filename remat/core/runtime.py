@@ -348,9 +348,6 @@ class Runtime(Residency):
         pool, telemetry = self.pool, self.telemetry
         evicted = compacted = False
         while not pool.allocate(owner, nbytes, end):
-            if self.compact and pool.layout and pool.capacity - pool.used >= nbytes:
-                pool.compact()  # NOTE [model addresses]: the free bytes hold it
-                continue
             start = time.perf_counter()
             victims = self.policy.choose(self, nbytes)
             telemetry.search_seconds += time.perf_counter() - start
