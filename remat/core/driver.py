@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from remat.core.pool import AddressPool, BytePool, Fit, Pool
-from remat.core.segments import SLOTS
 
 TINY = 512
 """Blocks of at most this many bytes share segments (:mod:`remat.core.segments`) in pools of at
-least :data:`SEGMENTS_FROM` bytes, where a segment is at most 1/64 of the pool; smaller pools have
-none (a segment would split them as much as the blocks it holds)."""
-SEGMENTS_FROM = 64 * SLOTS * TINY
+least :data:`SEGMENTS_FROM` bytes; smaller pools have none (in pools of a few MiB, segments cost the
+dynamic runtime's tests of the arena backend more room than they saved)."""
+SEGMENTS_FROM = 64 * 2**20
 
 
 DEPTH = 200_000

@@ -1,5 +1,5 @@
-"""Pools whose addresses are a model (NOTE [model addresses]): packed when the free bytes suffice, and
-Coop's greedy eviction where no window can hold a request."""
+"""Pools whose addresses are a model (NOTE [model addresses]): Coop's greedy eviction where no window
+can hold a request."""
 
 from __future__ import annotations
 
@@ -18,22 +18,6 @@ def run(trace: Trace, capacity: int, policy: str, compact: bool) -> Runtime:
     runtime = Runtime(AddressPool(capacity), get(policy), backend, compact=compact)
     drive(runtime, trace, backend)
     return runtime
-
-
-def test_free_bytes_in_pieces_are_packed_before_anything_is_evicted() -> None:
-    p = Builder()
-    x = p.tensor(10, constant=True)  # [0, 10)
-    a, b, d = p.tensor(10), p.tensor(10), p.tensor(10)
-    for name, out in (("a", a), ("b", b), ("d", d)):
-        p.op(name, (x,), (out,), 1.0)  # [10, 20), [20, 30), [30, 40)
-    p.release(a)  # 20 bytes free: [10, 20) and [40, 50)
-    c = p.tensor(20)
-    p.op("c", (d,), (c,), 1.0)  # b could be evicted to join the pieces; packing needs no eviction
-    trace = p.trace("pieces")
-    assert run(trace, 50, "lru", compact=False).telemetry.evictions == 1
-    packed = run(trace, 50, "lru", compact=True)
-    assert packed.telemetry.evictions == 0
-    assert packed.resident[packed.storage_of(b)] and packed.resident[packed.storage_of(c)]
 
 
 @pytest.mark.parametrize("policy", ["coop", "coop-eq"])

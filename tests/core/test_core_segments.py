@@ -81,7 +81,7 @@ def test_random_sequences_never_overlap(ops: list[tuple[bool, int, End]]) -> Non
         assert sum(held.values()) <= pool.used <= pool.capacity
 
 
-def counter_chain(layers: int = 12, size: int = 2**18) -> Trace:
+def counter_chain(layers: int = 12, size: int = 2**23) -> Trace:
     """A chain whose every layer also bumps a tiny constant in place, as batch norm does with
     ``num_batches_tracked``: each bump makes a new 8-byte version that stays (NOTE [constants
     stay] in remat/core/runtime.py)."""
@@ -123,6 +123,6 @@ def test_tiny_constants_no_longer_split_the_pool(monkeypatch: pytest.MonkeyPatch
 def test_small_pools_have_no_segments() -> None:
     small = make_pool(SEGMENTS_FROM - 1, True)
     assert isinstance(small, AddressPool) and small.segments is None
-    large = make_pool(SEGMENTS_FROM, True)
+    large = make_pool(SEGMENTS_FROM, True)  # a pool of addresses only: nothing is allocated
     assert isinstance(large, AddressPool) and large.segments is not None and large.segments.small == TINY
     assert [owner for _, _, owner in large.pieces()] == [FREE]
