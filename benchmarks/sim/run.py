@@ -41,7 +41,7 @@ ABLATION = [
     "coop-no-opguided",
     "coop-no-inplace",
     "coop-per-byte",
-    "coop-eq",
+    "coop-exact",
     "dtr-eq",
 ]
 

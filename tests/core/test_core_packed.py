@@ -20,7 +20,7 @@ def run(trace: Trace, capacity: int, policy: str, compact: bool) -> Runtime:
     return runtime
 
 
-@pytest.mark.parametrize("policy", ["coop", "coop-eq"])
+@pytest.mark.parametrize("policy", ["coop", "coop-exact"])
 def test_coop_evicts_greedily_where_locked_pieces_leave_no_window(policy: str) -> None:
     p = Builder()
     x = p.tensor(10, constant=True)  # [0, 10)

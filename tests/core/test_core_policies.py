@@ -65,7 +65,7 @@ def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
         "coop-no-inplace",
         "coop-per-byte",
         "coop-total",
-        "coop-eq",
+        "coop-exact",
     } <= set(names())
     assert get("dte").name == "dte"
     with pytest.raises(
@@ -209,7 +209,7 @@ PIECES = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(PIECES, st.integers(1, 60), st.sampled_from(["coop", "coop-eq", "coop-total"]))
+@given(PIECES, st.integers(1, 60), st.sampled_from(["coop", "coop-exact", "coop-total"]))
 def test_coop_window_is_the_cheapest_contiguous_run(
     pieces: list[tuple[int, float, str]], nbytes: int, policy: str
 ) -> None:

@@ -5,7 +5,7 @@ not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switc
 
 1. Layout-aware eviction (``layout``). List the pool's pieces in address order; a free piece costs
    0, an evictable storage its DTR heuristic h = c'(t) / (m(t) s(t)), its cost density, with c' by
-   DTR's exact evicted neighbourhood (``coop-eq``: by equivalence classes, as DTE); a locked or
+   equivalence classes, as DTE (``coop-exact``: by DTR's exact evicted neighbourhood); a locked or
    constant piece breaks the run. One two-pointer pass finds the contiguous run of pieces covering
    the request with the least summed h (the Coop paper's objective): O(n), where DTR's loop is
    O(n^2). Without it, Coop evicts greedily by h_DTR^eq. When no run holds the request and the
@@ -58,7 +58,7 @@ class Coop:
     op_guided: bool = True
     inplace: bool = True
     score: str = "density"  # of a run: "density" (summed h), "total" (summed c'/s), "per-byte"
-    exact: bool = True  # c' by the exact evicted neighbourhood (DTR's), or by equivalence classes
+    exact: bool = False  # c' by the exact evicted neighbourhood (DTR's), or by equivalence classes
 
     @property
     def needs(self) -> frozenset[str]:
@@ -157,6 +157,6 @@ for _policy in (
     Coop("coop-no-inplace", inplace=False),
     Coop("coop-total", score="total"),
     Coop("coop-per-byte", score="per-byte"),
-    Coop("coop-eq", exact=False),
+    Coop("coop-exact", exact=True),
 ):
     register(_policy)
