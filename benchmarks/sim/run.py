@@ -1,9 +1,10 @@
 """Simulated dynamic rematerialization on the DTR logs and on synthetic chains; see README.md.
 
-    .venv/bin/python benchmarks/sim/run.py [--logs DIR] [--out DIR] [--no-100k]
+    .venv/bin/python benchmarks/sim/run.py [--logs DIR] [--out DIR] [--no-100k] [--only SECTION,...]
 
 Prints markdown tables and writes ``results.json``, ``sweep.png``, ``swap.png`` and ``scaling.png`` to
-``--out``.
+``--out``. ``--only`` runs some of the sections (paper, sweep, swap, timing, ablation, scaling); the
+others keep their records in ``results.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from remat.sim import SimResult, simulate, sweep
 from remat.sim.plot import plot_sweep
 from remat.sim.synthetic import training_step
 from remat.trace import load
+from remat.trace.types import Trace
 
 HERE = Path(__file__).parent
 LOGS = ("resnet32-56", "transformer-10", "lstm-128")
@@ -39,6 +41,7 @@ ABLATION = [
     "coop-no-opguided",
     "coop-no-inplace",
     "coop-per-byte",
+    "coop-exact",
     "dtr-eq",
 ]
 
@@ -61,6 +64,8 @@ def table(results: list[SimResult], field: str) -> str:
     return "\n".join(lines)
 
 
+Records = list[dict[str, object]]
+SECTIONS = ("paper", "sweep", "swap", "timing", "ablation", "scaling")
 SWAPPED = ["dtr", "dte", "coop"]
 LINKS = ("8GB/s", "25GB/s", "64GB/s")
 
@@ -95,13 +100,38 @@ def main() -> None:
     parser.add_argument(
         "--no-100k", action="store_true", help="skip the 100k-tensor chain (minutes per policy)"
     )
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run")
     args = parser.parse_args()
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(only - set(SECTIONS))}; choose among {', '.join(SECTIONS)}")
     out = Path(args.out)
     machine = platform.processor() or platform.machine()
     print(f"python {platform.python_version()}, numpy {np.__version__}, {machine}")
     traces = [load(Path(args.logs) / f"{name}.log") for name in LOGS]
-    records: dict[str, list[dict[str, object]]] = {}
+    kept = out / "results.json"  # the sections not run keep their records
+    records: dict[str, Records] = json.loads(kept.read_text()) if kept.exists() else {}
+    if "paper" in only:
+        records["paper"] = paper(traces)
+    if "sweep" in only or "swap" in only:
+        results = sweep(traces, POLICIES, RATIOS)
+        records["sweep"] = [r.to_dict() for r in results]
+        print(f"\n## Overhead, address pool\n\n{table(results, 'overhead')}")
+        print("\n## Fragmentation (mean free bytes / budget when an evicting allocation succeeded)\n")
+        print(table(results, "fragmentation"))
+        plot_sweep(results, out / "sweep.png")
+    if "swap" in only:
+        records["swap"] = swapping(traces, results, out)
+    if "timing" in only:
+        records["timing"] = timing(Path(args.logs))
+    if "ablation" in only:
+        records["ablation"] = ablation(traces)
+    if "scaling" in only:
+        records["scaling"] = scaling(args.no_100k, out)
+    kept.write_text(json.dumps(records, indent=1, default=lambda x: None if math.isnan(x) else x))
 
+
+def paper(traces: list[Trace]) -> Records:
     print("\n## DTR with byte counting against the DTR paper (ratios 0.3 / 0.5 / 0.8)\n")
     print("| trace | paper | remat `dtr` (bytes) | remat `dtr` (addresses) |\n|---|---|---|---|")
     repro = []
@@ -113,84 +143,78 @@ def main() -> None:
         ours = " / ".join(f"{r.overhead:.3f}" for r in counted)
         addr = " / ".join(f"{r.overhead:.3f}" for r in addressed)
         print(f"| {trace.name} | {paper} | {ours} | {addr} |")
-    records["paper"] = [r.to_dict() for r in repro]
+    return [r.to_dict() for r in repro]
 
-    start = time.perf_counter()
-    results = sweep(traces, POLICIES, RATIOS)
-    elapsed = time.perf_counter() - start
-    records["sweep"] = [r.to_dict() for r in results]
-    print(f"\n## Overhead, address pool (sweep took {elapsed:.0f} s)\n\n{table(results, 'overhead')}")
-    print(
-        f"\n## Fragmentation (mean free bytes / budget when an evicting allocation succeeded)\n\n"
-        f"{table(results, 'fragmentation')}"
-    )
-    plot_sweep(results, out / "sweep.png")
 
-    swapping = [r for r in results if r.policy in SWAPPED]
+def swapping(traces: list[Trace], results: list[SimResult], out: Path) -> Records:
+    swapped = [r for r in results if r.policy in SWAPPED]
     for rate in LINKS:
-        swapping += sweep(traces, SWAPPED, RATIOS, link=Link(rate, rate))
-    records["swap"] = [r.to_dict() for r in swapping if r.link]
-    print(f"\n## Swapping victims to the host (overhead; swaps/recomputations)\n\n{swap_table(swapping)}")
+        swapped += sweep(traces, SWAPPED, RATIOS, link=Link(rate, rate))
+    print(f"\n## Swapping victims to the host (overhead; swaps/recomputations)\n\n{swap_table(swapped)}")
     plot_sweep(
-        [r for r in swapping if not r.link or r.link == str(Link("25GB/s", "25GB/s"))], out / "swap.png"
+        [r for r in swapped if not r.link or r.link == str(Link("25GB/s", "25GB/s"))], out / "swap.png"
     )
+    return [r.to_dict() for r in swapped if r.link]
 
-    # CPU seconds of this process as well as wall seconds: the machine is shared, and CPU time is
-    # what the sweep costs when it has a core to itself.
+
+def timing(logs: Path) -> Records:
+    """CPU seconds of this process as well as wall seconds: the machine is shared, and CPU time is
+    what the sweep costs when it has a core to itself."""
     print("\n## One log, eight ratios: seconds, load included, one process (wall / CPU)\n")
     print("| trace | load | dtr-eq | dte | coop | dtr-eq + dte + coop, with load | exact dtr |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    timing: dict[str, dict[str, float]] = {}
+    records: Records = []
     for name in LOGS:
         wall, cpu = time.perf_counter(), time.process_time()
-        fresh = load(Path(args.logs) / f"{name}.log")  # a new object: nothing cached from above
+        fresh = load(logs / f"{name}.log")  # a new object: nothing cached from above
         seconds = {"load": time.perf_counter() - wall, "load_cpu": time.process_time() - cpu}
         for policy in ("dtr-eq", "dte", "coop", "dtr"):
             wall, cpu = time.perf_counter(), time.process_time()
             sweep([fresh], [policy], RATIOS)
             seconds[policy], seconds[f"{policy}_cpu"] = time.perf_counter() - wall, time.process_time() - cpu
-        timing[name] = seconds
+        records.append({"trace": name, **seconds})
         parts = ("load", "dtr-eq", "dte", "coop")
         shown = [f"{seconds[k]:.1f} / {seconds[k + '_cpu']:.1f}" for k in parts]
         three = sum(seconds[k] for k in parts), sum(seconds[k + "_cpu"] for k in parts)
         shown += [f"{three[0]:.1f} / {three[1]:.1f}", f"{seconds['dtr']:.1f} / {seconds['dtr_cpu']:.1f}"]
         print(f"| {name} | " + " | ".join(shown) + " |", flush=True)
-    records["timing"] = [{"trace": k, **v} for k, v in timing.items()]
+    return records
 
+
+def ablation(traces: list[Trace]) -> Records:
     print("\n## Coop ablation (overhead; fragmentation)\n")
     print("| trace | ratio | " + " | ".join(ABLATION) + " |\n|---|---|" + "---|" * len(ABLATION))
-    ablation = []
+    results = []
     for trace in traces:
         for ratio in (0.3, 0.5, 0.7):
             row = [simulate(trace, ratio, policy) for policy in ABLATION]
-            ablation += row
+            results += row
             cells = " | ".join(f"{cell(r, 'overhead')}; {cell(r, 'fragmentation')}" for r in row)
-            print(f"| {trace.name} | {ratio} | {cells} |")
-    records["ablation"] = [r.to_dict() for r in ablation]
+            print(f"| {trace.name} | {ratio} | {cells} |", flush=True)
+    return [r.to_dict() for r in results]
 
+
+def scaling(no_100k: bool, out: Path) -> Records:
     print("\n## Search time against the number of tensors (synthetic chains, ratio 0.5)\n")
     print(
         "| tensors | policy | overhead | evicting allocations | search per allocation | total search | run |"
     )
     print("|---:|---|---:|---:|---:|---:|---:|")
-    scaling = []
-    for layers in (170, 1700) if args.no_100k else (170, 1700, 17000):
+    results = []
+    for layers in (170, 1700) if no_100k else (170, 1700, 17000):
         chain = training_step(layers)
         for policy in ["dtr", "dtr-eq", "dte", "coop"]:
             start = time.perf_counter()
             r = simulate(chain, 0.5, policy)
             run = time.perf_counter() - start
-            scaling.append(r)
+            results.append(r)
             print(
                 f"| {r.tensors} | {policy} | {r.overhead:.3f} | {r.evicting_allocations} | "
                 f"{1e3 * r.search_per_allocation:.3f} ms | {r.search_seconds:.2f} s | {run:.1f} s |",
                 flush=True,
             )
-    records["scaling"] = [r.to_dict() for r in scaling]
-    plot_sweep(scaling, out / "scaling.png")
-    (out / "results.json").write_text(
-        json.dumps(records, indent=1, default=lambda x: None if math.isnan(x) else x)
-    )
+    plot_sweep(results, out / "scaling.png")
+    return [r.to_dict() for r in results]
 
 
 if __name__ == "__main__":

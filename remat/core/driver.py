@@ -15,14 +15,23 @@ from contextlib import contextmanager
 
 from remat.core.pool import AddressPool, BytePool, Fit, Pool
 
+TINY = 512
+"""Blocks of at most this many bytes share segments (:mod:`remat.core.segments`) in pools of at
+least :data:`SEGMENTS_FROM` bytes; smaller pools have none (in pools of a few MiB, segments cost the
+dynamic runtime's tests of the arena backend more room than they saved)."""
+SEGMENTS_FROM = 64 * 2**20
+
+
 DEPTH = 200_000
 """Recursion limit while a runtime works: recomputation chains recurse once per evicted ancestor."""
 
 
 def make_pool(capacity: int, layout: bool, fit: Fit | str = Fit.BEST) -> Pool:
-    """The pool of ``capacity`` bytes a run asks for: addresses placed by ``fit`` (``layout``) or
-    counted bytes."""
-    return AddressPool(capacity, Fit(fit)) if layout else BytePool(capacity)
+    """The pool of ``capacity`` bytes a run asks for: addresses placed by ``fit`` (``layout``), tiny
+    blocks in segments of their own, or counted bytes."""
+    if not layout:
+        return BytePool(capacity)
+    return AddressPool(capacity, Fit(fit), TINY if capacity >= SEGMENTS_FROM else 0)
 
 
 class Thrashed(Exception):

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
+from remat.core.segments import Segments
+
 FREE = -1
 """Owner of a free piece in :meth:`AddressPool.pieces`."""
 
@@ -106,15 +108,22 @@ class BytePool:
 
 
 class AddressPool:
-    """``capacity`` bytes of addresses; allocations are placed from either end, best or first fit."""
+    """``capacity`` bytes of addresses; allocations are placed from either end, best or first fit.
+    With ``small`` > 0, allocations of at most ``small`` bytes are packed into segments
+    (:mod:`remat.core.segments`), each one block of the pool placed like any block of its size, from
+    the end the allocation asks for (the low end for constants: the first segment lies next to
+    them, so that the blocks placed before an arena exists stay one run from address 0, as
+    ``remat.dynamic``'s arena backend needs); where no piece holds a segment, a tiny block is
+    placed like any other."""
 
     layout = True
 
-    def __init__(self, capacity: int, fit: Fit = Fit.BEST) -> None:
+    def __init__(self, capacity: int, fit: Fit = Fit.BEST, small: int = 0) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.fit = Fit(fit)
+        self.segments = Segments(small) if small > 0 else None
         # The pieces, in address order; array('q') so that numpy can view them without a copy.
         self._starts = array("q", [0])
         self._sizes = array("q", [capacity])
@@ -132,14 +141,24 @@ class AddressPool:
         return self.capacity - self._used
 
     def address(self, owner: int) -> int:
+        segments = self.segments
+        if segments is not None and segments.holds(owner):
+            segment, offset = segments.locate(owner)
+            return self._start_of[segment] + offset
         return self._start_of[owner]
 
     def holds(self, owner: int) -> bool:
         """Whether ``owner`` has a block in the pool."""
-        return owner in self._start_of
+        return owner in self._start_of or (self.segments is not None and self.segments.holds(owner))
 
     def largest_free(self) -> int:
         return self._free_sorted[-1][0] if self._free_sorted else 0
+
+    def seal(self) -> None:
+        """Blocks placed from now on never join the segments there are now (an arena that covers
+        only the addresses past what is placed now must not find its blocks below them)."""
+        if self.segments is not None:
+            self.segments.seal()
 
     def compact(self) -> None:
         """Move every block down, in address order, so that the free bytes are one block at the
@@ -166,9 +185,20 @@ class AddressPool:
         """Place ``nbytes`` for ``owner``; False (and no change) when no free block is large enough."""
         if nbytes <= 0:
             raise ValueError(f"allocations must be positive, got {nbytes} bytes")
-        if owner in self._start_of:
+        if self.holds(owner):
             raise ValueError(f"owner {owner} already holds a block")
-        chosen = self._choose(nbytes, end)
+        segments = self.segments
+        if segments is not None and segments.tiny(nbytes):
+            if segments.place(owner, nbytes):
+                return True
+            segment = segments.open()
+            if self._place(segment, segments.size, end):
+                return segments.place(owner, nbytes)
+            segments.close(segment)  # no room for a segment: the block goes among the others
+        return self._place(owner, nbytes, end)
+
+    def _place(self, owner: int, nbytes: int, end: End, fit: Fit | None = None) -> bool:
+        chosen = self._choose(nbytes, end, fit or self.fit)
         if chosen is None:
             return False
         size, start = chosen
@@ -193,7 +223,15 @@ class AddressPool:
         return True
 
     def free(self, owner: int) -> None:
-        """Return ``owner``'s block and merge it with free neighbours."""
+        """Return ``owner``'s block and merge it with free neighbours (a segment goes back to the
+        pool once its last tiny block is freed)."""
+        segments = self.segments
+        if segments is not None and segments.holds(owner):
+            segment, _, empty = segments.remove(owner)
+            if empty:
+                segments.close(segment)
+                self.free(segment)
+            return
         i = self._index(self._start_of.pop(owner))
         sizes, owners = self._sizes, self._owners
         self._used -= sizes[i]
@@ -211,12 +249,18 @@ class AddressPool:
 
     def transfer(self, owner: int, new_owner: int) -> None:
         """Hand ``owner``'s block to ``new_owner`` unchanged (an in-place op's new version)."""
+        if self.segments is not None and self.segments.holds(owner):
+            self.segments.transfer(owner, new_owner)
+            return
         start = self._start_of.pop(owner)
         self._owners[self._index(start)] = new_owner
         self._start_of[new_owner] = start
 
     def adjacent_free(self, owner: int) -> int:
-        """Free bytes directly below and above ``owner``'s block (they coalesce if it is freed)."""
+        """Free bytes directly below and above ``owner``'s block (they coalesce if it is freed; none
+        for a block in a segment)."""
+        if self.segments is not None and self.segments.holds(owner):
+            return 0
         i = self._index(self._start_of[owner])
         total = 0
         for j in (i - 1, i + 1):
@@ -255,11 +299,18 @@ class AddressPool:
         assert position == self.capacity and used == self._used
         free = sorted((size, start) for start, size, owner in self.pieces() if owner == FREE)
         assert free == self._free_sorted
+        if self.segments is not None:
+            ends: dict[int, int] = {}
+            for segment, offset, size, owner in self.segments.blocks():
+                assert segment in self._start_of and offset >= ends.get(segment, 0), (segment, owner)
+                assert self.segments.locate(owner) == (segment, offset)
+                ends[segment] = offset + size
+                assert ends[segment] <= self.segments.size
 
-    def _choose(self, nbytes: int, end: End) -> tuple[int, int] | None:
+    def _choose(self, nbytes: int, end: End, fit: Fit) -> tuple[int, int] | None:
         """The (size, start) of the free piece to place ``nbytes`` in."""
         free = self._free_sorted
-        if self.fit is Fit.BEST:
+        if fit is Fit.BEST:
             i = bisect.bisect_left(free, (nbytes, -1))
             if i == len(free):
                 return None

@@ -92,7 +92,9 @@ class ArenaBackend(AccountingBackend):
         first, from address 0 up, and never leave; they keep their own memory, so the arena starts
         past them and the budget does not count them twice. A constant first read later keeps its
         memory too and leaves a hole of its size in the arena: the reserve covers it (pass it in
-        ``keep`` to avoid that)."""
+        ``keep`` to avoid that). The segments of the constants' tiny blocks lie among them and
+        are sealed, so that no block of the arena's is placed there."""
+        self.pool.seal()
         self.start = self.pool.used
         self.size = self.pool.capacity - self.start
         self.arena = torch.empty(self.size, dtype=torch.uint8, device=self.device)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from remat.core.classes import EvictedClasses
 from remat.core.graph import Column, Graph
+from remat.core.neighbourhood import Neighbourhoods
 from remat.core.policies import get, names
 from remat.core.policies.base import TICK, candidates
 from remat.core.policies.coop import compute_dense
@@ -51,15 +52,21 @@ def staged(pieces: list[tuple[int, float, str]], capacity: int = 100) -> Any:
         evicted_nearby=nearby,
         resident=resident,
         classes=EvictedClasses(),
+        regions=Neighbourhoods(),
         clock=1.0,
     )
 
 
 def test_registry_lists_every_policy_and_rejects_unknown_names() -> None:
     assert {"dtr", "dtr-eq", "dtr-local", "dte", "lru", "largest", "coop"} <= set(names())
-    assert {"coop-no-layout", "coop-no-opguided", "coop-no-inplace", "coop-per-byte", "coop-total"} <= set(
-        names()
-    )
+    assert {
+        "coop-no-layout",
+        "coop-no-opguided",
+        "coop-no-inplace",
+        "coop-per-byte",
+        "coop-total",
+        "coop-exact",
+    } <= set(names())
     assert get("dte").name == "dte"
     with pytest.raises(
         ValueError,
@@ -202,7 +209,7 @@ PIECES = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(PIECES, st.integers(1, 60), st.sampled_from(["coop", "coop-total"]))
+@given(PIECES, st.integers(1, 60), st.sampled_from(["coop", "coop-exact", "coop-total"]))
 def test_coop_window_is_the_cheapest_contiguous_run(
     pieces: list[tuple[int, float, str]], nbytes: int, policy: str
 ) -> None:
@@ -212,7 +219,7 @@ def test_coop_window_is_the_cheapest_contiguous_run(
     def cost(owner: int) -> float:  # staleness is 1, no neighbours
         if owner == FREE:
             return 0.0
-        density = policy == "coop"  # h_DTR = c / m summed, or c summed
+        density = policy != "coop-total"  # h_DTR = c / m summed, or c summed
         return runtime.graph.cost[owner] / (runtime.graph.nbytes[owner] if density else 1)
 
     best = math.inf

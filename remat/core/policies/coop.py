@@ -4,10 +4,12 @@ DTR evicts the cheapest storage, one at a time, wherever it lies; 60 MB freed he
 not hold a 100 MB tensor, so it keeps evicting. Coop has three parts, each switchable for ablation:
 
 1. Layout-aware eviction (``layout``). List the pool's pieces in address order; a free piece costs
-   0, an evictable storage its DTR heuristic h = c'(t) / (m(t) s(t)), its cost density; a locked or
+   0, an evictable storage its DTR heuristic h = c'(t) / (m(t) s(t)), its cost density, with c' by
+   equivalence classes, as DTE (``coop-exact``: by DTR's exact evicted neighbourhood); a locked or
    constant piece breaks the run. One two-pointer pass finds the contiguous run of pieces covering
    the request with the least summed h (the Coop paper's objective): O(n), where DTR's loop is
-   O(n^2). Without it, Coop evicts greedily by h_DTR^eq.
+   O(n^2). Without it, Coop evicts greedily by h_DTR^eq. When no run holds the request and the
+   runtime may pack the pool (an eager runtime whose addresses are a model), it evicts greedily by h.
 2. Op-guided allocation (``op_guided``). Outputs of compute-dense ops (convolutions, matrix
    products, their gradients) go to the high end of the pool, the rest to the low end, so that
    cheap storages lie next to each other and a cheap window is easy to find.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.core.policies.base import TICK, lower_bound
+from remat.core.policies.dtr import DTR
 from remat.core.policies.dtr_eq import choose_by_classes
 from remat.core.policies.registry import register
 from remat.core.pool import FREE, AddressPool, End
@@ -45,6 +48,9 @@ def compute_dense(name: str) -> bool:
     return _DENSE.search(name.lower()) is not None
 
 
+_GREEDY = DTR()
+
+
 @dataclass(frozen=True)
 class Coop:
     name: str = "coop"
@@ -52,10 +58,12 @@ class Coop:
     op_guided: bool = True
     inplace: bool = True
     score: str = "density"  # of a run: "density" (summed h), "total" (summed c'/s), "per-byte"
+    exact: bool = False  # c' by the exact evicted neighbourhood (DTR's), or by equivalence classes
 
     @property
     def needs(self) -> frozenset[str]:
-        return frozenset({"classes", "layout"}) if self.layout else frozenset({"classes"})
+        near = "regions" if self.exact else "classes"
+        return frozenset({near, "layout"}) if self.layout else frozenset({"classes"})
 
     def end(self, op: Op) -> End:
         return End.HIGH if self.op_guided and compute_dense(op.name) else End.LOW
@@ -63,10 +71,17 @@ class Coop:
     def choose(self, runtime: Residency, nbytes: int) -> list[int]:
         if not self.layout:
             return choose_by_classes(runtime, adjacent_free=False)
-        return cheapest_window(runtime, nbytes, self.score)
+        window = cheapest_window(runtime, nbytes, self.score, self.exact)
+        if window or not getattr(runtime, "compact", False):
+            return window
+        # NOTE [model addresses] in remat/core/runtime.py: the pool's pieces can be packed, so any
+        # victims make room once their bytes are free; with no window left, evict greedily by h.
+        return _GREEDY.choose(runtime, nbytes) if self.exact else choose_by_classes(runtime, False)
 
 
-def cheapest_window(runtime: Residency, nbytes: int, score: str = "density") -> list[int]:
+def cheapest_window(
+    runtime: Residency, nbytes: int, score: str = "density", exact: bool = False
+) -> list[int]:
     """The storages of the least costly contiguous run of pieces holding ``nbytes``; [] if none.
     ``score``: a piece costs its h (``"density"``) or c'/s (``"total"``), and a run the sum of its
     pieces; ``"per-byte"``: the run of least c'/s per byte it holds, among the same candidates.
@@ -80,8 +95,7 @@ def cheapest_window(runtime: Residency, nbytes: int, score: str = "density") -> 
     sizes, owners = pool.arrays()
     if len(sizes) == 0:
         return []
-    graph, resident, classes = runtime.graph, runtime.resident, runtime.classes
-    assert classes is not None
+    graph, resident, classes, regions = runtime.graph, runtime.resident, runtime.classes, runtime.regions
     evictable = np.append(runtime.evictable.array[: len(graph)], False)
     real = np.where(owners >= 0, owners, len(graph))  # by-product blocks (negative owners) never move
     movable = evictable[real]
@@ -105,16 +119,21 @@ def cheapest_window(runtime: Residency, nbytes: int, score: str = "density") -> 
     per_byte = score == "per-byte"
     held = (bytes_to[ends + 1] - bytes_to[lefts]).astype(float) if per_byte else np.ones(len(ends))
     bounds = (cost_to[ends + 1] - cost_to[lefts]) / held
-    exact: dict[int, float] = {}
+    known: dict[int, float] = {}
 
     def piece_cost(i: int) -> float:
-        if i not in exact:
+        if i not in known:
             storage = int(owners[i])
-            near = (
-                graph.cost[storage] + classes.neighbour_cost(storage, graph, resident) if movable[i] else 0.0
-            )
-            exact[i] = near / staleness[i]
-        return exact[i]
+            if not movable[i]:
+                near = 0.0
+            elif exact:
+                assert regions is not None
+                near = graph.cost[storage] + regions.cost(storage, graph, resident)
+            else:
+                assert classes is not None
+                near = graph.cost[storage] + classes.neighbour_cost(storage, graph, resident)
+            known[i] = near / staleness[i]
+        return known[i]
 
     best, best_run = math.inf, (0, -1)
     for k in np.argsort(bounds, kind="stable"):
@@ -138,5 +157,6 @@ for _policy in (
     Coop("coop-no-inplace", inplace=False),
     Coop("coop-total", score="total"),
     Coop("coop-per-byte", score="per-byte"),
+    Coop("coop-exact", exact=True),
 ):
     register(_policy)
