@@ -49,6 +49,13 @@ NOTE [region model]
   forward and in a replay; the tape copies the generator's state for each random op it records
   (on CPU, where that state is memory of the device), held like a batch-norm snapshot, and a
   replay that runs a random op saves the state around itself.
+- A region that keeps nothing and is exactly one module's call (NOTE [one call]) has no tape: the
+  module runs again in backward (``remat.planner.rerun``). Its window, targets and replay point
+  are a tape's; it takes one generator state (before the call's first random op) instead of one
+  per random op and no snapshot, and holds, while anything it packed is held, every storage from
+  outside that an op of the call read (its arguments). Its replay runs the call's ops up to its
+  last packed save, each value living as it did in the forward, beside a copy of each buffer the
+  call writes (``remat.planner.region_model.replay_runs``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ arguments, a generator state per random op) is what made such plans slower than 
 checkpointing. What the re-run holds is what ``remat.planner.region_model`` and
 ``remat.planner.predict`` predict:
 
-- the call's tensor arguments that an op of the call read (``read``), until the last handle is
+- the call's tensor arguments that an op of the call read (``saw``), until the last handle is
   gone; an argument no op read is held weakly, as the region's tape would not hold it;
 - per generator a random op of the call drew from, its state just before the first such op;
 - no snapshot in forward: buffers are written by the forward as in the plain step, and the re-run
@@ -37,7 +37,6 @@ from torch.utils import _pytree as pytree
 
 from remat import aten
 from remat._errors import RecomputationError, RematRuntimeError, message
-from remat.aten.generators import RngState
 from remat.manual import autocast
 from remat.manual.buffers import buffers_shielded
 
@@ -213,7 +212,7 @@ class CallFrame:
         args, kwargs = self._inputs()
         try:
             with (
-                aten.replayed(RngState(tuple(self.states))) if self.states else contextlib.nullcontext(),
+                aten.replayed(aten.RngState(tuple(self.states))) if self.states else contextlib.nullcontext(),
                 autocast.autocast_replayed(self.autocast),
                 buffers_shielded(),
                 torch.enable_grad(),
