@@ -13,8 +13,10 @@ from models import build, loss_of
 from torch import nn
 
 import remat
-from remat import Plan
+from remat import Plan, RematValueError
 from remat.planner import BudgetTooSmall, plan_trace, trace_step
+from remat.planner.api import plan_at
+from remat.planner.frontier import Frontier
 from remat.trace.types import Op, Trace
 
 MILP = {"time_limit": 10.0, "max_nodes": 12}
@@ -72,3 +74,19 @@ def _measured_peak(model: nn.Module, inputs: dict[str, Any], plan: Plan | None, 
                 loss = loss_of(model(**inputs))
         loss.backward()
     return tracked.peak_bytes
+
+
+def assert_monotone(found: Frontier, name: str, fractions: list[float]) -> None:
+    """Budgets at ``fractions`` of the way from ``name``'s floor to its plain peak: once one is
+    feasible every larger one is, and a larger one never gets a costlier plan from ``found``."""
+    _, base, low = _traced(name)
+    budgets = sorted(int(low + f * (base - low)) for f in fractions)
+    overheads: list[float | None] = []
+    for budget in budgets:
+        try:
+            overheads.append(plan_at(found, budget).predicted_overhead)
+        except RematValueError:  # BudgetTooSmall, or no plan of this solver fits
+            overheads.append(None)
+    feasible = [o for o in overheads if o is not None]
+    assert overheads[len(overheads) - len(feasible) :] == feasible
+    assert all(a >= b for a, b in zip(feasible, feasible[1:], strict=False)), (budgets, overheads)

@@ -10,10 +10,9 @@ import functools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plans import _traced
+from plans import _traced, assert_monotone
 
 import remat
-from remat import RematValueError
 from remat.planner.api import plan_at
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.offload_search import offload_frontier
@@ -27,13 +26,6 @@ def _frontier(name: str, link: str) -> Frontier:
     return offload_frontier(frontier(trace, "auto"), LINKS[link], None, "offload_greedy")
 
 
-def _overhead(found: Frontier, budget: int) -> float | None:
-    try:
-        return plan_at(found, budget).predicted_overhead
-    except RematValueError:  # BudgetTooSmall
-        return None
-
-
 @pytest.mark.parametrize("name", ["gpt2", "cnn"])
 @pytest.mark.parametrize("link", sorted(LINKS))
 @settings(max_examples=15, deadline=None)
@@ -42,12 +34,7 @@ def test_more_budget_never_gives_a_costlier_three_way_plan(
     name: str, link: str, fractions: list[float]
 ) -> None:
     found = _frontier(name, link)
-    _, base, low = _traced(name)
-    budgets = sorted(int(low + f * (base - low)) for f in fractions)
-    overheads = [_overhead(found, b) for b in budgets]
-    feasible = [o for o in overheads if o is not None]
-    assert overheads[len(overheads) - len(feasible) :] == feasible
-    assert all(a >= b for a, b in zip(feasible, feasible[1:], strict=False)), (budgets, overheads)
+    assert_monotone(found, name, fractions)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "cnn"])

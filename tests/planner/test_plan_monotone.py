@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plans import _traced
+from plans import _traced, assert_monotone
 
-from remat import RematValueError
 from remat.planner import plan_trace
 from remat.planner.api import plan_at
 from remat.planner.frontier import Frontier, frontier
@@ -29,26 +28,13 @@ def _frontier(name: str, solver: str) -> Frontier:
     return frontier(trace, solver, **options)
 
 
-def _overhead(found: Frontier, budget: int) -> float | None:
-    try:
-        return plan_at(found, budget).predicted_overhead
-    except RematValueError:  # BudgetTooSmall, or no plan of this solver fits
-        return None
-
-
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("solver", names())
 @settings(max_examples=10, deadline=None)
 @given(fractions=st.lists(st.floats(0.0, 1.2), min_size=2, max_size=6))
 def test_more_budget_never_gives_a_costlier_plan(name: str, solver: str, fractions: list[float]) -> None:
     found = _frontier(name, solver)
-    _, base, low = _traced(name)
-    budgets = sorted(int(low + f * (base - low)) for f in fractions)
-    overheads = [_overhead(found, b) for b in budgets]
-    feasible = [o for o in overheads if o is not None]
-    # once a budget is feasible every larger one is
-    assert overheads[len(overheads) - len(feasible) :] == feasible
-    assert all(a >= b for a, b in zip(feasible, feasible[1:], strict=False)), (budgets, overheads)
+    assert_monotone(found, name, fractions)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "cnn"])
