@@ -57,9 +57,7 @@ def _traced(name: str) -> tuple[Trace, int, int]:
 @functools.cache  # a Plan is immutable; the MILP's candidates take seconds to find
 def _plan(name: str, solver: str) -> Plan:
     trace, base, low = _traced(name)
-    # the MILP, held to 12 nodes and to a few budgets spread from the floor up (its rungs), reaches
-    # less far down than the other solvers: it plans three quarters of the way up
-    budget = low + (base - low) * (3 if solver == "milp" else 2) // 4
+    budget = (low + base) // 2
     options: dict[str, Any] = MILP if solver == "milp" else {}
     return plan_trace(trace, budget, solver=solver, **options)
 

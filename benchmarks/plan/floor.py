@@ -205,9 +205,8 @@ def table(results: dict[str, Any]) -> str:
     mib = 2**20
     lines = [
         "| family | plain | checkpoint per layer: peak, overhead | plan's floor: predicted, measured, "
-        "overhead | floor − checkpointing's peak, measured "
-        "| plan at checkpointing's peak: measured, predicted overhead, overhead |",
-        "|---|---|---|---|---|---|",
+        "overhead | plan at checkpointing's peak: measured, predicted overhead, overhead |",
+        "|---|---|---|---|---|",
     ]
     for f in results["families"]:
         rows = f["rows"]
@@ -216,16 +215,11 @@ def table(results: dict[str, Any]) -> str:
             rows["remat.plan at its floor"],
             rows["remat.plan at checkpointing's peak"],
         )
-        at_cell = (
-            f"refused: its floor is {(f['floor'] - f['checkpoint_peak']) / 2**10:.1f} KiB above"
-            if "refused" in at
-            else f"{at['peak'] / mib:.1f} MiB, {at['predicted_overhead']:.3f}, {at['overhead']:.3f}"
-        )
         lines.append(
             f"| {f['family']} | {rows['plain']['peak'] / mib:.1f} MiB "
             f"| {ck['peak'] / mib:.1f} MiB, {ck['overhead']:.3f} "
             f"| {low['predicted_peak'] / mib:.1f} MiB, {low['peak'] / mib:.1f} MiB, {low['overhead']:.3f} "
-            f"| {(low['peak'] - ck['peak']) / 2**10:+.1f} KiB | {at_cell} |"
+            f"| {at['peak'] / mib:.1f} MiB, {at['predicted_overhead']:.3f}, {at['overhead']:.3f} |"
         )
     return "\n".join(lines)
 

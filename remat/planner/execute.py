@@ -19,12 +19,6 @@ Counting starts when the model's own forward starts (a forward pre-hook on the m
 forward must run exactly the traced ops: another op, or fewer or more of them, raises
 RecomputationError with the position, the expected and the executed op and the module.
 
-A region that keeps nothing and is exactly one module's call (NOTE [one call]) runs without a
-tape: the module's ``forward`` is wrapped for the time of ``apply``, and the call that starts at the
-region's first op runs as a ``CallFrame`` (``remat.planner.rerun``): the module is called again in
-backward, as ``torch.utils.checkpoint`` does, and the dispatch mode only counts and checks its ops
-(and tells the frame which arguments they read and where the first random op draws).
-
 The dispatch mode is pushed when the model's forward starts and popped when it returns, so the
 loss, the backward (where regions replay through their saved-tensor hooks, not through the mode)
 and the optimizer run without a Python call per op.
@@ -49,8 +43,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
-from remat.planner.regions import Region, one_call
-from remat.planner.rerun import CallFrame
+from remat.planner.regions import Region
 from remat.policy import Decision, OpContext, RecomputeAll
 
 __all__ = ["UNCOUNTED", "apply"]
@@ -96,13 +89,11 @@ class _Runner(TorchDispatchMode):
         self.open: Region | None = None
         self.tape: Tape | None = None
         self.region: TapedRegion | None = None
-        self.call: CallFrame | None = None
         self.top = type(model).__name__
         self.names = {m: name or self.top for name, m in model.named_modules()}
         self.pushed = False
         # overload -> its name, or "" for what is neither counted nor checked
         self.op_names: dict[Any, str] = {}
-        self.random: dict[Any, bool] = {}
 
     # -- regions ---------------------------------------------------------------------------------
 
@@ -118,35 +109,6 @@ class _Runner(TorchDispatchMode):
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self.region.finish()
         self.open = self.tape = self.region = None
-
-    def run_call(self, region: Region, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """``forward(*args, **kwargs)``, the call of the module that is ``region``, as a
-        ``CallFrame`` when it starts at the region's first op (NOTE [one call]); a call elsewhere
-        runs as is."""
-        if (
-            self.position != region.first
-            or not self.active
-            or self.open is not None
-            or not torch.is_grad_enabled()
-            or torch._C._current_autograd_node() is not None
-        ):
-            return forward(*args, **kwargs)
-        frame = CallFrame(forward, lambda: self.position, region.first, region.last)
-        self.open, self.call = region, frame
-        try:
-            out = frame.run(args, kwargs)
-        finally:
-            self.open = self.call = None
-        if self.active and self.position != region.last + 1:
-            raise RecomputationError(
-                message(
-                    "plan",
-                    "a region planned as one module's call ran another number of ops",
-                    f"region {region}: the call ended at op #{self.position}",
-                    "plan again with a block_key whose blocks are called once each",
-                )
-            )
-        return out
 
     # -- the forward -------------------------------------------------------------------------------
 
@@ -218,9 +180,7 @@ class _Runner(TorchDispatchMode):
         kwargs = kwargs or {}
         name = self.op_names.get(func)
         if name is None:
-            facts = aten.facts(func)
-            name = self.op_names[func] = "" if facts.skipped else str(func)
-            self.random[func] = facts.random
+            name = self.op_names[func] = "" if aten.facts(func).skipped else str(func)
         if not name or not self.active or torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
         if name in UNCOUNTED:
@@ -229,9 +189,7 @@ class _Runner(TorchDispatchMode):
         self.position += 1
         if i >= len(self.ops) or self.ops[i] != name:
             raise self._diverged(i, func)
-        if self.call is not None:
-            self.call.saw(args, kwargs, self.random[func])
-        elif self.open is None and i in self.starts and torch.is_grad_enabled():
+        if self.open is None and i in self.starts and torch.is_grad_enabled():
             self._start(self.starts[i])
         if self.tape is not None:
             assert self.open is not None
@@ -267,50 +225,9 @@ def apply(
         )
     runner = make_runner(regions, ops, modules, model, execute)
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
-    wrapped = _wrap_calls(regions, modules, model, runner)
     try:
         yield
     finally:
         runner.leave()
         for h in hooks:
             h.remove()
-        for module, own in wrapped:
-            del module.forward
-            if own is not None:
-                module.forward = own
-
-
-def _wrap_calls(
-    regions: Sequence[Region], modules: Sequence[str], model: nn.Module, runner: _Runner
-) -> list[tuple[nn.Module, Any]]:
-    """Wrap the forward of each module whose call is a region that keeps nothing (NOTE [one
-    call]) so that the call runs through ``runner.run_call``; the modules wrapped, each with the
-    ``forward`` its instance held before (None: the class's)."""
-    starts: dict[str, dict[int, Region]] = {}
-    for region in regions:
-        path = "" if region.save else one_call(modules, region.first, region.last)
-        if path:
-            starts.setdefault(path, {})[region.first] = region
-    wrapped: list[tuple[nn.Module, Any]] = []
-    for path, by_first in starts.items():
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:  # a path the capture named otherwise: the region records a tape
-            continue
-        own = module.__dict__.get("forward")
-        call = _through(runner, module.forward, by_first)
-        module.forward = call
-        wrapped.append((module, own))
-    return wrapped
-
-
-def _through(runner: _Runner, forward: Callable[..., Any], at: dict[int, Region]) -> Callable[..., Any]:
-    """``forward`` with its calls at the forward positions ``at`` run as ``runner.run_call``."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        region = at.get(runner.position)
-        if region is None:
-            return forward(*args, **kwargs)
-        return runner.run_call(region, forward, args, kwargs)
-
-    return call

@@ -136,9 +136,7 @@ class Plan:
 
         ``replay="compiled"``: the regions' runs of deterministic ops replay through
         ``torch.compile``d graphs, fused (see ``remat.scope``), compiled in the first backward. The
-        predicted overhead stays that of eager replay, an upper bound of what fusion costs. A
-        region that keeps nothing and is exactly one module's call records no tape in either
-        replay: the module runs again in backward (NOTE [one call], ``remat.planner.rerun``).
+        predicted overhead stays that of eager replay, an upper bound of what fusion costs.
 
         OFFLOAD decisions run through ``remat.host``: the saved outputs of the planned ops wait in
         host memory and come back when backward needs them (``remat.planner.offload_execute``)."""

@@ -49,13 +49,6 @@ NOTE [region model]
   forward and in a replay; the tape copies the generator's state for each random op it records
   (on CPU, where that state is memory of the device), held like a batch-norm snapshot, and a
   replay that runs a random op saves the state around itself.
-- A region that keeps nothing and is exactly one module's call (NOTE [one call]) has no tape: the
-  module runs again in backward (``remat.planner.rerun``). Its window, targets and replay point
-  are a tape's; it takes one generator state (before the call's first random op) instead of one
-  per random op and no snapshot, and holds, while anything it packed is held, every storage from
-  outside that an op of the call read (its arguments). Its replay runs the call's ops up to its
-  last packed save, each value living as it did in the forward, beside a copy of each buffer the
-  call writes (``remat.planner.region_model.replay_runs``).
 """
 
 from __future__ import annotations
@@ -66,19 +59,16 @@ from dataclasses import dataclass
 
 import torch
 
+from remat import aten
 from remat.planner.region_model import (
     RegionOps,
     RegionPlans,
-    ReplayRun,
     StepFacts,
     kept_values,
-    module_calls,
     region_targets,
     replay_ops,
     replay_points,
-    replay_runs,
     step_facts,
-    writes,
 )
 from remat.trace.types import Op, Phase, Trace
 
@@ -107,6 +97,17 @@ class Prediction:
     def overhead(self) -> float:
         spent = self.base_cost + self.recompute_cost + self.stall_cost
         return spent / self.base_cost if self.base_cost > 0 else 1.0
+
+
+def _writes(op: Op) -> tuple[int, ...]:
+    """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
+    the running statistics its schema does not declare (its last two tensor inputs when it has
+    three or more: ``remat.manual.tape`` snapshots both kinds when an op of a region writes them). The
+    trace does not say whether batch norm ran in training mode or tracks running statistics, so a
+    frozen one (or one without statistics) is counted with a snapshot it does not take: an
+    overestimate of two vectors of its channels."""
+    hidden = aten.writes_hidden(op.name) and len(op.inputs) >= 3
+    return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
 
 
 def _where(op: Op, replaying: str = "") -> str:
@@ -142,12 +143,11 @@ def predict(
     # a region whose targets backward never reads (a frozen block) is never replayed, but its
     # replay plan is made, and holds what it reads, all the same
     targets = [ts if g in replayed else set() for g, ts in enumerate(planned)]
-    calls = module_calls(trace, regions)
-    need, held_by_plan = replay_ops(trace, regions, facts, kept, planned, packed, calls)
-    plans = RegionPlans(kept, packed, planned, targets, need, held_by_plan, calls)
+    need, held_by_plan = replay_ops(trace, regions, facts, kept, planned)
+    plans = RegionPlans(kept, packed, planned, targets, need, held_by_plan)
     rng_bytes = _CPU_RNG_STATE_BYTES if trace.device == "cpu" else 0  # a CUDA state lives on the host
     holds = _tape_holds(trace, regions, facts, plans, rng_bytes)
-    walk = _Walk(trace, regions, names, facts, plans, replay_runs(trace, regions, plans, rng_bytes))
+    walk = _Walk(trace, regions, names, facts, plans, rng_bytes)
     for r, gone, back in moved:
         drop_after.setdefault(gone, []).append(r)
         walk.reloads.setdefault(back, []).append(r)
@@ -200,21 +200,16 @@ def _tape_holds(
             ),
             default=last,
         )
-        call = plans.calls[g]
-        if not (plans.packed[g] if call else plans.planned[g]):
+        if not plans.planned[g]:
             death = last
         seen: set[int] = set()
-        drawn = False  # a re-run's frame takes one state, before the call's first random op
         for i in region.ops:
             op = trace.ops[i]
-            written_outside = [t for t in writes(op) if facts.region_made(root[t]) != g and not call]
-            copied = sum(tensors[t].view_bytes for t in written_outside)
-            if op.random and not drawn:
-                copied += rng_bytes
-                drawn = call
+            written_outside = [t for t in _writes(op) if facts.region_made(root[t]) != g]
+            copied = sum(tensors[t].view_bytes for t in written_outside) + (rng_bytes if op.random else 0)
             if copied:
                 holds.snapshots[i] = holds.snapshots.get(i, 0) + copied
-                after = death if i in plans.need[g] or call else last
+                after = death if i in plans.need[g] else last
                 holds.unsnap_after[after] = holds.unsnap_after.get(after, 0) + copied
             outs = [root[t] for t in op.outputs if facts.maker.get(root[t]) == i]
             for r in [*(root[t] for t in op.inputs), *outs]:
@@ -241,10 +236,10 @@ class _Walk:
         names: Sequence[str],
         facts: StepFacts,
         plans: RegionPlans,
-        runs: Sequence[ReplayRun],
+        rng_bytes: int,
     ) -> None:
         self.trace, self.regions, self.names = trace, regions, names
-        self.facts, self.plans, self.runs = facts, plans, runs
+        self.facts, self.plans, self.rng_bytes = facts, plans, rng_bytes
         self.handles = [0] * len(trace.tensors)
         for info in trace.tensors:
             if info.constant:
@@ -266,9 +261,13 @@ class _Walk:
     def replay(self, g: int, before: Op) -> None:
         """Region ``g``'s replay just before backward op ``before``."""
         trace, root, tensors = self.trace, self.facts.root, self.trace.tensors
-        run = self.runs[g]
-        ops = [trace.ops[i] for i in run.ops]
-        transient: dict[int, int] = {-1: run.extra}
+        ops = [trace.ops[i] for i in self.regions[g].ops if i in self.plans.need[g]]
+        last_use: dict[int, int] = {}
+        for op in ops:
+            for t in op.inputs:
+                last_use[root[t]] = op.index
+        # the replay saves the generator's state and restores it after (``remat.manual.replay``)
+        transient: dict[int, int] = {-1: self.rng_bytes if any(op.random for op in ops) else 0}
         name = self.names[g] if g < len(self.names) else f"region {g}"
         for op in ops:
             self.recompute += self.facts.cost[op.index]
@@ -290,7 +289,7 @@ class _Walk:
                 else:
                     transient[r] = tensors[r].nbytes
             self.sample(before, self.made + sum(transient.values()) + op.scratch, name)
-            for r in [r for r in transient if r >= 0 and run.end.get(r, -1) <= op.index]:
+            for r in [r for r in transient if r >= 0 and last_use.get(r, -1) <= op.index]:
                 del transient[r]
 
     def release(self, r: int) -> None:

@@ -4,9 +4,7 @@ Why apart from the walk over the step (``remat.planner.predict``): these are the
 plan, read off the trace once before any memory is counted, each by one step with one question:
 what each region keeps (``kept_values``), hands autograd a handle for and drops early
 (``region_targets``), where it replays (``replay_points``) and what its replay runs and what its
-plan holds (``replay_ops``); which regions run as a module's re-run instead of a tape
-(``module_calls``, NOTE [one call]) and what each replay runs (``replay_runs``). ``predict`` adds
-the tapes' holds and walks the events.
+plan holds (``replay_ops``). ``predict`` adds the tapes' holds and walks the events.
 """
 
 from __future__ import annotations
@@ -14,24 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat import aten
-from remat.planner.execute import UNCOUNTED
-from remat.planner.regions import one_call
-from remat.trace.types import Op, Phase, Trace
+from remat.trace.types import Phase, Trace
 
 __all__ = [
     "RegionOps",
     "RegionPlans",
-    "ReplayRun",
     "StepFacts",
     "kept_values",
-    "module_calls",
     "region_targets",
     "replay_ops",
     "replay_points",
-    "replay_runs",
     "step_facts",
-    "writes",
 ]
 
 
@@ -61,22 +52,10 @@ class StepFacts:
 
 
 @dataclass(frozen=True)
-class ReplayRun:
-    """What a region's replay runs: its ops (trace indices, in order), the op after which each
-    storage it makes and does not keep dies (``end``; one not there dies right after its maker), and
-    the bytes it holds from start to end (``extra``: generator states, buffer copies)."""
-
-    ops: tuple[int, ...]
-    end: dict[int, int]
-    extra: int
-
-
-@dataclass(frozen=True)
 class RegionPlans:
     """Per region (NOTE [region model]): what it keeps, what autograd saved while it recorded
     (``packed``), its replay plan's targets (``planned``) and those a backward op reads, which it
-    replays (``targets``), the ops its replay runs (``need``) and what its plan holds; whether it
-    is a module's call run as the module's re-run (``calls``, NOTE [one call])."""
+    replays (``targets``), the ops its replay runs (``need``) and what its plan holds."""
 
     kept: list[set[int]]
     packed: list[set[int]]
@@ -84,32 +63,6 @@ class RegionPlans:
     targets: list[set[int]]
     need: list[set[int]]
     held_by_plan: list[set[int]]
-    calls: list[bool]
-
-
-def writes(op: Op) -> tuple[int, ...]:
-    """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
-    the running statistics its schema does not declare (its last two tensor inputs when it has
-    three or more: ``remat.manual.tape`` snapshots both kinds when an op of a region writes them,
-    and a re-run writes into copies of them, ``remat.manual.buffers``). The trace does not say
-    whether batch norm ran in training mode or tracks running statistics, so a frozen one (or one
-    without statistics) is counted with a copy it does not take: an overestimate of two vectors of
-    its channels."""
-    hidden = aten.writes_hidden(op.name) and len(op.inputs) >= 3
-    return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
-
-
-def module_calls(trace: Trace, regions: Sequence[RegionOps]) -> list[bool]:
-    """Per region, whether it keeps nothing and is exactly one module's call (NOTE [one call]),
-    found over the model's forward ops as the executor counts them (``Plan.ops``)."""
-    forward = [op for op in trace.ops if op.phase is Phase.FORWARD and op.module and op.name not in UNCOUNTED]
-    position = {op.index: p for p, op in enumerate(forward)}
-    modules = [op.module for op in forward]
-    calls = []
-    for region in regions:
-        spots = [position[i] for i in region.ops if i in position]
-        calls.append(bool(spots) and not region.save and bool(one_call(modules, spots[0], spots[-1])))
-    return calls
 
 
 def step_facts(trace: Trace, regions: Sequence[RegionOps]) -> StepFacts:
@@ -225,13 +178,9 @@ def replay_ops(
     facts: StepFacts,
     kept: list[set[int]],
     planned: list[set[int]],
-    packed: list[set[int]],
-    calls: Sequence[bool],
 ) -> tuple[list[set[int]], list[set[int]]]:
     """The ops each replay runs: those that lead to the targets, stopping at kept values and at
-    values from outside the region; and what they read of those, which the region's plan holds.
-    A module's re-run (NOTE [one call]) holds every value from outside that an op of the call read
-    (the call's arguments) while anything it packed is held."""
+    values from outside the region; and what they read of those, which the region's plan holds."""
     root = facts.root
     need: list[set[int]] = []
     held_by_plan: list[set[int]] = []
@@ -255,54 +204,5 @@ def replay_ops(
                 else:
                     outside.add(r)
         need.append(ops_needed)
-        if calls[g]:
-            reads = {root[t] for i in region.ops for t in trace.ops[i].inputs}
-            outside = {r for r in reads if not trace.tensors[r].constant and facts.region_made(r) != g}
-            held_by_plan.append(outside if packed[g] else set())
-        else:
-            held_by_plan.append(outside if planned[g] else set())
+        held_by_plan.append(outside if planned[g] else set())
     return need, held_by_plan
-
-
-def replay_runs(
-    trace: Trace, regions: Sequence[RegionOps], plans: RegionPlans, rng_bytes: int
-) -> list[ReplayRun]:
-    """What each region's replay runs (NOTE [region model]). A tape replays the ops that lead to
-    its targets, and a value dies after its last reader there; a module's re-run (NOTE [one call])
-    runs the call's ops up to the last save that is a handle (after op ``p - 1``, or before op
-    ``p`` for inputs: ``Trace.saved_at``), and a value dies where it died in the forward, or when
-    the re-run stops; it holds a copy of each buffer written (``remat.manual.buffers``), and both
-    save the generator's state around a run that has random ops (the re-run restores one taken
-    in forward whenever the call draws)."""
-    root = [trace.root(t.id) for t in trace.tensors]
-    event_of = [k for k, e in enumerate(trace.events) if isinstance(e, Op)]
-    runs: list[ReplayRun] = []
-    for g, region in enumerate(regions):
-        if not plans.calls[g]:
-            ops = tuple(i for i in region.ops if i in plans.need[g])
-            end = {root[t]: i for i in ops for t in trace.ops[i].inputs}
-            random = any(trace.ops[i].random for i in ops)
-            runs.append(ReplayRun(ops, end, rng_bytes if random else 0))
-            continue
-        first, last = region.ops[0], region.ops[-1]
-        stop = max((p for _, p in trace.saved_at if first < p <= last), default=last + 1)
-        ops = tuple(i for i in region.ops if i < stop)
-        made = {root[t] for i in ops for t in trace.ops[i].outputs}
-        handles: dict[int, int] = {}
-        end = {r: ops[-1] for r in made} if ops else {}
-        current = first
-        for event in trace.events[event_of[first] : event_of[ops[-1]] + 1] if ops else ():
-            if isinstance(event, Op):
-                current = event.index
-                for t in event.outputs:
-                    handles[root[t]] = handles.get(root[t], 0) + 1
-            elif root[event.tensor] in made:
-                r = root[event.tensor]
-                handles[r] -= 1
-                if handles[r] == 0:
-                    end[r] = current
-        written = {t for i in ops for t in writes(trace.ops[i]) if trace.tensors[root[t]].constant}
-        buffers = sum(trace.tensors[t].view_bytes for t in written)
-        random = any(trace.ops[i].random for i in region.ops)
-        runs.append(ReplayRun(ops, end, buffers + (rng_bytes if random else 0)))
-    return runs

@@ -8,13 +8,12 @@ regions). Positions are those of ``Plan.ops``: an op's place among the ops the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat._units import format_bytes
 from remat.policy import Decision
 
-__all__ = ["Region", "TensorDecision", "one_call"]
+__all__ = ["Region", "TensorDecision"]
 
 
 @dataclass(frozen=True)
@@ -60,38 +59,3 @@ class Region:
     def __str__(self) -> str:
         kept = f", keeps {len(self.save)} op outputs" if self.save else ""
         return f"{self.name}: ops {self.first}-{self.last}{kept}"
-
-
-def _inside(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")
-
-
-def one_call(modules: Sequence[str], first: int, last: int) -> str:
-    """NOTE [one call] The module whose call issued exactly positions ``first`` .. ``last`` of a
-    forward whose ops came from ``modules`` (one module path per position), or "": the deepest
-    module every op of the run belongs to, when the ops just before and after belong to no part of
-    it, and none of the run's ops comes from a child with a number for a name (a module list, such
-    as ``nn.ModuleList``, is never called; an ``nn.Sequential``, which is, is passed over with it).
-    Such a region that keeps nothing runs as that module's re-run (``remat.planner.rerun``) and is
-    predicted so (``remat.planner.region_model``). A module list with named children
-    (``nn.ModuleDict``) or a module whose children its parent calls one by one looks like a call
-    here: its region records a tape and measures what the tape holds, not what was predicted. A
-    module called twice in a row, each call a part of the run, looks the same here too and is
-    refused when it runs."""
-    if not 0 <= first <= last < len(modules):
-        return ""
-    parts = modules[first].split(".")
-    for path in modules[first + 1 : last + 1]:
-        other = path.split(".")
-        n = 0
-        while n < min(len(parts), len(other)) and parts[n] == other[n]:
-            n += 1
-        parts = parts[:n]
-    module = ".".join(parts)
-    if not module or any(
-        p.split(".")[len(parts)].isdigit() for p in modules[first : last + 1] if p != module
-    ):
-        return ""  # numbered children: perhaps a list of modules, which nobody calls
-    before = first > 0 and _inside(modules[first - 1], module)
-    after = last + 1 < len(modules) and _inside(modules[last + 1], module)
-    return "" if before or after else module

@@ -5,7 +5,6 @@ the result equals the plain model up to floating-point rounding, with the RNG st
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 from typing import Any
 
@@ -140,10 +139,6 @@ def test_scope_with_compiled_replay_matches_plain_model() -> None:
 def test_plan_with_compiled_replay_matches_plain_model(name: str) -> None:
     plan = _plan(name, "chain")  # halfway between the smallest plan and the plain peak
     assert plan.regions, "nothing recomputed: the test would prove nothing"
-    # a region that keeps nothing and is one module's call re-runs the module, in either replay
-    # (NOTE [one call]); keeping each region's first op makes every region record a tape
-    regions = tuple(dataclasses.replace(r, save=r.save | {r.first}) for r in plan.regions)
-    plan = dataclasses.replace(plan, regions=regions)
     model, batch, _ = build(name)
     planned = twin(model)
     plain = train(model, batch, steps=2)
