@@ -210,3 +210,11 @@ def assert_close(a: Run, b: Run, rtol: float = 1e-4, atol: float = 1e-6) -> None
     for name in a.state:
         torch.testing.assert_close(a.state[name], b.state[name], rtol=rtol, atol=atol, msg=f"state {name}")
     assert torch.equal(a.rng_after, b.rng_after), "the RNG stream after training differs"
+
+
+def chain_example(rows: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The pipeline tests' model, input and target: 4 MLP blocks with batch norm, ``rows`` rows."""
+    from remat.pipeline.chain import mlp_chain
+
+    torch.manual_seed(0)
+    return mlp_chain(4, 32, 128, batch_norm=True), torch.randn(rows, 32), torch.randn(rows, 32)

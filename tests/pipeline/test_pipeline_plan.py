@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import chain_example
 from torch import nn
 
 import remat.pipeline as pp
@@ -21,8 +22,7 @@ ROWS, M = 256, 4
 
 @pytest.fixture(scope="module")
 def example() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    return mlp_chain(4, 32, 128, batch_norm=True), torch.randn(ROWS, 32), torch.randn(ROWS, 32)
+    return chain_example(ROWS)
 
 
 def _plan(example, budget, **options) -> pp.PipelinePlan:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import chain_example
 from torch import nn
 
 import remat.pipeline as pp
 from remat import RematValueError
-from remat.pipeline.chain import mlp_chain
 from remat.pipeline.picture import draw
 
 ROWS, M = 64, 4
@@ -21,8 +21,7 @@ ROWS, M = 64, 4
 
 @pytest.fixture(scope="module")
 def example() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    return mlp_chain(4, 32, 128, batch_norm=True), torch.randn(ROWS, 32), torch.randn(ROWS, 32)
+    return chain_example(ROWS)
 
 
 def _plan(example, budget, **options) -> pp.PipelinePlan:
