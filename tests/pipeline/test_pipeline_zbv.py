@@ -75,3 +75,13 @@ def test_zbv_runs_two_stages_per_rank_only(example) -> None:
         match=r"remat\.pipeline\.plan: zbv runs exactly two stages per rank, in a V \(stages_per_rank=3\)",
     ):
         _plan(example, "1GB", stages_per_rank=3)
+
+
+def test_zbv_on_a_torch_without_its_schedule_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed import pipelining
+
+    from remat.pipeline.execute import torch_schedule
+
+    monkeypatch.delattr(pipelining, "ScheduleZBVZeroBubble")
+    with pytest.raises(RematValueError, match=r"zbv schedule needs .*ZeroBubble.*torch 2\.6 or later"):
+        torch_schedule("zbv", [], 4, nn.functional.mse_loss)
