@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.demo import build_gpt2, step
@@ -51,6 +54,22 @@ def _planned(ratio: float) -> Prepare:
         return model, lambda m, t: plan.apply(m)
 
     return prepare
+
+
+class PassThrough(TorchDispatchMode):
+    """Calls every op and counts them: the floor any dispatch mode pays per op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _unlimited(model: nn.Module, tokens: torch.Tensor) -> tuple[nn.Module, Region]:
+    return model, lambda m, t: remat.dynamic(None, keep=(m,), device=t.device)
 
 
 def _dynamic(ratio: float, policy: str) -> Prepare:
@@ -93,8 +112,18 @@ STRATEGIES: dict[str, Prepare] = {
     "remat.checkpoint per block": lambda m, t: (huggingface.enable(m, form="checkpoint"), _plain),
     "remat.scope per block": lambda m, t: (huggingface.enable(m, form="scope"), _plain),
     "remat.plan at 0.7": _planned(0.7),
-    "remat.dynamic dtr at 0.8": _dynamic(0.8, "dtr"),
-    "remat.dynamic coop at 0.8": _dynamic(0.8, "coop"),
+    "pass-through dispatch mode": lambda m, t: (m, lambda m, t: PassThrough()),
+    "remat.dynamic, no budget": _unlimited,
+    **{
+        f"remat.dynamic {policy} at {ratio}": _dynamic(ratio, policy)
+        for ratio in (0.8, 0.5)
+        for policy in ("dtr", "dte", "coop")
+    },
+    "save_on_cpu (pinned)": lambda m, t: (
+        m,
+        lambda m, t: torch.autograd.graph.save_on_cpu(pin_memory=t.is_cuda),
+    ),
+    "remat.offload, everything": lambda m, t: (m, lambda m, t: remat.offload()),
 }
 
 
@@ -106,6 +135,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu runs the same code, for a quick check of it")
+    parser.add_argument("--json", default="", help="write the rows here")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -118,25 +148,44 @@ def main() -> None:
     title = f"GPT-2 {args.layers}x{args.width}, batch {args.batch}x{args.seq}"
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     table = Table(title=f"{title}, {where}")
-    for column in ("strategy", "peak above model", "÷ plain", "step ms", "÷ plain", "max |grad diff|"):
+    columns = (
+        "strategy",
+        "peak above model",
+        "÷ plain",
+        "step ms",
+        "÷ plain",
+        "µs/op over plain",
+        "max |grad diff|",
+    )
+    for column in columns:
         table.add_column(column)
+    counter = PassThrough()
+    with counter:
+        step(copy.deepcopy(base), tokens[0], seed=0)
+    rows: list[dict[str, object]] = []
     plain_peak = plain_time = 0.0
     plain_grads: list[torch.Tensor] = []
     for name, prepare in STRATEGIES.items():
         model, region = prepare(copy.deepcopy(base), tokens[0])
         peaks, times, grads = [], [], []
-        for i, batch in enumerate(tokens):
-            model.zero_grad(set_to_none=True)
-            with peak_of(device) as peak:
-                start = time.perf_counter()
-                with region(model, batch):
-                    step(model, batch, seed=i)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            peaks.append(peak[0])
-            if i == 0:
-                grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        try:
+            for i, batch in enumerate(tokens):
+                model.zero_grad(set_to_none=True)
+                with peak_of(device) as peak:
+                    start = time.perf_counter()
+                    with region(model, batch):
+                        step(model, batch, seed=i)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                peaks.append(peak[0])
+                if i == 0:
+                    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        except remat.RematError as error:  # a budget the policy cannot hold: the row says so
+            rule = str(error).split(" (")[0]
+            table.add_row(name, "stops", "", "", "", "", rule)
+            rows.append({"strategy": name, "stops": str(error)})
+            continue
         peak, seconds = max(peaks[1:] or peaks), statistics.median(times[1:] or times)
         if name == "plain":
             plain_peak, plain_time, plain_grads = peak, seconds, grads
@@ -147,13 +196,19 @@ def main() -> None:
             f"{peak / plain_peak:.2f}",
             f"{seconds * 1e3:.1f}",
             f"{seconds / plain_time:.2f}",
+            f"{(seconds - plain_time) / counter.ops * 1e6:.1f}",
             f"{diff:.1e}",
+        )
+        rows.append(
+            {"strategy": name, "peak": peak, "step_s": seconds, "ops": counter.ops, "max_grad_diff": diff}
         )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    Console(width=120).print(table)
+    Console(width=140).print(table)
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {device}; peaks from the allocator")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "device": where, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ here, in this process: the CPU time of each stage's forward and backward on one 
 each mode runs it (plain, per-block torch.utils.checkpoint, or under its plan), in interleaved
 rounds, medians; a mode's recomputation is its backward's time less the plain backward's.
 Measured, per rank: the CPU time of a step (median of --steps, time.process_time in each process)
-and the allocator's peak in one more step (remat.memory.track(allocator=True)).
+and the allocator's peak in one more step (remat.memory.track(allocator=True)); and the step's
+wall time from a barrier before it to a barrier after it (the makespan; meaningful only where every
+process has a core of its own).
 The largest micro-batch each of none and planned fits in the same budget is found by the plan's
 prediction (rows in steps of --row-step) and run once more to measure each rank's peak.
 Writes results<suffix>.json and planned<suffix>.png, the suffix naming the schedule if not 1f1b,
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -303,6 +306,7 @@ def main() -> None:
                 "predicted_step_ms": line.makespan * 1e3,
                 "predicted_busy_ms": [line.busy(r) * 1e3 for r in range(args.ranks)],
                 "measured_cpu_ms": [r.cpu_seconds * 1e3 for r in ranks],
+                "measured_wall_ms": statistics.median(r.wall_seconds for r in ranks) * 1e3,
                 "predicted_peak_bytes": list(line.peak_bytes),
                 "measured_peak_bytes": [r.peak_bytes for r in ranks],
             }
@@ -320,7 +324,7 @@ def main() -> None:
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "machine": f"{platform.machine()}, shared 2-core CPU, 1 thread per process",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 thread per process",
         "budget_bytes": budget,
         "cut": plans["none"].boundaries,
         "args": vars(args),

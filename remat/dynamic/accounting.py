@@ -30,9 +30,19 @@ from remat.dynamic.recipe import Recipe, result_leaves
 from remat.host.pool import HostPool
 
 # Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
-# ``_unsafe_view``, whose schema promises a new tensor but which returns a view of its input; and
-# every op whose real results turned out to differ from its meta ones (added as they are found).
-NO_META = {"aten::mkldnn_rnn_layer", "aten::_unsafe_view"}
+# ``_unsafe_view``, whose schema promises a new tensor but which returns a view of its input; CUDA's
+# fused attention kernels, whose dropout seed and offset come back as CPU tensors where the meta
+# kernels put them on the device; and every op whose real results turned out to differ from its
+# meta ones (added as they are found).
+NO_META = {
+    "aten::mkldnn_rnn_layer",
+    "aten::_unsafe_view",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_efficient_attention_forward",
+    "aten::_flash_attention_forward",
+}
 ALIASING = {"aten::_unsafe_view"}  # of those, the ones whose results may share an input's storage
 
 
@@ -189,13 +199,19 @@ class AccountingBackend:
         out, seconds = scratch.timed(lambda: func(*args, **kwargs), pending.learn)
         assert pending.recipe is not None
         leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
-        on_cpu = self.on_cpu
+        device, on_cpu = self.device, self.on_cpu
         for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):
-            here = isinstance(leaf, torch.Tensor) and (leaf.is_cpu if on_cpu else leaf.device == self.device)
+            here = isinstance(leaf, torch.Tensor) and (
+                leaf.is_cpu
+                if on_cpu
+                else leaf.device.type == device.type and device.index in (None, leaf.device.index)
+            )
             if not here:
+                NO_META.add(func._schema.name)  # the next call runs it first
+                where = leaf.device if isinstance(leaf, torch.Tensor) else type(leaf).__name__
                 raise RecomputationError(
-                    f"remat.dynamic: {func} returned {type(leaf).__name__} where its meta kernel "
-                    "returned a tensor on the region's device; please report this op"
+                    f"remat.dynamic: {func} returned a result on {where} where its meta kernel "
+                    f"returned one on the region's device {device}; please report this op"
                 )
             if not bind(handle, leaf):
                 NO_META.add(func._schema.name)

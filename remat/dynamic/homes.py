@@ -35,6 +35,12 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def swappable() -> bool:
+    """Whether this torch can exchange two storages' memory (``UntypedStorage._swap_data_ptr_``:
+    torch 2.13 has it, 2.11 does not), which eviction and restoring are made of."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory (data pointer and size) of two storages; every tensor on either keeps
     its storage object."""

@@ -33,7 +33,7 @@ from types import TracebackType
 
 import torch
 
-from remat._errors import RematError, RematTypeError, RematValueError, message
+from remat._errors import RematError, RematRuntimeError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
@@ -41,7 +41,7 @@ from remat.core.policies.registry import resolve
 from remat.core.pool import Fit, Pool
 from remat.core.runtime import OutOfMemory
 from remat.core.swap import Swap
-from remat.dynamic import backends
+from remat.dynamic import backends, homes
 from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.failures import explain
@@ -358,7 +358,18 @@ def dynamic(
     state, inputs), and the allocator's count never passes it. A region that fails undoes the step
     (:mod:`remat.dynamic.undo`).
     """
+    if not homes.swappable():
+        raise RematRuntimeError(
+            message(
+                API,
+                "evicting a tensor needs torch.UntypedStorage._swap_data_ptr_, which this torch lacks",
+                f"torch {torch.__version__}",
+                "install torch 2.13 or later (TORCH_SPEC), or use remat.checkpoint or remat.plan",
+            )
+        )
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # tensors say cuda:0, never cuda: compare with that
+        dev = torch.device("cuda", torch.cuda.current_device())
     return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve, peak, swap)
 
 

@@ -57,8 +57,10 @@ class Job:
 class RankResult:
     """What one rank measured: its stage's ``grads`` and ``buffers`` by the model's names, the
     allocator's ``peak_bytes`` in the measured step, ``counts`` of the counted ops in it,
-    the median ``cpu_seconds`` of a step, and ``order``: the forwards and backwards its stage
-    ran in the measured step, as actions (``"0F1"``)."""
+    the median ``cpu_seconds`` of a step, the median ``wall_seconds`` from the step's start on
+    every rank (after a barrier) until every rank has finished it (a barrier): the pipeline's
+    makespan, and ``order``: the forwards and backwards its stage ran in the measured step, as
+    actions (``"0F1"``)."""
 
     rank: int
     grads: dict[str, torch.Tensor]
@@ -66,6 +68,7 @@ class RankResult:
     peak_bytes: int
     counts: dict[str, int]
     cpu_seconds: float
+    wall_seconds: float
     order: tuple[str, ...]
 
 
@@ -141,12 +144,14 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         dist.barrier()
 
     step()
-    seconds = []
+    seconds, walls = [], []
     for _ in range(job.steps):  # timed bare: the tracker and the counter cost time per op
         reset()
-        clock = time.process_time()
+        clock, wall = time.process_time(), time.perf_counter()
         step()
         seconds.append(time.process_time() - clock)
+        dist.barrier()
+        walls.append(time.perf_counter() - wall)
     reset()
     counter = _Counter(job.counted)
     with track(allocator=True) as memory, counter:
@@ -164,6 +169,7 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         memory.peak_bytes,
         counter.counts,
         statistics.median(seconds),
+        statistics.median(walls),
         tuple(log),
     )
 

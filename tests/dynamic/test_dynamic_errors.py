@@ -10,7 +10,7 @@ from torch import nn
 
 import remat
 from remat import RematTypeError, RematValueError
-from remat.dynamic import DynamicModule
+from remat.dynamic import DynamicModule, homes
 
 
 def _chain(x: torch.Tensor, depth: int = 6) -> torch.Tensor:
@@ -244,3 +244,14 @@ def test_the_arena_refuses_to_copy_out_more_than_its_reserve() -> None:
     ):
         y = torch.tanh(x @ w)
     assert y.shape == (128, 128)  # the program's tensor still has memory (its content is lost)
+
+
+def test_a_torch_that_cannot_swap_storages_is_refused_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(homes, "swappable", lambda: False)
+    with pytest.raises(
+        remat.RematRuntimeError,
+        match=r"remat\.dynamic: evicting a tensor needs torch\.UntypedStorage\._swap_data_ptr_.*torch 2\.13",
+    ):
+        remat.dynamic("1MB")

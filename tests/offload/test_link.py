@@ -38,6 +38,7 @@ def test_measuring_a_link_without_a_gpu_says_what_to_do_instead() -> None:
         remat.Link.measure()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_measured_link_has_positive_rates() -> None:
     link = remat.Link.measure(nbytes="16MiB", repeats=3)

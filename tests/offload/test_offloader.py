@@ -4,6 +4,7 @@ decide OFFLOAD, and the errors (a bad link, a host budget too small, a tensor th
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -209,7 +210,9 @@ def test_the_offload_policies_decide_per_op() -> None:
     assert larger.decide(mm) is Decision.OFFLOAD and larger.decide(gelu) is Decision.RECOMPUTE
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def needs_cuda(test: Callable[[], None]) -> Callable[[], None]:
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+    return pytest.mark.cuda(gpu(test))
 
 
 @needs_cuda

@@ -70,8 +70,8 @@ def _estimates(
         busy[s] = max(busy[s], busy[s - 1])
     out: list[tuple[float, int, Action]] = []
     for i, item in enumerate(items):
-        if i in moved or not item.movable or item.readers & schedule.recompute:
-            continue
+        if i in moved or not item.movable or item.nbytes <= 0 or item.readers & schedule.recompute:
+            continue  # an empty storage (a CUDA kernel's CPU-side seed, say) frees nothing
         if item.recomputable and item.stage in schedule.recompute or not item.until < peak < item.need:
             continue
         if problem.host_budget is not None and host + item.nbytes > problem.host_budget:
