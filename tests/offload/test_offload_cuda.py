@@ -161,3 +161,29 @@ def test_a_three_way_plan_over_the_measured_link_holds_its_predicted_peak() -> N
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, planned_grads, strict=True))
     assert planned_peak <= plan.predicted_peak_bytes * 1.02, (planned_peak, plan.predicted_peak_bytes)
     assert planned_peak < plain_peak
+
+
+def _forward_leaves(net: nn.Module, x: torch.Tensor, region: Any) -> tuple[int, remat.Offloader | None]:
+    """Bytes the forward leaves on the device for backward, once the copies out have finished
+    (an allocation after the synchronize lets the caching allocator take back the blocks whose
+    copies were pending on the side stream)."""
+    with remat.memory.track("cuda") as tracked:
+        with region as offloader:
+            loss = net(x).square().sum()
+        del loss
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")
+    return tracked.current_bytes, offloader
+
+
+def test_on_cuda_the_forward_leaves_less_by_exactly_the_bytes_moved() -> None:
+    torch.manual_seed(0)
+    width = 256
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)]).cuda()
+    x = torch.randn(width, width, device="cuda")
+    plain, _ = _forward_leaves(net, x, nullcontext())
+    left, offloader = _forward_leaves(net, x, remat.offload())
+    assert offloader is not None
+    moved = offloader.stats().bytes_out
+    assert moved == 4 * width * width * 4  # the four tanh outputs (each also a linear's input)
+    assert plain - left == moved
