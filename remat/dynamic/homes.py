@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from remat._errors import RematRuntimeError, message
+
 ALIGNMENT = 64
 
 
@@ -39,6 +41,19 @@ def swappable() -> bool:
     """Whether this torch can exchange two storages' memory (``UntypedStorage._swap_data_ptr_``:
     torch 2.13 has it, 2.11 does not), which eviction and restoring are made of."""
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def require_swap(api: str) -> None:
+    """Raise a clear error where this torch cannot swap storages (``swappable``)."""
+    if not swappable():
+        raise RematRuntimeError(
+            message(
+                api,
+                "evicting a tensor needs torch.UntypedStorage._swap_data_ptr_, which this torch lacks",
+                f"torch {torch.__version__}",
+                "install torch 2.13 or later (TORCH_SPEC), or use remat.checkpoint or remat.plan",
+            )
+        )
 
 
 def swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:

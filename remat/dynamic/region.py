@@ -33,7 +33,7 @@ from types import TracebackType
 
 import torch
 
-from remat._errors import RematError, RematRuntimeError, RematTypeError, RematValueError, message
+from remat._errors import RematError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
@@ -90,7 +90,7 @@ class Dynamic:
         self.budget = amount if isinstance(amount, int) else _UNLIMITED
         self.reserve = 0 if self.budget == _UNLIMITED else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
-        self.policy = _policy(policy, layout)
+        self.policy: EvictionPolicy = resolve(policy, layout, API)
         kind = backends.get(backend, API)
         if kind.places and self.budget == _UNLIMITED:
             raise RematValueError(
@@ -358,23 +358,11 @@ def dynamic(
     state, inputs), and the allocator's count never passes it. A region that fails undoes the step
     (:mod:`remat.dynamic.undo`).
     """
-    if not homes.swappable():
-        raise RematRuntimeError(
-            message(
-                API,
-                "evicting a tensor needs torch.UntypedStorage._swap_data_ptr_, which this torch lacks",
-                f"torch {torch.__version__}",
-                "install torch 2.13 or later (TORCH_SPEC), or use remat.checkpoint or remat.plan",
-            )
-        )
+    homes.require_swap(API)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # tensors say cuda:0, never cuda: compare with that
         dev = torch.device("cuda", torch.cuda.current_device())
     return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve, peak, swap)
-
-
-def _policy(policy: object, layout: bool) -> EvictionPolicy:
-    return resolve(policy, layout, API)
 
 
 def _reserve(reserve: object, budget: int) -> int:
