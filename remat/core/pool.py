@@ -65,6 +65,8 @@ class Pool(Protocol):
 
     def compact(self) -> None: ...
 
+    def lower(self, owner: int) -> None: ...
+
 
 class BytePool:
     """Byte counting: an allocation fits when ``used + nbytes <= capacity``. No addresses."""
@@ -98,6 +100,9 @@ class BytePool:
         return owner in self._sizes
 
     def compact(self) -> None:
+        """Nothing to move: bytes have no places."""
+
+    def lower(self, owner: int) -> None:
         """Nothing to move: bytes have no places."""
 
     def adjacent_free(self, owner: int) -> int:
@@ -246,6 +251,18 @@ class AddressPool:
             self._delete(i)
             i -= 1
         bisect.insort(self._free_sorted, (sizes[i], self._starts[i]))
+
+    def lower(self, owner: int) -> None:
+        """Move ``owner``'s block to the lowest free piece that holds it, where one lies below it: out
+        of the way of later allocations, for a block that stays (only where the addresses are a
+        model, as :meth:`compact`; NOTE [wanted at the end] in ``remat.core.residency``)."""
+        if self.segments is not None and self.segments.holds(owner):
+            return
+        start = self._start_of[owner]
+        nbytes = self._sizes[self._index(start)]
+        if any(size >= nbytes and at < start for size, at in self._free_sorted):
+            self.free(owner)
+            self._place(owner, nbytes, End.LOW, Fit.FIRST)
 
     def transfer(self, owner: int, new_owner: int) -> None:
         """Hand ``owner``'s block to ``new_owner`` unchanged (an in-place op's new version)."""

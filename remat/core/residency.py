@@ -61,6 +61,7 @@ class Residency:
         self.last = Column()  # last access per storage, in op time
         self.evictable = Column(bool)  # resident, unlocked, not constant, not empty, not wanted
         self.wanted: list[bool] = []  # NOTE [wanted at the end]
+        self.compact = False  # the pool's addresses are a model (NOTE [model addresses] in ``runtime``)
         self.wants: list[tuple[int, int]] = []  # (ops run before the mark, handle), in order
         self._due: dict[int, list[int]] = {}  # ops run -> handles to mark then (:meth:`expect`)
         self.evicted_nearby = Column()  # cost of the non-resident neighbours: a bound for policies
@@ -157,6 +158,8 @@ class Residency:
     def _want(self, storage: int) -> None:
         self.wanted[storage] = True
         self.evictable.set(storage, False)
+        if self.compact and self.resident[storage] and self.graph.nbytes[storage] > 0:
+            self.pool.lower(storage)  # out of the evictable memory's way: it stays
 
     def _expose_wanted(self) -> list[int]:
         """The last resort (NOTE [wanted at the end]): let the policy choose among the wanted

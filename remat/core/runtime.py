@@ -206,8 +206,8 @@ class Runtime(Residency):
 
     def finish(self) -> None:
         """The program ends holding its live handles: restore every storage they point at, all
-        resident at once within the pool (the program holds them all together from now on), or
-        raise :class:`OutOfMemory`."""
+        resident at once within the pool (held together from now on), or raise OutOfMemory."""
+        self._due_marks()  # those :meth:`expect` has after the last op
         live = [s for s, n in enumerate(self.live) if n > 0]
         needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
         self.telemetry.working_set = max(self.telemetry.working_set, needed + self._constant_bytes)

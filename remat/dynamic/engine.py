@@ -93,6 +93,7 @@ class Engine:
         self.tensors: list[TensorInfo] = []
         self.events: list[Event] = []
         self.released: list[int] = []
+        self.wanting: list[int] = []  # handles wanted at the end, given to the core at the next boundary
         self.current: str = ""  # the op being run, for errors
         self.peak_real_bytes = 0
         self.ops = 0
@@ -160,7 +161,7 @@ class Engine:
     def wanted(self, t: torch.Tensor) -> None:
         """The program holds ``t`` at the region's end (:mod:`remat.dynamic.wanted`)."""
         if (handle := self.handles.get(t.untyped_storage()._cdata)) is not None and not self.failed:
-            self.runtime.want(handle)
+            self.wanting.append(handle)
 
     def _died(self, key: int, handle: int) -> None:
         if self.handles.get(key) == handle:
@@ -168,12 +169,15 @@ class Engine:
         self.released.append(handle)
 
     def flush(self) -> None:
-        """Give queued releases to the core (NOTE [releases])."""
+        """Give queued releases, then queued marks (:meth:`wanted`), to the core (NOTE [releases]):
+        between the same events as the simulator that replays the marks (``Residency.expect``)."""
         released, events, release = self.released, self.events, self.runtime.release
         while released:
             handle = released.pop(0)
             events.append(Release(handle))
             release(handle)
+        while self.wanting:
+            self.runtime.want(self.wanting.pop(0))
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -190,7 +194,7 @@ class Engine:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if self.released:
+        if self.released or self.wanting:
             self.flush()
         flat, spec = flatten(args, kwargs)
         positions, explicit, named, leaves, tensors = scan(flat, self.managed)
@@ -296,7 +300,7 @@ class Engine:
         self.base_seconds += seconds
         self.events.append(runtime.graph.records[-1].op)
         self.ops += 1
-        if self.released:
+        if self.released or self.wanting:
             self.flush()
         real = backend.homes.real_bytes
         if real > self.peak_real_bytes:
@@ -310,11 +314,8 @@ class Engine:
         return all(_same_device(d, self.device) for d in devices)
 
     def _written(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
-        handles: list[int] = []
-        for t in aten.written_tensors(schema.writes, args, kwargs):
-            if self.managed(t):
-                handles.append(self.handle(t))
-        return list(dict.fromkeys(handles))
+        written = aten.written_tensors(schema.writes, args, kwargs)
+        return list(dict.fromkeys([self.handle(t) for t in written if self.managed(t)]))
 
     def _fresh(self, schema: OpFacts, out: Any) -> tuple[list[int], list[int]]:
         """Handles of the op's new storages, and their positions among :func:`result_leaves`."""

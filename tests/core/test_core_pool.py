@@ -127,3 +127,24 @@ def test_compact_packs_the_blocks_and_leaves_one_free_piece() -> None:
     assert [(start, owner) for start, _, owner in pool.pieces()][:3] == [(0, 0), (20, 2), (40, 4)]
     assert pool.largest_free() == 40 and pool.used == 60
     assert pool.allocate(9, 30)
+
+
+def test_lower_moves_a_block_to_the_lowest_piece_below_it_that_holds_it() -> None:
+    pool = AddressPool(60)
+    for owner in range(5):
+        assert pool.allocate(owner, 10)
+    pool.free(0)  # [free 10][1][2][3][4][free 10]
+    pool.free(2)
+    pool.lower(4)  # the lowest free piece that holds it: address 0
+    assert pool.address(4) == 0
+    pool.check()
+    pool.lower(3)  # a piece below it holds it (where 2 was)
+    assert pool.address(3) == 20
+    pool.lower(1)  # nothing free below
+    assert pool.address(1) == 10 and pool.used == 30
+    pool.check()
+    tiny = AddressPool(4096, small=8)
+    assert tiny.allocate(7, 8)
+    place = tiny.address(7)
+    tiny.lower(7)  # in a segment: it stays
+    assert tiny.address(7) == place

@@ -5,7 +5,7 @@ when another run replays the recorded marks."""
 from __future__ import annotations
 
 from remat.core.policies import get
-from remat.core.pool import BytePool
+from remat.core.pool import AddressPool, BytePool
 from remat.core.runtime import Runtime
 from remat.dynamic.stats import Recorder
 from remat.sim.backend import SimBackend, drive
@@ -85,3 +85,21 @@ def test_the_mark_follows_an_in_place_write_and_ends_with_the_last_handle() -> N
     assert latest != first and runtime.wanted[latest] and not runtime.wanted[first]
     runtime.release(g)
     assert not runtime.wanted[latest]
+
+
+def test_where_addresses_are_a_model_a_wanted_block_moves_out_of_the_way() -> None:
+    p = Builder()
+    x = p.tensor(10, constant=True)
+    a, g, b = p.tensor(10), p.tensor(10), p.tensor(10)
+    p.op("a", (x,), (a,), 1.0)
+    p.op("g", (a,), (g,), 1.0)
+    p.release(a)  # a hole below g
+    p.op("b", (x,), (b,), 1.0)  # marked before this op runs, g moves down into a's hole
+    backend = SimBackend(1.0, 0, 100.0)
+    runtime = Runtime(AddressPool(100), get("lru"), backend, compact=True)
+    runtime.expect([(GRADIENT_AT, g)])
+    drive(runtime, p.trace("hole"), backend, finish=False)
+    pool = runtime.pool
+    assert isinstance(pool, AddressPool)
+    assert pool.address(runtime.storage_of(g)) == 10  # right after the constant, where a was
+    assert pool.address(runtime.storage_of(b)) == 20
