@@ -12,7 +12,9 @@ gradient: the program says so through :meth:`Residency.want`) must be resident t
 evicting it only moves its cost to the end, where restoring it re-runs the chain that made it (a
 gradient made early in the backward needs most of the backward again). A wanted storage is
 therefore hidden from the policies (not ``evictable``) and evicted only as a last resort, when
-nothing else can make room (:meth:`Residency._expose_wanted`). The mark follows the program's
+nothing else can make room (:meth:`Residency._expose_wanted`); where the pool's addresses are a
+model (``compact``), its block moves down out of the way of later allocations
+(:meth:`~remat.core.pool.AddressPool.lower`). The mark follows the program's
 handles to a new version when the storage is mutated (a gradient accumulated in place) and ends
 when the program drops its last handle. Each mark is recorded with the number of ops run before it
 (``wants``), so that another run of the same program can make it at the same moment
@@ -158,7 +160,9 @@ class Residency:
     def _want(self, storage: int) -> None:
         self.wanted[storage] = True
         self.evictable.set(storage, False)
-        if self.compact and self.resident[storage] and self.graph.nbytes[storage] > 0:
+        graph = self.graph
+        movable = self.resident[storage] and graph.nbytes[storage] > 0 and not graph.constant[storage]
+        if self.compact and movable:
             self.pool.lower(storage)  # out of the evictable memory's way: it stays
 
     def _expose_wanted(self) -> list[int]:
@@ -167,7 +171,11 @@ class Residency:
         exposed = [
             s
             for s, wanted in enumerate(self.wanted)
-            if wanted and self.resident[s] and self.locks[s] == 0 and self.graph.nbytes[s] > 0
+            if wanted
+            and self.resident[s]
+            and self.locks[s] == 0
+            and self.graph.nbytes[s] > 0
+            and not self.graph.constant[s]  # a constant is never evicted, wanted or not
         ]
         for storage in exposed:
             self.evictable.set(storage, True)

@@ -103,3 +103,18 @@ def test_where_addresses_are_a_model_a_wanted_block_moves_out_of_the_way() -> No
     assert isinstance(pool, AddressPool)
     assert pool.address(runtime.storage_of(g)) == 10  # right after the constant, where a was
     assert pool.address(runtime.storage_of(b)) == 20
+
+
+def test_the_last_resort_never_evicts_a_constant() -> None:
+    p = Builder()
+    x, y = p.tensor(10, constant=True), p.tensor(10, constant=True)
+    a, b = p.tensor(10), p.tensor(10)
+    p.op("a", (x,), (a,), 1.0)
+    p.op("b", (y,), (b,), 1.0)  # no room beside x, y and a: a goes, x (staler, wanted too) stays
+    backend = SimBackend(1.0, 0, 100.0)
+    recorder = Recorder(get("lru"))
+    runtime = Runtime(BytePool(30), recorder, backend)
+    runtime.expect([(0, x), (1, a)])
+    drive(runtime, p.trace("constant"), backend, finish=False)
+    assert recorder.victims == [runtime.storage_of(a)]
+    assert runtime.resident[runtime.storage_of(x)] and runtime.wanted[runtime.storage_of(x)]
