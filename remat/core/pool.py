@@ -65,6 +65,8 @@ class Pool(Protocol):
 
     def compact(self) -> None: ...
 
+    def lower(self, owner: int) -> None: ...
+
 
 class BytePool:
     """Byte counting: an allocation fits when ``used + nbytes <= capacity``. No addresses."""
@@ -98,6 +100,9 @@ class BytePool:
         return owner in self._sizes
 
     def compact(self) -> None:
+        """Nothing to move: bytes have no places."""
+
+    def lower(self, owner: int) -> None:
         """Nothing to move: bytes have no places."""
 
     def adjacent_free(self, owner: int) -> int:
@@ -201,6 +206,11 @@ class AddressPool:
         chosen = self._choose(nbytes, end, fit or self.fit)
         if chosen is None:
             return False
+        self._take(owner, nbytes, end, chosen)
+        return True
+
+    def _take(self, owner: int, nbytes: int, end: End, chosen: tuple[int, int]) -> None:
+        """Place ``nbytes`` for ``owner`` in free piece ``chosen`` (its size and start)."""
         size, start = chosen
         self._free_sorted.remove(chosen)
         i = self._index(start)
@@ -220,7 +230,6 @@ class AddressPool:
             self._insert(i + 1, placed, nbytes, owner)
         self._start_of[owner] = placed
         self._used += nbytes
-        return True
 
     def free(self, owner: int) -> None:
         """Return ``owner``'s block and merge it with free neighbours (a segment goes back to the
@@ -246,6 +255,20 @@ class AddressPool:
             self._delete(i)
             i -= 1
         bisect.insort(self._free_sorted, (sizes[i], self._starts[i]))
+
+    def lower(self, owner: int) -> None:
+        """Move ``owner``'s block down into the smallest free piece below it that holds it, if any:
+        out of the way of later allocations, for a block that stays (only where the addresses are
+        a model, as :meth:`compact`; NOTE [wanted at the end] in ``remat.core.residency``)."""
+        if self.segments is not None and self.segments.holds(owner):
+            return
+        start = self._start_of[owner]
+        nbytes = self._sizes[self._index(start)]
+        below = [(size, at) for size, at in self._free_sorted if size >= nbytes and at < start]
+        if below:
+            at = min(below)[1]  # the smallest (best fit); freeing the block may grow it upwards
+            self.free(owner)
+            self._take(owner, nbytes, End.LOW, (self._sizes[self._index(at)], at))
 
     def transfer(self, owner: int, new_owner: int) -> None:
         """Hand ``owner``'s block to ``new_owner`` unchanged (an in-place op's new version)."""

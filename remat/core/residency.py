@@ -6,9 +6,24 @@ eviction policy reads (:mod:`remat.core.policies.base`): the recomputation graph
 per-storage columns, and the evicted classes and neighbourhoods kept for the policies that ask.
 Its methods keep those consistent as storages arrive, depart, get locked and lose their handles;
 the runtime's decisions (what to restore, evict, allocate) build on them.
+
+NOTE [wanted at the end] A storage the program will still hold when it ends (a parameter's
+gradient: the program says so through :meth:`Residency.want`) must be resident then anyway:
+evicting it only moves its cost to the end, where restoring it re-runs the chain that made it (a
+gradient made early in the backward needs most of the backward again). A wanted storage is
+therefore hidden from the policies (not ``evictable``) and evicted only as a last resort, when
+nothing else can make room (:meth:`Residency._expose_wanted`); where the pool's addresses are a
+model (``compact``), its block moves down out of the way of later allocations
+(:meth:`~remat.core.pool.AddressPool.lower`). The mark follows the program's
+handles to a new version when the storage is mutated (a gradient accumulated in place) and ends
+when the program drops its last handle. Each mark is recorded with the number of ops run before it
+(``wants``), so that another run of the same program can make it at the same moment
+(:meth:`Residency.expect`): the simulator then takes the decisions the runtime took.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from remat.core.backend import Backend
 from remat.core.classes import EvictedClasses
@@ -46,7 +61,11 @@ class Residency:
         self.locks: list[int] = []
         self.live: list[int] = []  # live handles per storage
         self.last = Column()  # last access per storage, in op time
-        self.evictable = Column(bool)  # resident, unlocked, not constant, not empty
+        self.evictable = Column(bool)  # resident, unlocked, not constant, not empty, not wanted
+        self.wanted: list[bool] = []  # NOTE [wanted at the end]
+        self.compact = False  # the pool's addresses are a model (NOTE [model addresses] in ``runtime``)
+        self.wants: list[tuple[int, int]] = []  # (ops run before the mark, handle), in order
+        self._due: dict[int, list[int]] = {}  # ops run -> handles to mark then (:meth:`expect`)
         self.evicted_nearby = Column()  # cost of the non-resident neighbours: a bound for policies
         self._counted: list[bool] = []  # storage adds its cost to its neighbours' evicted_nearby
         self._members: list[list[int]] = []  # every handle ever pointed at a storage
@@ -55,11 +74,31 @@ class Residency:
     def storage_of(self, handle: int) -> int:
         return self._storage_of[handle]
 
+    def want(self, handle: int) -> None:
+        """The program will hold ``handle`` when it ends: keep its storage resident unless nothing
+        else can make room (NOTE [wanted at the end])."""
+        self.wants.append((len(self.graph.records), handle))
+        storage = self._storage_of[handle]
+        if self.live[storage] > 0:
+            self._want(storage)
+
+    def expect(self, wants: Sequence[tuple[int, int]]) -> None:
+        """Make the marks another run recorded (its ``wants``) at the same moments: each just before
+        the op that ran after it (:meth:`_due_marks`)."""
+        for position, handle in wants:
+            self._due.setdefault(position, []).append(handle)
+
+    def _due_marks(self) -> None:
+        """The marks :meth:`expect` scheduled before the op about to run."""
+        for handle in self._due.pop(len(self.graph.records), ()):
+            self.want(handle)
+
     # -- arrivals and departures ---------------------------------------------------------------
 
     def _dead(self, storage: int) -> None:
         """No handle is left. Constants stay (recomputations may read them), and so do empty
         storages (keeping them is free, losing them would cost a recomputation)."""
+        self.wanted[storage] = False
         graph = self.graph
         if (
             self.resident[storage]
@@ -80,7 +119,12 @@ class Residency:
         if self.regions is not None:
             self.regions.restored(storage)
         graph = self.graph  # ``_evictable``, inlined: every op's outputs arrive
-        if self.locks[storage] == 0 and not graph.constant[storage] and graph.nbytes[storage] > 0:
+        if (
+            self.locks[storage] == 0
+            and not graph.constant[storage]
+            and graph.nbytes[storage] > 0
+            and not self.wanted[storage]
+        ):
             self.evictable.set(storage, True)
 
     def _depart(self, storage: int) -> None:
@@ -105,7 +149,43 @@ class Residency:
             nearby.set(neighbour, values[neighbour] + cost)
 
     def _evictable(self, storage: int) -> bool:
-        return self.resident[storage] and not self.graph.constant[storage] and self.graph.nbytes[storage] > 0
+        graph = self.graph
+        return (
+            self.resident[storage]
+            and not graph.constant[storage]
+            and graph.nbytes[storage] > 0
+            and not self.wanted[storage]
+        )
+
+    def _want(self, storage: int) -> None:
+        self.wanted[storage] = True
+        self.evictable.set(storage, False)
+        graph = self.graph
+        movable = self.resident[storage] and graph.nbytes[storage] > 0 and not graph.constant[storage]
+        if self.compact and movable:
+            self.pool.lower(storage)  # out of the evictable memory's way: it stays
+
+    def _expose_wanted(self) -> list[int]:
+        """The last resort (NOTE [wanted at the end]): let the policy choose among the wanted
+        storages that are resident and unlocked, until :meth:`_hide` hides them again. Returns them."""
+        exposed = [
+            s
+            for s, wanted in enumerate(self.wanted)
+            if wanted
+            and self.resident[s]
+            and self.locks[s] == 0
+            and self.graph.nbytes[s] > 0
+            and not self.graph.constant[s]  # a constant is never evicted, wanted or not
+        ]
+        for storage in exposed:
+            self.evictable.set(storage, True)
+        return exposed
+
+    def _hide(self, exposed: list[int]) -> None:
+        """Hide again what :meth:`_expose_wanted` exposed and the policy left resident."""
+        for storage in exposed:
+            if self.evictable.values[storage]:
+                self.evictable.set(storage, False)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -119,6 +199,7 @@ class Residency:
         self.last.values.append(self.clock)  # Column.append
         self.evictable.values.append(False)
         self.evicted_nearby.values.append(0.0)
+        self.wanted.append(False)
         self._counted.append(False)
         self._members.append([])
         return storage
@@ -136,6 +217,8 @@ class Residency:
         self._members[old] = []
         self.live[new] += self.live[old]
         self.live[old] = 0
+        if self.wanted[old]:
+            self._want(new)
         self._dead(old)
 
     def _lock(self, frame: Frame, storage: int) -> None:
@@ -145,9 +228,16 @@ class Residency:
 
     def _unlock_all(self, frame: Frame) -> None:
         locks, resident, constant, nbytes = self.locks, self.resident, self.graph.constant, self.graph.nbytes
+        wanted = self.wanted
         for storage in frame.locked:
             locks[storage] -= 1
             # ``_evictable``, inlined: every op unlocks its inputs
-            if locks[storage] == 0 and resident[storage] and not constant[storage] and nbytes[storage] > 0:
+            if (
+                locks[storage] == 0
+                and resident[storage]
+                and not constant[storage]
+                and nbytes[storage] > 0
+                and not wanted[storage]
+            ):
                 self.evictable.set(storage, True)
         frame.locked = []

@@ -9,8 +9,9 @@ The program speaks in *handles* (trace tensor ids): :meth:`Runtime.constant`, :m
 :meth:`Runtime.release`, and :meth:`Runtime.finish` at the end. Handles point at storages of the
 :class:`~remat.core.graph.Graph`. The rules:
 
-- The inputs of the running op are locked (pinned); constants are never evicted. A constant whose
-  handles are all gone is kept, because recomputations may still read it.
+- The inputs of the running op are locked (pinned); constants are never evicted (kept even with no
+  handle left: recomputations may read them); what the program wants at its end is evicted last
+  (NOTE [wanted at the end] in :mod:`remat.core.residency`).
 - An evicted storage is restored by re-running its producer, whose inputs are gathered first,
   recursively (``_gather`` -> ``_restore`` -> ``_gather`` ...).
 - A storage whose handles are all released is freed at once but stays in the graph as evicted
@@ -21,13 +22,13 @@ The program speaks in *handles* (trace tensor ids): :meth:`Runtime.constant`, :m
 NOTE [model addresses]: where the pool's addresses model a layout that the memory does not have
 (``compact``: tensors in PyTorch's allocator, whose free memory is not split as the model's is),
 an allocation that finds enough free bytes but no piece large enough, with nothing left to evict,
-packs the pool instead of failing; so does the end of the program, before it restores what the
+packs the pool instead of failing, as does the end of the program before it restores what the
 program holds. The simulator does neither: its figures are for memory laid out as the pool says.
 
 NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' gathered inputs are
 locked, so it can need more memory than any op of the program. When nothing is left to evict, the
-callers' locks are dropped and each caller gathers again once the restore returns. Hence the
-runtime only fails when a single op's own inputs and outputs, plus the constants, do not fit.
+callers' locks are dropped and each caller gathers again once the restore returns: the runtime
+only fails when a single op's own inputs and outputs, plus the constants, do not fit.
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ class Runtime(Residency):
         compact: bool = False,
         swap: Swap | None = None,
     ) -> None:
-        missing = set(policy.needs) - ({"layout"} if pool.layout else set())
-        missing -= {"classes", "regions"}  # tracked on demand below
+        missing = set(policy.needs) - ({"layout"} if pool.layout else set()) - {"classes", "regions"}
         if missing:
             raise RematValueError(
                 message(
@@ -110,6 +110,8 @@ class Runtime(Residency):
     def call(self, op: Op, outputs: Sequence[TensorInfo], prepared: bool = False) -> None:
         """Run ``op`` for the first time; ``outputs`` describe ``op.outputs`` in order. ``prepared``:
         :meth:`prepare` made the inputs resident just before, and their accesses are counted."""
+        if self._due:
+            self._due_marks()
         storage_of, graph = self._storage_of, self.graph
         inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, op.inputs)))
         frame = Frame()
@@ -163,10 +165,9 @@ class Runtime(Residency):
                 self.swap.forget(self, old)
 
     def prepare(self, handles: Sequence[int]) -> None:
-        """Make the storages of ``handles`` resident exactly as :meth:`call` does before it runs an op
-        reading them, and leave them unlocked. An eager runtime must run an op to learn the sizes of
-        its outputs, so it restores the inputs first; the :meth:`call` that follows finds them
-        resident and decides everything else as it would have without this step."""
+        """Make the storages of ``handles`` resident as :meth:`call` does before it runs an op reading
+        them, and leave them unlocked: an eager runtime runs an op to size its outputs, so it restores
+        the inputs first; the :meth:`call` that follows finds them resident and decides the rest."""
         storage_of, resident = self._storage_of, self.resident
         inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, handles)))
         if not self._frames:  # all resident: gathering them would only touch them (locks undone)
@@ -187,11 +188,10 @@ class Runtime(Residency):
             self._frames.pop()
 
     def overwrites(self, handle: int) -> bool:
-        """For a storage that is not a constant: whether the next :meth:`call`, run from the program
-        (not from a recomputation) right after :meth:`prepare` and mutating ``handle``, lets the new
-        version take over the old memory (:meth:`_may_overwrite` for a frame that holds the only
-        lock). An eager runtime that runs the op before :meth:`call` must know whether to keep a
-        copy of the old content."""
+        """For a storage that is not a constant: whether the next :meth:`call` from the program, right
+        after :meth:`prepare` and mutating ``handle``, lets the new version take over the old memory
+        (:meth:`_may_overwrite` for a frame with the only lock): an eager runtime that runs the op
+        before :meth:`call` must know whether to keep a copy of the old content."""
         old = self._storage_of[handle]
         return self.policy.inplace and self.resident[old] and self.locks[old] == 0
 
@@ -206,9 +206,9 @@ class Runtime(Residency):
 
     def finish(self) -> None:
         """The program ends holding its live handles: restore every storage they point at, all
-        resident at once within the pool (the program holds them all together from now on).
-        Raises :class:`OutOfMemory` when they cannot fit together."""
-        live = [s for s in range(len(self.graph)) if self.live[s] > 0]
+        resident at once within the pool (held together from now on), or raise OutOfMemory."""
+        self._due_marks()  # those :meth:`expect` has after the last op
+        live = [s for s, n in enumerate(self.live) if n > 0]
         needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
         self.telemetry.working_set = max(self.telemetry.working_set, needed + self._constant_bytes)
         if needed + self._constant_bytes > self.pool.capacity:
@@ -217,8 +217,7 @@ class Runtime(Residency):
             self.pool.compact()
         # In the order they were made, each restored (the earlier ones' chains are the later ones'
         # ancestors) and then held firm, so that no restore undoes an earlier one.
-        frame = Frame(firm=True)
-        self._frames.append(frame)
+        self._frames.append(frame := Frame(firm=True))
         try:
             for storage in live:
                 if not self.resident[storage]:
@@ -299,8 +298,7 @@ class Runtime(Residency):
             self._frames.pop()
 
     def _run(self, frame: Frame, record: Record, recompute: bool, keep: tuple[int, ...]) -> int:
-        """Give ``record``'s outputs memory, run it, and make ``keep`` resident. Returns the bytes
-        it allocated."""
+        """Give ``record``'s outputs memory, run it, make ``keep`` resident; returns the bytes allocated."""
         graph = self.graph
         allocated = 0
         end = self.policy.end(record.op)
@@ -344,11 +342,9 @@ class Runtime(Residency):
 
     def _may_overwrite(self, old: int, frame: Frame, record: Record) -> bool:
         """An in-place op may reuse ``old``'s memory when the policy says so, no one else holds a
-        lock on it, and it is not a constant.
-
-        NOTE [constants stay] A constant cannot be recomputed, and its content as it was before the
-        program ran is what a failed step writes back (``remat.dynamic``): a write to a constant
-        always gets new memory, and every version stays until the end."""
+        lock on it, and it is not a constant. NOTE [constants stay] A constant cannot be recomputed,
+        and its content as it was before the program ran is what a failed step writes back
+        (``remat.dynamic``): a write to a constant always gets new memory, and every version stays."""
         if not self.policy.inplace or not self.resident[old] or self.locks[old] != frame.locked.count(old):
             return False
         return not self.graph.constant[old]
@@ -358,6 +354,7 @@ class Runtime(Residency):
     def _allocate(self, owner: int, nbytes: int, end: End) -> None:
         pool, telemetry = self.pool, self.telemetry
         evicted = compacted = False
+        exposed: list[int] = []
         while not pool.allocate(owner, nbytes, end):
             start = time.perf_counter()
             victims = self.policy.choose(self, nbytes)
@@ -372,10 +369,13 @@ class Runtime(Residency):
                     pool.compact()  # NOTE [model addresses]: free and evictable bytes would do
                     compacted = True
                     continue
+                if not exposed and (exposed := self._expose_wanted()):  # NOTE [wanted at the end]
+                    continue
                 raise OutOfMemory(nbytes, pinned, pool.capacity, pool.layout)
             for victim in victims:
                 self._evict(victim)
             evicted = True
+        self._hide(exposed)
         if evicted:
             telemetry.evicting_allocations += 1
             telemetry.free_fraction_sum += (pool.capacity - pool.used) / pool.capacity

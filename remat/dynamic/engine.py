@@ -26,20 +26,20 @@ to it: the core restores the evicted ones while the others stay, so that all are
 within the budget (the program holds them all together from then on: a budget that cannot hold
 them fails here, before memory passes it), then each is taken out of the pool (as if released)
 while the program keeps the content. Rebuilding an evicted one can mean recomputing a chain of dead
-tensors (a gradient evicted after the optimizer read it needs the backward pass that made it);
-those recomputations are reported apart (``exit_recomputations``), and the thrash limit counts
-them apart too: the hand-over may cost up to ``thrash_limit - 1`` times the first runs of the
-step again. The hand-over is not in the trace: the simulator's ``finish`` does the same with what
-the trace leaves live.
+tensors (a gradient needs the backward pass that made it): the gradients of ``keep`` are therefore
+wanted at the end (:mod:`remat.dynamic.wanted`), evicted only as a last resort. Recomputations here
+are reported apart (``exit_recomputations``) and the thrash limit counts them apart: the hand-over
+may cost up to ``thrash_limit - 1`` times the step's first runs again. The hand-over is not in the
+trace: the simulator's ``finish`` does the same with what the trace leaves live.
 
 NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
 holds more than the pool counts: the op's results are first computed on meta tensors for their
 sizes (``AccountingBackend.plan``), the core evicts and places them, and the backend runs the op. The
 generator states a random op's recipe keeps are taken then too, just before it runs (their size is
-known beforehand: ``remat.aten.state_nbytes``). An op whose
-results cannot be sized that way (no meta kernel, sizes that depend on the data, results on another
-device, the ops in ``NO_META``) runs first and is placed after: its outputs are beyond the pool's
-count until the core has evicted for them, which the region's reserve must cover.
+known beforehand: ``remat.aten.state_nbytes``). An op whose results cannot be sized that way (no
+meta kernel, sizes that depend on the data, results on another device, the ops in ``NO_META``) runs
+first and is placed after: its outputs are beyond the pool's count until the core has evicted for
+them, which the region's reserve must cover.
 
 NOTE [same decisions] Each op is handed to the core as the simulator hands a trace op: ``call``
 with the outputs' sizes and the op's recorded cost. The clock of the core moves by recorded costs,
@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from remat import _allocator, aten
 from remat.aten import OpFacts, RngState
@@ -92,6 +93,7 @@ class Engine:
         self.tensors: list[TensorInfo] = []
         self.events: list[Event] = []
         self.released: list[int] = []
+        self.wanting: list[int] = []  # handles wanted at the end, given to the core at the next boundary
         self.current: str = ""  # the op being run, for errors
         self.peak_real_bytes = 0
         self.ops = 0
@@ -105,6 +107,7 @@ class Engine:
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
         self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
+        self.hooks: list[RemovableHandle] = []  # of :func:`remat.dynamic.wanted.watch`, removed at close
 
     # -- identity -------------------------------------------------------------------------------
 
@@ -155,10 +158,10 @@ class Engine:
         self.backend.homes.add_handle(handle, storage, pin=False, died=lambda _: self._died(key, handle))
         return True
 
-    def fresh(self, t: torch.Tensor) -> int:
-        handle = self.new_handle(t, t.untyped_storage().nbytes())
-        self.bind(handle, t)
-        return handle
+    def wanted(self, t: torch.Tensor) -> None:
+        """The program holds ``t`` at the region's end (:mod:`remat.dynamic.wanted`)."""
+        if (handle := self.handles.get(t.untyped_storage()._cdata)) is not None and not self.failed:
+            self.wanting.append(handle)
 
     def _died(self, key: int, handle: int) -> None:
         if self.handles.get(key) == handle:
@@ -166,12 +169,15 @@ class Engine:
         self.released.append(handle)
 
     def flush(self) -> None:
-        """Give queued releases to the core (NOTE [releases])."""
+        """Give queued releases, then queued marks (:meth:`wanted`), to the core (NOTE [releases]):
+        between the same events as the simulator that replays the marks (``Residency.expect``)."""
         released, events, release = self.released, self.events, self.runtime.release
         while released:
             handle = released.pop(0)
             events.append(Release(handle))
             release(handle)
+        while self.wanting:
+            self.runtime.want(self.wanting.pop(0))
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -188,7 +194,7 @@ class Engine:
             raise self.explain(failure) from None
 
     def _run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if self.released:
+        if self.released or self.wanting:
             self.flush()
         flat, spec = flatten(args, kwargs)
         positions, explicit, named, leaves, tensors = scan(flat, self.managed)
@@ -220,11 +226,10 @@ class Engine:
             metas = None
         saved: dict[int, torch.UntypedStorage] = {}
         if metas is None:  # the op runs now: keep the old content where the core may copy
+            sizes_of, constant = runtime.graph.nbytes, runtime.graph.constant
             for handle in written:
                 storage = runtime.storage_of(handle)
-                if runtime.graph.nbytes[storage] > 0 and (
-                    runtime.graph.constant[storage] or not runtime.overwrites(handle)
-                ):
+                if sizes_of[storage] > 0 and (constant[storage] or not runtime.overwrites(handle)):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
         drawn = bool(explicit)
         default = None
@@ -295,7 +300,7 @@ class Engine:
         self.base_seconds += seconds
         self.events.append(runtime.graph.records[-1].op)
         self.ops += 1
-        if self.released:
+        if self.released or self.wanting:
             self.flush()
         real = backend.homes.real_bytes
         if real > self.peak_real_bytes:
@@ -309,11 +314,8 @@ class Engine:
         return all(_same_device(d, self.device) for d in devices)
 
     def _written(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
-        handles: list[int] = []
-        for t in aten.written_tensors(schema.writes, args, kwargs):
-            if self.managed(t):
-                handles.append(self.handle(t))
-        return list(dict.fromkeys(handles))
+        written = aten.written_tensors(schema.writes, args, kwargs)
+        return list(dict.fromkeys([self.handle(t) for t in written if self.managed(t)]))
 
     def _fresh(self, schema: OpFacts, out: Any) -> tuple[list[int], list[int]]:
         """Handles of the op's new storages, and their positions among :func:`result_leaves`."""
@@ -323,7 +325,8 @@ class Engine:
             is_fresh = schema.fresh_returns[r] if r < len(schema.fresh_returns) else True
             known = isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.handles
             if isinstance(t, torch.Tensor) and is_fresh and self.managed(t) and not known:
-                fresh.append(self.fresh(t))
+                fresh.append(handle := self.new_handle(t, t.untyped_storage().nbytes()))
+                self.bind(handle, t)
                 positions.append(index)
         return fresh, positions
 
@@ -340,11 +343,8 @@ class Engine:
         self.current = ""
         backend.meter.allowance()  # the hand-over gets a thrash allowance of its own
         runtime.finish()
-        held = [
-            h
-            for h in sorted(homes.program)
-            if h not in homes.pinned and homes.storage_of_handle(h) is not None
-        ]
+        stored, pinned = homes.storage_of_handle, homes.pinned
+        held = sorted(h for h in homes.program if h not in pinned and stored(h) is not None)
         self.backend.handing_over(held)
         for handle in held:  # not events of the trace: the simulator hands over in its finish
             self.backend.hand_over(runtime.storage_of(handle))
@@ -354,12 +354,13 @@ class Engine:
         self.peak_real_bytes = max(self.peak_real_bytes, backend.homes.peak_real_bytes)
 
     def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
         self.backend.close()
         self.backend.homes.clear()
         self.backend.recipes.clear()
-        # The runtime and its backend refer to each other, and ``explain`` to this engine: without
-        # those references the region's state (a few lists per storage) is freed as the region ends,
-        # not left to the cycle collector's next pass.
+        # The runtime and its backend refer to each other, ``explain`` to this engine: without them the
+        # region's state is freed as the region ends, not left to the cycle collector's next pass.
         self.backend.runtime = None
         self.explain = _plain
 

@@ -48,6 +48,7 @@ from remat.dynamic.failures import explain
 from remat.dynamic.keep import API, members
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
+from remat.dynamic.wanted import watch
 from remat.host.link import Link
 
 _UNLIMITED = 2**62
@@ -147,14 +148,8 @@ class Dynamic:
     def stats(self) -> DynamicStats:
         """Figures of the last block that completed."""
         if self._stats is None:
-            raise RematValueError(
-                message(
-                    API,
-                    "no region has completed yet",
-                    "stats read too early",
-                    "read it after the with block",
-                )
-            )
+            rule = "no region has completed yet"
+            raise RematValueError(message(API, rule, "stats read too early", "read it after the with block"))
         return self._stats
 
     def __enter__(self) -> Dynamic:
@@ -197,6 +192,7 @@ class Dynamic:
             if content.device == self.device:
                 engine.constant(content, outside=False)
         backend.open()
+        engine.hooks = watch(listed, engine.wanted)
         self._engine = engine
         self._mode = Interceptor(engine)
         self._depth = deepen()
@@ -306,6 +302,7 @@ class Dynamic:
             search_seconds=telemetry.search_seconds,
             copied_ops=tuple(sorted(getattr(backend, "copied", ()))),
             evicted=tuple(self._recorder.victims[: engine.marks[0]]),
+            wants=tuple(runtime.wants),
             exit_recomputations=telemetry.recomputations - engine.marks[1],
             trace=engine.trace(),
             policy_object=self.policy,

@@ -61,6 +61,8 @@ class Comparison:
     measured_overhead: float  # 1 + measured recomputation time / first-run cost
     simulated_evictions: tuple[int, ...]
     evictions: tuple[int, ...]
+    simulated_recomputations: int = 0  # up to the program's last op, as ``DynamicStats.recomputations``
+    simulated_peak: int = 0  # the simulated pool's peak, as ``DynamicStats.peak_bytes``
 
     @property
     def same_evictions(self) -> bool:
@@ -105,6 +107,7 @@ class DynamicStats:
     copied_ops: tuple[str, ...]  # arena: ops with no out= overload, computed then copied
     evicted: tuple[int, ...]  # core storages in eviction order
     exit_recomputations: int  # recomputations to hand back what the program holds at the end
+    wants: tuple[tuple[int, int], ...]  # (ops run before, handle) of each mark wanted at the end
     trace: Trace = field(repr=False, compare=False)
     policy_object: EvictionPolicy = field(repr=False, compare=False)
     moments: tuple[tuple[int, str], ...] = field(default=(), repr=False, compare=False)
@@ -131,11 +134,20 @@ class DynamicStats:
         backend = SimBackend(self.trace.total_cost, len(self.trace.ops), math.inf)
         compact = self.backend == "accounting"  # NOTE [model addresses] in ``remat.core.runtime``
         runtime = Runtime(pool, recorder, backend, compact=compact)
+        runtime.expect(self.wants)  # NOTE [wanted at the end] in ``remat.core.residency``
         drive(runtime, self.trace, backend, finish=False)  # up to the last op, as ``overhead``
         base = self.trace.total_cost
         predicted = 1.0 + backend.meter.recompute_cost / base if base else 1.0
         measured = self.overhead
-        return Comparison(predicted, measured, tuple(recorder.victims), self.evicted)
+        telemetry = runtime.telemetry
+        return Comparison(
+            predicted,
+            measured,
+            tuple(recorder.victims),
+            self.evicted,
+            telemetry.recomputations,
+            telemetry.peak_bytes,
+        )
 
     def __str__(self) -> str:
         copied = f", {len(self.copied_ops)} op kinds copied" if self.copied_ops else ""

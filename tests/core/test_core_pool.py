@@ -127,3 +127,27 @@ def test_compact_packs_the_blocks_and_leaves_one_free_piece() -> None:
     assert [(start, owner) for start, _, owner in pool.pieces()][:3] == [(0, 0), (20, 2), (40, 4)]
     assert pool.largest_free() == 40 and pool.used == 60
     assert pool.allocate(9, 30)
+
+
+def test_lower_moves_a_block_into_the_smallest_piece_below_it_that_holds_it() -> None:
+    pool = AddressPool(80)
+    for owner in range(6):
+        assert pool.allocate(owner, 10)
+    pool.free(0)
+    pool.free(1)  # [free 20][2][free 10][4][5][free 20]
+    pool.free(3)
+    pool.lower(5)  # the smallest piece below that holds it: where 3 was, not address 0
+    assert pool.address(5) == 30
+    pool.check()
+    pool.lower(4)  # only the piece at 0 is below it now
+    assert pool.address(4) == 0
+    pool.lower(2)  # what 4 left of that piece
+    assert pool.address(2) == 10
+    pool.lower(4)  # nothing free below it
+    assert pool.address(4) == 0 and pool.used == 30
+    pool.check()
+    tiny = AddressPool(4096, small=8)
+    assert tiny.allocate(7, 8)
+    place = tiny.address(7)
+    tiny.lower(7)  # in a segment: it stays
+    assert tiny.address(7) == place

@@ -142,8 +142,9 @@ BUDGET = 0.9
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["gpt2", "cnn"])
 def test_evicts_what_the_simulator_evicts(name: str, policy: str) -> None:
-    """The trace records the costs the core saw, so the simulator running it must take every
-    decision the runtime took. The costs are the cost model's (``cost="model"``): the same step
+    """The trace records the costs the core saw and the stats the moments the program's gradients
+    were marked wanted at the end, so the simulator running both must take every decision the
+    runtime took. The costs are the cost model's (``cost="model"``): the same step
     makes the same decisions on every run, whatever the machine's load."""
     _, free = reference(name)
     budget = int(BUDGET * max(s.peak_bytes for s in free))
@@ -162,12 +163,11 @@ def test_evicts_what_the_simulator_evicts(name: str, policy: str) -> None:
     train(model, batch, region, steps=2)
     assert sum(s.evictions for s in runs) > 0
     for stats in runs:
-        comparison = stats.compare()
+        assert stats.wants  # the parameters' gradients: NOTE [wanted at the end] in remat.core.residency
+        comparison = stats.compare()  # the trace, with those marks made at the same moments
         assert comparison.same_evictions, (comparison.simulated_evictions, comparison.evictions)
-        simulated = simulate(stats.trace, budget, policy, float("inf"), compact=True)
-        assert simulated.outcome is Outcome.OK
-        assert (simulated.evictions, simulated.recomputations) == (stats.evictions, stats.recomputations)
-        assert simulated.peak_bytes == stats.peak_bytes
+        assert comparison.simulated_recomputations == stats.recomputations
+        assert comparison.simulated_peak == stats.peak_bytes
 
 
 def test_unlimited_budget_evicts_nothing_and_counts_the_peak() -> None:

@@ -1,0 +1,63 @@
+"""The parameters' gradients are wanted at the region's end (``remat.dynamic.wanted``): a tight
+budget evicts other storages instead, and handing the gradients back recomputes nothing, where the
+same step without those marks (its own trace, replayed by the core) recomputes them at the end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core.driver import make_pool
+from remat.core.runtime import Runtime
+from remat.dynamic import DynamicStats
+from remat.sim.backend import SimBackend, drive
+
+RATIO = 0.4
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    """Twelve 64-wide layers on a batch of 512: activations outweigh the parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(12)], nn.Linear(64, 1))
+    return model, torch.randn(512, 64)
+
+
+def _hand_over(stats: DynamicStats, wants: tuple[tuple[int, int], ...]) -> int:
+    """Recomputations of the hand-over when the core runs the region's trace with ``wants``."""
+    backend = SimBackend(stats.trace.total_cost, len(stats.trace.ops), math.inf)
+    pool = make_pool(stats.capacity, stats.layout, stats.fit)
+    runtime = Runtime(pool, stats.policy_object, backend, compact=True)
+    runtime.expect(wants)
+    drive(runtime, stats.trace, backend, finish=False)
+    before = runtime.telemetry.recomputations
+    runtime.finish()
+    return runtime.telemetry.recomputations - before
+
+
+@pytest.mark.parametrize("policy", ["dtr", "dte"])
+def test_gradients_are_handed_over_without_recomputation(policy: str) -> None:
+    model, x = _mlp()
+    model(x).square().mean().backward()
+    plain = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    free = remat.dynamic(None, policy, keep=model)
+    for _ in range(2):  # the second block's peak counts the scratch the first one learned
+        model.zero_grad(set_to_none=True)
+        with free:
+            model(x).square().mean().backward()
+    budget = int(RATIO * free.stats.peak_bytes)
+    region = remat.dynamic(budget, policy, keep=model, cost="model", reserve=0.1, thrash_limit=20.0)
+    model.zero_grad(set_to_none=True)
+    with remat.memory.track(allocator=True) as measured, region:
+        model(x).square().mean().backward()
+    stats = region.stats
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain, strict=True))
+    assert measured.peak_bytes + stats.outside_bytes <= budget
+    assert len(stats.wants) == len(plain) and stats.evictions > 0
+    assert stats.exit_recomputations == 0
+    assert _hand_over(stats, stats.wants) == 0  # the simulator agrees
+    assert _hand_over(stats, ()) > 0  # without the marks, the gradients were evicted and rebuilt
+    assert stats.compare().same_evictions
