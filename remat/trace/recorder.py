@@ -23,11 +23,13 @@ NOTE [trace identity]
 
 NOTE [CUDA op time]
 On CUDA the host launches kernels ahead of the device, so a step takes about the longer of the
-host's time and the device's, not their sum. Each op is timed both ways: the device's time by
-events around it in the program's own run, behind a sleeping kernel that keeps the device busy
-while the host launches the op (so the launch is not in it); the host's time around the call, in
-the repeats (the device idle before each). The trace takes the device's times where their sum is
-the larger (a device-bound step), else the host's. Measured on an H100 (torch 2.11): GPT-2 small
+host's time and the device's, not their sum. Each op is timed both ways. The device's time: events
+around the op's first repeat, behind a sleeping kernel that keeps the device busy while the host
+launches it (so the launch is not in it). The host's time: around the call in the later repeats,
+the device idle and the allocator warm before each (the program's own run may wait on a fresh
+``cudaMalloc``). An op that runs once (not pure) gives both from its one run, the device's with the
+launch in it. The trace takes the device's times where their sum is the larger (a device-bound
+step), else the host's. Measured on an H100 (torch 2.11): GPT-2 small
 at batch 8 x 512 ran in 93.2 ms against 90.7 ms of device time and 71.6 of host; ResNet-50 at
 32 x 224 in 26.0 ms against 20.6 and 28.5; GPT-2 at 2 x 128 in 45.6 ms against 12.0 and 42.3.
 Timing each op from a synchronize to a synchronize instead, as before, adds a synchronization's
@@ -244,26 +246,25 @@ class Recorder(TorchDispatchMode):
         """Run the op: its result, the host's seconds and, on CUDA, the device's (NOTE [CUDA op
         time])."""
         cuda = any(t.is_cuda for t in leaves)
-        times = []
-        on_device = None
+        runs = self.repeats if repeat else 1
+        times, on_device = [], []
         out = None
         # The first call is the program's own; repeats (pure ATen ops only: no mutation, no RNG
         # draw, no collective) run on the same inputs and their results are dropped at once.
-        for i in range(self.repeats if repeat else 1):
-            timed = cuda and i == 0
-            if cuda:
+        for i in range(runs):
+            if cuda:  # NOTE [CUDA op time]
                 torch.cuda.synchronize()
-            if timed:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(CUDA_HEAD_START)
+                if i == 1:
+                    torch.cuda._sleep(CUDA_HEAD_START)
                 begin.record()
             start = time.perf_counter()
             result = func(*args, **kwargs)
             times.append(time.perf_counter() - start)
-            if timed:
+            if cuda:
                 end.record()
                 end.synchronize()
-                on_device = begin.elapsed_time(end) / 1e3
+                on_device.append(begin.elapsed_time(end) / 1e3)
             if i == 0:
                 out = result
                 if any(
@@ -272,7 +273,10 @@ class Recorder(TorchDispatchMode):
                 ):
                     return out, 0.0, None  # nothing ran: fake and meta tensors have no time
             del result
-        return out, statistics.median(times[1:] if cuda and len(times) > 1 else times), on_device
+        if not cuda:
+            return out, statistics.median(times), None
+        host = statistics.median(times[2:]) if runs > 2 else times[0]
+        return out, host, on_device[1] if runs > 1 else on_device[0]
 
     def _scratch(
         self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: list[torch.Tensor]
