@@ -88,7 +88,14 @@ def _call(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None) -> torch.Ten
 def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
     """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's
     buffers, gradients and the RNG as
-    they were (the step's batch-norm updates and dropout draws are undone)."""
+    they were (the step's batch-norm updates and dropout draws are undone). On CUDA an untimed
+    step runs first: a kernel's first launch loads its module and the allocator is cold, which
+    made the ops that run once in the capture (batch norm, in-place ReLU, dropout) cost 0.5 ms
+    each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.recorder``)."""
+    if any(p.is_cuda for p in model.parameters()):
+        with untouched([model]):
+            model.zero_grad(set_to_none=True)
+            _call(model, inputs, loss_fn).backward()
     with untouched([model]):
         model.zero_grad(set_to_none=True)
         return capture(

@@ -27,13 +27,14 @@ host's time and the device's, not their sum. Each op is timed both ways. The dev
 around the op's first repeat, behind a sleeping kernel that keeps the device busy while the host
 launches it (so the launch is not in it). The host's time: around the call in the later repeats,
 the device idle and the allocator warm before each (the program's own run may wait on a fresh
-``cudaMalloc``). An op that runs once (not pure) gives both from its one run, the device's with the
-launch in it. The trace takes the device's times where their sum is the larger (a device-bound
-step), else the host's. Measured on an H100 (torch 2.11): GPT-2 small
-at batch 8 x 512 ran in 93.2 ms against 90.7 ms of device time and 71.6 of host; ResNet-50 at
-32 x 224 in 26.0 ms against 20.6 and 28.5; GPT-2 at 2 x 128 in 45.6 ms against 12.0 and 42.3.
-Timing each op from a synchronize to a synchronize instead, as before, adds a synchronization's
-latency and the launch to every op: it put the first step at 151 ms.
+``cudaMalloc``). An op that runs once (not pure) gives both from its one run, behind the sleep (so
+its host time includes any wait of its own for the device). The trace takes the device's times
+where their sum is the larger (a device-bound step), else the host's. Measured on an H100 (torch
+2.11) with a plain timer on warm models: GPT-2 small at batch 8 x 512 ran in 93.2 ms against 90.7
+ms of device time and 71.6 of host; ResNet-50 at 32 x 224 in 26.0 ms against 20.6 and 28.5; GPT-2
+at 2 x 128 in 45.6 ms against 12.0 and 42.3. Timing each op from a synchronize to a synchronize
+instead, as before, adds a synchronization's latency and the launch to every op: it put the first
+of those steps at 151 ms.
 
 NOTE [CUDA block size]
 The CUDA caching allocator hands out blocks in multiples of 512 bytes and counts the blocks
@@ -255,7 +256,7 @@ class Recorder(TorchDispatchMode):
             if cuda:  # NOTE [CUDA op time]
                 torch.cuda.synchronize()
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if i == 1:
+                if i == min(1, runs - 1):
                     torch.cuda._sleep(CUDA_HEAD_START)
                 begin.record()
             start = time.perf_counter()
