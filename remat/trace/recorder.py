@@ -38,8 +38,8 @@ of those steps at 151 ms.
 
 NOTE [CUDA block size]
 The CUDA caching allocator hands out blocks in multiples of 512 bytes and counts the blocks
-(``torch.cuda.memory_allocated``), so a storage on CUDA is recorded at its block's size: on small
-models (hundreds of tensors of a few hundred bytes) the raw sizes predicted half the peak.
+(``torch.cuda.memory_allocated``), so a storage on CUDA is recorded at its block's size: a tensor
+of 100 bytes takes 512, which matters on models of many small tensors.
 """
 
 from __future__ import annotations
