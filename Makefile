@@ -26,7 +26,7 @@ test: setup
 # On a machine with a GPU: every CUDA-marked test, then a short run of every form on CUDA.
 check-cuda: setup
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make check-cuda: no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine with a CUDA build of torch (TORCH_SPEC)')"
-	$(PY) -m pytest $(PYTEST_ARGS) -m cuda -rs
+	$(PY) -m pytest $(PYTEST_ARGS) -k cuda -rs
 	$(PY) benchmarks/cuda/run.py
 
 lint: setup
