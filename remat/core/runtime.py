@@ -31,11 +31,6 @@ callers' locks are dropped and each caller gathers again once the restore return
 only fails when a single op's own inputs and outputs, plus the constants, do not fit. A pool whose
 addresses are a model is packed before any lock is dropped: packing costs nothing, a dropped lock a
 recomputation.
-
-NOTE [oldest first]: a gather restores its missing storages in the order they were made: the skip of
-a residual block before its branch, whose restore then stops at the skip instead of restoring it on
-its way and leaving it evictable (in the arguments' order, each block of a chain of them doubled
-the work of the block before it).
 """
 
 from __future__ import annotations
@@ -245,7 +240,6 @@ class Runtime(Residency):
                         evictable.set(storage, False)
             if not missing:
                 return
-            missing.sort()  # NOTE [oldest first]
             for storage in missing:
                 if not resident[storage]:
                     self._restore(storage)

@@ -1,6 +1,6 @@
-"""A residual network at half its peak: restores that reach back through skip connections
-(NOTE [oldest first] in ``remat.core.runtime``) and pools whose addresses are a model, packed before
-the running op's inputs are given up (NOTE [model addresses]), finish the step exactly."""
+"""A residual network at half its peak: a pool whose addresses are a model is packed before the
+locks of the ops waiting on a restore are dropped (NOTE [relaxed locks] in ``remat.core.runtime``),
+and the step finishes exactly, where giving up those locks first made it thrash."""
 
 from __future__ import annotations
 
