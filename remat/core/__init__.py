@@ -7,8 +7,8 @@ same code with real tensors through :class:`~remat.core.backend.Backend`.
 from remat.core.backend import Backend
 from remat.core.graph import Graph, Record
 from remat.core.policies import EvictionPolicy, get, names
-from remat.core.pool import AddressPool, BytePool, End, Fit, Pool
-from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.pool import AddressPool, BytePool, End, Fit, OutOfMemory, Pool
+from remat.core.runtime import Runtime
 from remat.core.telemetry import Telemetry
 
 __all__ = [

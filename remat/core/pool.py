@@ -42,6 +42,19 @@ class Fit(enum.StrEnum):
     FIRST = "first"  # the first block that fits, scanning from the chosen end
 
 
+class OutOfMemory(Exception):
+    """An allocation cannot fit even with every evictable storage evicted."""
+
+    def __init__(self, request: int, pinned: int, capacity: int, layout: bool) -> None:
+        self.request, self.pinned, self.capacity = request, pinned, capacity
+        self.needed = request + pinned
+        where = "contiguous " if layout else ""
+        super().__init__(
+            f"no {where}room for {request} bytes: {pinned} bytes are pinned or constant "
+            f"and the pool holds {capacity}"
+        )
+
+
 class Pool(Protocol):
     """What the rematerialization core asks of memory."""
 

@@ -28,7 +28,9 @@ program holds. The simulator does neither: its figures are for memory laid out a
 NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' gathered inputs are
 locked, so it can need more memory than any op of the program. When nothing is left to evict, the
 callers' locks are dropped and each caller gathers again once the restore returns: the runtime
-only fails when a single op's own inputs and outputs, plus the constants, do not fit.
+only fails when a single op's own inputs and outputs, plus the constants, do not fit. A pool whose
+addresses are a model is packed before any lock is dropped: packing costs nothing, a dropped lock a
+recomputation.
 """
 
 from __future__ import annotations
@@ -41,23 +43,10 @@ from remat.core import owners
 from remat.core.backend import Backend
 from remat.core.graph import NO_REUSE, Record
 from remat.core.policies.base import EvictionPolicy
-from remat.core.pool import End, Pool
+from remat.core.pool import End, OutOfMemory, Pool
 from remat.core.residency import Frame, Residency
 from remat.core.swap import Swap
 from remat.trace.types import Op, TensorInfo
-
-
-class OutOfMemory(Exception):
-    """An allocation cannot fit even with every evictable storage evicted."""
-
-    def __init__(self, request: int, pinned: int, capacity: int, layout: bool) -> None:
-        self.request, self.pinned, self.capacity = request, pinned, capacity
-        self.needed = request + pinned
-        where = "contiguous " if layout else ""
-        super().__init__(
-            f"no {where}room for {request} bytes: {pinned} bytes are pinned or constant "
-            f"and the pool holds {capacity}"
-        )
 
 
 class Runtime(Residency):
@@ -361,13 +350,14 @@ class Runtime(Residency):
             telemetry.search_seconds += time.perf_counter() - start
             telemetry.searches += 1
             if not victims:
-                if self._relax():
-                    continue
                 movable = self.evictable.array[: len(self.graph)]
                 pinned = pool.used - int(self.graph.nbytes_array[: len(self.graph)][movable].sum())
                 if self.compact and pool.layout and not compacted and pool.capacity - pinned >= nbytes:
                     pool.compact()  # NOTE [model addresses]: free and evictable bytes would do
                     compacted = True
+                    continue
+                if self._relax():
+                    compacted = False  # the locks dropped made more evictable
                     continue
                 if not exposed and (exposed := self._expose_wanted()):  # NOTE [wanted at the end]
                     continue

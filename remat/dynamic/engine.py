@@ -63,8 +63,8 @@ from remat.aten import OpFacts, RngState
 from remat.aten import scratch as op_scratch
 from remat.core.driver import Thrashed
 from remat.core.policies.base import EvictionPolicy
-from remat.core.pool import Pool
-from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.pool import OutOfMemory, Pool
+from remat.core.runtime import Runtime
 from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes

@@ -9,7 +9,7 @@ from remat._errors import RematValueError, message
 from remat._units import format_bytes
 from remat.core.driver import Thrashed
 from remat.core.policies.base import EvictionPolicy
-from remat.core.runtime import OutOfMemory
+from remat.core.pool import OutOfMemory
 from remat.dynamic.engine import Engine
 from remat.dynamic.keep import API
 
@@ -30,7 +30,7 @@ class Limits(Protocol):
 
 def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception:
     """``failure`` (:class:`~remat.core.driver.Thrashed` or
-    :class:`~remat.core.runtime.OutOfMemory`) of ``engine``'s region as the error the user gets."""
+    :class:`~remat.core.pool.OutOfMemory`) of ``engine``'s region as the error the user gets."""
     budget = format_bytes(region.budget)
     if isinstance(failure, Thrashed):
         meter = engine.backend.meter

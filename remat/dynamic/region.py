@@ -38,8 +38,7 @@ from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
-from remat.core.pool import Fit, Pool
-from remat.core.runtime import OutOfMemory
+from remat.core.pool import Fit, OutOfMemory, Pool
 from remat.core.swap import Swap
 from remat.dynamic import backends, homes
 from remat.dynamic.accounting import AccountingBackend

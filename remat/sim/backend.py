@@ -89,7 +89,7 @@ def run_trace(
 
 def drive(runtime: Runtime, trace: Trace, backend: SimBackend, finish: bool = True) -> None:
     """Feed every event of ``trace`` to ``runtime``, then (``finish``) restore what it leaves live.
-    Raises :class:`~remat.core.runtime.OutOfMemory` or :class:`~remat.core.driver.Thrashed` when
+    Raises :class:`~remat.core.pool.OutOfMemory` or :class:`~remat.core.driver.Thrashed` when
     the run cannot finish."""
     tensors = trace.tensors
     with deep_recursion():

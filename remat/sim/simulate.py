@@ -18,8 +18,8 @@ from remat._units import format_bytes, parse_budget
 from remat.core.driver import Thrashed, make_pool
 from remat.core.policies.base import EvictionPolicy
 from remat.core.policies.registry import resolve
-from remat.core.pool import Fit
-from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.pool import Fit, OutOfMemory
+from remat.core.runtime import Runtime
 from remat.core.swap import Swap, SwapCounts
 from remat.host.link import Link
 from remat.sim.backend import SimBackend, drive

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from remat.core.policies import get
-from remat.core.pool import AddressPool
-from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.pool import AddressPool, OutOfMemory
+from remat.core.runtime import Runtime
 from remat.sim.backend import SimBackend, drive
 from remat.sim.synthetic import Builder
 from remat.trace.types import Trace

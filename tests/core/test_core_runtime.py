@@ -8,8 +8,8 @@ import pytest
 
 from remat.core.graph import Record
 from remat.core.policies import get
-from remat.core.pool import AddressPool, BytePool
-from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.pool import AddressPool, BytePool, OutOfMemory
+from remat.core.runtime import Runtime
 from remat.sim import Outcome, simulate
 from remat.sim.backend import SimBackend, drive, run_trace
 from remat.sim.synthetic import Builder

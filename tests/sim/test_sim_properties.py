@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from remat.core.driver import Thrashed
 from remat.core.policies import get
-from remat.core.pool import AddressPool, End
-from remat.core.runtime import OutOfMemory, Runtime
+from remat.core.pool import AddressPool, End, OutOfMemory
+from remat.core.runtime import Runtime
 from remat.sim import Outcome, facts, simulate
 from remat.sim.backend import SimBackend, drive
 from remat.sim.synthetic import random_program

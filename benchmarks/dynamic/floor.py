@@ -1,0 +1,90 @@
+"""Where a budget leaves no room: for each op of one step's backward, the bytes it needs at once
+(constants, the gradients wanted at the end by then, its own inputs, outputs and scratch), against
+the pool at each ratio; and the step's own trace replayed by the core at each ratio, with the
+thrash limit raised, to see how far and at what cost each policy gets, with the gradients wanted
+at the end and without.
+
+The trace and the marks are a no-budget region's (``cost="model"``), taken at its second step as
+``run.py`` takes its peak; the pool is ``run.py``'s (budget less a 10% reserve, addresses, best fit).
+
+    .venv/bin/python benchmarks/dynamic/floor.py resnet50 --limits 3 100
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from run import WORKLOADS, step  # this folder is on the path when the script runs
+
+import remat
+from remat.core.driver import Thrashed, make_pool
+from remat.core.policies import get
+from remat.core.pool import OutOfMemory
+from remat.core.runtime import Runtime
+from remat.sim.backend import SimBackend, drive
+from remat.trace.types import Trace
+
+
+def replay(trace: Trace, wants: tuple[tuple[int, int], ...], capacity: int, policy: str, limit: float) -> str:
+    """The core over ``trace`` as ``DynamicStats.compare`` runs it: how far, at what cost."""
+    backend = SimBackend(trace.total_cost, len(trace.ops), limit)
+    runtime = Runtime(make_pool(capacity, True, "best"), get(policy), backend, compact=True)
+    runtime.expect(wants)
+    try:
+        drive(runtime, trace, backend, finish=False)
+        outcome = "ok"
+    except Thrashed:
+        outcome = f"thrash at op {len(runtime.graph.records)}"
+    except OutOfMemory:
+        outcome = f"no room at op {len(runtime.graph.records)}"
+    cost = backend.meter.recompute_cost / trace.total_cost
+    return f"{outcome}, {runtime.telemetry.recomputations} recomputations, recomputed cost {cost:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.7, 0.5, 0.4])
+    parser.add_argument("--limits", type=float, nargs="+", default=[3.0])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, loss = WORKLOADS[args.workload](False)
+    model.train()
+    free = remat.dynamic(None, "dtr", keep=model, cost="model")
+    step(model, loss, free)
+    step(model, loss, free)
+    stats = free.stats
+    trace, wants, peak = stats.trace, stats.wants, stats.peak_bytes
+    tensors = trace.tensors
+    constants = sum(t.nbytes for t in tensors if t.constant)
+    first_backward = next(i for i, op in enumerate(trace.ops) if "backward" in op.name)
+    worst = (0, 0, 0, 0)  # bytes at once, op, wanted by then, its own
+    for index in range(first_backward, len(trace.ops)):
+        op = trace.ops[index]
+        reads = {t if tensors[t].alias_of is None else tensors[t].alias_of for t in op.inputs}
+        own = sum(tensors[t].nbytes for t in reads if not tensors[t].constant) + op.scratch
+        own += sum(tensors[t].nbytes for t in op.outputs if tensors[t].alias_of is None)
+        wanted = sum(tensors[h].nbytes for at, h in wants if at <= index)
+        worst = max(worst, (constants + wanted + own, index, wanted, own))
+    total, index, wanted, own = worst
+    print(f"{args.workload}: no-budget peak {peak} B, constants {constants} B")
+    print(
+        f"most at once in the backward: op {index} ({trace.ops[index].name}): constants + wanted "
+        f"{wanted} B + its inputs, outputs and scratch {own} B = {total} B "
+        f"(the pool at ratio {total / 0.9 / peak:.3f})"
+    )
+    for ratio in args.ratios:
+        budget = int(ratio * peak)
+        capacity = budget - int(0.1 * budget)
+        print(f"ratio {ratio}: pool {capacity} B, beside op {index}: {capacity - total} B")
+        for policy in ("dtr", "dte", "coop"):
+            for limit in args.limits:
+                print(f"  {policy}, thrash limit {limit:g}: {replay(trace, wants, capacity, policy, limit)}")
+            limit = args.limits[0]  # the gradients not wanted at the end: evicted as any storage
+            unmarked = replay(trace, (), capacity, policy, limit)
+            print(f"  {policy}, thrash limit {limit:g}, no marks: {unmarked}")
+
+
+if __name__ == "__main__":
+    main()
