@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from budgeted import budgeted_step
 from torch import nn
-
-import remat
 
 RATIO = 0.5
 
@@ -31,21 +30,10 @@ def _residual() -> tuple[nn.Module, torch.Tensor]:
 @pytest.mark.parametrize("policy", ["dtr", "coop"])
 def test_a_residual_step_at_half_its_peak_is_exact(policy: str) -> None:
     model, x = _residual()
-    model(x).square().mean().backward()
-    plain = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    free = remat.dynamic(None, policy, keep=model, cost="model")
-    for _ in range(2):  # the second block's peak counts the scratch the first one learned
-        model.zero_grad(set_to_none=True)
-        with free:
-            model(x).square().mean().backward()
-    budget = int(RATIO * free.stats.peak_bytes)
-    region = remat.dynamic(budget, policy, keep=model, cost="model", reserve=0.1)
-    model.zero_grad(set_to_none=True)
-    with remat.memory.track(allocator=True) as measured, region:
-        model(x).square().mean().backward()
-    stats = region.stats
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain, strict=True))
-    assert measured.peak_bytes + stats.outside_bytes <= budget
+    run = budgeted_step(model, x, policy, RATIO, free_cost="model")
+    stats = run.stats
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), run.plain, strict=True))
+    assert run.allocator_peak + stats.outside_bytes <= run.budget
     assert stats.recomputations > 0
     comparison = stats.compare()
     assert comparison.same_evictions

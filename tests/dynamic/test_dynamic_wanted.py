@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from budgeted import budgeted_step
 from torch import nn
 
-import remat
 from remat.core.driver import make_pool
 from remat.core.runtime import Runtime
 from remat.dynamic import DynamicStats
@@ -41,21 +41,10 @@ def _hand_over(stats: DynamicStats, wants: tuple[tuple[int, int], ...]) -> int:
 @pytest.mark.parametrize("policy", ["dtr", "dte"])
 def test_gradients_are_handed_over_without_recomputation(policy: str) -> None:
     model, x = _mlp()
-    model(x).square().mean().backward()
-    plain = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    free = remat.dynamic(None, policy, keep=model)
-    for _ in range(2):  # the second block's peak counts the scratch the first one learned
-        model.zero_grad(set_to_none=True)
-        with free:
-            model(x).square().mean().backward()
-    budget = int(RATIO * free.stats.peak_bytes)
-    region = remat.dynamic(budget, policy, keep=model, cost="model", reserve=0.1, thrash_limit=20.0)
-    model.zero_grad(set_to_none=True)
-    with remat.memory.track(allocator=True) as measured, region:
-        model(x).square().mean().backward()
-    stats = region.stats
+    run = budgeted_step(model, x, policy, RATIO, thrash_limit=20.0)
+    stats, plain = run.stats, run.plain
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain, strict=True))
-    assert measured.peak_bytes + stats.outside_bytes <= budget
+    assert run.allocator_peak + stats.outside_bytes <= run.budget
     assert len(stats.wants) == len(plain) and stats.evictions > 0
     assert stats.exit_recomputations == 0
     assert _hand_over(stats, stats.wants) == 0  # the simulator agrees
