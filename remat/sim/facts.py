@@ -1,4 +1,5 @@
-"""What a budget is measured against: a trace's unconstrained peak, base compute and working set.
+"""What a budget is measured against: a trace's unconstrained peak, base compute, working set and
+worst case.
 
 The *unconstrained peak* is ``Trace.peak_bytes`` (``remat.trace.liveness``): no budget, constants
 included, a storage freed when its last handle goes. A ratio budget is a fraction of it.
