@@ -28,7 +28,8 @@ program holds. The simulator does neither: its figures are for memory laid out a
 NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' gathered inputs are
 locked, so it can need more memory than any op of the program. When nothing is left to evict, the
 callers' locks are dropped and each caller gathers again once the restore returns: the runtime
-only fails when a single op's own inputs and outputs, plus the constants, do not fit. A pool whose
+only fails when a single op's own inputs and outputs, plus the constants, do not fit, or at the end
+beside what is held firm (NOTE [worst case] in :mod:`remat.core.worst_case`). A pool whose
 addresses are a model is packed before any lock is dropped: packing costs nothing, a dropped lock a
 recomputation.
 """
@@ -128,7 +129,7 @@ class Runtime(Residency):
                             self.regions.clear()
                         break
             allocated = self._run(frame, record, recompute=False, keep=record.outputs)
-            need = self._constant_bytes + allocated
+            need = self._constant_bytes + allocated + op.scratch
             sizes, constants = graph.nbytes, graph.constant
             for s in inputs:
                 if not constants[s]:
@@ -344,28 +345,30 @@ class Runtime(Residency):
         pool, telemetry = self.pool, self.telemetry
         evicted = compacted = False
         exposed: list[int] = []
-        while not pool.allocate(owner, nbytes, end):
-            start = time.perf_counter()
-            victims = self.policy.choose(self, nbytes)
-            telemetry.search_seconds += time.perf_counter() - start
-            telemetry.searches += 1
-            if not victims:
-                movable = self.evictable.array[: len(self.graph)]
-                pinned = pool.used - int(self.graph.nbytes_array[: len(self.graph)][movable].sum())
-                if self.compact and pool.layout and not compacted and pool.capacity - pinned >= nbytes:
-                    pool.compact()  # NOTE [model addresses]: free and evictable bytes would do
-                    compacted = True
-                    continue
-                if self._relax():
-                    compacted = False  # the locks dropped made more evictable
-                    continue
-                if not exposed and (exposed := self._expose_wanted()):  # NOTE [wanted at the end]
-                    continue
-                raise OutOfMemory(nbytes, pinned, pool.capacity, pool.layout)
-            for victim in victims:
-                self._evict(victim)
-            evicted = True
-        self._hide(exposed)
+        try:
+            while not pool.allocate(owner, nbytes, end):
+                start = time.perf_counter()
+                victims = self.policy.choose(self, nbytes)
+                telemetry.search_seconds += time.perf_counter() - start
+                telemetry.searches += 1
+                if not victims:
+                    movable = self.evictable.array[: len(self.graph)]
+                    pinned = pool.used - int(self.graph.nbytes_array[: len(self.graph)][movable].sum())
+                    if self.compact and pool.layout and not compacted and pool.capacity - pinned >= nbytes:
+                        pool.compact()  # NOTE [model addresses]: free and evictable bytes would do
+                        compacted = True
+                        continue
+                    if self._relax():
+                        compacted = False  # the locks dropped made more evictable
+                        continue
+                    if not exposed and (exposed := self._expose_wanted()):  # NOTE [wanted at the end]
+                        continue
+                    raise OutOfMemory(nbytes, pinned, pool.capacity, pool.layout)
+                for victim in victims:
+                    self._evict(victim)
+                evicted = True
+        finally:  # a wanted storage left resident is hidden again, even when nothing would fit
+            self._hide(exposed)
         if evicted:
             telemetry.evicting_allocations += 1
             telemetry.free_fraction_sum += (pool.capacity - pool.used) / pool.capacity

@@ -16,9 +16,9 @@ class Telemetry:
     evicting_allocations: int = 0  # allocations that had to evict before they fitted
     free_fraction_sum: float = 0.0  # sum over those of free bytes / capacity once placed
     peak_bytes: int = 0  # most bytes held by the pool at once
-    working_set: int = (
-        0  # most bytes an op needed at its first run (constants, inputs, new outputs), or the end
-    )
+    # Most bytes an op needed at its first run (constants, inputs, new outputs, scratch), or the end:
+    # no budget below it can work, but it may not suffice (NOTE [worst case] in ``core.worst_case``).
+    working_set: int = 0
 
     @property
     def fragmentation(self) -> float:

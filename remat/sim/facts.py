@@ -1,15 +1,18 @@
-"""What a budget is measured against: a trace's unconstrained peak, base compute and working set.
+"""What a budget is measured against: a trace's unconstrained peak, base compute, working set and
+worst case.
 
 The *unconstrained peak* is ``Trace.peak_bytes`` (``remat.trace.liveness``): no budget, constants
 included, a storage freed when its last handle goes. A ratio budget is a fraction of it.
 
 The *working set* is the most memory any single op needs at its first run under the runtime's own
-rules (the constants it keeps, the op's inputs and its new outputs), or the end of the run, where
-everything the program keeps is resident at once (``Runtime.finish``). Below it nothing can run
-to the end; at or above it the runtime does not run out of memory when counting bytes (NOTE
-[relaxed locks] in :mod:`remat.core.runtime`; the property tests check it on random programs). It
-depends on whether mutations copy, so it is found by running the runtime itself with room for
-everything.
+rules (the constants it keeps, the op's inputs, its new outputs and its scratch), or the end of the
+run, where everything the program keeps is resident at once (``Runtime.finish``). Below it nothing
+can run to the end, but at it a restore may still run out: the *worst case*
+(:func:`remat.core.worst_case.worst_case`) adds what restores can need, each op re-run whole and the
+end's restores beside what is held firm (NOTE [worst case]). At or above the worst case the runtime
+does not run out of memory when counting bytes, whatever it evicts (the property tests check it on
+random programs); the simulator refuses budgets below it. Both depend on whether mutations copy,
+so they are found by running the runtime itself with room for everything.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 from remat.core.pool import BytePool, End
 from remat.core.residency import Residency
+from remat.core.worst_case import worst_case
 from remat.sim.backend import run_trace
 from remat.trace.types import Op, Trace
 
@@ -29,7 +33,8 @@ class Facts:
 
     peak_bytes: int
     base_compute: float  # seconds: every op once
-    working_set: int
+    working_set: int  # no budget below it can run
+    worst_case: int  # at or above it, counting bytes never runs out (NOTE [worst case])
     ops: int
 
 
@@ -43,7 +48,8 @@ def facts(trace: Trace, inplace: bool) -> Facts:
     found = _CACHE.get(key)
     if found is None:
         runtime = run_trace(trace, BytePool(2**62), _Unbounded(inplace))
-        found = Facts(trace.peak_bytes, trace.total_cost, runtime.telemetry.working_set, len(trace.ops))
+        working_set = runtime.telemetry.working_set
+        found = Facts(trace.peak_bytes, trace.total_cost, working_set, worst_case(runtime), len(trace.ops))
         _CACHE[key] = found
         weakref.finalize(trace, _CACHE.pop, key, None)
     return found

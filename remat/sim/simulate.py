@@ -65,8 +65,11 @@ def simulate(
         raise RematValueError(
             message(_API, "the budget comes to no bytes", f"{budget!r} of {known.peak_bytes}", "raise it")
         )
-    if nbytes < known.working_set:
-        reason = f"the budget is below the working set; it needs at least {format_bytes(known.working_set)}"
+    if nbytes < known.worst_case:  # NOTE [worst case] in remat.core.worst_case
+        below = "what restores can need in the worst case"
+        if nbytes < known.working_set:
+            below = "the working set"
+        reason = f"the budget is below {below}; it needs at least {format_bytes(known.worst_case)}"
         return _result(trace, chosen, layout, nbytes, known, costs, Outcome.OOM, reason=reason)
     pool = make_pool(nbytes, layout, fit)
     backend = SimBackend(known.base_compute, known.ops, limit)
@@ -76,10 +79,10 @@ def simulate(
         drive(runtime, trace, backend)
     except OutOfMemory as error:
         if error.needed > nbytes:
-            needed = max(error.needed, known.working_set)
+            needed = max(error.needed, known.worst_case)
             reason = f"{error}; it needs at least {format_bytes(needed)}"
         else:  # enough bytes, but pinned pieces split them (address pools only)
-            needed = known.working_set
+            needed = known.worst_case
             reason = f"{error}: the free memory is fragmented by pinned pieces; try layout=False or 'coop'"
         return _result(
             trace, chosen, layout, nbytes, known, costs, Outcome.OOM, runtime, backend, reason, needed
@@ -172,7 +175,7 @@ def _result(
         overhead=overhead,
         peak_bytes=telemetry.peak_bytes if telemetry else 0,
         unconstrained_peak=known.peak_bytes,
-        needed_bytes=known.working_set if needed is None else needed,
+        needed_bytes=known.worst_case if needed is None else needed,
         evictions=telemetry.evictions if telemetry else 0,
         recomputations=telemetry.recomputations if telemetry else 0,
         fragmentation=telemetry.fragmentation if telemetry else 0.0,

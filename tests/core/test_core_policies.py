@@ -181,9 +181,9 @@ class BruteForceDTR(DTR):
 
 
 def feasible(trace: Trace, fraction: float) -> int:
-    """A budget between the working set and the unconstrained peak."""
+    """A budget between the worst case (at or above it no run runs out of memory) and the peak."""
     known = facts(trace, inplace=False)
-    return known.working_set + int(fraction * max(known.peak_bytes - known.working_set, 0))
+    return known.worst_case + int(fraction * max(known.peak_bytes - known.worst_case, 0))
 
 
 @settings(max_examples=40, deadline=None)

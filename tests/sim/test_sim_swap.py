@@ -66,8 +66,8 @@ def test_the_result_names_the_link_and_the_overhead_counts_stalls() -> None:
     st.floats(0.0, 1.0),
 )
 def test_swapping_keeps_values_and_the_budget(trace: Trace, policy: str, fraction: float) -> None:
-    working_set = facts(trace, get(policy).inplace).working_set
-    budget = working_set + int(fraction * max(0, trace.peak_bytes - working_set))
+    worst = facts(trace, get(policy).inplace).worst_case
+    budget = worst + int(fraction * max(0, trace.peak_bytes - worst))
     swapped = simulate(trace, budget, policy, thrash_limit=10.0, link=FAST)
     if swapped.outcome is Outcome.OK:  # every op read the values of the plain run, or it raised
         assert swapped.peak_bytes <= swapped.budget
