@@ -11,8 +11,9 @@ can run to the end, but at it a restore may still run out: the *worst case*
 (:func:`remat.core.worst_case.worst_case`) adds what restores can need, each op re-run whole and the
 end's restores beside what is held firm (NOTE [worst case]). At or above the worst case the runtime
 does not run out of memory when counting bytes, whatever it evicts (the property tests check it on
-random programs); the simulator refuses budgets below it. Both depend on whether mutations copy,
-so they are found by running the runtime itself with room for everything.
+random programs); the simulator refuses budgets below the working set and runs those between the
+two. Both depend on whether mutations copy, so they are found by running the runtime itself with
+room for everything.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class SimResult:
     overhead: float
     peak_bytes: int
     unconstrained_peak: int
-    needed_bytes: int  # the least budget under which every op can run (the working set)
+    needed_bytes: int  # a budget at which counting bytes never runs out (the worst case, or more)
     evictions: int
     recomputations: int
     fragmentation: float

@@ -65,11 +65,11 @@ def simulate(
         raise RematValueError(
             message(_API, "the budget comes to no bytes", f"{budget!r} of {known.peak_bytes}", "raise it")
         )
-    if nbytes < known.worst_case:  # NOTE [worst case] in remat.core.worst_case
-        below = "what restores can need in the worst case"
-        if nbytes < known.working_set:
-            below = "the working set"
-        reason = f"the budget is below {below}; it needs at least {format_bytes(known.worst_case)}"
+    if nbytes < known.working_set:  # no run can fit; between it and the worst case, some may
+        reason = (
+            f"the budget is below the working set ({format_bytes(known.working_set)}); "
+            f"{format_bytes(known.worst_case)} is always enough when counting bytes"
+        )
         return _result(trace, chosen, layout, nbytes, known, costs, Outcome.OOM, reason=reason)
     pool = make_pool(nbytes, layout, fit)
     backend = SimBackend(known.base_compute, known.ops, limit)
@@ -79,8 +79,8 @@ def simulate(
         drive(runtime, trace, backend)
     except OutOfMemory as error:
         if error.needed > nbytes:
-            needed = max(error.needed, known.worst_case)
-            reason = f"{error}; it needs at least {format_bytes(needed)}"
+            needed = max(error.needed, known.worst_case)  # NOTE [worst case] in remat.core.worst_case
+            reason = f"{error}; {format_bytes(needed)} is always enough when counting bytes"
         else:  # enough bytes, but pinned pieces split them (address pools only)
             needed = known.worst_case
             reason = f"{error}: the free memory is fragmented by pinned pieces; try layout=False or 'coop'"
