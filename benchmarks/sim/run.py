@@ -33,7 +33,7 @@ PAPER = {
     "lstm-128": (1.30, 1.07, 1.03),
 }
 RATIOS = [round(0.2 + 0.1 * i, 1) for i in range(8)]
-POLICIES = ["dtr", "dte", "coop", "coop-total"]
+POLICIES = ["dtr", "dte", "coop", "coop-per-byte", "coop-total"]
 ABLATION = [
     "coop",
     "coop-total",

@@ -1,7 +1,7 @@
 """DTR, DTE and Coop on the zoo at paper size (fake-traced), with the Coop ablation; see README.md.
 
     .venv/bin/python benchmarks/sim/zoo.py [--cache DIR] [--out DIR] [--jobs 2] [--only NAME,...]
-        [--report-only]
+        [--policies NAME,...] [--no-ablation] [--report-only]
 
 Traces are captured on fake tensors once and cached (``--cache``, default ``benchmarks/sim/traces``,
 ignored by git), and so is every finished simulation (``results.jsonl`` there: a rerun resumes).
@@ -111,11 +111,11 @@ def cell(r: SimResult | None, field: str) -> str:
     return f"{r.overhead:.3f}" if field == "overhead" else f"{100 * r.fragmentation:.1f}%"
 
 
-def table(results: Results, names: Sequence[str], field: str) -> str:
+def table(results: Results, names: Sequence[str], policies: Sequence[str], field: str) -> str:
     lines = ["| model | policy | " + " | ".join(f"{x:.1f}" for x in RATIOS) + " |"]
     lines.append("|---|---|" + "---:|" * len(RATIOS))
     for name in names:
-        for policy in POLICIES:
+        for policy in policies:
             cells = " | ".join(cell(results.get((name, policy, r)), field) for r in RATIOS)
             lines.append(f"| {name} | {policy} | {cells} |")
     return "\n".join(lines)
@@ -148,7 +148,7 @@ def losses(results: Results, names: Sequence[str], policy: str) -> str:
     return "\n".join(lines)
 
 
-def plot(results: Results, names: Sequence[str], field: str, path: Path) -> None:
+def plot(results: Results, names: Sequence[str], policies: Sequence[str], field: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +158,7 @@ def plot(results: Results, names: Sequence[str], field: str, path: Path) -> None
     rows = math.ceil(len(names) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.3 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names, strict=False):
-        for policy in POLICIES:
+        for policy in policies:
             runs = [results.get((name, policy, r)) for r in RATIOS]
             done = [r for r in runs if r is not None and r.outcome is Outcome.OK]
             values = [r.overhead if field == "overhead" else 100 * r.fragmentation for r in done]
@@ -185,6 +185,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations at once")
     parser.add_argument("--only", help="comma-separated zoo names (default: the whole zoo)")
     parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated policies of the sweep"
+    )
+    parser.add_argument("--no-ablation", action="store_true", help="skip the Coop ablation")
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="tables and figures from the stored results; n/a where none",
@@ -193,7 +197,8 @@ def main() -> None:
     torch.set_num_threads(1)
     out, cache = Path(args.out), Path(args.cache)
     names = args.only.split(",") if args.only else list(zoo.names())
-    ablated = [n for n in ABLATED if n.partition("-sgd")[0] in names]
+    policies = args.policies.split(",")
+    ablated = [] if args.no_ablation else [n for n in ABLATED if n.partition("-sgd")[0] in names]
     machine = platform.processor() or platform.machine()
     print(f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, {machine}")
 
@@ -213,7 +218,7 @@ def main() -> None:
     print(f"\ntracing (or loading) took {time.perf_counter() - start:.0f} s")
 
     # Coop and the baselines before the variant and the ablation, in case the run is cut short.
-    jobs = [(n, p, r) for p in ("coop", "dte", "dtr", "coop-total") for n in names for r in RATIOS]
+    jobs = [(n, p, r) for p in policies for n in names for r in RATIOS]
     jobs += [(n, p, r) for n in ablated for p in ABLATION for r in ABLATION_RATIOS.get(n, (0.3, 0.5, 0.7))]
     jobs = list(dict.fromkeys(jobs))
     start = time.perf_counter()
@@ -226,10 +231,11 @@ def main() -> None:
     elif missing:
         print(f"\n{len(missing)} of {len(jobs)} simulations not run: " + ", ".join(map(str, missing)))
 
-    print(f"\n## Overhead\n\n{table(results, names, 'overhead')}")
-    print(f"\n## Fragmentation\n\n{table(results, names, 'fragmentation')}")
+    print(f"\n## Overhead\n\n{table(results, names, policies, 'overhead')}")
+    print(f"\n## Fragmentation\n\n{table(results, names, policies, 'fragmentation')}")
     print(f"\n## Where Coop loses\n\n{losses(results, names, 'coop')}")
-    print(f"\n{losses(results, names, 'coop-total')}")
+    if "coop-total" in policies:
+        print(f"\n{losses(results, names, 'coop-total')}")
     print("\n## Coop ablation (overhead; fragmentation)\n")
     print("| model | ratio | " + " | ".join(ABLATION) + " |\n|---|---|" + "---|" * len(ABLATION))
     for name in ablated:
@@ -241,17 +247,17 @@ def main() -> None:
                 + " |"
             )
     print("\n## Victim search per evicting allocation (median over the ratios that finished)\n")
-    print("| model | tensors | " + " | ".join(POLICIES) + " |\n|---|---:|" + "---:|" * len(POLICIES))
+    print("| model | tensors | " + " | ".join(policies) + " |\n|---|---:|" + "---:|" * len(policies))
     for name in names:
         cells = []
-        for policy in POLICIES:
+        for policy in policies:
             runs = [results.get((name, policy, r)) for r in RATIOS]
             done = [r.search_per_allocation for r in runs if r is not None and r.outcome is Outcome.OK]
             cells.append(f"{1e3 * float(np.median(done)):.2f} ms" if done else "-")
         print(f"| {name} | {len(_TRACES[name].tensors):,} | " + " | ".join(cells) + " |")
 
-    plot(results, names, "overhead", out / "zoo_overhead.png")
-    plot(results, names, "fragmentation", out / "zoo_fragmentation.png")
+    plot(results, names, policies, "overhead", out / "zoo_overhead.png")
+    plot(results, names, policies, "fragmentation", out / "zoo_fragmentation.png")
     records = [results[job].to_dict() for job in jobs if job in results]
     (out / "zoo.json").write_text(
         json.dumps(records, indent=1, default=lambda x: None if math.isnan(x) else x)

@@ -136,6 +136,15 @@ def test_coop_windows_by_density_total_cost_and_cost_per_byte() -> None:
     assert get("coop-per-byte").choose(runtime, 55) == []  # no run holds 55 bytes
 
 
+def test_summed_density_prefers_one_dear_storage_to_several_cheap_ones() -> None:
+    # [A 40 cost 4][locked 1][B 10 cost 0.5][C 10 cost 0.5][D 10 cost 0.5][E 10 cost 0.5]
+    # NOTE [window score]: B..E hold A's bytes for half its cost, but their summed h is twice A's.
+    pieces = [(40, 4.0, "evictable"), (1, 0.0, "locked")] + [(10, 0.5, "evictable")] * 4
+    runtime = staged(pieces, capacity=81)
+    assert get("coop").choose(runtime, 40) == [0]  # h: 4 / 40 against 4 * 0.5 / 10
+    assert get("coop-per-byte").choose(runtime, 40) == [2, 3, 4, 5]  # 2 for 40 bytes against 4
+
+
 def test_dte_prefers_the_storage_next_to_free_space() -> None:
     # Two identical candidates; the second borders a 20-byte hole.
     runtime = staged([(20, 1.0, "evictable"), (10, 0, "locked"), (20, 1.0, "evictable"), (20, 0, "free")])
