@@ -1,5 +1,15 @@
 """What a region's ``keep`` names: the modules, optimizers and tensors registered before its
-first op, and the ones its undo snapshot covers (:mod:`remat.dynamic.undo`)."""
+first op, and the ones its undo snapshot covers (:mod:`remat.dynamic.undo`).
+
+The gradients the kept modules' parameters and the kept tensors hold at the entry (left by
+``zero_grad(set_to_none=False)``, accumulated into by the backward) are registered with them.
+
+NOTE [arriving constants] A tensor from before the block that is neither in ``keep`` nor such a
+gradient (a second input batch first read mid-step) holds memory from the block's start, but the
+runtime learns of it only when an op first reads it, and the pool may be full by then. So each
+block sets aside, beside the reserve, the bytes of the constants that arrived that way in the block
+before (``arriving``; the pool gets the rest): the first block's arrivals are the reserve's to cover.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +25,9 @@ API = "dynamic"
 
 
 def members(keep: object) -> list[object]:
-    """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
-    state tensors, in that order after their owner), from (nested) sequences or mappings."""
+    """Every module, optimizer and tensor of ``keep`` (modules' parameters, buffers and gradients,
+    optimizers' state tensors, in that order after their owner; a tensor's gradient after it), from
+    (nested) sequences or mappings."""
     found: list[object] = []
     _visit(keep, found)
     return found
@@ -27,10 +38,13 @@ def _visit(item: object, found: list[object]) -> None:
     itself: that would be a reference cycle on every region's entry)."""
     if isinstance(item, torch.Tensor):
         found.append(item)
+        if item.is_leaf and item.grad is not None:
+            found.append(item.grad)
     elif isinstance(item, nn.Module):
         found.append(item)
         found.extend(item.parameters())
         found.extend(item.buffers())
+        found.extend(p.grad for p in item.parameters() if p.grad is not None)
     elif isinstance(item, torch.optim.Optimizer):
         found.append(item)
         for state in item.state.values():

@@ -142,6 +142,7 @@ class Dynamic:
         self._depth = sys.getrecursionlimit()
         self._collecting = True
         self._snapshot: Snapshot | None = None
+        self.arriving = 0  # NOTE [arriving constants] in ``keep``: of the last completed block
 
     @property
     def stats(self) -> DynamicStats:
@@ -183,6 +184,7 @@ class Dynamic:
                     "raise the budget",
                 )
             ) from None
+        self._entered = engine.outside_bytes  # NOTE [arriving constants] in ``keep``: what arrives later
         self._snapshot = take(listed)
         if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
             for state in self._snapshot.rng.tensors():
@@ -219,6 +221,7 @@ class Dynamic:
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
+                self.arriving = self._stats.arrived_bytes  # NOTE [arriving constants] in ``keep``
                 if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
                     budget = max(1, int(self.ratio * self._stats.peak_bytes))
                     self.reserve = _reserve(self._reserve_spec, budget)
@@ -234,15 +237,15 @@ class Dynamic:
 
     @property
     def capacity(self) -> int:
-        """What the pool may hold: the budget less the reserve."""
-        return self.budget - self.reserve
+        """What the pool may hold: the budget less the reserve and the arriving constants' room."""
+        return max(1, self.budget - self.reserve - self.arriving)
 
     def least_budget(self, needed: int) -> int:
         """The smallest budget whose pool holds ``needed`` bytes with this region's reserve."""
         spec = self._reserve_spec
         if isinstance(spec, float):
-            return math.ceil(needed / (1.0 - spec)) + 1
-        return needed + self.reserve
+            return math.ceil((needed + self.arriving) / (1.0 - spec)) + 1
+        return needed + self.reserve + self.arriving
 
     def _fail(self, engine: Engine, error: Exception) -> Exception:
         """An op of the region cannot run within the budget: undo the step at once, wherever the
@@ -287,6 +290,8 @@ class Dynamic:
             budget=self.budget,
             reserve=self.reserve,
             outside_bytes=engine.outside_bytes,
+            arriving=self.arriving,
+            arrived_bytes=engine.outside_bytes - self._entered,
             moments=tuple(engine.moments),
             ops=engine.ops,
             evictions=engine.marks[0],

@@ -93,6 +93,8 @@ class DynamicStats:
     budget: int
     reserve: int  # of the budget, set aside for what the runtime cannot count ahead; the pool has the rest
     outside_bytes: int  # of the storages from before the region that it counted (constants)
+    arriving: int  # set aside beside the reserve (NOTE [arriving constants] in ``.keep``)
+    arrived_bytes: int  # of the constants an op first read after the entry: the next block's ``arriving``
     ops: int
     evictions: int  # while the program ran (not counting the hand-over at the end)
     recomputations: int  # likewise
@@ -118,8 +120,8 @@ class DynamicStats:
 
     @property
     def capacity(self) -> int:
-        """What the pool could hold: the budget less the reserve."""
-        return self.budget - self.reserve
+        """What the pool could hold: the budget less the reserve and ``arriving``."""
+        return max(1, self.budget - self.reserve - self.arriving)
 
     @property
     def overhead(self) -> float:
