@@ -9,16 +9,19 @@ gradient (a second input batch first read mid-step) holds memory from the block'
 runtime learns of it only when an op first reads it, and the pool may be full by then. So each
 block sets aside, beside the reserve, the bytes of the constants that arrived that way in the block
 before (``arriving``; the pool gets the rest): the first block's arrivals are the reserve's to cover.
+One that arrives before any op made a tensor (the batch the first op reads) was never beside a
+full pool, except in the arena, which holds its piece of the pool as a hole beside its own memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from remat._errors import RematTypeError, message
+from remat.trace.types import TensorInfo
 
 API = "dynamic"
 """The API name in the errors of ``remat.dynamic``."""
@@ -31,6 +34,15 @@ def members(keep: object) -> list[object]:
     found: list[object] = []
     _visit(keep, found)
     return found
+
+
+def arrived(tensors: Sequence[TensorInfo], outside: Iterable[int], entered: int, places: bool) -> int:
+    """The bytes of the constants from before the block (handles ``outside``) that arrived beside
+    memory the pool did not count (NOTE [arriving constants]): registered after the entry (the
+    first ``entered`` handles) by a backend that ``places`` tensors, else once an op made one."""
+    made = next((t.id for t in tensors if not t.constant), len(tensors))
+    since = entered if places else made
+    return sum(tensors[h].nbytes for h in outside if h >= since)
 
 
 def _visit(item: object, found: list[object]) -> None:

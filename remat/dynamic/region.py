@@ -44,7 +44,7 @@ from remat.dynamic import backends, homes
 from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.failures import explain
-from remat.dynamic.keep import API, members
+from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
 from remat.dynamic.wanted import watch
@@ -184,7 +184,7 @@ class Dynamic:
                     "raise the budget",
                 )
             ) from None
-        self._entered = engine.outside_bytes  # NOTE [arriving constants] in ``keep``: what arrives later
+        self._entered = len(engine.tensors)  # NOTE [arriving constants] in ``keep``: later handles arrive
         self._snapshot = take(listed)
         if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
             for state in self._snapshot.rng.tensors():
@@ -237,15 +237,15 @@ class Dynamic:
 
     @property
     def capacity(self) -> int:
-        """What the pool may hold: the budget less the reserve and the arriving constants' room."""
-        return max(1, self.budget - self.reserve - self.arriving)
+        """The budget less the reserve and ``arriving``, rounded down (NOTE [alignment] in ``homes``)."""
+        free = self.budget - self.reserve - self.arriving
+        return max(1, free - free % homes.ALIGNMENT)
 
     def least_budget(self, needed: int) -> int:
         """The smallest budget whose pool holds ``needed`` bytes with this region's reserve."""
+        needed += self.arriving + homes.ALIGNMENT - 1  # the capacity is rounded down
         spec = self._reserve_spec
-        if isinstance(spec, float):
-            return math.ceil((needed + self.arriving) / (1.0 - spec)) + 1
-        return needed + self.reserve + self.arriving
+        return math.ceil(needed / (1.0 - spec)) + 1 if isinstance(spec, float) else needed + self.reserve
 
     def _fail(self, engine: Engine, error: Exception) -> Exception:
         """An op of the region cannot run within the budget: undo the step at once, wherever the
@@ -291,7 +291,8 @@ class Dynamic:
             reserve=self.reserve,
             outside_bytes=engine.outside_bytes,
             arriving=self.arriving,
-            arrived_bytes=engine.outside_bytes - self._entered,
+            capacity=self.capacity,
+            arrived_bytes=arrived(engine.tensors, engine.entry, self._entered, backend.places),
             moments=tuple(engine.moments),
             ops=engine.ops,
             evictions=engine.marks[0],
@@ -341,10 +342,9 @@ def dynamic(
     ``"coop"`` ...) or a policy object. ``backend``: ``"accounting"`` (tensors
     stay in PyTorch's allocator, the core's pool keeps the accounts) or ``"arena"`` (one buffer of
     ``budget`` bytes allocated up front, outputs placed at the addresses the pool chooses).
-    ``keep``: modules, optimizers and tensors to register as constants before the first op, in that
-    order (they would become constants anyway when first read; registering them first fixes the
-    pool's layout, as in the simulator, which registers every constant first). ``layout``: model
-    addresses (needed by Coop) or count bytes. ``fit``: ``"best"`` or ``"first"``.
+    ``keep``: modules, optimizers and tensors (with their gradients) to count from the start, in
+    that order (others count from their first read: NOTE [arriving constants] in ``keep``).
+    ``layout``: model addresses (needed by Coop) or count bytes. ``fit``: ``"best"`` or ``"first"``.
     ``thrash_limit``: stop with an error once recomputation costs more than ``thrash_limit - 1``
     times the first runs so far. ``cost``: what an op costs for the policy, ``"measured"`` (its
     time, as DTR) or ``"model"`` (the estimate of :mod:`remat.trace.cost`: no timing noise, so the
