@@ -91,8 +91,9 @@ class ArenaBackend(AccountingBackend):
         NOTE [arena offset] The constants registered at the region's entry (``keep``) are placed
         first, from address 0 up, and never leave; they keep their own memory, so the arena starts
         past them and the budget does not count them twice. A constant first read later keeps its
-        memory too and leaves a hole of its size in the arena: the reserve covers it (pass it in
-        ``keep`` to avoid that). The segments of the constants' tiny blocks lie among them and
+        memory too and leaves a hole of its size in the arena: the room set aside for arriving
+        constants covers it (NOTE [arriving constants] in ``keep``), and in a region's first block
+        the reserve. The segments of the constants' tiny blocks lie among them and
         are sealed, so that no block of the arena's is placed there."""
         self.pool.seal()
         self.start = self.pool.used

@@ -19,6 +19,7 @@ class Limits(Protocol):
 
     budget: int
     reserve: int
+    arriving: int
     policy: EvictionPolicy
     thrash_limit: float
 
@@ -54,7 +55,8 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
                 API,
                 f"the budget cannot hold what {what} at once: it needs at least "
                 f"{failure.needed} bytes = {format_bytes(failure.needed)} beside the reserve",
-                f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes",
+                f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes"
+                + (f", {region.arriving} bytes set aside for arriving constants" if region.arriving else ""),
                 f"pass a budget of at least {least} bytes",
             )
         )

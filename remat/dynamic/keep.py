@@ -1,25 +1,48 @@
 """What a region's ``keep`` names: the modules, optimizers and tensors registered before its
-first op, and the ones its undo snapshot covers (:mod:`remat.dynamic.undo`)."""
+first op, and the ones its undo snapshot covers (:mod:`remat.dynamic.undo`).
+
+The gradients the kept modules' parameters and the kept tensors hold at the entry (left by
+``zero_grad(set_to_none=False)``, accumulated into by the backward) are registered with them.
+
+NOTE [arriving constants] A tensor from before the block that is neither in ``keep`` nor such a
+gradient (a second input batch first read mid-step) holds memory from the block's start, but the
+runtime learns of it only when an op first reads it, and the pool may be full by then. So each
+block sets aside, beside the reserve, the bytes of the constants that arrived that way in the block
+before (``arriving``; the pool gets the rest): the first block's arrivals are the reserve's to cover.
+One that arrives before any op made a tensor (the batch the first op reads) was never beside a
+full pool, except in the arena, which holds its piece of the pool as a hole beside its own memory.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from remat._errors import RematTypeError, message
+from remat.trace.types import TensorInfo
 
 API = "dynamic"
 """The API name in the errors of ``remat.dynamic``."""
 
 
 def members(keep: object) -> list[object]:
-    """Every module, optimizer and tensor of ``keep`` (modules' parameters and buffers, optimizers'
-    state tensors, in that order after their owner), from (nested) sequences or mappings."""
+    """Every module, optimizer and tensor of ``keep`` (modules' parameters, buffers and gradients,
+    optimizers' state tensors, in that order after their owner; a tensor's gradient after it), from
+    (nested) sequences or mappings."""
     found: list[object] = []
     _visit(keep, found)
     return found
+
+
+def arrived(tensors: Sequence[TensorInfo], outside: Iterable[int], entered: int, places: bool) -> int:
+    """The bytes of the constants from before the block (handles ``outside``) that arrived beside
+    memory the pool did not count (NOTE [arriving constants]): registered after the entry (the
+    first ``entered`` handles) by a backend that ``places`` tensors, else once an op made one."""
+    made = next((t.id for t in tensors if not t.constant), len(tensors))
+    since = entered if places else made
+    return sum(tensors[h].nbytes for h in outside if h >= since)
 
 
 def _visit(item: object, found: list[object]) -> None:
@@ -27,10 +50,13 @@ def _visit(item: object, found: list[object]) -> None:
     itself: that would be a reference cycle on every region's entry)."""
     if isinstance(item, torch.Tensor):
         found.append(item)
+        if item.is_leaf and item.grad is not None:
+            found.append(item.grad)
     elif isinstance(item, nn.Module):
         found.append(item)
         found.extend(item.parameters())
         found.extend(item.buffers())
+        found.extend(p.grad for p in item.parameters() if p.grad is not None)
     elif isinstance(item, torch.optim.Optimizer):
         found.append(item)
         for state in item.state.values():

@@ -44,7 +44,7 @@ from remat.dynamic import backends, homes
 from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.failures import explain
-from remat.dynamic.keep import API, members
+from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
 from remat.dynamic.wanted import watch
@@ -142,6 +142,7 @@ class Dynamic:
         self._depth = sys.getrecursionlimit()
         self._collecting = True
         self._snapshot: Snapshot | None = None
+        self.arriving = 0  # NOTE [arriving constants] in ``keep``: of the last completed block
 
     @property
     def stats(self) -> DynamicStats:
@@ -183,6 +184,7 @@ class Dynamic:
                     "raise the budget",
                 )
             ) from None
+        self._entered = len(engine.tensors)  # NOTE [arriving constants] in ``keep``: later handles arrive
         self._snapshot = take(listed)
         if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
             for state in self._snapshot.rng.tensors():
@@ -219,6 +221,7 @@ class Dynamic:
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
+                self.arriving = self._stats.arrived_bytes  # NOTE [arriving constants] in ``keep``
                 if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
                     budget = max(1, int(self.ratio * self._stats.peak_bytes))
                     self.reserve = _reserve(self._reserve_spec, budget)
@@ -234,15 +237,15 @@ class Dynamic:
 
     @property
     def capacity(self) -> int:
-        """What the pool may hold: the budget less the reserve."""
-        return self.budget - self.reserve
+        """The budget less the reserve and ``arriving``, rounded down (NOTE [alignment] in ``homes``)."""
+        free = self.budget - self.reserve - self.arriving
+        return max(1, free - free % homes.ALIGNMENT)
 
     def least_budget(self, needed: int) -> int:
         """The smallest budget whose pool holds ``needed`` bytes with this region's reserve."""
+        needed += self.arriving + homes.ALIGNMENT - 1  # the capacity is rounded down
         spec = self._reserve_spec
-        if isinstance(spec, float):
-            return math.ceil(needed / (1.0 - spec)) + 1
-        return needed + self.reserve
+        return math.ceil(needed / (1.0 - spec)) + 1 if isinstance(spec, float) else needed + self.reserve
 
     def _fail(self, engine: Engine, error: Exception) -> Exception:
         """An op of the region cannot run within the budget: undo the step at once, wherever the
@@ -287,6 +290,9 @@ class Dynamic:
             budget=self.budget,
             reserve=self.reserve,
             outside_bytes=engine.outside_bytes,
+            arriving=self.arriving,
+            capacity=self.capacity,
+            arrived_bytes=arrived(engine.tensors, engine.entry, self._entered, backend.places),
             moments=tuple(engine.moments),
             ops=engine.ops,
             evictions=engine.marks[0],
@@ -336,10 +342,9 @@ def dynamic(
     ``"coop"`` ...) or a policy object. ``backend``: ``"accounting"`` (tensors
     stay in PyTorch's allocator, the core's pool keeps the accounts) or ``"arena"`` (one buffer of
     ``budget`` bytes allocated up front, outputs placed at the addresses the pool chooses).
-    ``keep``: modules, optimizers and tensors to register as constants before the first op, in that
-    order (they would become constants anyway when first read; registering them first fixes the
-    pool's layout, as in the simulator, which registers every constant first). ``layout``: model
-    addresses (needed by Coop) or count bytes. ``fit``: ``"best"`` or ``"first"``.
+    ``keep``: modules, optimizers and tensors (with their gradients) to count from the start, in
+    that order (others count from their first read: NOTE [arriving constants] in ``keep``).
+    ``layout``: model addresses (needed by Coop) or count bytes. ``fit``: ``"best"`` or ``"first"``.
     ``thrash_limit``: stop with an error once recomputation costs more than ``thrash_limit - 1``
     times the first runs so far. ``cost``: what an op costs for the policy, ``"measured"`` (its
     time, as DTR) or ``"model"`` (the estimate of :mod:`remat.trace.cost`: no timing noise, so the

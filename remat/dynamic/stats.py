@@ -93,6 +93,9 @@ class DynamicStats:
     budget: int
     reserve: int  # of the budget, set aside for what the runtime cannot count ahead; the pool has the rest
     outside_bytes: int  # of the storages from before the region that it counted (constants)
+    arriving: int  # set aside beside the reserve (NOTE [arriving constants] in ``.keep``)
+    capacity: int  # what the pool could hold: the budget less the reserve and ``arriving``, aligned
+    arrived_bytes: int  # of the constants that arrived uncounted (``keep.arrived``): the next ``arriving``
     ops: int
     evictions: int  # while the program ran (not counting the hand-over at the end)
     recomputations: int  # likewise
@@ -117,11 +120,6 @@ class DynamicStats:
     """With ``swap=``: victims sent to host memory, reloads, host bytes and predicted stalls."""
 
     @property
-    def capacity(self) -> int:
-        """What the pool could hold: the budget less the reserve."""
-        return self.budget - self.reserve
-
-    @property
     def overhead(self) -> float:
         """1 + measured recomputation time / measured first-run time of the ops."""
         return 1.0 + self.recompute_seconds / self.base_seconds if self.base_seconds else 1.0
@@ -134,8 +132,9 @@ class DynamicStats:
         backend = SimBackend(self.trace.total_cost, len(self.trace.ops), math.inf)
         compact = self.backend == "accounting"  # NOTE [model addresses] in ``remat.core.runtime``
         runtime = Runtime(pool, recorder, backend, compact=compact)
-        runtime.expect(self.wants)  # NOTE [wanted at the end] in ``remat.core.residency``
-        drive(runtime, self.trace, backend, finish=False)  # up to the last op, as ``overhead``
+        drive(
+            runtime, self.trace, backend, finish=False, wants=self.wants
+        )  # up to the last op, as ``overhead``
         base = self.trace.total_cost
         predicted = 1.0 + backend.meter.recompute_cost / base if base else 1.0
         measured = self.overhead

@@ -12,6 +12,7 @@ storage swapped to the host (:mod:`remat.core.swap`) keeps its value there until
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from remat._errors import RecomputationError
 from remat.core.driver import ThrashMeter, deep_recursion
@@ -87,20 +88,53 @@ def run_trace(
     return runtime
 
 
-def drive(runtime: Runtime, trace: Trace, backend: SimBackend, finish: bool = True) -> None:
+def drive(
+    runtime: Runtime,
+    trace: Trace,
+    backend: SimBackend,
+    finish: bool = True,
+    wants: Sequence[tuple[int, int]] = (),
+) -> None:
     """Feed every event of ``trace`` to ``runtime``, then (``finish``) restore what it leaves live.
     Raises :class:`~remat.core.pool.OutOfMemory` or :class:`~remat.core.driver.Thrashed` when
-    the run cannot finish."""
+    the run cannot finish. ``wants``: the marks another run of the trace made (its
+    ``Residency.wants``: ops run before, handle), made again at the same moments, each before the
+    constants the next op shows first (NOTE [wanted at the end] in ``remat.core.residency``).
+
+    NOTE [first sight] Constants are registered where the program first showed them: the ones
+    before the first tensor an op made (parameters, inputs) before the first event, each later one
+    (a tensor from before a dynamic region that an op first read mid-region) just before the first
+    op that reads or writes it, as ``remat.dynamic`` registers it. Registering a constant can evict,
+    so registering it earlier would change the decisions."""
     tensors = trace.tensors
+    due: dict[int, list[int]] = {}
+    for position, handle in wants:
+        due.setdefault(position, []).append(handle)
+    made = next((t.id for t in tensors if not t.constant), len(tensors))
+    later = {t.id for t in tensors if t.constant and t.id > made}
+
+    def register(tensor: int) -> None:
+        runtime.constant(tensor, tensors[tensor].nbytes)
+        backend.constant(runtime.storage_of(tensor), tensor)
+
     with deep_recursion():
-        for tensor in tensors:
-            if tensor.constant:
-                runtime.constant(tensor.id, tensor.nbytes)
-                backend.constant(runtime.storage_of(tensor.id), tensor.id)
+        for tensor in range(made):
+            register(tensor)
+        ops = 0
         for event in trace.events:
             if isinstance(event, Op):
+                for handle in due.pop(ops, ()):
+                    runtime.want(handle)
+                ops += 1
+                if later and (seen := later.intersection((*event.inputs, *event.mutates))):
+                    for tensor in sorted(seen):
+                        register(tensor)
+                    later -= seen
                 runtime.call(event, [tensors[t] for t in event.outputs])
             else:
                 runtime.release(event.tensor)
         if finish:
+            for position in sorted(due):
+                for handle in due[position]:
+                    runtime.want(handle)
             runtime.finish()

@@ -26,7 +26,7 @@ from dynamic_models import WORKLOADS, Result, assert_same, copies, train
 from torch import nn
 
 import remat
-from remat.dynamic import Dynamic, DynamicStats, backends
+from remat.dynamic import Dynamic, DynamicStats, backends, homes
 from remat.sim.result import Outcome
 from remat.sim.simulate import simulate
 
@@ -119,7 +119,7 @@ def test_trains_like_plain_within_the_allocators_budget(name: str, policy: str, 
     checked = sorted({r for r in RATIOS if r in ratios} | {min(ratios)}, reverse=True)
     evictions = 0
     for ratio in checked:
-        capacity = int(ratio * peak)
+        capacity = int(ratio * peak) // homes.ALIGNMENT * homes.ALIGNMENT  # NOTE [alignment] in ``homes``
         budget = budget_of(capacity, name, backend)
         _, model, batch = copies(name)
         steps = Steps(budget=budget, policy=policy, thrash_limit=50.0, **options(name, backend))
