@@ -181,7 +181,7 @@ def test_relaxed_locks_reach_the_working_set() -> None:
     assert ok.outcome is Outcome.OK and ok.needed_bytes == 22 and ok.peak_bytes <= 22
     short = simulate(trace, 21, "lru", layout=False)
     assert short.outcome is Outcome.OOM and short.needed_bytes == 22
-    assert "needs at least 22 B" in short.reason
+    assert "below the working set (22 B)" in short.reason
 
 
 def test_finish_restores_what_the_program_still_holds_all_at_once() -> None:
