@@ -128,7 +128,7 @@ def checked(
         )
         reasons.append((it.root, why))
     moved = prefetched(step, moved, first_read)
-    pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved)
+    pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved, step.executor)
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
     notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
     return OffloadCandidate(
