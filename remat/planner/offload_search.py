@@ -308,6 +308,7 @@ def offload_frontier(
     start = time.perf_counter()
     step, baseline = found.step, found.baseline
     problem = offload_problem(step.trace, link, host_budget=host_budget, key=step.key)
+    problem = dataclasses.replace(problem, per_move=step.executor.offload)
     least = min((c.pred.peak_bytes for c in found.candidates), default=baseline)
     stride = max(1, (baseline - least) // _RUNGS)
     peaks = sorted(

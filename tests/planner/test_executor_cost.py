@@ -3,18 +3,22 @@ with fixed ones (the prediction's exact arithmetic is in ``test_plan_predict.py`
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
 import pytest
 from plans import _traced
 
+import remat
 from remat import RematValueError
 from remat.planner import ExecutorCost, plan_trace
 from remat.planner.executor_cost import calibrate, measured
 from remat.planner.frontier import frontier
+from remat.planner.offload_model import Item, Move, OffloadProblem, OffloadSchedule, backward_step, evaluate
 from remat.planner.predict import predict
 from remat.planner.search import best
+from remat.planner.types import Chain
 
 FIXED = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)
 
@@ -52,3 +56,18 @@ def test_a_plan_predicts_its_executor_share_exactly() -> None:
     out = io.StringIO()
     timed.explain(file=out)
     assert f"+{timed.predicted_executor_overhead:.3f} of the predicted overhead" in out.getvalue()
+
+
+def test_the_offload_model_charges_each_move_its_host_seconds() -> None:
+    """Over an infinitely fast link a move costs nothing but the host's bookkeeping: ``per_move``
+    seconds each, and the same peak (NOTE [offload model])."""
+    n = 4
+    chain = Chain.of([1.0] * n, [2.0] * n, [100] * n, [300] * n, input_bytes=100)
+    items = tuple(Item(f"x{k}", k, 300, k, k, backward_step(n, k), backward_step(n, k)) for k in range(n))
+    problem = OffloadProblem(chain, items, remat.Link(d2h=1e18, h2d=1e18, latency=0))
+    moves = (Move(0, 1, backward_step(n, 0) - 1), Move(1, 2, backward_step(n, 1) - 1))
+    schedule = OffloadSchedule(moves=moves)
+    free = evaluate(problem, schedule)
+    charged = evaluate(dataclasses.replace(problem, per_move=0.25), schedule)
+    assert charged.total_cost == pytest.approx(free.total_cost + 0.5, rel=1e-12)
+    assert (charged.peak_bytes, charged.stall) == (free.peak_bytes, free.stall) == (charged.peak_bytes, 0.0)
