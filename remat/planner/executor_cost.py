@@ -12,10 +12,10 @@ arguments and outputs. Its step runs four ways, interleaved over rounds: plainly
 ``plan.apply`` with no region (the check alone); with one region over every op (the tape, and its
 replay in backward); with every saved output offloaded (the hooks and the offloader, on a link of
 the default rates: its copies are a few hundred bytes). Per op: the median forward's difference ÷
-the ops checked or recorded; the median backward's difference, less the replayed ops' own times as
-the trace has them, ÷ the ops replayed; the offloaded run's difference ÷ the tensors moved. The
-counts and the replayed ops' times come from ``predict`` on the model's own trace, so that the
-figures divide exactly the work the prediction multiplies them by.
+the ops checked or recorded; the median backward's difference, less the replayed ops' kernels (the
+forward without autograd, per op), ÷ the ops replayed; the offloaded run's difference ÷ the tensors
+moved. The counts come from ``predict`` on the model's own trace, so that the figures divide
+exactly the work the prediction multiplies them by.
 
 Times are the process's CPU time (``time.process_time``) with one intra-op thread: the executor's
 work is the host's, single-threaded, and on a machine doing other work too the wall clock counts
@@ -103,6 +103,17 @@ def _median_step(
     return {name: (statistics.median(f), statistics.median(b)) for name, (f, b) in times.items()}
 
 
+def _kernels(model: nn.Module, x: torch.Tensor) -> float:
+    """The median seconds of the forward without autograd: its kernels, as a replay runs them."""
+    runs = []
+    with torch.no_grad():
+        for _ in range(_ROUNDS):
+            start = time.process_time()
+            model(x)
+            runs.append(time.process_time() - start)
+    return statistics.median(runs)
+
+
 def calibrate(device: torch.device | str = "cpu") -> ExecutorCost:
     """Measure the executor's per-op figures on ``device`` (see the module doc); about a second on
     a CPU. The model's parameters and batch-norm statistics are its own, and the global RNG is not
@@ -129,8 +140,7 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
     whole = Region("calibration", 0, len(forward) - 1)
     made = {trace.root(t) for op in forward for t in op.outputs}
     moved = len(made & {trace.root(t) for t in trace.saved})
-    replayed = predict(trace, [RegionOps(tuple(op.index for op in forward))])
-    work = replayed.work
+    work = predict(trace, [RegionOps(tuple(op.index for op in forward))]).work
     figures = _median_step(
         model,
         x,
@@ -144,7 +154,7 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
         },
     )
     plain, check, tape, offload = (figures[k] for k in ("plain", "check", "tape", "offload"))
-    beyond_kernels = tape[1] - check[1] - replayed.recompute_cost
+    beyond_kernels = tape[1] - check[1] - _kernels(model, x) * work.replayed / work.checked
     return ExecutorCost(
         check=max(check[0] - plain[0], 0.0) / work.checked,
         record=max(tape[0] - check[0], 0.0) / work.recorded,
