@@ -8,6 +8,12 @@ rounds, each strategy timed once per round, the ratio to the plain step taken pe
 time is the process's CPU time, since the machine is shared). Writes
 ``results.json``; README.md holds the table.
 
+At each budget the step is planned twice: with the executor's own per-op cost (NOTE [executor
+cost] in ``remat.planner.cost_model``; figures calibrated once in the process, the default of
+``remat.plan``) and without it (``NO_EXECUTOR_COST``: the kernels' times alone, the model before
+the executor's cost was counted). Every plan run gets both predictions of its overhead, so each
+can be held against the measured one; a budget where the two models pick different plans runs both.
+
     .venv/bin/python benchmarks/plan/run.py --models bert gpt2 resnet50 --repeats 2 --capture-repeats 2 \
         --fractions 0.5 0.1 --out benchmarks/plan/results.json
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import platform
 import statistics
@@ -29,22 +36,30 @@ from torch.utils.checkpoint import checkpoint
 
 import remat
 from remat import zoo
-from remat.planner import BudgetTooSmall, plan_trace, trace_step
+from remat.planner import BudgetTooSmall, Plan, plan_trace, trace_step
 from remat.planner.api import block_key
+from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost
+from remat.planner.executor_cost import measured
+from remat.planner.search import Step, predicted
+from remat.trace.types import Trace
 
 SIZES: dict[str, dict[str, int]] = {
     "gpt2": {"batch": 2, "seq": 256},
     "bert": {"batch": 2, "seq": 256},
     "resnet50": {"batch": 4, "image": 128},
     "unet": {"batch": 2, "image": 128},
+    # remat.zoo's tiny configurations (2 layers, width 32): steps of many small ops, where the
+    # executor's own per-op cost is most of what a plan adds
+    "gpt2-tiny": {"batch": 8, "seq": 64},
+    "bert-tiny": {"batch": 8, "seq": 64},
 }
 
 
 def blocks(name: str, model: nn.Module) -> list[nn.Module]:
     """The blocks per-block checkpointing wraps."""
-    if name == "gpt2":
+    if name.startswith("gpt2"):
         return list(model.transformer.h)  # type: ignore[union-attr, arg-type]
-    if name == "bert":
+    if name.startswith("bert"):
         return list(model.bert.encoder.layer)  # type: ignore[union-attr, arg-type]
     return [m for m in model.modules() if type(m).__name__ in ("Bottleneck", "DoubleConv")]
 
@@ -68,9 +83,24 @@ def per_block_checkpoint(mods: list[nn.Module]) -> Any:
             m.forward = forward  # type: ignore[method-assign]
 
 
+def predicted_overhead(trace: Trace, model: nn.Module, plan: Plan, figures: ExecutorCost) -> float:
+    """``plan``'s predicted overhead with the executor's per-op ``figures``."""
+    step = Step(trace, block_key(model), figures)
+    regions = []
+    for r in plan.regions:
+        made = step.region(
+            r.name,
+            [step.forward[p].index for p in range(r.first, r.last + 1)],
+            [step.forward[p].index for p in r.save],
+        )
+        assert made is not None
+        regions.append(made)
+    return predicted(step, regions).overhead
+
+
 def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Plan, run and measure one model; its entry of results.json."""
-    wl = zoo.build(name, **SIZES[name])
+    wl = zoo.build(name.removesuffix("-tiny"), tiny=name.endswith("-tiny"), **SIZES[name])
     model, inputs = wl.model, wl.inputs
 
     def loss_fn(m: nn.Module, *xs: torch.Tensor) -> torch.Tensor:
@@ -99,17 +129,28 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
         plan_trace(trace, 1, block_key=block_key(model))
     except BudgetTooSmall as err:
         lowest = err.minimum_bytes
-    budgets = [int(lowest + f * (plain_peak - lowest)) for f in args.fractions]
+    # at the plain peak the plan recomputes nothing: what it costs is the executor's check alone
+    budgets = [plain_peak] + [int(lowest + f * (plain_peak - lowest)) for f in args.fractions]
     budgets.append(peaks["checkpoint per block"])  # the plan at per-block checkpointing's peak
     plans = {}
+    figures = measured(trace.device)
     for budget in budgets:
         start = time.perf_counter()
-        p = plan_trace(trace, budget, block_key=block_key(model))
+        try:
+            p = plan_trace(trace, budget, block_key=block_key(model))
+        except BudgetTooSmall as err:  # checkpointing's measured peak can be below the plans' floor
+            print(name, f"budget {budget} refused: {err}")
+            continue
         plan_s = time.perf_counter() - start
+        kernels_only = plan_trace(trace, budget, block_key=block_key(model), executor_cost=NO_EXECUTOR_COST)
         key = f"remat.plan {budget / plain_peak:.2f}"
-        plans[key] = (p, plan_s)
-        strategies[key] = lambda p=p, m=model: p.apply(m)
-        peaks[key] = step(strategies[key], True)
+        picks = [(key, p)]
+        if kernels_only.regions != p.regions:
+            picks.append((f"{key}, kernels-only model", kernels_only))
+        for k, chosen in picks:
+            plans[k] = (chosen, plan_s)
+            strategies[k] = lambda p=chosen, m=model: p.apply(m)
+            peaks[k] = step(strategies[k], True)
     # CPU time of the process (all its threads), not wall time: the machine is shared, and what
     # recomputation costs is compute
     times: dict[str, list[float]] = {k: [] for k in strategies}
@@ -132,12 +173,16 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
         }
         if k in plans:
             p, plan_s = plans[k]
+            with_executor = predicted_overhead(trace, model, p, figures)
+            kernels = predicted_overhead(trace, model, p, NO_EXECUTOR_COST)
             row.update(
                 budget=p.budget_bytes,
                 predicted_peak=p.predicted_peak_bytes,
-                predicted_overhead=p.predicted_overhead,
+                predicted_overhead=with_executor,
+                predicted_kernels_only=kernels,
                 peak_error=peaks[k] / p.predicted_peak_bytes - 1,
-                overhead_error=ratios[k] / p.predicted_overhead - 1,
+                overhead_error=ratios[k] / with_executor - 1,
+                kernels_only_error=ratios[k] / kernels - 1,
                 solver=p.solver,
                 notes=p.notes,
                 plan_seconds=plan_s,
@@ -150,6 +195,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "capture_seconds": capture_s,
         "smallest_plan_peak": lowest,
         "baseline_predicted": trace.activation_peak_bytes,
+        "executor_cost": dataclasses.asdict(figures),
         "rows": rows,
     }
 

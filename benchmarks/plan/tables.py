@@ -12,7 +12,14 @@ from typing import Any
 
 HERE = Path(__file__).parent
 EAGER = {"plain": "eager, plain", "checkpoint": "eager, `torch.utils.checkpoint` per block"}
-NAMES = {"bert": "BERT-Base", "gpt2": "GPT-2 small", "resnet50": "ResNet-50", "unet": "U-Net"}
+NAMES = {
+    "bert": "BERT-Base",
+    "gpt2": "GPT-2 small",
+    "resnet50": "ResNet-50",
+    "unet": "U-Net",
+    "gpt2-tiny": "GPT-2, tiny (2 layers, width 32)",
+    "bert-tiny": "BERT, tiny (2 layers, width 32)",
+}
 
 
 def _mib(n: float) -> str:
@@ -32,21 +39,30 @@ def accuracy(results: dict[str, Any]) -> None:
             f"### {NAMES.get(name, name)}, {sizes}: plain step {plain['plain_cpu_seconds']:.1f} s CPU; "
             f"capture {m['capture_seconds']:.0f} s; smallest plan peak {_mib(m['smallest_plan_peak'])}\n"
         )
+        both = "executor_cost" in m  # predicted with and without the executor's own cost
+        if both:
+            figures = ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in m["executor_cost"].items())
+            print(f"Executor cost per op (offload: per tensor), calibrated in the run: {figures}\n")
+        extra = " predicted overhead, kernels only | error |" if both else ""
         print(
-            "| strategy | budget | predicted peak | measured peak (ratio) | error | predicted overhead "
-            "| measured overhead | error | solve time |"
+            "| strategy | budget | predicted peak | measured peak (ratio) | error |"
+            f"{extra} predicted overhead | measured overhead | error | solve time |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if both else ""))
         for r in rows:
             measured = f"{_mib(r['measured_peak'])} ({r['peak_ratio']:.2f})"
             if "budget" not in r:
-                print(f"| {r['strategy']} | | | {measured} | | | {r['measured_overhead']:.3f} | | |")
+                blank = " | |" if both else ""
+                print(f"| {r['strategy']} | | | {measured} | |{blank} | {r['measured_overhead']:.3f} | | |")
                 continue
             regions = f"remat.plan, {r['regions']} region{'s' if r['regions'] != 1 else ''}"
+            if r["strategy"].endswith("kernels-only model"):
+                regions += " (kernels-only model's pick)"
+            before = f" {r['predicted_kernels_only']:.3f} | {_pct(r['kernels_only_error'])} |" if both else ""
             print(
                 f"| {regions} | {_mib(r['budget'])} | {_mib(r['predicted_peak'])} | {measured} "
-                f"| {_pct(r['peak_error'])} | {r['predicted_overhead']:.3f} | {r['measured_overhead']:.3f} "
-                f"| {_pct(r['overhead_error'])} | {r['plan_seconds']:.2f} s |"
+                f"| {_pct(r['peak_error'])} |{before} {r['predicted_overhead']:.3f} "
+                f"| {r['measured_overhead']:.3f} | {_pct(r['overhead_error'])} | {r['plan_seconds']:.2f} s |"
             )
         print()
 
@@ -93,6 +109,8 @@ def peers(path: Path) -> None:
 
 def main() -> None:
     accuracy(json.loads((HERE / "results.json").read_text()))
+    for path in sorted(HERE.glob("results_executor*.json")):  # with and without the executor's cost
+        accuracy(json.loads(path.read_text()))
     for path in sorted(HERE.glob("peers_*.json")):
         peers(path)
 

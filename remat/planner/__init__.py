@@ -11,7 +11,7 @@ capture, solve, check the plan on the captured step (``predict``) and return a `
 
 from remat.planner import solvers
 from remat.planner.api import BudgetTooSmall, plan, plan_trace, trace_step
-from remat.planner.cost_model import ScheduleCost, schedule_cost
+from remat.planner.cost_model import ExecutorCost, ExecutorWork, ScheduleCost, schedule_cost
 from remat.planner.lowering import chain_from_trace, coarsen, dag_from_trace, stage_key
 from remat.planner.plan import Plan
 from remat.planner.predict import Prediction, predict
@@ -44,6 +44,8 @@ __all__ = [
     "Dag",
     "DagSchedule",
     "DagStage",
+    "ExecutorCost",
+    "ExecutorWork",
     "Node",
     "Plan",
     "Prediction",

@@ -25,6 +25,7 @@ from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
+from remat.planner.cost_model import ExecutorCost
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.lowering import stage_key
 from remat.planner.offload_lowering import offload_problem
@@ -135,6 +136,7 @@ def plan_trace(
     block_key: Callable[[str], str] | None = None,
     link: Link | None = None,
     host_budget: int | str | None = None,
+    executor_cost: ExecutorCost | None = None,
     **options: Any,
 ) -> Plan:
     """The plan for a captured step (see ``plan``); ``options`` go to the solver. Each solver's
@@ -149,13 +151,19 @@ def plan_trace(
     (NOTE [plan ties]): of two plans within a relative 0.1% of each other, the one of the first
     solver in the fixed order chain, greedy, milp, sqrt, then plain checkpointing, then the one
     with the lower predicted peak, then the first tried, is preferred where it fits. So for a
-    given trace, and so for given op costs, the pick is always the same."""
+    given trace, and so for given op costs, the pick is always the same.
+
+    ``executor_cost``: the executor's own per-op figures every plan is predicted with (NOTE
+    [executor cost]); by default those measured on the trace's device once per process
+    (``remat.planner.executor_cost``). Pass fixed figures for a pick that depends on the trace
+    alone, ``ExecutorCost()`` to leave the executor out."""
     three_way = OffloadProblem in get(solver).problems
     host = offload_arguments(solver, three_way, link, host_budget)
     if not three_way:
-        return plan_at(frontier(trace, solver, block_key, **options), budget, link=link, host_budget=host)
+        found = frontier(trace, solver, block_key, executor_cost=executor_cost, **options)
+        return plan_at(found, budget, link=link, host_budget=host)
     # a three-way solver adds its moves to recomputation's plans too (``offload_search``)
-    found = frontier(trace, "auto", block_key)
+    found = frontier(trace, "auto", block_key, executor_cost=executor_cost)
     return plan_at(found, budget, link=link, host_budget=host, options=options, solver=solver)
 
 
@@ -228,6 +236,7 @@ def plan_at(
         predicted_held_bytes=chosen.pred.held_bytes,
         link=link,
         predicted_stall=chosen.stall if isinstance(chosen, OffloadCandidate) else 0.0,
+        predicted_executor_overhead=chosen.pred.executor_overhead,
     )
 
 
@@ -241,6 +250,7 @@ def plan(
     repeats: int = 3,
     link: Link | None = None,
     host_budget: int | str | None = None,
+    executor_cost: ExecutorCost | None = None,
     **options: Any,
 ) -> Plan:
     """Plan the recomputation of one training step of ``model`` under ``budget``.
@@ -256,6 +266,11 @@ def plan(
     ``link=remat.Link(...)`` lets the plan offload saved tensors to host memory as well (SAVE,
     RECOMPUTE or OFFLOAD per saved tensor, ``remat.planner.offload_model``), with at most
     ``host_budget`` bytes on the host (default: no limit); without ``link`` it only recomputes.
+
+    The predicted overhead counts the executor's own time besides the kernels (its per-op check,
+    the regions' tapes and replays, the offloader's per-tensor bookkeeping), at ``executor_cost``
+    (``remat.planner.ExecutorCost``) or, by default, at figures measured once per process on the model's
+    device (see ``plan_trace``).
 
     The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
     parameters, buffers, gradients and the RNG are left as they were. Run the plan with
@@ -289,5 +304,6 @@ def plan(
         block_key=block_key(model),
         link=link,
         host_budget=host_budget,
+        executor_cost=executor_cost,
         **options,
     )

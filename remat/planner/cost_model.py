@@ -33,12 +33,24 @@ use in the stage (its last computing consumer, or the backward step), one never 
 when the stage ends. A node alive at a stage's start is never computed again in it. Memory is
 sampled after each computation (before the frees it allows) and at the backward step; the peak is
 the largest sample. Cost is the sum of the costs of all computations and backward steps.
+
+NOTE [executor cost] What running a plan costs beyond its kernels (``ExecutorCost``), which a plan
+pays and the plain step does not: the executor's dispatch mode counts and checks every forward op
+of the model (``check``), a region's tape records each of its forward ops (``record``, beyond the
+check), a replay runs each of its ops from Python (``replay``, beyond the op's own time in the
+trace), and each tensor offloaded goes through the saved-tensor hooks and the offloader's
+bookkeeping (``offload``, beyond the copy the link model charges). Seconds per op (per tensor),
+measured on tiny tensors once per process and device (``remat.planner.executor_cost``); the
+step-level prediction (``remat.planner.predict``) charges them per op it counts, so of two plans
+that replay the same kernels the one with fewer ops under the executor is the cheaper. The chain
+and DAG models above leave them out: the prediction weighs every candidate with them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Container
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from remat._errors import RematValueError, message
@@ -57,7 +69,77 @@ from remat.planner.types import (
 )
 from remat.policy import Decision
 
-__all__ = ["ScheduleCost", "dag_stage", "schedule_cost", "solution"]
+__all__ = [
+    "NO_EXECUTOR_COST",
+    "ExecutorCost",
+    "ExecutorWork",
+    "ScheduleCost",
+    "dag_stage",
+    "schedule_cost",
+    "solution",
+]
+
+
+class ExecutorWork(NamedTuple):
+    """What a plan puts through the executor in one step (NOTE [executor cost]): the forward ops
+    its dispatch mode checks, those its regions' tapes record, the ops its replays run, and the
+    tensors it offloads."""
+
+    checked: int = 0
+    recorded: int = 0
+    replayed: int = 0
+    moved: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.checked} forward ops checked, {self.recorded} recorded, {self.replayed} replayed, "
+            f"{self.moved} tensors offloaded"
+        )
+
+
+@dataclass(frozen=True)
+class ExecutorCost:
+    """Seconds the plan executor spends per op beyond the kernels (NOTE [executor cost]): per
+    forward op checked, per op recorded on a tape, per op replayed, per tensor offloaded. The
+    default, all zero, is the model without the executor (the plain step's own op times only)."""
+
+    check: float = 0.0
+    record: float = 0.0
+    replay: float = 0.0
+    offload: float = 0.0
+
+    def __post_init__(self) -> None:
+        figures = (self.check, self.record, self.replay, self.offload)
+        if not all(isinstance(f, (int, float)) and math.isfinite(f) and f >= 0 for f in figures):
+            raise RematValueError(
+                message(
+                    "plan",
+                    "an executor cost is a finite number of seconds, 0 or more",
+                    f"{self!r}",
+                    "pass seconds per op, e.g. ExecutorCost(check=2e-6, record=1e-5)",
+                )
+            )
+
+    def seconds(self, work: ExecutorWork) -> float:
+        """The executor's time for ``work``."""
+        return math.fsum(
+            (
+                work.checked * self.check,
+                work.recorded * self.record,
+                work.replayed * self.replay,
+                work.moved * self.offload,
+            )
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"executor cost: check {self.check * 1e6:.2f} us, record {self.record * 1e6:.2f} us, "
+            f"replay {self.replay * 1e6:.2f} us per op, offload {self.offload * 1e6:.2f} us per tensor"
+        )
+
+
+NO_EXECUTOR_COST = ExecutorCost()
+"""The figures of a prediction that leaves the executor out (the plain step's op times only)."""
 
 
 class ScheduleCost(NamedTuple):

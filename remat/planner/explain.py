@@ -76,6 +76,16 @@ def _reason(tensors: Sequence[TensorDecision], region: str | None) -> str:
     return "; ".join(parts)
 
 
+def _executor_share(overhead: float, executor: float) -> str:
+    """How much of the predicted overhead is the executor's own time besides the kernels."""
+    added = overhead - 1.0
+    share = f", {executor / added:.0%} of what the plan adds" if added > 0 else ""
+    return (
+        f"executor (per-op check, tapes, replays, offload bookkeeping): +{executor:.3f} of the "
+        f"predicted overhead {overhead:.3f}{share}"
+    )
+
+
 def render(
     title: str,
     tensors: Sequence[TensorDecision],
@@ -85,9 +95,11 @@ def render(
     peak_at: str,
     file: Any = None,
     offload: str = "",
+    overheads: tuple[float, float] = (1.0, 0.0),
 ) -> None:
     """Print the table of a plan (its ``str()`` as ``title``, and its parts) to ``file`` (default
-    stdout); ``offload`` is the plan's offload summary, and then each offloaded tensor is listed."""
+    stdout); ``offload`` is the plan's offload summary, and then each offloaded tensor is listed;
+    ``overheads`` are the plan's predicted overhead and the executor's part of it."""
     from rich.console import Console
     from rich.table import Table
 
@@ -135,6 +147,7 @@ def render(
         "backward or made again in backward; replay time: what running their ops again costs "
         "(times measured when the step was traced)"
     )
+    console.print(_executor_share(*overheads))
     if notes:
         console.print(f"solver notes: {notes}")
     console.print(f"peak reached at {peak_at}")

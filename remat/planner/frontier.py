@@ -31,6 +31,8 @@ from remat._errors import RematValueError
 from remat.host.link import Link
 from remat.planner.bounds import lower_bound
 from remat.planner.chain_recursion import minimum_peak
+from remat.planner.cost_model import ExecutorCost
+from remat.planner.executor_cost import measured
 from remat.planner.lowering import chain_from_trace, dag_from_trace
 from remat.planner.offload_model import OffloadProblem
 from remat.planner.search import (
@@ -182,11 +184,15 @@ def frontier(
     trace: Trace,
     solver: str = "auto",
     block_key: Callable[[str], str] | None = None,
+    *,
+    executor_cost: ExecutorCost | None = None,
     **options: Any,
 ) -> Frontier:
     """The candidates of ``solver`` for the step ``trace`` captured (see the module doc);
-    ``options`` go to the solver (``segments`` for ``sqrt`` gives its one plan)."""
-    step = Step(trace, block_key)
+    ``options`` go to the solver (``segments`` for ``sqrt`` gives its one plan). Every candidate is
+    predicted with ``executor_cost`` (NOTE [executor cost]; by default the figures measured on the
+    trace's device, once per process)."""
+    step = Step(trace, block_key, measured(trace.device) if executor_cost is None else executor_cost)
     get(solver)
     start = time.perf_counter()
     baseline = predicted(step, []).peak_bytes

@@ -25,7 +25,9 @@ the forward up to step ``until``, first read by backward in step ``need`` and la
   before it are done, and the tensor counts again from step ``back``; step ``need`` starts when
   it is back (a stall where it is late).
 Time: the steps run one after another, each its compute c_s (a backward step adds its stage's
-forward when the stage is recomputed) after the waits above; the step's time is the end of the
+forward when the stage is recomputed, a step ``out`` the host's ``per_move`` seconds for each copy
+issued in it: the executor's bookkeeping per tensor moved, NOTE [executor cost] in
+``remat.planner.cost_model``) after the waits above; the step's time is the end of the
 last step, compute plus stalls. Memory of a step: the items on the device in it plus the
 backward's gradients (the chain's activation bytes of the stage's output and input). Host bytes:
 the sum of the offloaded items (each stays on the host until the end of the step, the most the host
@@ -93,13 +95,15 @@ class Item:
 @dataclass(frozen=True)
 class OffloadProblem:
     """A chain's stages (costs in seconds), its saved tensors, the link and the host budget;
-    ``bounds`` are the first and last trace op of each step, for a problem made of a trace."""
+    ``bounds`` are the first and last trace op of each step, for a problem made of a trace;
+    ``per_move`` the host's seconds per tensor moved besides the copy (NOTE [offload model])."""
 
     chain: Chain
     items: tuple[Item, ...]
     link: Link
     host_budget: int | None = None
     bounds: tuple[tuple[int, int], ...] = ()
+    per_move: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -264,6 +268,7 @@ def evaluate(problem: OffloadProblem, schedule: OffloadSchedule) -> OffloadCost:
         if item.stage in schedule.recompute and item.recomputable or item.readers & schedule.recompute:
             raise _invalid("an item that a recomputed stage drops or reads stays on the device", m)
         moved[m.item] = m
+        compute[m.out] += problem.per_move
     ends, stall, gone = _timeline(problem, compute, moved)
     # memory: the plain step's, less each item's span off the device (recomputed, or between its
     # leaving and its copy back), as differences

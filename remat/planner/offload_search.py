@@ -128,7 +128,7 @@ def checked(
         )
         reasons.append((it.root, why))
     moved = prefetched(step, moved, first_read)
-    pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved)
+    pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved, step.executor)
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
     notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
     return OffloadCandidate(
@@ -308,6 +308,7 @@ def offload_frontier(
     start = time.perf_counter()
     step, baseline = found.step, found.baseline
     problem = offload_problem(step.trace, link, host_budget=host_budget, key=step.key)
+    problem = dataclasses.replace(problem, per_move=step.executor.offload)
     least = min((c.pred.peak_bytes for c in found.candidates), default=baseline)
     stride = max(1, (baseline - least) // _RUNGS)
     peaks = sorted(

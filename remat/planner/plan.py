@@ -50,7 +50,10 @@ class Plan:
     compute with the recomputation ÷ without. ``solver``, ``solve_seconds`` and ``gap`` (the
     proven optimality gap of the solver's own model, None for a heuristic) say how the plan was
     found; ``notes`` carries the solver's remarks. ``predicted_held_bytes`` is what the step holds
-    when its forward ends, for backward (a pipeline stage holds it per micro-batch in flight)."""
+    when its forward ends, for backward (a pipeline stage holds it per micro-batch in flight).
+    ``predicted_executor_overhead`` is the executor's own part of ``predicted_overhead`` (its
+    per-op check, tapes, replays and offload bookkeeping ÷ the plain step's compute, NOTE
+    [executor cost] in ``remat.planner.cost_model``)."""
 
     name: str
     solver: str
@@ -69,6 +72,7 @@ class Plan:
     predicted_held_bytes: int = 0
     link: Link | None = None
     predicted_stall: float = 0.0
+    predicted_executor_overhead: float = 0.0
 
     # -- reading it ---------------------------------------------------------------------------
 
@@ -124,7 +128,17 @@ class Plan:
         offloaded tensor, when it goes to the host and comes back, and the predicted stall. It
         returns nothing, so that a REPL shows the table once."""
         summary = self.offload_summary() if self.link is not None else ""
-        render(str(self), self.tensors, self.regions, self.modules, self.notes, self.peak_at, file, summary)
+        render(
+            str(self),
+            self.tensors,
+            self.regions,
+            self.modules,
+            self.notes,
+            self.peak_at,
+            file,
+            summary,
+            (self.predicted_overhead, self.predicted_executor_overhead),
+        )
 
     # -- running it ---------------------------------------------------------------------------
 

@@ -49,6 +49,10 @@ NOTE [region model]
   forward and in a replay; the tape copies the generator's state for each random op it records
   (on CPU, where that state is memory of the device), held like a batch-norm snapshot, and a
   replay that runs a random op saves the state around itself.
+- Time besides the kernels (NOTE [executor cost] in ``remat.planner.cost_model``): every forward op
+  of the model (those the executor counts) is checked, every op of a region recorded, every op a
+  replay runs is run again from the tape, every storage in ``moved`` goes to the host and back;
+  ``Prediction.executor_cost`` is that work (``Prediction.work``) at the given per-op figures.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from dataclasses import dataclass
 import torch
 
 from remat import aten
+from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, ExecutorWork
+from remat.planner.execute import UNCOUNTED
 from remat.planner.region_model import (
     RegionOps,
     RegionPlans,
@@ -82,7 +88,8 @@ _CPU_RNG_STATE_BYTES = torch.get_rng_state().untyped_storage().nbytes()
 class Prediction:
     """Peak bytes of the step's own storages (constants excluded), the op where it is first reached
     (``peak_op``, a trace op index, and a description), the compute of the plain step and of the
-    replays, and per region the trace tensors it recomputes."""
+    replays, and per region the trace tensors it recomputes; the executor's own time besides the
+    kernels (``executor_cost``, seconds) for the ``work`` it does (NOTE [executor cost])."""
 
     peak_bytes: int
     peak_op: int
@@ -92,11 +99,18 @@ class Prediction:
     recomputed: tuple[frozenset[int], ...]
     held_bytes: int = 0  # alive when the forward's last op is done: what backward is left to free
     stall_cost: float = 0.0  # seconds the compute waits for the link (``remat.planner.offload_search``)
+    executor_cost: float = 0.0
+    work: ExecutorWork = ExecutorWork()
 
     @property
     def overhead(self) -> float:
-        spent = self.base_cost + self.recompute_cost + self.stall_cost
+        spent = self.base_cost + self.recompute_cost + self.stall_cost + self.executor_cost
         return spent / self.base_cost if self.base_cost > 0 else 1.0
+
+    @property
+    def executor_overhead(self) -> float:
+        """The executor's part of ``overhead``: its seconds ÷ the plain step's."""
+        return self.executor_cost / self.base_cost if self.base_cost > 0 else 0.0
 
 
 def _writes(op: Op) -> tuple[int, ...]:
@@ -131,10 +145,12 @@ def predict(
     regions: Sequence[RegionOps],
     names: Sequence[str] = (),
     moved: Sequence[tuple[int, int, int]] = (),
+    executor: ExecutorCost = NO_EXECUTOR_COST,
 ) -> Prediction:
     """Replay ``trace`` under ``regions`` (NOTE [region model]); ``names`` label the regions.
     ``moved``: storages offloaded, ``(root, gone after op, back before op)``: off the device after
-    the first op and until just before the second."""
+    the first op and until just before the second. ``executor``: the executor's per-op figures
+    (NOTE [executor cost]; the default, zero, leaves the executor out)."""
     facts = step_facts(trace, regions)
     kept = kept_values(trace, regions, facts)
     planned, packed, drop_after = region_targets(trace, regions, facts, kept)
@@ -155,7 +171,21 @@ def predict(
     costs = zip(trace.ops, facts.cost, strict=True)
     base = math.fsum(c for op, c in costs if op.phase is not Phase.OPTIMIZER)
     recomputed = tuple(frozenset(ts) for ts in targets)
-    return Prediction(walk.peak, walk.peak_op, walk.peak_at, base, walk.recompute, recomputed, walk.held)
+    checked = sum(
+        op.phase is Phase.FORWARD and bool(op.module) and op.name not in UNCOUNTED for op in trace.ops
+    )
+    work = ExecutorWork(checked, sum(len(r.ops) for r in regions), walk.replayed, len(moved))
+    return Prediction(
+        walk.peak,
+        walk.peak_op,
+        walk.peak_at,
+        base,
+        walk.recompute,
+        recomputed,
+        walk.held,
+        executor_cost=executor.seconds(work),
+        work=work,
+    )
 
 
 def _released(r: int, modules: set[str], last_read_in: dict[tuple[int, str], int], otherwise: int) -> int:
@@ -251,6 +281,7 @@ class _Walk:
         self.made = 0
         self.peak, self.peak_op, self.peak_at = 0, -1, "start"
         self.recompute = 0.0
+        self.replayed = 0  # ops the replays run
         self.held = 0
         self.reloads: dict[int, list[int]] = {}  # op -> offloaded storages back just before it
 
@@ -262,6 +293,7 @@ class _Walk:
         """Region ``g``'s replay just before backward op ``before``."""
         trace, root, tensors = self.trace, self.facts.root, self.trace.tensors
         ops = [trace.ops[i] for i in self.regions[g].ops if i in self.plans.need[g]]
+        self.replayed += len(ops)
         last_use: dict[int, int] = {}
         for op in ops:
             for t in op.inputs:

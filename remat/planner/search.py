@@ -16,7 +16,7 @@ from typing import Any
 
 from remat._errors import RematValueError, message
 from remat.planner.chain_recursion import minimum_peak
-from remat.planner.cost_model import schedule_cost
+from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, schedule_cost
 from remat.planner.execute import UNCOUNTED
 from remat.planner.lowering import stage_key
 from remat.planner.predict import Prediction, predict
@@ -66,11 +66,18 @@ def fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValue
 
 class Step:
     """The captured step seen by the planner: the model's forward ops, and regions in both
-    numberings (trace op indices for the prediction, forward positions for the Plan)."""
+    numberings (trace op indices for the prediction, forward positions for the Plan); every plan
+    of it is predicted with the executor's per-op figures ``executor`` (NOTE [executor cost])."""
 
-    def __init__(self, trace: Trace, block_key: Callable[[str], str] | None = None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        block_key: Callable[[str], str] | None = None,
+        executor: ExecutorCost = NO_EXECUTOR_COST,
+    ) -> None:
         self.trace = trace
         self.key = block_key or stage_key
+        self.executor = executor
         self.forward = [
             op for op in trace.ops if op.phase is Phase.FORWARD and op.module and op.name not in UNCOUNTED
         ]
@@ -160,7 +167,7 @@ def regions_of(step: Step, problem: Problem, solution: Solution) -> list[tuple[R
 
 
 def predicted(step: Step, regions: list[tuple[Region, RegionOps]]) -> Prediction:
-    return predict(step.trace, [r for _, r in regions], [r.name for r, _ in regions])
+    return predict(step.trace, [r for _, r in regions], [r.name for r, _ in regions], executor=step.executor)
 
 
 def model_peak(problem: Problem) -> int:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
+from remat.planner.cost_model import ExecutorCost, ExecutorWork
 from remat.planner.predict import predict
 from remat.planner.region_model import RegionOps
 from remat.trace.builder import TraceBuilder
-from remat.trace.types import Phase, Trace
+from remat.trace.types import Op, Phase, Trace
 
 
 def _two_regions() -> Trace:
@@ -75,3 +78,76 @@ def test_scratch_counts_where_the_op_runs_and_where_it_is_replayed() -> None:
     assert (forward.peak_bytes, forward.peak_op) == (13_000, 3)
     replayed = predict(trace, [RegionOps((3, 4, 5, 6))], ["B"])
     assert (replayed.peak_bytes, replayed.peak_at) == (13_004, "op 7 ln_backward in (top level), replaying B")
+
+
+def _in_modules(trace: Trace) -> Trace:
+    """``trace`` with every forward op issued by a module, so the executor checks it."""
+    events = tuple(
+        dataclasses.replace(e, module="block") if isinstance(e, Op) and e.phase is Phase.FORWARD else e
+        for e in trace.events
+    )
+    return dataclasses.replace(trace, events=events)
+
+
+def test_the_executor_cost_adds_its_figure_per_op_it_counts() -> None:
+    """NOTE [executor cost]: 7 forward ops checked, 7 recorded by A and B, 4 replayed (f and g for
+    A, mlp and add for B), one storage offloaded; each figure adds exactly its count times itself,
+    and nothing else moves."""
+    trace = _in_modules(_two_regions())
+    regions = [RegionOps((0, 1, 2)), RegionOps((3, 4, 5, 6))]
+    o = trace.ops[4].outputs[0]
+    plain = predict(trace, regions, moved=[(o, 5, 7)])
+    assert plain.work == ExecutorWork(checked=7, recorded=7, replayed=4, moved=1)
+    assert plain.executor_cost == 0.0
+    for figures, seconds in (
+        (ExecutorCost(check=1e-3), 7e-3),
+        (ExecutorCost(record=1e-3), 7e-3),
+        (ExecutorCost(replay=1e-3), 4e-3),
+        (ExecutorCost(offload=1e-3), 1e-3),
+        (ExecutorCost(1e-3, 1e-2, 1e-1, 1.0), 7e-3 + 7e-2 + 4e-1 + 1.0),
+    ):
+        pred = predict(trace, regions, moved=[(o, 5, 7)], executor=figures)
+        assert pred.executor_cost == pytest.approx(seconds, rel=1e-12)
+        assert pred.overhead == pytest.approx(plain.overhead + seconds / plain.base_cost, rel=1e-12)
+        assert (pred.peak_bytes, pred.recompute_cost, pred.recomputed) == (
+            plain.peak_bytes,
+            plain.recompute_cost,
+            plain.recomputed,
+        )
+    alone = predict(trace, [], executor=ExecutorCost(1.0, 1.0, 1.0, 1.0))
+    assert alone.work == ExecutorWork(checked=7) and alone.executor_cost == 7.0
+
+
+def test_of_two_plans_replaying_the_same_kernels_the_one_with_fewer_ops_is_cheaper() -> None:
+    """A chain of ops, each output saved by the next op. Region [0, 1] replays ``f1`` (1.5) for
+    t0; region [2, 5] replays ``p1 p2 p3`` (0.5 each) for t2, t3 and t4: the same kernel time, so
+    the same prediction without the executor's figures; with a replay cost per op, the plan that
+    replays one op is predicted cheaper than the one that replays three."""
+    b = TraceBuilder()
+    x = b.tensor(4, constant=True)
+    t = [b.tensor(1000) for _ in range(6)]
+    z, g = b.tensor(4), b.tensor(4)
+    b.op("f1", (x,), (t[0],), 1.5)  # 0
+    b.op("f2", (t[0],), (t[1],), 1.0)  # 1: saves t0
+    b.op("p1", (t[1],), (t[2],), 0.5)  # 2: saves t1
+    b.op("p2", (t[2],), (t[3],), 0.5)  # 3: saves t2
+    b.op("p3", (t[3],), (t[4],), 0.5)  # 4: saves t3
+    b.op("p4", (t[4],), (t[5],), 0.5)  # 5: saves t4
+    b.op("sum", (t[5],), (z,), 0.1)  # 6
+    b.op("backward", (*t[:5], z), (g,), 1.0, phase=Phase.BACKWARD)  # 7
+    for v in (*t, z, g):
+        b.release(v)
+    saved = frozenset(t[:5])
+    trace = _in_modules(
+        dataclasses.replace(
+            b.trace("chain"), saved=saved, saved_at=tuple((v, k + 1) for k, v in enumerate(t[:5]))
+        )
+    )
+    few, many = [RegionOps((0, 1))], [RegionOps((2, 3, 4, 5))]
+    kernels = [predict(trace, r) for r in (few, many)]
+    assert kernels[0].recompute_cost == kernels[1].recompute_cost == 1.5
+    assert kernels[0].overhead == kernels[1].overhead
+    replay = ExecutorCost(replay=0.01)
+    timed = [predict(trace, r, executor=replay) for r in (few, many)]
+    assert (timed[0].work.replayed, timed[1].work.replayed) == (1, 3)
+    assert timed[0].overhead < timed[1].overhead

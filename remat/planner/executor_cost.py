@@ -1,0 +1,174 @@
+"""The plan executor's own cost per op, measured: a short calibration on tiny tensors per device.
+
+Why measure it rather than take it from the trace: the capture times each op's kernel (the call
+below autograd), while a plan runs every forward op of the model through the executor's dispatch
+mode, records a region's ops on a tape and replays them from Python in backward (NOTE [executor
+cost] in ``remat.planner.cost_model``). None of that is an op of the step, so no trace sees it. On
+tiny tensors the kernels cost next to nothing, so the difference between a step run plainly and the
+same step run under the executor is the executor's own time. The calibration's model is a stack of
+tiny blocks of the ops models are made of (a convolution, batch norm, ReLU, a residual add, a linear
+layer, layer norm, GELU, views), since the cost of an op under the executor grows with its tensor
+arguments and outputs. Its step runs four ways, interleaved over rounds: plainly; under
+``plan.apply`` with no region (the check alone); with one region over every op (the tape, and its
+replay in backward); with every saved output offloaded (the hooks and the offloader, on a link of
+the default rates: its copies are a few hundred bytes). Per op: the median forward's difference ÷
+the ops checked or recorded; the median backward's difference, less the replayed ops' kernels (the
+forward without autograd, per op), ÷ the ops replayed; the offloaded run's difference ÷ the tensors
+moved. The counts come from ``predict`` on the model's own trace, so that the figures divide
+exactly the work the prediction multiplies them by.
+
+Times are the process's CPU time (``time.process_time``) with one intra-op thread: the executor's
+work is the host's, single-threaded, and on a machine doing other work too the wall clock counts
+the waits for a core, which have nothing to do with the executor (the capture times ops on the
+wall clock: on a busy machine its op times, and so the plain step the figures are weighed
+against, come out long, and the executor's share short). On CUDA the kernels are launched, not
+waited for: what is measured is the host's time, the part that adds to a step that is host-bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from remat.host.link import Link
+from remat.planner.cost_model import ExecutorCost
+from remat.planner.execute import UNCOUNTED, apply
+from remat.planner.offload_execute import apply_offload
+from remat.planner.predict import predict
+from remat.planner.region_model import RegionOps
+from remat.planner.regions import Region
+from remat.trace import capture
+from remat.trace.types import Phase
+
+__all__ = ["calibrate", "measured"]
+
+_BLOCKS = 4  # tiny blocks in the calibration's model
+_ROUNDS = 15
+_WARMUP = 2
+_CHANNELS = 4
+_SIDE = 4
+
+
+class _Block(nn.Module):
+    """A residual convolution and a linear layer with layer norm and GELU, on a few numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = _CHANNELS * _SIDE * _SIDE
+        self.conv = nn.Conv2d(_CHANNELS, _CHANNELS, 3, padding=1)
+        self.norm = nn.BatchNorm2d(_CHANNELS)
+        self.linear = nn.Linear(width, width)
+        self.ln = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x))) + x
+        flat = nn.functional.gelu(self.ln(self.linear(h.flatten(1))))
+        return flat.view_as(x) * h
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_Block() for _ in range(_BLOCKS)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).sum()
+
+
+def _median_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    contexts: dict[str, Callable[[], contextlib.AbstractContextManager[None]]],
+) -> dict[str, tuple[float, float]]:
+    """Per way of running: the median forward and backward seconds over interleaved rounds."""
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in contexts}
+    for k in range(_WARMUP + _ROUNDS):
+        for name, context in contexts.items():
+            model.zero_grad(set_to_none=True)
+            with context():
+                start = time.process_time()
+                loss = model(x)
+                middle = time.process_time()
+                loss.backward()
+                end = time.process_time()
+            if k >= _WARMUP:
+                times[name][0].append(middle - start)
+                times[name][1].append(end - middle)
+    return {name: (statistics.median(f), statistics.median(b)) for name, (f, b) in times.items()}
+
+
+def _kernels(model: nn.Module, x: torch.Tensor) -> float:
+    """The median seconds of the forward without autograd: its kernels, as a replay runs them."""
+    runs = []
+    with torch.no_grad():
+        for _ in range(_ROUNDS):
+            start = time.process_time()
+            model(x)
+            runs.append(time.process_time() - start)
+    return statistics.median(runs)
+
+
+def calibrate(device: torch.device | str = "cpu") -> ExecutorCost:
+    """Measure the executor's per-op figures on ``device`` (see the module doc); about a second on
+    a CPU. The model's parameters and batch-norm statistics are its own, and the global RNG is not
+    drawn from."""
+    dev = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.random.set_rng_state(generator.get_state())
+        model = _Stack().to(dev)
+        x = torch.randn(2, _CHANNELS, _SIDE, _SIDE, generator=generator).to(dev)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _calibrate(model, x)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
+    trace = capture(lambda: model(x).backward(), name="calibration", scratch=False)
+    model.zero_grad(set_to_none=True)
+    forward = [op for op in trace.ops if op.phase is Phase.FORWARD and op.module and op.name not in UNCOUNTED]
+    ops, modules = [op.name for op in forward], [op.module for op in forward]
+    whole = Region("calibration", 0, len(forward) - 1)
+    made = {trace.root(t) for op in forward for t in op.outputs}
+    moved = len(made & {trace.root(t) for t in trace.saved})
+    work = predict(trace, [RegionOps(tuple(op.index for op in forward))]).work
+    figures = _median_step(
+        model,
+        x,
+        {
+            "plain": contextlib.nullcontext,
+            "check": lambda: apply((), ops, modules, model),
+            "tape": lambda: apply((whole,), ops, modules, model),
+            "offload": lambda: apply_offload(
+                (), ops, modules, model, "eager", frozenset(range(len(ops))), Link()
+            ),
+        },
+    )
+    plain, check, tape, offload = (figures[k] for k in ("plain", "check", "tape", "offload"))
+    beyond_kernels = tape[1] - check[1] - _kernels(model, x) * work.replayed / work.checked
+    return ExecutorCost(
+        check=max(check[0] - plain[0], 0.0) / work.checked,
+        record=max(tape[0] - check[0], 0.0) / work.recorded,
+        replay=max(beyond_kernels, 0.0) / max(work.replayed, 1),
+        offload=max(sum(offload) - sum(check), 0.0) / max(moved, 1),
+    )
+
+
+@functools.cache
+def _measured(device: str) -> ExecutorCost:
+    return calibrate(device)
+
+
+def measured(device: torch.device | str = "cpu") -> ExecutorCost:
+    """The executor's per-op figures on ``device``'s kind, calibrated the first time a process asks
+    (``calibrate``) and the same figures after."""
+    return _measured(torch.device(device).type)
