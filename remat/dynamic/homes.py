@@ -19,7 +19,7 @@ NOTE [alignment] The core counts each storage rounded up to 64 bytes, as PyTorch
 aligns its blocks, and a region's pool holds a multiple of 64 bytes: in the arena every block then
 starts on a 64-byte boundary, placed from the low end or from the high end (Coop), which vectorized
 kernels need to sum in the order they do on memory from the allocator (a block 16 bytes off put a
-Coop step's gradients 1e-9 off the plain step's; tests/dynamic/test_dynamic_arriving.py).
+Coop step's gradients 1e-9 off the plain step's; tests/dynamic/test_dynamic_aligned.py).
 """
 
 from __future__ import annotations

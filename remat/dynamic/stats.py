@@ -132,9 +132,8 @@ class DynamicStats:
         backend = SimBackend(self.trace.total_cost, len(self.trace.ops), math.inf)
         compact = self.backend == "accounting"  # NOTE [model addresses] in ``remat.core.runtime``
         runtime = Runtime(pool, recorder, backend, compact=compact)
-        drive(
-            runtime, self.trace, backend, finish=False, wants=self.wants
-        )  # up to the last op, as ``overhead``
+        # Up to the last op, as ``overhead``; constants where the region first saw them.
+        drive(runtime, self.trace, backend, finish=False, wants=self.wants, first_sight=True)
         base = self.trace.total_cost
         predicted = 1.0 + backend.meter.recompute_cost / base if base else 1.0
         measured = self.overhead

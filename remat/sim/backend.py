@@ -94,6 +94,7 @@ def drive(
     backend: SimBackend,
     finish: bool = True,
     wants: Sequence[tuple[int, int]] = (),
+    first_sight: bool = False,
 ) -> None:
     """Feed every event of ``trace`` to ``runtime``, then (``finish``) restore what it leaves live.
     Raises :class:`~remat.core.pool.OutOfMemory` or :class:`~remat.core.driver.Thrashed` when
@@ -101,16 +102,21 @@ def drive(
     ``Residency.wants``: ops run before, handle), made again at the same moments, each before the
     constants the next op shows first (NOTE [wanted at the end] in ``remat.core.residency``).
 
-    NOTE [first sight] Constants are registered where the program first showed them: the ones
-    before the first tensor an op made (parameters, inputs) before the first event, each later one
-    (a tensor from before a dynamic region that an op first read mid-region) just before the first
-    op that reads or writes it, as ``remat.dynamic`` registers it. Registering a constant can evict,
-    so registering it earlier would change the decisions."""
+    Constants are all registered before the first event (a trace's convention: they exist from its
+    start), unless ``first_sight``.
+
+    NOTE [first sight] A region of ``remat.dynamic`` registers a tensor from before the region when
+    an op first reads or writes it, and registering a constant can evict, so its log replays the
+    same way (``DynamicStats.compare``, ``first_sight=True``): the constants before the first tensor
+    an op made (parameters, inputs) before the first event, each later one just before the first op
+    that reads or writes it; one whose only event is its release was never seen, and is skipped."""
     tensors = trace.tensors
     due: dict[int, list[int]] = {}
     for position, handle in wants:
         due.setdefault(position, []).append(handle)
     made = next((t.id for t in tensors if not t.constant), len(tensors))
+    if not first_sight:
+        made = len(tensors)
     later = {t.id for t in tensors if t.constant and t.id > made}
 
     def register(tensor: int) -> None:
@@ -119,7 +125,8 @@ def drive(
 
     with deep_recursion():
         for tensor in range(made):
-            register(tensor)
+            if tensors[tensor].constant:
+                register(tensor)
         ops = 0
         for event in trace.events:
             if isinstance(event, Op):
@@ -131,6 +138,8 @@ def drive(
                         register(tensor)
                     later -= seen
                 runtime.call(event, [tensors[t] for t in event.outputs])
+            elif event.tensor in later:  # never seen by an op
+                later.discard(event.tensor)
             else:
                 runtime.release(event.tensor)
         if finish:

@@ -1,7 +1,8 @@
 """Tensors from before a region that are not in ``keep`` and that an op first reads mid-step: a
 second input batch, and the gradients ``zero_grad(set_to_none=False)`` leaves for the backward to
 accumulate into. The budget holds in the allocator's count on both backends (NOTE [arriving
-constants] in ``remat.dynamic.keep``), the gradients are those of a plain step, and the simulator,
+constants] in ``remat.dynamic.keep``): for the gradients from the first step, for a second batch
+from the step after the first that saw it, the gradients are those of a plain step, and the simulator,
 registering each constant where the region first saw it (NOTE [first sight] in
 ``remat.sim.backend``), takes the region's decisions."""
 
@@ -93,6 +94,8 @@ def test_what_arrives_mid_step_stays_within_the_budget(kind: str, backend: str) 
     assert all(torch.equal(g, p) for g, p in zip(grads, plain, strict=True))
     (first, entered), (allocated, stats) = measured
     assert allocated <= budget, (allocated, budget)
+    if kind == "grads":  # registered at the entry with their parameters: held from the first step
+        assert first <= budget, (first, budget)
     assert stats.evictions > 0
     # The second batch arrives (the next block sets its room aside), and in the arena the first one
     # too (its hole); the gradients at the entry are the kept parameters', registered with them.

@@ -12,6 +12,7 @@ import pytest
 from remat.sim import Outcome, SimResult, facts, simulate, sweep
 from remat.sim.synthetic import training_step
 from remat.trace import Trace, load
+from remat.trace.types import Op, Release, TensorInfo
 
 LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
 
@@ -157,3 +158,26 @@ def test_sweep_nests_traces_policies_ratios() -> None:
     assert seen == results
     with pytest.raises(ValueError, match=r"remat\.sim\.simulate: unknown eviction policy"):
         sweep([chain()], ["dtr", "nope"], [0.5])
+
+
+def test_a_constant_released_unread_after_the_first_made_tensor() -> None:
+    # A trace's constants exist from its start (NOTE [first sight] in remat.sim.backend): one that
+    # comes after a made tensor and whose only event is its release is counted, not skipped.
+    mib = 1 << 20
+    tensors = (
+        TensorInfo(0, mib, constant=True),
+        TensorInfo(1, mib),
+        TensorInfo(2, 4 * mib, constant=True),
+        TensorInfo(3, mib),
+    )
+    events = (
+        Op(0, "a", (0,), (1,), cost=1.0),
+        Release(2),
+        Op(1, "b", (1,), (3,), cost=1.0),
+        Release(1),
+        Release(3),
+    )
+    trace = Trace(tensors, events, name="released")
+    result = simulate(trace, 10 * mib, "dtr", layout=False)
+    assert result.outcome is Outcome.OK and result.peak_bytes >= 6 * mib  # both constants and a's output
+    assert simulate(trace, 6 * mib - 1, "dtr", layout=False).outcome is Outcome.OOM
