@@ -1,5 +1,5 @@
 """The worst case of a program under the runtime: the most bytes it can need at once, whatever was
-evicted before, so the least budget at which counting bytes never runs out of memory.
+evicted before, so the least budget at which counting bytes never runs out of memory (it may still thrash).
 
 NOTE [worst case] The working set (``Telemetry.working_set``: the most bytes an op needs at its
 first run, or the end, where everything the program keeps is resident at once) is what no budget
@@ -19,8 +19,10 @@ outputs beside the constants, but two things need more:
 
 :func:`worst_case` adds both: every restore's op with the final constants, and each kept storage's
 restore chain (every ancestor that is neither a constant nor held firm taken as evicted) beside
-the kept storages before it. The chains of storages whose ancestry holds no kept storage do not
-depend on what is firm, and are found once for all (the greatest need over each ancestry)."""
+the kept storages before it, in time linear in the graph's edges.
+
+At the worst case the runtime does not run out of memory; it may still thrash (two inputs of an op
+whose restore chains evict each other), which the thrash limit stops."""
 
 from __future__ import annotations
 
@@ -44,51 +46,25 @@ def worst_case(state: Residency) -> int:
     own = [sum(nbytes[p] for p in sources[s]) + made[s] if restorable[s] else 0 for s in range(count)]
     kept = [s for s in range(count) if state.live[s] > 0 and restorable[s]]
     worst = max([state.telemetry.working_set] + [constants + need for need in own])
-    free = _free_of(kept, sources)
-    deepest = _deepest_of(own, sources, free)
-    firm: set[int] = set()
-    firm_bytes = 0
-    for storage in kept:  # in the order ``finish`` restores them
-        chain, seen, stack = 0, {storage}, [storage]
+    # ``finish`` restores the kept storages in order, each beside those before it held firm. A
+    # storage's need (its non-firm sources, its run) plus the firm bytes only grows with the firm
+    # set, so each storage scores highest in the last restore chain that reaches it: walking the
+    # chains last first, one walk stops at what a later one saw, and every edge is crossed once.
+    order = {storage: k for k, storage in enumerate(kept)}
+    firm_bytes = [0]
+    for storage in kept:
+        firm_bytes.append(firm_bytes[-1] + nbytes[storage])
+    seen: set[int] = set()
+    for k in range(len(kept) - 1, -1, -1):
+        chain, stack = 0, [kept[k]]
+        seen.add(kept[k])  # held firm by every later chain, so no later walk reached it
         while stack:
             s = stack.pop()
-            if free[s]:
-                chain = max(chain, deepest[s])
-                continue
-            chain = max(chain, sum(nbytes[p] for p in sources[s] if p not in firm) + made[s])
-            for p in sources[s]:
-                if p not in firm and p not in seen:
+            held = [p for p in sources[s] if order.get(p, k) >= k]  # not yet firm
+            chain = max(chain, sum(nbytes[p] for p in held) + made[s])
+            for p in held:
+                if p not in seen:
                     seen.add(p)
                     stack.append(p)
-        worst = max(worst, constants + firm_bytes + chain)
-        firm.add(storage)
-        firm_bytes += nbytes[storage]
+        worst = max(worst, constants + firm_bytes[k] + chain)
     return worst
-
-
-def _free_of(kept: list[int], sources: list[list[int]]) -> list[bool]:
-    """Whether each storage's restore chain holds no kept storage (nor reads one)."""
-    free = [True] * len(sources)
-    for storage in kept:
-        free[storage] = False
-    changed = True
-    while changed:  # parents come before children but for views' inputs: a few passes
-        changed = False
-        for s, inputs in enumerate(sources):
-            if free[s] and any(not free[p] for p in inputs):
-                free[s], changed = False, True
-    return free
-
-
-def _deepest_of(own: list[int], sources: list[list[int]], free: list[bool]) -> list[int]:
-    """For each storage whose chain is free of kept storages, the greatest need along it."""
-    deepest = list(own)
-    changed = True
-    while changed:
-        changed = False
-        for s, inputs in enumerate(sources):
-            if free[s]:
-                best = max([deepest[s]] + [deepest[p] for p in inputs])
-                if best > deepest[s]:
-                    deepest[s], changed = best, True
-    return deepest

@@ -68,7 +68,7 @@ def simulate(
     if nbytes < known.working_set:  # no run can fit; between it and the worst case, some may
         reason = (
             f"the budget is below the working set ({format_bytes(known.working_set)}); "
-            f"{format_bytes(known.worst_case)} is always enough when counting bytes"
+            f"at {format_bytes(known.worst_case)} counting bytes never runs out of memory"
         )
         return _result(trace, chosen, layout, nbytes, known, costs, Outcome.OOM, reason=reason)
     pool = make_pool(nbytes, layout, fit)
@@ -80,7 +80,7 @@ def simulate(
     except OutOfMemory as error:
         if error.needed > nbytes:
             needed = max(error.needed, known.worst_case)  # NOTE [worst case] in remat.core.worst_case
-            reason = f"{error}; {format_bytes(needed)} is always enough when counting bytes"
+            reason = f"{error}; at {format_bytes(needed)} counting bytes never runs out of memory"
         else:  # enough bytes, but pinned pieces split them (address pools only)
             needed = known.worst_case
             reason = f"{error}: the free memory is fragmented by pinned pieces; try layout=False or 'coop'"

@@ -1,15 +1,19 @@
-"""The worst case of a program (NOTE [worst case] in remat.core.worst_case) on hand-written ones."""
+"""The worst case of a program (NOTE [worst case] in remat.core.worst_case): on hand-written ones,
+and on random ones against a walk per restore chain."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import random
+from dataclasses import dataclass, replace
 
 from remat.core.policies import get
-from remat.core.pool import BytePool, OutOfMemory
+from remat.core.pool import BytePool, End, OutOfMemory
+from remat.core.residency import Residency
 from remat.core.runtime import Runtime
+from remat.core.worst_case import worst_case
 from remat.sim import Outcome, facts, simulate
-from remat.sim.backend import SimBackend, drive
-from remat.sim.synthetic import Builder
+from remat.sim.backend import SimBackend, drive, run_trace
+from remat.sim.synthetic import Builder, random_program
 from remat.trace.types import Op, Trace
 
 
@@ -65,3 +69,60 @@ def test_scratch_counts_at_the_first_run_and_in_restores() -> None:
     assert simulate(trace, known.worst_case, "lru", layout=False).outcome is Outcome.OK
     short = simulate(trace, known.working_set - 1, "lru", layout=False)
     assert short.outcome is Outcome.OOM and "below the working set" in short.reason
+
+
+@dataclass(frozen=True)
+class Unbounded:
+    """A policy never asked to choose (the pool never fills); ``inplace``: mutations reuse."""
+
+    inplace: bool
+    name: str = "unbounded"
+    needs: frozenset[str] = frozenset()
+
+    def end(self, op: Op) -> End:
+        return End.LOW
+
+    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
+        return []
+
+
+def chain_by_chain(state: Residency) -> int:
+    """The NOTE's figure the direct way: each kept storage's restore chain walked on its own."""
+    graph = state.graph
+    nbytes, constant = graph.nbytes, graph.constant
+    count = len(graph)
+    restorable = [not constant[s] and nbytes[s] > 0 for s in range(count)]
+    sources = [[p for p in graph.parents[s] if restorable[p]] for s in range(count)]
+    made = [0] * count
+    for record in graph.records:
+        for output in record.outputs:
+            made[output] = sum(nbytes[o] for o in record.outputs) + record.op.scratch
+    constants = sum(n for n, fixed in zip(nbytes, constant, strict=True) if fixed)
+    worst = state.telemetry.working_set
+    for s in range(count):
+        if restorable[s]:
+            worst = max(worst, constants + sum(nbytes[p] for p in sources[s]) + made[s])
+    firm: set[int] = set()
+    for storage in (s for s in range(count) if state.live[s] > 0 and restorable[s]):
+        chain, seen, stack = 0, {storage}, [storage]
+        while stack:
+            s = stack.pop()
+            held = [p for p in sources[s] if p not in firm]
+            chain = max(chain, sum(nbytes[p] for p in held) + made[s])
+            stack += [p for p in held if p not in seen]
+            seen.update(held)
+        worst = max(worst, constants + sum(nbytes[f] for f in firm) + chain)
+        firm.add(storage)
+    return worst
+
+
+def test_one_walk_finds_what_a_walk_per_chain_finds() -> None:
+    beyond = 0  # programs whose end needs more than any single op's restore
+    for seed in range(200):
+        sizes = random.Random(seed)
+        trace = random_program(random.Random(seed), sizes.randint(1, 30), sizes.randint(1, 3))
+        for inplace in (False, True):
+            state = run_trace(trace, BytePool(2**62), Unbounded(inplace))
+            assert worst_case(state) == chain_by_chain(state), (seed, inplace)
+            beyond += chain_by_chain(state) > facts(trace, inplace).working_set
+    assert beyond > 0

@@ -121,7 +121,7 @@ def test_out_of_memory_reports_the_figure_needed() -> None:
     known = facts(chain(), inplace=False)
     result = simulate(chain(), known.working_set - 1, "dtr")
     assert result.outcome is Outcome.OOM and result.needed_bytes == known.worst_case
-    assert "below the working set" in result.reason and "is always enough" in result.reason
+    assert "below the working set" in result.reason and "never runs out" in result.reason
     assert math.isnan(result.overhead) and "OOM" in str(result)
     assert result.to_dict()["overhead"] is None
     assert simulate(chain(), known.worst_case, "dtr", layout=False).outcome is not Outcome.OOM
