@@ -274,7 +274,7 @@ class Dynamic:
 
     def _make_backend(self, pool: Pool) -> AccountingBackend:
         backend: AccountingBackend = backends.get(self.backend, API).create(
-            self.device, self.thrash_limit, pool, self.reserve
+            self.device, self.thrash_limit, pool, self.budget - self.capacity
         )
         return backend
 
