@@ -46,16 +46,11 @@ from remat.dynamic.recipe import Recipe, result_leaves
 
 OutOverload = tuple[Any, tuple[str, ...]]
 
-# Computed, then copied in: matrix products, whose out= kernels gave results one rounding step
-# apart from the functional ones in a Llama step (tests/dynamic/test_dynamic.py), where exact equality with
-# the plain step is the rule.
-_FUNCTIONAL = frozenset({"aten::mm", "aten::bmm"})
-
 
 def out_overload(func: Any) -> OutOverload | None:
     """The ``out=`` overload of ``func`` taking the same arguments, and its out argument names."""
     schema = func._schema
-    if not schema.returns or schema.name in _FUNCTIONAL:
+    if not schema.returns:
         return None
     if any(r.alias_info is not None for r in schema.returns):
         return None
@@ -189,7 +184,7 @@ class ArenaBackend(AccountingBackend):
             sizes = tuple(m.untyped_storage().nbytes() for m in metas or ())
         copies = sum(real.nbytes() for real in saved.values())
         nbytes = sum(aligned(n) for n in sizes or ()) + aligned(op_scratch.known(key) or 0) + copies
-        self.beside(nbytes, func._schema.name)
+        self.beside(nbytes, str(func))
 
     # -- first runs -----------------------------------------------------------------------------
 
