@@ -50,7 +50,7 @@ _METAS: dict[tuple[Any, ...], list[torch.Tensor] | None] = {}  # by op signature
 _UNKNOWN = object()  # a signature not in _METAS yet
 
 
-def _meta_results(
+def meta_results(
     func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...]
 ) -> list[torch.Tensor] | None:
     """``func``'s results computed on meta tensors, flat; None where a meta kernel cannot tell."""
@@ -168,7 +168,7 @@ class AccountingBackend:
             return None
         metas = _METAS.get(key, _UNKNOWN)
         if metas is _UNKNOWN:
-            metas = _METAS[key] = _meta_results(func, args, kwargs, fresh_returns)
+            metas = _METAS[key] = meta_results(func, args, kwargs, fresh_returns)
         return metas  # type: ignore[return-value]
 
     def placeable(self, func: Any, sized: bool = False) -> bool:
@@ -225,6 +225,18 @@ class AccountingBackend:
                     stacklevel=2,
                 )
         return out, seconds
+
+    def ahead(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        fresh_returns: tuple[bool, ...],
+        key: tuple[Any, ...],
+        saved: dict[int, torch.UntypedStorage],
+    ) -> None:
+        """An op is about to run before its outputs are placed, ``saved`` copied aside for it: its
+        results and scratch are the reserve's to cover, as the core evicts for them just after."""
 
     def placed(self, record: Record, n_fresh: int) -> None:
         """A first run that ran before the core placed its outputs is adopted (nothing to move)."""

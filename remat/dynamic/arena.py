@@ -13,11 +13,21 @@ and the op is reported in ``copied``. Constants (parameters, inputs) stay where 
 pieces of the pool are holes in the arena, so the budget still counts them. At the end of the region
 the tensors the program keeps are copied out of the arena, which is then freed; rebuilding the
 evicted ones among them may use memory past the arena (NOTE [hand-over] in ``engine``).
+
+NOTE [beside the arena] The arena is allocated whole from the region's start: evicting frees no
+memory of the allocator's, so whatever an op holds outside the arena is over the pool's count, all
+of it: its kernel's scratch, the results of an op run before they are placed (no ``out=`` kernel,
+no meta kernel) until they are copied in, the old content of what such an op overwrites, the copies
+of the hand-over. The budget leaves beside the pool the reserve and the room set aside for arriving
+constants (``room``), less the constants that arrived in the block so far (their memory is their
+own, their piece of the pool a hole in the arena). Before each such op the backend holds what it
+will hold there against that room, and raises a RematValueError saying how much more reserve it
+needs rather than pass the budget; an op whose results could not be sized ahead is checked once it
+has run (their size is learned then for its next call).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,26 +35,22 @@ import torch
 
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
+from remat.aten import scratch as op_scratch
 from remat.core import owners
 from remat.core.graph import NO_REUSE, Record
 from remat.core.pool import AddressPool, Pool
-from remat.dynamic.accounting import AccountingBackend, Pending
+from remat.dynamic.accounting import AccountingBackend, Pending, meta_results
 from remat.dynamic.backends import register
-from remat.dynamic.homes import at, swap
+from remat.dynamic.homes import aligned, at, swap
 from remat.dynamic.recipe import Recipe, result_leaves
 
 OutOverload = tuple[Any, tuple[str, ...]]
-
-# Computed, then copied in: matrix products, whose out= kernels gave results one rounding step
-# apart from the functional ones in a Llama step (tests/dynamic/test_dynamic.py), where exact equality with
-# the plain step is the rule.
-_FUNCTIONAL = frozenset({"aten::mm", "aten::bmm"})
 
 
 def out_overload(func: Any) -> OutOverload | None:
     """The ``out=`` overload of ``func`` taking the same arguments, and its out argument names."""
     schema = func._schema
-    if not schema.returns or schema.name in _FUNCTIONAL:
+    if not schema.returns:
         return None
     if any(r.alias_info is not None for r in schema.returns):
         return None
@@ -69,14 +75,17 @@ class ArenaBackend(AccountingBackend):
 
     @classmethod
     def create(cls, device: torch.device, thrash_limit: float, pool: Pool, reserve: int) -> ArenaBackend:
-        """The backend of one region: its arena is what ``pool`` leaves beside ``reserve``."""
+        """The backend of one region: its arena is what ``pool`` leaves of the budget, ``reserve``
+        bytes of it beside the pool (NOTE [beside the arena])."""
         assert isinstance(pool, AddressPool)
         return cls(device, thrash_limit, pool, reserve)
 
     def __init__(self, device: torch.device, thrash_limit: float, pool: AddressPool, reserve: int) -> None:
         super().__init__(device, thrash_limit)
         self.pool = pool
-        self.reserve = reserve
+        self.room = reserve
+        self.entered = 0  # constants registered before the arena was allocated
+        self.arrived = (0, 0)  # constants registered so far, and the bytes of those past ``entered``
         self.start = 0  # the pool's address of the arena's first byte (NOTE [arena offset])
         self.size = 0
         self.arena = torch.empty(0, dtype=torch.uint8, device=device)
@@ -96,6 +105,7 @@ class ArenaBackend(AccountingBackend):
         the reserve. The segments of the constants' tiny blocks lie among them and
         are sealed, so that no block of the arena's is placed there."""
         self.pool.seal()
+        self.entered = len(self.homes.pinned)
         self.start = self.pool.used
         self.size = self.pool.capacity - self.start
         self.arena = torch.empty(self.size, dtype=torch.uint8, device=self.device)
@@ -132,6 +142,50 @@ class ArenaBackend(AccountingBackend):
             self._outs[func] = out_overload(func)
         return self._outs[func]
 
+    # -- beside the arena (NOTE [beside the arena]) ----------------------------------------------
+
+    def left(self) -> int:
+        """The bytes the budget leaves beside the arena now: the room less the constants arrived."""
+        pinned = self.homes.pinned
+        if len(pinned) != self.arrived[0]:
+            late = list(pinned.values())[self.entered :]
+            self.arrived = (len(pinned), sum(aligned(real.nbytes()) for real in late))
+        return self.room - self.arrived[1]
+
+    def beside(self, nbytes: int, what: str) -> None:
+        """``what`` is about to hold ``nbytes`` outside the arena: raise when they do not fit."""
+        left = self.left()
+        if nbytes > left:
+            raise RematValueError(
+                message(
+                    "dynamic",
+                    "the arena backend holds kernels' scratch, results copied in and the hand-over's "
+                    "copies beside the arena, within the reserve",
+                    f"{what} needs {format_bytes(nbytes)} beside the arena, "
+                    f"the reserve leaves {format_bytes(max(left, 0))}",
+                    f"raise the reserve by {nbytes - left} bytes or more, or use backend='accounting'",
+                )
+            )
+
+    def ahead(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        fresh_returns: tuple[bool, ...],
+        key: tuple[Any, ...],
+        saved: dict[int, torch.UntypedStorage],
+    ) -> None:
+        """Hold an op run before it is placed against the room beside the arena: its results (as
+        learned from an earlier run, else as its meta kernel tells), its scratch and ``saved``."""
+        sizes = op_scratch.results(key)
+        if sizes is None and any(fresh_returns):
+            metas = meta_results(func, args, kwargs, fresh_returns)
+            sizes = tuple(m.untyped_storage().nbytes() for m in metas or ())
+        copies = sum(real.nbytes() for real in saved.values())
+        nbytes = sum(aligned(n) for n in sizes or ()) + aligned(op_scratch.known(key) or 0) + copies
+        self.beside(nbytes, str(func))
+
     # -- first runs -----------------------------------------------------------------------------
 
     def placeable(self, func: Any, sized: bool = False) -> bool:
@@ -154,6 +208,7 @@ class ArenaBackend(AccountingBackend):
                 pending.saved[handle] = self._move_into(new, homes.get(old))
                 if handle in homes.pinned and handle not in self.homes_of:
                     self.homes_of[handle] = pending.saved[handle]  # a constant's own memory
+        self.beside(record.op.scratch, record.op.name)
         outs: dict[str, torch.Tensor] = {}
         if n:
             overload, names = self._out(func)  # type: ignore[misc]
@@ -163,9 +218,7 @@ class ArenaBackend(AccountingBackend):
                 outs[name] = self._tensor_at(storage, meta)
                 bind(handle, outs[name])
             func = overload
-        start = time.perf_counter()
-        out = func(*args, **kwargs, **outs)
-        return out, time.perf_counter() - start
+        return op_scratch.timed(lambda: func(*args, **kwargs, **outs), pending.learn)
 
     def _tensor_at(self, storage: int, meta: torch.Tensor) -> torch.Tensor:
         nbytes = meta.untyped_storage().nbytes()
@@ -178,6 +231,8 @@ class ArenaBackend(AccountingBackend):
         """The op ran before its outputs were placed: move them (and mutated storages the core
         gave new blocks) into the arena."""
         graph, homes = self.runtime.graph, self.homes
+        held = sum(graph.nbytes[s] for s in record.outputs if graph.nbytes[s] and self.pool.holds(s))
+        self.beside(held + record.op.scratch, record.op.name)  # ran already: one not sized ahead
         moved = False
         for storage in record.outputs:
             if graph.nbytes[storage] and self.pool.holds(storage):
@@ -215,6 +270,8 @@ class ArenaBackend(AccountingBackend):
         fresh = [s for s, old in zip(record.outputs, record.reuse, strict=True) if old == NO_REUSE]
         found = self._out(recipe.func)
         placed: dict[int, torch.UntypedStorage] = {}
+        copies = sum(graph.nbytes[s] for s in fresh) if found is None or len(found[1]) != len(fresh) else 0
+        self.beside(record.op.scratch + copies, record.op.name)
         if fresh and found is not None and len(found[1]) == len(fresh):
             overload, names = found
             leaves = [value for _, value in result_leaves(recipe.returns, recipe.meta())]
@@ -255,17 +312,7 @@ class ArenaBackend(AccountingBackend):
         held = [homes.storage_of_handle(h) for h in handles]
         moved = [homes.storage_of_handle(h) for h in homes.pinned if h not in self.homes_of]
         needed = sum(real.nbytes() for real in held + moved if real is not None and self._inside(real))
-        if needed > self.reserve:
-            raise RematValueError(
-                message(
-                    "dynamic",
-                    "the arena backend copies what the program keeps at the region's end out of the "
-                    "arena while the arena is allocated, within the reserve",
-                    f"the program keeps {format_bytes(needed)} in the arena, "
-                    f"reserve {format_bytes(self.reserve)}",
-                    f"pass reserve={needed} or more (bytes), or use backend='accounting'",
-                )
-            )
+        self.beside(needed, "the hand-over of what the program keeps")
 
     def hand_over(self, storage: int) -> None:
         """The program keeps ``storage``: copy it out of the arena, which dies with the region."""

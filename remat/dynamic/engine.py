@@ -251,6 +251,7 @@ class Engine:
             extra = recompute_bytes(func, args, default, self.device, self.managed)
         tensors_info = self.tensors
         if metas is None:
+            backend.ahead(func, args, kwargs, schema.fresh_returns, key, saved)
             rng, generators = states()
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)

@@ -9,8 +9,9 @@ gradient (a second input batch first read mid-step) holds memory from the block'
 runtime learns of it only when an op first reads it, and the pool may be full by then. So each
 block sets aside, beside the reserve, the bytes of the constants that arrived that way in the block
 before (``arriving``; the pool gets the rest). The first block's arrivals are the reserve's to cover,
-and it may not be enough (a second batch on the arena at reserve 0.25 went 0.1% over): the budget
-is held from the next block on. Naming such a tensor in ``keep`` holds it from the first.
+and it may not be enough: the budget is held from the next block on (in the arena from the first,
+whose copies beside the arena are held against what the arrivals leave of the reserve, or it raises:
+NOTE [beside the arena] in ``arena``). Naming such a tensor in ``keep`` holds it from the first.
 One that arrives before any op made a tensor (the batch the first op reads) was never beside a
 full pool, except in the arena, which holds its piece of the pool as a hole beside its own memory.
 """

@@ -12,10 +12,10 @@ ordinary tensors afterwards.
 
 The budget holds in the allocator's count, not only in the pool's (NOTE [room first] in
 ``engine``). What the runtime cannot count ahead is covered by the ``reserve``, a part of the budget
-set aside at construction: the pool gets the rest. It covers kernels' scratch buffers on an op
-signature's first run (learned there, where PyTorch's profiler is free to run; counted from then
-on) or always where they cannot be learned (on CUDA, or inside ``remat.memory.track(allocator=True)``
-from the first step), and the results of ops that run before they are placed.
+set aside at construction: the pool gets the rest. It covers kernels' scratch on an op signature's
+first run (learned there, where PyTorch's profiler is free to run) or always where it cannot be
+learned (CUDA, ``remat.memory.track(allocator=True)`` from the first step), the results of ops run
+before they are placed, and on the arena all scratch and copies (NOTE [beside the arena] in ``arena``).
 
 A region that fails (out of room, thrashing, or an error in the program) undoes the step
 (:mod:`remat.dynamic.undo`) and says so in the error.
@@ -274,7 +274,7 @@ class Dynamic:
 
     def _make_backend(self, pool: Pool) -> AccountingBackend:
         backend: AccountingBackend = backends.get(self.backend, API).create(
-            self.device, self.thrash_limit, pool, self.reserve
+            self.device, self.thrash_limit, pool, self.budget - self.capacity
         )
         return backend
 

@@ -2,7 +2,8 @@
 second input batch, and the gradients ``zero_grad(set_to_none=False)`` leaves for the backward to
 accumulate into. The budget holds in the allocator's count on both backends (NOTE [arriving
 constants] in ``remat.dynamic.keep``): for the gradients from the first step, for a second batch
-from the step after the first that saw it, the gradients are those of a plain step, and the simulator,
+from the step after the first that saw it (in the arena from the first, NOTE [beside the arena] in
+``remat.dynamic.arena``), the gradients are those of a plain step, and the simulator,
 registering each constant where the region first saw it (NOTE [first sight] in
 ``remat.sim.backend``), takes the region's decisions."""
 
@@ -81,7 +82,7 @@ def _steps(
 SETUPS = {
     ("batch", "accounting"): ("dtr", 1.0),
     ("grads", "accounting"): ("dtr", 1.1),
-    ("batch", "arena"): ("coop", 1.4),
+    ("batch", "arena"): ("coop", 1.5),
     ("grads", "arena"): ("coop", 1.4),
 }
 
@@ -94,7 +95,7 @@ def test_what_arrives_mid_step_stays_within_the_budget(kind: str, backend: str) 
     assert all(torch.equal(g, p) for g, p in zip(grads, plain, strict=True))
     (first, entered), (allocated, stats) = measured
     assert allocated <= budget, (allocated, budget)
-    if kind == "grads":  # registered at the entry with their parameters: held from the first step
+    if kind == "grads" or backend == "arena":  # held from the first step (or an error, in the arena)
         assert first <= budget, (first, budget)
     assert stats.evictions > 0
     # The second batch arrives (the next block sets its room aside), and in the arena the first one

@@ -97,9 +97,8 @@ def test_module_wrapper_trains_like_the_plain_module() -> None:
 
 
 def test_arena_memory_measured_stays_within_the_budget() -> None:
-    """The arena, the outputs of matrix products while they are copied in (``_FUNCTIONAL`` in
-    ``remat.dynamic.arena``) and what the program keeps, copied out at the end, all within the
-    budget as the allocator counts it."""
+    """The arena, the matrix products run into their blocks (``out=``, nothing copied in) and what
+    the program keeps, copied out at the end, all within the budget as the allocator counts it."""
     torch.manual_seed(0)
     x, w1, w2 = torch.randn(256, 64), torch.randn(64, 256), torch.randn(256, 64)
     g = torch.randn(256, 64)
@@ -124,7 +123,7 @@ def test_arena_memory_measured_stays_within_the_budget() -> None:
         )
         with region:
             out = step()
-    assert region.stats.copied_ops == ("aten.mm.default",)
+    assert region.stats.copied_ops == ()
     assert region.stats.evictions > 0
     assert measured.peak_bytes + region.stats.outside_bytes <= budget
     assert torch.equal(out, plain)
