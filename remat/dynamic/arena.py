@@ -156,14 +156,18 @@ class ArenaBackend(AccountingBackend):
         """``what`` is about to hold ``nbytes`` outside the arena: raise when they do not fit."""
         left = self.left()
         if nbytes > left:
+            given = f"{what} needs {format_bytes(nbytes)} beside the arena, the reserve leaves "
+            given += f"{format_bytes(max(left, 0))}"
+            if left < 0:  # tensors from before the region, first read mid-step, took it all
+                given += f", as tensors first read mid-step took {format_bytes(self.arrived[1])} of it"
             raise RematValueError(
                 message(
                     "dynamic",
                     "the arena backend holds kernels' scratch, results copied in and the hand-over's "
                     "copies beside the arena, within the reserve",
-                    f"{what} needs {format_bytes(nbytes)} beside the arena, "
-                    f"the reserve leaves {format_bytes(max(left, 0))}",
-                    f"raise the reserve by {nbytes - left} bytes or more, or use backend='accounting'",
+                    given,
+                    f"raise the reserve by {nbytes - left} bytes or more, name the tensors read "
+                    "mid-step in keep, or use backend='accounting'",
                 )
             )
 

@@ -112,3 +112,30 @@ def test_a_product_run_beside_the_arena_is_refused_before_it_runs() -> None:
         remat.dynamic(2_000_000, "dtr", backend="arena", keep=x, reserve=1024),
     ):
         torch.ones_like(x)
+
+
+def test_tensors_read_mid_step_that_take_the_reserve_are_named() -> None:
+    model, x = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(x).square().mean().backward()
+    optimizer.step()  # gradients and momentum exist before the region
+    free = remat.dynamic(None, "dtr", keep=(model, optimizer), cost="model")
+    with free:
+        model(x).square().mean().backward()
+        optimizer.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    region = remat.dynamic(
+        int(0.5 * free.stats.peak_bytes), "dtr", backend="arena", keep=(model, optimizer), cost="model",
+        reserve=0.02,
+    )  # fmt: skip
+    with (
+        pytest.raises(
+            RematValueError,
+            match=BESIDE + r".*, as tensors first read mid-step took .* of it\); "
+            r"raise the reserve by \d+ bytes or more, name the tensors read mid-step in keep",
+        ),
+        region,
+    ):
+        model(x).square().mean().backward()
+        optimizer.step()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))  # undone
