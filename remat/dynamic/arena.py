@@ -23,7 +23,9 @@ constants (``room``), less the constants that arrived in the block so far (their
 own, their piece of the pool a hole in the arena). Before each such op the backend holds what it
 will hold there against that room, and raises a RematValueError saying how much more reserve it
 needs rather than pass the budget; an op whose results could not be sized ahead is checked once it
-has run (their size is learned then for its next call).
+has run (their size is learned then for its next call). An ``out=`` form with no kernel of its own
+for the device (convolution's backward: only a composite one) makes its results beside the arena
+and copies them in, so placing through it holds its results there too (``_wraps``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class ArenaBackend(AccountingBackend):
         self.copied: set[str] = set()
         self.homes_of: dict[int, torch.UntypedStorage] = {}  # constant handle -> its own memory
         self._outs: dict[Any, OutOverload | None] = {}
+        self._wrappers: dict[Any, bool] = {}
 
     def open(self) -> None:
         """The constants registered so far lie at the pool's low end: the arena covers the rest.
@@ -195,6 +198,16 @@ class ArenaBackend(AccountingBackend):
     def placeable(self, func: Any, sized: bool = False) -> bool:
         return super().placeable(func, sized) and self._out(func) is not None
 
+    def _wraps(self, overload: Any) -> bool:
+        """Whether ``overload`` (an ``out=`` form) has no kernel of its own for the device, only a
+        composite one that runs the plain form beside the arena and copies its results in."""
+        found = self._wrappers.get(overload)
+        if found is None:
+            key = "CUDA" if self.device.type == "cuda" else "CPU"
+            found = not torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), key)
+            self._wrappers[overload] = found
+        return found
+
     def first_run(
         self,
         func: Any,
@@ -212,10 +225,14 @@ class ArenaBackend(AccountingBackend):
                 pending.saved[handle] = self._move_into(new, homes.get(old))
                 if handle in homes.pinned and handle not in self.homes_of:
                     self.homes_of[handle] = pending.saved[handle]  # a constant's own memory
-        self.beside(record.op.scratch, record.op.name)
         outs: dict[str, torch.Tensor] = {}
+        beside = record.op.scratch
         if n:
             overload, names = self._out(func)  # type: ignore[misc]
+            if self._wraps(overload):
+                beside += sum(graph.nbytes[s] for s in record.outputs[:n])
+        self.beside(beside, record.op.name)
+        if n:
             for name, storage, handle, meta in zip(
                 names, record.outputs[:n], pending.fresh, pending.metas, strict=True
             ):
@@ -274,7 +291,9 @@ class ArenaBackend(AccountingBackend):
         fresh = [s for s, old in zip(record.outputs, record.reuse, strict=True) if old == NO_REUSE]
         found = self._out(recipe.func)
         placed: dict[int, torch.UntypedStorage] = {}
-        copies = sum(graph.nbytes[s] for s in fresh) if found is None or len(found[1]) != len(fresh) else 0
+        copies = 0
+        if found is None or len(found[1]) != len(fresh) or self._wraps(found[0]):
+            copies = sum(graph.nbytes[s] for s in fresh)
         self.beside(record.op.scratch + copies, record.op.name)
         if fresh and found is not None and len(found[1]) == len(fresh):
             overload, names = found

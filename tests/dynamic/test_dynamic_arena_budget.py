@@ -139,3 +139,18 @@ def test_tensors_read_mid_step_that_take_the_reserve_are_named() -> None:
         model(x).square().mean().backward()
         optimizer.step()
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))  # undone
+
+
+def test_an_out_form_without_its_own_kernel_holds_its_results_beside_the_arena() -> None:
+    """Convolution's backward has only a composite ``out=`` form: placed through it, it makes its
+    results beside the arena and copies them in, which must fit there (it passed the budget
+    silently before)."""
+    _, peak = reference("cnn")  # the kernels' scratch learned first, as a second step would have
+    model, x = cnn()
+    region = remat.dynamic(
+        int(1.5 * peak), "dtr", backend="arena", keep=model, cost="model", reserve=0.25, thrash_limit=50.0
+    )
+    beside = BESIDE + r".*\(aten\.convolution_backward\.default needs "
+    with pytest.raises(RematValueError, match=beside), region:
+        step(model, x)
+    assert all(p.grad is None for p in model.parameters())  # the step was undone
