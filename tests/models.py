@@ -30,6 +30,17 @@ class MLP(nn.Module):
         return self.head(x).pow(2).mean()
 
 
+class ResidualMLP(nn.Module):
+    """``x + Linear(GELU(Linear(x)))``, twice as wide inside."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
 class ConvBlock(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()

@@ -226,13 +226,12 @@ class ArenaBackend(AccountingBackend):
                 if handle in homes.pinned and handle not in self.homes_of:
                     self.homes_of[handle] = pending.saved[handle]  # a constant's own memory
         outs: dict[str, torch.Tensor] = {}
-        beside = record.op.scratch
-        if n:
+        if not n:
+            self.beside(record.op.scratch, record.op.name)
+        else:
             overload, names = self._out(func)  # type: ignore[misc]
-            if self._wraps(overload):
-                beside += sum(graph.nbytes[s] for s in record.outputs[:n])
-        self.beside(beside, record.op.name)
-        if n:
+            results = sum(graph.nbytes[s] for s in record.outputs[:n]) if self._wraps(overload) else 0
+            self.beside(record.op.scratch + results, record.op.name)
             for name, storage, handle, meta in zip(
                 names, record.outputs[:n], pending.fresh, pending.metas, strict=True
             ):

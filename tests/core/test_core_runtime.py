@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
+from never_evicts import NeverEvicts
 
 from remat.core.graph import Record
 from remat.core.policies import get
-from remat.core.pool import AddressPool, BytePool, End, OutOfMemory
-from remat.core.residency import Residency
+from remat.core.pool import AddressPool, BytePool, OutOfMemory
 from remat.core.runtime import Runtime
 from remat.sim import Outcome, simulate
 from remat.sim.backend import SimBackend, drive, run_trace
@@ -277,21 +277,6 @@ def test_model_addresses_are_packed_where_only_their_pieces_stand_in_the_way() -
     assert runtime.resident[runtime.storage_of(c)]
 
 
-@dataclass(frozen=True)
-class Keeper:
-    """A policy that never finds a victim: an allocation that does not fit runs out at once."""
-
-    name: str = "keeper"
-    needs: frozenset[str] = frozenset()
-    inplace: bool = False
-
-    def end(self, op: Op) -> End:
-        return End.LOW
-
-    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
-        return []
-
-
 def test_a_wanted_storage_is_hidden_again_when_an_allocation_runs_out() -> None:
     p = Builder()
     x = p.tensor(10, constant=True)
@@ -300,7 +285,7 @@ def test_a_wanted_storage_is_hidden_again_when_an_allocation_runs_out() -> None:
     p.op("big", (x,), (big,), 1.0)  # no room: the last resort exposes kept, the policy leaves it
     trace = p.trace("wanted")
     backend = SimBackend(1.0, 0, 100.0)
-    runtime = Runtime(BytePool(40), Keeper(), backend)
+    runtime = Runtime(BytePool(40), NeverEvicts(), backend)
     runtime.constant(x, 10)
     backend.constant(runtime.storage_of(x), x)
     first, second = trace.ops

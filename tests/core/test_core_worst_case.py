@@ -4,10 +4,12 @@ and on random ones against a walk per restore chain."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+from never_evicts import NeverEvicts
 
 from remat.core.policies import get
-from remat.core.pool import BytePool, End, OutOfMemory
+from remat.core.pool import BytePool, OutOfMemory
 from remat.core.residency import Residency
 from remat.core.runtime import Runtime
 from remat.core.worst_case import worst_case
@@ -71,21 +73,6 @@ def test_scratch_counts_at_the_first_run_and_in_restores() -> None:
     assert short.outcome is Outcome.OOM and "below the working set" in short.reason
 
 
-@dataclass(frozen=True)
-class Unbounded:
-    """A policy never asked to choose (the pool never fills); ``inplace``: mutations reuse."""
-
-    inplace: bool
-    name: str = "unbounded"
-    needs: frozenset[str] = frozenset()
-
-    def end(self, op: Op) -> End:
-        return End.LOW
-
-    def choose(self, runtime: Residency, nbytes: int) -> list[int]:
-        return []
-
-
 def chain_by_chain(state: Residency) -> int:
     """The NOTE's figure the direct way: each kept storage's restore chain walked on its own."""
     graph = state.graph
@@ -122,7 +109,7 @@ def test_one_walk_finds_what_a_walk_per_chain_finds() -> None:
         sizes = random.Random(seed)
         trace = random_program(random.Random(seed), sizes.randint(1, 30), sizes.randint(1, 3))
         for inplace in (False, True):
-            state = run_trace(trace, BytePool(2**62), Unbounded(inplace))
+            state = run_trace(trace, BytePool(2**62), NeverEvicts(inplace))
             assert worst_case(state) == chain_by_chain(state), (seed, inplace)
             beyond += chain_by_chain(state) > facts(trace, inplace).working_set
     assert beyond > 0

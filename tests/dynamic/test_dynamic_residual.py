@@ -7,24 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 from budgeted import budgeted_step
+from models import ResidualMLP
 from torch import nn
 
 RATIO = 0.5
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.f = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.f(x)
-
-
 def _residual() -> tuple[nn.Module, torch.Tensor]:
     """Six residual blocks of width 32 on a batch of 256."""
     torch.manual_seed(0)
-    return nn.Sequential(*[Block(32) for _ in range(6)], nn.Linear(32, 1)), torch.randn(256, 32)
+    return nn.Sequential(*[ResidualMLP(32) for _ in range(6)], nn.Linear(32, 1)), torch.randn(256, 32)
 
 
 @pytest.mark.parametrize("policy", ["dtr", "coop"])
