@@ -25,8 +25,11 @@ FIXED = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)
 
 def test_calibration_gives_positive_finite_figures_once_per_device() -> None:
     figures = calibrate("cpu")
-    for value in (figures.check, figures.record, figures.replay, figures.offload):
-        assert math.isfinite(value) and value > 0
+    # The dispatch mode's check costs several times a tiny op's kernel, far beyond the rounds' noise;
+    # the other figures are differences of a few microseconds that a loaded machine may round to 0.
+    assert math.isfinite(figures.check) and figures.check > 0
+    for value in (figures.record, figures.replay, figures.offload):
+        assert math.isfinite(value) and value >= 0
     assert measured("cpu") is measured("cpu")
 
 
