@@ -6,7 +6,8 @@ interleaved by the schedule, so what a rank must fit is not one step's peak but 
 saved bytes of the other micro-batches it holds at once (NOTE [held micro-batches] in
 ``remat.pipeline.timeline``). A ``PipelinePlan`` keeps, per stage, the static planner's ``Plan``
 for one micro-batch (None where nothing is recomputed), whether the last micro-batch runs without
-it (``except_last``), and the measured costs the pipeline model walks. It holds the model only to
+it (``except_last``), the measured costs the pipeline model walks and what each action costs a
+rank beyond them (``action_cost``, NOTE [per-action cost]). It holds the model only to
 build the stages (``stages``), never in its JSON form: ``load(path, model)`` gives it back.
 """
 
@@ -27,7 +28,7 @@ from remat._files import read_json
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.stage_plan import StagePlan
-from remat.pipeline.timeline import Timeline, walk
+from remat.pipeline.timeline import ActionCost, Timeline, walk
 from remat.planner.plan import Plan
 
 __all__ = ["FORMAT", "PipelinePlan"]
@@ -42,7 +43,8 @@ class PipelinePlan:
     """A pipeline step planned by ``remat.pipeline.plan``: the schedule's ``order`` of actions,
     the cut of the model (``boundaries``: the first child of each stage, then the number of
     children; empty when the stages were given as modules), ``budget_bytes`` per rank and one
-    ``StagePlan`` per stage.
+    ``StagePlan`` per stage; ``action_cost``, what each action of the schedule costs a rank beyond
+    its stage's compute (``remat.pipeline.calibrate``; zero: op times only).
     ``timeline()`` walks the pipeline model; ``stages`` and ``schedule`` run it on torch."""
 
     order: Schedule
@@ -50,6 +52,7 @@ class PipelinePlan:
     budget_bytes: int
     stage_plans: tuple[StagePlan, ...]
     balance: str
+    action_cost: ActionCost = ActionCost()
     model: nn.Module | tuple[nn.Module, ...] | None = field(default=None, compare=False, repr=False)
 
     # -- reading it ---------------------------------------------------------------------------
@@ -58,7 +61,7 @@ class PipelinePlan:
         """The pipeline model's walk of the step (makespan, per-rank memory over time)."""
         m = self.order.n_microbatches
         costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in self.stage_plans)
-        return walk(self.order, costs)
+        return walk(self.order, costs, self.action_cost)
 
     def __str__(self) -> str:
         line = self.timeline()
@@ -154,6 +157,7 @@ class PipelinePlan:
             "boundaries": list(self.boundaries),
             "budget_bytes": self.budget_bytes,
             "balance": self.balance,
+            "action_cost": asdict(self.action_cost),
             "stage_plans": [
                 {**asdict(sp), "plan": None if sp.plan is None else sp.plan.to_json()}
                 for sp in self.stage_plans
@@ -196,6 +200,8 @@ class PipelinePlan:
                 int(body["budget_bytes"]),
                 stage_plans,
                 str(body["balance"]),
+                # plans written before the per-action cost was stored had op times only
+                ActionCost(**body.get("action_cost", {})),
             )
         except (KeyError, TypeError, ZeroDivisionError) as err:
             raise RematValueError(

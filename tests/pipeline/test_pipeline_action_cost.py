@@ -1,0 +1,164 @@
+"""The per-action cost in the pipeline model (NOTE [per-action cost] in remat.pipeline.timeline):
+zero changes nothing, a cost per action adds exactly that to each rank's busy time, a message
+arrives no sooner than the link lets it, bad figures are refused, and the calibration on two gloo
+processes gives figures of the right kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import remat.pipeline as pp
+from remat import RematTypeError, RematValueError
+from remat.pipeline import ActionCost, Cost, build, walk
+from remat.pipeline.chain import mlp_chain
+
+# every schedule on 2 and 4 ranks (interleaved and zbv with two stages per rank)
+CASES = [
+    (name, ranks, m, 2 if name in ("interleaved-1f1b", "zbv") else 1)
+    for name in pp.SCHEDULES
+    for ranks, m in ((2, 4), (4, 8))
+]
+
+
+def _costs(schedule: pp.Schedule) -> tuple[tuple[Cost, ...], ...]:
+    # binary fractions, so that sums of them are exact; stages differ, the output sizes too
+    return tuple(
+        tuple(
+            Cost(1.0 + 0.25 * s, 2.0 + 0.5 * s, 0.0, 64, 128, 1024 * (s + 1), 32, 16)
+            for _ in range(schedule.n_microbatches)
+        )
+        for s in range(schedule.n_stages)
+    )
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "per_rank"), CASES)
+def test_no_cost_per_action_is_the_op_times_model(name: str, ranks: int, m: int, per_rank: int) -> None:
+    schedule = build(name, ranks, m, per_rank)
+    costs = _costs(schedule)
+    assert walk(schedule, costs, ActionCost()) == walk(schedule, costs)
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "per_rank"), CASES)
+def test_a_cost_per_action_adds_exactly_that_to_each_ranks_busy_time(
+    name: str, ranks: int, m: int, per_rank: int
+) -> None:
+    schedule = build(name, ranks, m, per_rank)
+    costs = _costs(schedule)
+    bare = walk(schedule, costs)
+    c, step = 0.125, 0.5
+    line = walk(schedule, costs, ActionCost(forward_s=c, backward_s=c, step_s=step))
+    for rank, actions in enumerate(schedule.actions):
+        # a W runs nothing: its backward ran at I
+        counted = sum(a.kind != "W" for a in actions)
+        assert line.busy(rank) == bare.busy(rank) + c * counted + step
+        assert line.makespan >= line.busy(rank)
+    # every action ends at least the step's cost and one action's cost later (the walk is monotone)
+    assert line.makespan >= bare.makespan + step + c
+    assert line.peak_bytes == bare.peak_bytes
+
+
+@pytest.mark.parametrize(("ranks", "m"), [(2, 4), (3, 5), (4, 8)])
+def test_gpipe_of_equal_stages_takes_m_plus_p_minus_1_slots_and_a_link_each_way(ranks: int, m: int) -> None:
+    schedule = build("gpipe", ranks, m)
+    costs = tuple(tuple(Cost(1.0, 2.0, 0.0, 0, 0, 0, 0, 0) for _ in range(m)) for _ in range(ranks))
+    per = ActionCost(forward_s=0.25, backward_s=0.5, latency_s=0.0625, step_s=0.125)
+    line = walk(schedule, costs, per)
+    assert line.makespan == 0.125 + (m + ranks - 1) * (1.25 + 2.5) + 2 * (ranks - 1) * 0.0625
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "per_rank"), CASES)
+def test_a_message_arrives_no_sooner_than_the_link_carries_it(
+    name: str, ranks: int, m: int, per_rank: int
+) -> None:
+    schedule = build(name, ranks, m, per_rank)
+    costs = _costs(schedule)
+    per = ActionCost(0.125, 0.25, 0.0625, 0.03125, latency_s=0.5, byte_s=1e-4)
+    line = walk(schedule, costs, per)
+    end = {(s.action.stage, s.action.kind, s.action.microbatch): s.end for s in line.spans}
+    crossed = 0
+    for span in line.spans:
+        a = span.action
+        if a.kind == "F" and a.stage > 0:
+            source, sent = (a.stage - 1, "F", a.microbatch), costs[a.stage - 1][a.microbatch].output_bytes
+        elif a.kind in ("B", "I") and a.stage < schedule.n_stages - 1:
+            source, sent = (a.stage + 1, a.kind, a.microbatch), costs[a.stage][a.microbatch].output_bytes
+        else:
+            continue
+        if schedule.rank_of(source[0]) != span.rank:
+            crossed += 1
+            assert span.start >= end[source] + 0.5 + sent * 1e-4
+        else:
+            assert span.start >= end[source]
+    assert crossed > 0
+
+
+def _plan(**options: object) -> pp.PipelinePlan:
+    torch.manual_seed(0)
+    model = mlp_chain(4, 16, 32)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    return pp.plan(
+        model,
+        x,
+        n_stages=2,
+        n_microbatches=4,
+        budget_per_rank="1GB",
+        loss_fn=nn.functional.mse_loss,
+        target=y,
+        op_costs="model",
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("forward_s", -1e-3), ("latency_s", math.nan), ("byte_s", math.inf)]
+)
+def test_the_plan_refuses_negative_or_non_finite_figures(field: str, value: float) -> None:
+    with pytest.raises(
+        RematValueError,
+        match=rf"remat\.pipeline\.plan: action_cost's figures are seconds .*finite and not negative "
+        rf"\({field}={value!r}\); pass remat\.pipeline\.calibrate\(\)'s figures",
+    ):
+        _plan(action_cost=dataclasses.replace(ActionCost(), **{field: value}))
+    with pytest.raises(
+        RematTypeError, match=r"remat\.pipeline\.plan: action_cost must be an ActionCost \(dict\)"
+    ):
+        _plan(action_cost={"forward_s": 1e-3})
+
+
+def test_the_plan_keeps_its_action_cost_and_its_choices() -> None:
+    per = ActionCost(1e-3, 2e-3, 1e-4, 1e-4, 5e-5, 1e-9, 3e-3)
+    bare, costed = _plan(), _plan(action_cost=per)
+    assert costed.stage_plans == bare.stage_plans and costed.action_cost == per
+    assert costed.timeline() == walk(
+        costed.order, tuple(tuple(sp.cost(i, 4) for i in range(4)) for sp in costed.stage_plans), per
+    )
+    assert costed.timeline().makespan > bare.timeline().makespan
+    again = pp.PipelinePlan.from_json(costed.to_json())
+    assert again.action_cost == per
+    older = {k: v for k, v in bare.to_json().items() if k != "action_cost"}
+    assert pp.PipelinePlan.from_json(older).action_cost == ActionCost()
+
+
+def test_calibrate_refuses_a_shape_without_sizes() -> None:
+    with pytest.raises(
+        RematValueError, match=r"remat\.pipeline\.calibrate: activation is a shape .*\(\(0, 4\)\)"
+    ):
+        pp.calibrate((0, 4))
+    with pytest.raises(RematValueError, match=r"remat\.pipeline\.calibrate: rounds must be at least 3 \(1\)"):
+        pp.calibrate((4, 4), rounds=1)
+
+
+def test_calibrate_measures_each_figure_on_two_gloo_processes(tmp_path) -> None:
+    per = pp.calibrate((16, 8), rounds=3, workdir=tmp_path)
+    figures = dataclasses.asdict(per)
+    assert set(figures) == {f.name for f in dataclasses.fields(ActionCost)}
+    assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in figures.values())
+    # a send and a receive each take CPU time on their rank, and a step of the schedule more
+    assert per.send_s > 0 and per.receive_s > 0
+    assert per.forward_s + per.backward_s + per.step_s > 0
+    assert per.bad() is None
