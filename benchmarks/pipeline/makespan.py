@@ -5,15 +5,18 @@ wide MLP chains of run.py and the zoo's tiny GPT-2 chain, nothing recomputed.
     PYTHONPATH=. python benchmarks/pipeline/makespan.py --out benchmarks/pipeline
 
 Per model, ``remat.pipeline.plan`` plans the step (op times traced on one thread, as it always
-does) once per schedule and M; ``remat.pipeline.calibrate`` measures the per-action cost once
-(a run of its own on 2 processes, activation of the narrow chain's shape); every step then runs
-in one spawn of 2 processes (``remat.pipeline.launch``): --steps timed steps after a warm-up,
-each ``schedule.step`` between a barrier before and a barrier after. Reported per run: the
-predicted makespan with op times only and with the per-action cost, the measured wall time of a
-step (median over steps, of the ranks' medians) and their ratio, and per rank the model's busy
-time against the measured CPU time of a step (``time.process_time``, median). The figures are
-taken on whatever the machine runs beside them: the load (``os.getloadavg``) is written down
-before and after.
+does) once per schedule and M, and each stage's forward and backward CPU time on one micro-batch
+is measured here once (run.py's ``stage_times``: --rounds interleaved rounds, medians). One spawn
+of 2 processes (``remat.pipeline.launch.run_calibrated``) first measures the per-action cost
+(``remat.pipeline.calibrate``'s measurement, messages of the narrow chain's activation), then runs
+every job: --steps timed steps after a warm-up, each ``schedule.step`` between a barrier before
+and a barrier after. The predictions walk the stage CPU times (and, for comparison, the plan's
+traced op times) with the calibrated per-action cost. Reported per run: the predicted makespan
+with op times only and with the per-action cost, the measured wall time of a step (median over
+steps, of the ranks' medians; and the fastest step) and their ratio, and per rank the model's
+busy time against the measured CPU time of a step (``time.process_time``, median). The figures
+are taken on whatever the machine runs beside them: the load (``os.getloadavg``) is written down
+before the planning, before the spawn and after it.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from run import stage_times, timed  # this folder's run.py: stage CPU times in i
 from torch import nn
 
 import remat.pipeline as pp
-from remat.pipeline.calibrate import calibrate
 from remat.pipeline.chain import mlp_chain
-from remat.pipeline.launch import Job, run
+from remat.pipeline.launch import Job, run_calibrated
 from remat.pipeline.zoo_chain import gpt2_chain, token_loss
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -87,8 +89,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = [os.getloadavg()]
-    per_action = calibrate((args.rows, 64))
-    print(per_action)
     runs: list[dict[str, Any]] = []
     jobs: list[Job] = []
     plans: list[tuple[pp.PipelinePlan, pp.PipelinePlan]] = []
@@ -112,7 +112,6 @@ def main() -> None:
                     target=y[:one],
                     boundaries=[n // 2],
                     checkpoint="never",
-                    action_cost=per_action,
                 )
                 # the stages' CPU times, measured once per model: the same stages in every run
                 times = (
@@ -123,9 +122,14 @@ def main() -> None:
                 jobs.append(Job(build, plan.to_json(), x, y, loss, 1, None, args.steps))
                 runs.append({"model": name, "schedule": schedule, "microbatches": m})
     load.append(os.getloadavg())
-    results = run(jobs, 2, tempfile.mkdtemp(prefix="remat-makespan-"))
+    # the per-action cost measured in the same processes, before the jobs, with messages of the
+    # narrow chain's activation
+    folder = tempfile.mkdtemp(prefix="remat-makespan-")
+    results, per_action = run_calibrated(jobs, 2, folder, (args.rows, 64))
     load.append(os.getloadavg())
+    print(per_action)
     for row, (traced, plan), ranks in zip(runs, plans, results, strict=True):
+        traced, plan = (replace(p, action_cost=per_action) for p in (traced, plan))
         bare = replace(plan, action_cost=pp.ActionCost()).timeline()
         line = plan.timeline()
         wall = statistics.median(r.wall_seconds for r in ranks)

@@ -27,6 +27,7 @@ below zero is taken as zero.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -41,7 +42,7 @@ from torch import nn
 from remat._errors import RematValueError, message
 from remat.pipeline.timeline import ActionCost
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "check", "figures", "samples"]
 
 _SHORT, _LONG = 2, 8  # micro-batches of the two step lengths
 _MESSAGES = (0, 1, 16)  # message sizes, in activations (0: one element)
@@ -59,13 +60,15 @@ class _Scale(nn.Module):
         return x * self.weight
 
 
-def _link(rank: int, activation: torch.Tensor, rounds: int, out: _Samples) -> None:
+def _link(
+    rank: int, activation: torch.Tensor, rounds: int, group: dist.ProcessGroup | None, out: _Samples
+) -> None:
     """Round trips of each message size (rank 0 first sends, rank 1 sends it back)."""
     peer = 1 - rank
     messages = [activation.new_zeros(max(1, k * activation.numel())) for k in _MESSAGES]
     for timed in range(rounds + 1):  # the first round untimed
         for k, x in enumerate(messages):
-            dist.barrier()
+            dist.barrier(group)
             wall = time.perf_counter()
             for turn in (rank, peer):  # rank 0 sends first, then receives; rank 1 the other way
                 cpu = time.process_time()
@@ -78,7 +81,14 @@ def _link(rank: int, activation: torch.Tensor, rounds: int, out: _Samples) -> No
                 out[f"trip{k}"].append(time.perf_counter() - wall)
 
 
-def _steps(rank: int, shape: tuple[int, ...], dtype: torch.dtype, rounds: int, out: _Samples) -> None:
+def _steps(
+    rank: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    rounds: int,
+    group: dist.ProcessGroup | None,
+    out: _Samples,
+) -> None:
     """Each rank's CPU time of a GPipe step over two ``_Scale`` stages, per step length, with a
     loss and without."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -91,13 +101,15 @@ def _steps(rank: int, shape: tuple[int, ...], dtype: torch.dtype, rounds: int, o
     runs = {}
     for m in (_SHORT, _LONG):
         for backward in (True, False):
-            stage = PipelineStage(_Scale(), rank, 2, cpu, input_args=meta(rank > 0), output_args=meta(True))
+            stage = PipelineStage(
+                _Scale(), rank, 2, cpu, input_args=meta(rank > 0), output_args=meta(True), group=group
+            )
             loss = nn.functional.mse_loss if backward else None
             batch = torch.zeros(m * shape[0], *shape[1:], dtype=dtype)
             runs[f"{'full' if backward else 'forward'}{m}"] = (ScheduleGPipe(stage, m, loss_fn=loss), batch)
     for timed in range(rounds + 1):  # the first round untimed: each stage sizes its buffers
         for key, (schedule, batch) in runs.items():
-            dist.barrier()
+            dist.barrier(group)
             clock = time.process_time()
             if last:
                 schedule.step(target=batch if key.startswith("full") else None)
@@ -107,22 +119,34 @@ def _steps(rank: int, shape: tuple[int, ...], dtype: torch.dtype, rounds: int, o
                 out[key].append(time.process_time() - clock)
 
 
+def samples(
+    rank: int, n_ranks: int, activation: tuple[int, ...], dtype: torch.dtype, rounds: int
+) -> _Samples | None:
+    """Inside a gloo process group of ``n_ranks``, where every rank calls it: ranks 0 and 1
+    measure (see the module doc) and return their samples, the others None (the figures come from
+    ``figures``). ``remat.pipeline.launch`` runs it in the processes it starts anyway."""
+    group = dist.new_group([0, 1]) if n_ranks > 2 else None
+    if rank > 1:
+        return None
+    out: _Samples = {
+        key: []
+        for key in (
+            "send",
+            "receive",
+            *(f"trip{k}" for k in range(len(_MESSAGES))),
+            *(f"{kind}{m}" for kind in ("full", "forward") for m in (_SHORT, _LONG)),
+        )
+    }
+    _link(rank, torch.zeros(activation, dtype=dtype), rounds, group, out)
+    _steps(rank, activation, dtype, rounds, group, out)
+    return out
+
+
 def _worker(rank: int, shape: tuple[int, ...], dtype: torch.dtype, rounds: int, workdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=2)
     try:
-        out: _Samples = {
-            key: []
-            for key in (
-                "send",
-                "receive",
-                *(f"trip{k}" for k in range(len(_MESSAGES))),
-                *(f"{kind}{m}" for kind in ("full", "forward") for m in (_SHORT, _LONG)),
-            )
-        }
-        _link(rank, torch.zeros(shape, dtype=dtype), rounds, out)
-        _steps(rank, shape, dtype, rounds, out)
-        torch.save(out, Path(workdir) / f"rank{rank}.pt")
+        torch.save(samples(rank, 2, shape, dtype, rounds), Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -135,8 +159,10 @@ def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return mean_y - b * mean_x, b
 
 
-def _figures(ranks: list[_Samples], element_bytes: int, numel: int) -> ActionCost:
-    """The ``ActionCost`` the two ranks' samples give (see the module doc)."""
+def figures(ranks: list[_Samples], activation: tuple[int, ...], dtype: torch.dtype) -> ActionCost:
+    """The ``ActionCost`` that ranks 0 and 1's ``samples`` of ``activation`` give (see the module
+    doc)."""
+    element_bytes, numel = torch.empty((), dtype=dtype).element_size(), math.prod(activation)
     med = [{key: statistics.median(v) for key, v in r.items() if v} for r in ranks]
     send = statistics.median(ranks[0]["send"] + ranks[1]["send"])
     receive = statistics.median(ranks[0]["receive"] + ranks[1]["receive"])
@@ -164,6 +190,21 @@ def _figures(ranks: list[_Samples], element_bytes: int, numel: int) -> ActionCos
     )
 
 
+def check(activation: tuple[int, ...], rounds: int, api: str) -> None:
+    """Refuse (naming ``api``) an ``activation`` that is no shape, or fewer than 3 ``rounds``."""
+    if not activation or not all(isinstance(n, int) and n > 0 for n in activation):
+        raise RematValueError(
+            message(
+                api,
+                "activation is a shape of positive sizes, the rows first",
+                repr(activation),
+                "pass one micro-batch's activation shape, such as (128, 64)",
+            )
+        )
+    if rounds < 3:
+        raise RematValueError(message(api, "rounds must be at least 3", rounds, "pass rounds=15 or so"))
+
+
 def calibrate(
     activation: tuple[int, ...] = (128, 64),
     dtype: torch.dtype = torch.float32,
@@ -174,26 +215,11 @@ def calibrate(
     processes of this host with messages of ``activation``'s shape (one micro-batch's activation,
     the rows first) and ``dtype`` (see the module doc): ``rounds`` samples of each figure, files in
     ``workdir`` (a temporary folder by default). Takes a few seconds, most of it starting the
-    processes. Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
-    if not activation or not all(isinstance(n, int) and n > 0 for n in activation):
-        raise RematValueError(
-            message(
-                "pipeline.calibrate",
-                "activation is a shape of positive sizes, the rows first",
-                repr(activation),
-                "pass one micro-batch's activation shape, such as (128, 64)",
-            )
-        )
-    if rounds < 3:
-        raise RematValueError(
-            message("pipeline.calibrate", "rounds must be at least 3", rounds, "pass rounds=15 or so")
-        )
+    processes (``remat.pipeline.launch.run`` measures the same in the processes it starts, given
+    ``calibration=``). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
+    check(activation, rounds, "pipeline.calibrate")
     folder = Path(tempfile.mkdtemp(prefix="remat-calibrate-") if workdir is None else workdir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "init").unlink(missing_ok=True)
     mp.spawn(_worker, args=(tuple(activation), dtype, rounds, str(folder)), nprocs=2, join=True)
-    ranks = [torch.load(folder / f"rank{r}.pt") for r in (0, 1)]
-    numel = 1
-    for n in activation:
-        numel *= n
-    return _figures(ranks, torch.empty((), dtype=dtype).element_size(), numel)
+    return figures([torch.load(folder / f"rank{r}.pt") for r in (0, 1)], tuple(activation), dtype)

@@ -34,8 +34,8 @@ micro-batch's backward on, the stage's output and the gradient of its input stay
 between two stages of one rank keeps them as well, in the receiving stage's buffers. The last
 stage's output is counted beside its saved bytes, once: where the loss saves its input
 (``mse_loss``) the stage's measured saved bytes leave it out (NOTE [the output counted once] in
-``remat.pipeline.measure``). Communication is taken as free: on one host over gloo it is small next
-to compute, and a rank waiting for a message holds what it held.
+``remat.pipeline.measure``). A rank waiting for a message holds what it held; what the message
+costs in time is the per-action cost's (below).
 A schedule whose dependencies cannot be met (a deadlock) raises before anything runs.
 
 Time (NOTE [per-action cost]): an action's duration is its stage's compute (``Cost``) plus what
