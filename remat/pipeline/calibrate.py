@@ -190,8 +190,9 @@ def figures(ranks: list[_Samples], activation: tuple[int, ...], dtype: torch.dty
     )
 
 
-def check(activation: tuple[int, ...], rounds: int, api: str) -> None:
-    """Refuse (naming ``api``) an ``activation`` that is no shape, or fewer than 3 ``rounds``."""
+def check(activation: tuple[int, ...], dtype: torch.dtype, rounds: int, api: str) -> None:
+    """Refuse (naming ``api``) an ``activation`` that is no shape, a ``dtype`` no gradient flows
+    in, or fewer than 3 ``rounds``."""
     if not activation or not all(isinstance(n, int) and n > 0 for n in activation):
         raise RematValueError(
             message(
@@ -200,6 +201,10 @@ def check(activation: tuple[int, ...], rounds: int, api: str) -> None:
                 repr(activation),
                 "pass one micro-batch's activation shape, such as (128, 64)",
             )
+        )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise RematValueError(
+            message(api, "dtype is a floating dtype (a gradient flows back)", dtype, "pass torch.float32")
         )
     if rounds < 3:
         raise RematValueError(message(api, "rounds must be at least 3", rounds, "pass rounds=15 or so"))
@@ -217,7 +222,7 @@ def calibrate(
     ``workdir`` (a temporary folder by default). Takes a few seconds, most of it starting the
     processes (``remat.pipeline.launch.run`` measures the same in the processes it starts, given
     ``calibration=``). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
-    check(activation, rounds, "pipeline.calibrate")
+    check(activation, dtype, rounds, "pipeline.calibrate")
     folder = Path(tempfile.mkdtemp(prefix="remat-calibrate-") if workdir is None else workdir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "init").unlink(missing_ok=True)

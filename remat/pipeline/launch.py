@@ -225,7 +225,7 @@ def run_calibrated(
     its compute (``remat.pipeline.calibrate``'s measurement, on ranks 0 and 1, with messages of
     ``activation``'s shape and ``dtype``, ``rounds`` samples each): per job each rank's result,
     and the ``ActionCost``. ``n_ranks`` is at least 2."""
-    check(activation, rounds, "pipeline.launch.run_calibrated")
+    check(activation, dtype, rounds, "pipeline.launch.run_calibrated")
     if n_ranks < 2:
         raise RematValueError(
             message(

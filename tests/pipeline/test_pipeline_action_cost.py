@@ -153,6 +153,10 @@ def test_calibrate_refuses_a_shape_without_sizes() -> None:
     with pytest.raises(RematValueError, match=r"remat\.pipeline\.calibrate: rounds must be at least 3 \(1\)"):
         pp.calibrate((4, 4), rounds=1)
     with pytest.raises(
+        RematValueError, match=r"remat\.pipeline\.calibrate: dtype is a floating dtype .*torch\.int64"
+    ):
+        pp.calibrate((4, 4), torch.int64)
+    with pytest.raises(
         RematValueError, match=r"remat\.pipeline\.launch\.run_calibrated: the calibration sends"
     ):
         run_calibrated([], 1, ".", (4, 4))
