@@ -220,8 +220,8 @@ def calibrate(
     processes of this host with messages of ``activation``'s shape (one micro-batch's activation,
     the rows first) and ``dtype`` (see the module doc): ``rounds`` samples of each figure, files in
     ``workdir`` (a temporary folder by default). Takes a few seconds, most of it starting the
-    processes (``remat.pipeline.launch.run`` measures the same in the processes it starts, given
-    ``calibration=``). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
+    processes (``remat.pipeline.launch.run_calibrated`` measures the same in the processes it starts
+    for its jobs). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
     check(activation, dtype, rounds, "pipeline.calibrate")
     folder = Path(tempfile.mkdtemp(prefix="remat-calibrate-") if workdir is None else workdir)
     folder.mkdir(parents=True, exist_ok=True)
