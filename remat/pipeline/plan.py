@@ -79,7 +79,11 @@ class PipelinePlan:
         return (
             f"PipelinePlan({self.order.name}, {self.order.n_stages} stages x "
             f"{self.order.n_microbatches} micro-batches, budget {format_bytes(self.budget_bytes)} per rank, "
-            f"predicted step {line.makespan * 1e3:.1f} ms; " + "; ".join(parts) + ")"
+            f"predicted step {line.makespan * 1e3:.1f} ms"
+            + ("" if self.action_cost == ActionCost() else f" with {self.action_cost}")
+            + "; "
+            + "; ".join(parts)
+            + ")"
         )
 
     def explain(self, file: Any = None) -> None:

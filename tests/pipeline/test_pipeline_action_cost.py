@@ -139,6 +139,8 @@ def test_the_plan_keeps_its_action_cost_and_its_choices() -> None:
         costed.order, tuple(tuple(sp.cost(i, 4) for i in range(4)) for sp in costed.stage_plans), per
     )
     assert costed.timeline().makespan > bare.timeline().makespan
+    assert f"ms with {per}; rank 0" in str(costed) and "ActionCost" not in str(bare)
+    assert str(per).startswith("ActionCost(forward 1.000 ms, backward 2.000 ms, send 0.100 ms")
     again = pp.PipelinePlan.from_json(costed.to_json())
     assert again.action_cost == per
     older = {k: v for k, v in bare.to_json().items() if k != "action_cost"}
