@@ -1,7 +1,8 @@
 """The per-action cost in the pipeline model (NOTE [per-action cost] in remat.pipeline.timeline):
 zero changes nothing, a cost per action adds exactly that to each rank's busy time, a message
-arrives no sooner than the link lets it, and bad figures are refused (the calibration itself runs in
-the gloo test's processes: tests/pipeline/test_pipeline_gloo.py)."""
+arrives no sooner than the link lets it, and bad figures are refused. The calibration is checked
+in the gloo test's processes (tests/pipeline/test_pipeline_gloo.py) and, marked slow, on processes
+of its own."""
 
 from __future__ import annotations
 
@@ -162,3 +163,10 @@ def test_calibrate_refuses_a_shape_without_sizes() -> None:
         RematValueError, match=r"remat\.pipeline\.launch\.run_calibrated: the calibration sends"
     ):
         run_calibrated([], 1, ".", (4, 4))
+
+
+@pytest.mark.slow  # two processes of its own, importing torch
+def test_calibrate_on_its_own_processes_gives_the_figures(tmp_path) -> None:
+    per = pp.calibrate((16, 8), rounds=3, workdir=tmp_path)
+    assert per.bad() is None and per.send_s > 0 and per.receive_s > 0
+    assert per.forward_s + per.backward_s + per.step_s > 0
