@@ -211,6 +211,15 @@ class PipelinePlan:
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None
+        if (bad := plan.action_cost.bad()) is not None:
+            raise RematValueError(
+                message(
+                    "pipeline.load",
+                    "action_cost's figures are seconds (and seconds per byte): finite and not negative",
+                    bad,
+                    "save the plan again, or calibrate again",
+                )
+            )
         return plan.with_model(model) if model is not None else plan
 
     def with_model(self, model: nn.Module | Sequence[nn.Module]) -> PipelinePlan:

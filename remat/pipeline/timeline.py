@@ -96,10 +96,13 @@ class ActionCost:
     step_s: float = 0.0
 
     def bad(self) -> str | None:
-        """The first figure that is negative or not finite, as ``name=value``, or None."""
+        """The first figure that is no number (a bool is none), negative or not finite, as
+        ``name=value``, or None."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return f"{f.name}={value!r}"
+            if not math.isfinite(value) or value < 0:
                 return f"{f.name}={value!r}"
         return None
 

@@ -117,9 +117,10 @@ def _plan(**options: object) -> pp.PipelinePlan:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("forward_s", -1e-3), ("latency_s", math.nan), ("byte_s", math.inf)]
+    ("field", "value"),
+    [("forward_s", -1e-3), ("latency_s", math.nan), ("byte_s", math.inf), ("send_s", True), ("step_s", "1")],
 )
-def test_the_plan_refuses_negative_or_non_finite_figures(field: str, value: float) -> None:
+def test_the_plan_refuses_negative_non_finite_or_non_number_figures(field: str, value: object) -> None:
     with pytest.raises(
         RematValueError,
         match=rf"remat\.pipeline\.plan: action_cost's figures are seconds .*finite and not negative "
@@ -146,6 +147,23 @@ def test_the_plan_keeps_its_action_cost_and_its_choices() -> None:
     assert again.action_cost == per
     older = {k: v for k, v in bare.to_json().items() if k != "action_cost"}
     assert pp.PipelinePlan.from_json(older).action_cost == ActionCost()
+
+
+@pytest.mark.parametrize(
+    "figures",
+    [{"forward_s": -1.0}, {"forward_s": math.nan}, {"forward_s": "0.001"}, {"step_s": True}],
+    ids=["negative", "nan", "text", "bool"],
+)
+def test_loading_refuses_a_damaged_action_cost(figures: dict[str, object]) -> None:
+    body = _plan().to_json()
+    body["action_cost"] = figures
+    ((field, value),) = figures.items()
+    with pytest.raises(
+        RematValueError,
+        match=rf"remat\.pipeline\.load: action_cost's figures are seconds .*finite and not negative "
+        rf"\({field}={value!r}\); save the plan again",
+    ):
+        pp.PipelinePlan.from_json(body)
 
 
 def test_calibrate_refuses_a_shape_without_sizes() -> None:
