@@ -99,6 +99,65 @@ def test_a_message_arrives_no_sooner_than_the_link_carries_it(
     assert crossed > 0
 
 
+# every schedule on 2, 3 and 4 ranks; interleaved and zbv with two stages per rank (zbv's V hands
+# over between stages P-1 and P on its last rank, and its stages 0 and 2P-1 share rank 0)
+EXACT = [
+    (name, ranks, m, 2 if name in ("interleaved-1f1b", "zbv") else 1)
+    for name in pp.SCHEDULES
+    for ranks, m in ((2, 4), (3, 6), (4, 8))
+]
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "per_rank"), EXACT)
+def test_every_span_starts_and_lasts_as_its_sends_and_receives_say(
+    name: str, ranks: int, m: int, per_rank: int
+) -> None:
+    schedule = build(name, ranks, m, per_rank)
+    last = schedule.n_stages - 1
+    # distinct powers of two for every term, so that sums are exact and no term stands in for another
+    per = ActionCost(2.0**-1, 2.0**-2, 2.0**-5, 2.0**-7, 2.0**-9, 2.0**-20, 3.0)
+    costs = tuple(
+        tuple(Cost(1.0 + s / 4, 2.0 + s / 8, 0.0, 0, 0, 1024 * (s + 1) + 64 * i, 0, 0) for i in range(m))
+        for s in range(schedule.n_stages)
+    )
+    line = walk(schedule, costs, per)
+    span = {x.action: x for x in line.spans}
+    end = {(a.stage, a.kind, a.microbatch): x.end for a, x in span.items()}
+    sent_count = received_count = 0
+    for rank, actions in enumerate(schedule.actions):
+        free = per.step_s
+        for a in actions:
+            x, c = span[a], costs[a.stage][a.microbatch]
+            if a.kind == "F":  # in: the previous stage's output; out: to the next stage
+                source = (a.stage - 1, "F", a.microbatch) if a.stage > 0 else None
+                came_from, goes_to = a.stage - 1, a.stage + 1 if a.stage < last else None
+                sent, compute = costs[a.stage - 1][a.microbatch].output_bytes, c.forward_s + per.forward_s
+            elif a.kind == "W":  # after its I, on the same stage; runs nothing
+                source, came_from, goes_to, sent, compute = (a.stage, "I", a.microbatch), None, None, 0, 0.0
+            else:  # in: the gradient of this stage's output; out: the gradient of its input
+                at_end = a.stage == last
+                source = (a.stage, "F", a.microbatch) if at_end else (a.stage + 1, a.kind, a.microbatch)
+                came_from, goes_to = None if at_end else a.stage + 1, a.stage - 1 if a.stage > 0 else None
+                sent, compute = c.output_bytes, c.backward_s + per.backward_s
+            received = came_from is not None and came_from >= 0 and schedule.rank_of(came_from) != rank
+            sends = goes_to is not None and goes_to >= 0 and schedule.rank_of(goes_to) != rank
+            ready = 0.0 if source is None else end[source] + received * (per.latency_s + sent * per.byte_s)
+            assert x.rank == rank
+            assert x.start == max(free, ready), a
+            assert x.end - x.start == compute + received * per.receive_s + sends * per.send_s, a
+            sent_count += sends
+            received_count += received
+            free = x.end
+    # every message crossing ranks is sent once and received once, and nothing else is
+    crossing = sum(
+        schedule.rank_of(a.stage) != schedule.rank_of(a.stage + (1 if a.kind == "F" else -1))
+        for row in schedule.actions
+        for a in row
+        if (a.kind == "F" and a.stage < last) or (a.kind in ("B", "I") and a.stage > 0)
+    )
+    assert sent_count == received_count == crossing > 0
+
+
 def _plan(**options: object) -> pp.PipelinePlan:
     torch.manual_seed(0)
     model = mlp_chain(4, 16, 32)
