@@ -124,8 +124,8 @@ def main() -> None:
     load.append(os.getloadavg())
     # the per-action cost measured in the same processes, before the jobs, with messages of the
     # narrow chain's activation
-    folder = tempfile.mkdtemp(prefix="remat-makespan-")
-    results, per_action = run_calibrated(jobs, 2, folder, (args.rows, 64))
+    with tempfile.TemporaryDirectory(prefix="remat-makespan-") as folder:
+        results, per_action = run_calibrated(jobs, 2, folder, (args.rows, 64))
     load.append(os.getloadavg())
     print(per_action)
     for row, (traced, plan), ranks in zip(runs, plans, results, strict=True):

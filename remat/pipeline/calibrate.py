@@ -22,7 +22,11 @@ with one a backward and the other transfer added; less the measured send and rec
 and backward figures. The step's fixed cost is the rest of the 2-micro-batch step, and the link's
 latency is ``a`` less the send and the receive, which the model counts on the ranks. Each figure
 is the median of ``rounds`` samples taken in interleaved rounds; a figure the machine's noise puts
-below zero is taken as zero.
+below zero is taken as zero, and where that is the latency (a link faster than the send and the
+receive's CPU time) the per-byte figure is fitted again without it (``_link_figures``).
+
+``calibrate`` starts its two processes with ``torch.multiprocessing.spawn``: each imports the
+caller's main module, so a script that calls it must do so under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
@@ -159,6 +163,21 @@ def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return mean_y - b * mean_x, b
 
 
+def _link_figures(sizes: list[float], one_way: list[float], on_ranks: float) -> tuple[float, float]:
+    """``(latency_s, byte_s)`` of the line ``one_way = on_ranks + latency_s + size x byte_s``, neither
+    below zero: where the fitted slope is negative the line is flat at the mean, and where its
+    intercept is below ``on_ranks`` (the send and the receive, counted on the ranks) the slope is
+    fitted again through ``on_ranks`` with no latency, so that the model's one-way time stays near
+    the measured one instead of lying above it by the clamped latency."""
+    a, per_byte = _fit(sizes, one_way)
+    if per_byte < 0:
+        a, per_byte = statistics.fmean(one_way), 0.0
+    if a >= on_ranks:
+        return a - on_ranks, per_byte
+    through = sum(x * (y - on_ranks) for x, y in zip(sizes, one_way, strict=True)) / sum(x * x for x in sizes)
+    return 0.0, max(through, 0.0)
+
+
 def figures(ranks: list[_Samples], activation: tuple[int, ...], dtype: torch.dtype) -> ActionCost:
     """The ``ActionCost`` that ranks 0 and 1's ``samples`` of ``activation`` give (see the module
     doc)."""
@@ -178,14 +197,16 @@ def figures(ranks: list[_Samples], activation: tuple[int, ...], dtype: torch.dty
     )
     step = statistics.fmean(med[r][f"full{_SHORT}"] - _SHORT * slope(r, "full") for r in (0, 1))
     sizes = [float(max(1, k * numel) * element_bytes) for k in _MESSAGES]
-    a, per_byte = _fit(sizes, [med[0][f"trip{k}"] / 2 for k in range(len(_MESSAGES))])
+    latency, per_byte = _link_figures(
+        sizes, [med[0][f"trip{k}"] / 2 for k in range(len(_MESSAGES))], send + receive
+    )
     return ActionCost(
         forward_s=max(forward, 0.0),
         backward_s=max(backward, 0.0),
         send_s=send,
         receive_s=receive,
-        latency_s=max(a - send - receive, 0.0),
-        byte_s=max(per_byte, 0.0),
+        latency_s=latency,
+        byte_s=per_byte,
         step_s=max(step, 0.0),
     )
 
@@ -206,8 +227,10 @@ def check(activation: tuple[int, ...], dtype: torch.dtype, rounds: int, api: str
         raise RematValueError(
             message(api, "dtype is a floating dtype (a gradient flows back)", dtype, "pass torch.float32")
         )
-    if rounds < 3:
-        raise RematValueError(message(api, "rounds must be at least 3", rounds, "pass rounds=15 or so"))
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 3:
+        raise RematValueError(
+            message(api, "rounds must be a whole number, at least 3", repr(rounds), "pass rounds=15 or so")
+        )
 
 
 def calibrate(
@@ -219,12 +242,21 @@ def calibrate(
     """What each schedule action costs a rank beyond its stage's compute, measured on two gloo
     processes of this host with messages of ``activation``'s shape (one micro-batch's activation,
     the rows first) and ``dtype`` (see the module doc): ``rounds`` samples of each figure, files in
-    ``workdir`` (a temporary folder by default). Takes a few seconds, most of it starting the
-    processes (``remat.pipeline.launch.run_calibrated`` measures the same in the processes it starts
-    for its jobs). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
+    ``workdir`` (a temporary folder, removed at the end, by default). Took 20 to 38 s of wall time
+    on a shared 2-core machine, most of it starting the two processes and importing torch in them
+    (``remat.pipeline.launch.run_calibrated`` measures the same in the processes it starts for its
+    jobs). The processes are spawned: call it under ``if __name__ == "__main__":`` in a script
+    (see the module doc). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
     check(activation, dtype, rounds, "pipeline.calibrate")
-    folder = Path(tempfile.mkdtemp(prefix="remat-calibrate-") if workdir is None else workdir)
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="remat-calibrate-") as folder:
+            return _measure(tuple(activation), dtype, rounds, Path(folder))
+    return _measure(tuple(activation), dtype, rounds, Path(workdir))
+
+
+def _measure(activation: tuple[int, ...], dtype: torch.dtype, rounds: int, folder: Path) -> ActionCost:
+    """``calibrate``'s run, its files in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "init").unlink(missing_ok=True)
-    mp.spawn(_worker, args=(tuple(activation), dtype, rounds, str(folder)), nprocs=2, join=True)
-    return figures([torch.load(folder / f"rank{r}.pt") for r in (0, 1)], tuple(activation), dtype)
+    mp.spawn(_worker, args=(activation, dtype, rounds, str(folder)), nprocs=2, join=True)
+    return figures([torch.load(folder / f"rank{r}.pt") for r in (0, 1)], activation, dtype)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 import remat.pipeline as pp
 from remat import RematTypeError, RematValueError
 from remat.pipeline import ActionCost, Cost, build, walk
+from remat.pipeline.calibrate import _LONG, _MESSAGES, _SHORT, figures
 from remat.pipeline.chain import mlp_chain
 from remat.pipeline.launch import run_calibrated
 
@@ -230,8 +233,12 @@ def test_calibrate_refuses_a_shape_without_sizes() -> None:
         RematValueError, match=r"remat\.pipeline\.calibrate: activation is a shape .*\(\(0, 4\)\)"
     ):
         pp.calibrate((0, 4))
-    with pytest.raises(RematValueError, match=r"remat\.pipeline\.calibrate: rounds must be at least 3 \(1\)"):
-        pp.calibrate((4, 4), rounds=1)
+    for rounds in (1, 3.5, True):
+        with pytest.raises(
+            RematValueError,
+            match=rf"remat\.pipeline\.calibrate: rounds must be a whole number, at least 3 \({rounds!r}\)",
+        ):
+            pp.calibrate((4, 4), rounds=rounds)  # type: ignore[arg-type]
     with pytest.raises(
         RematValueError, match=r"remat\.pipeline\.calibrate: dtype is a floating dtype .*torch\.int64"
     ):
@@ -242,8 +249,52 @@ def test_calibrate_refuses_a_shape_without_sizes() -> None:
         run_calibrated([], 1, ".", (4, 4))
 
 
+TRUTH = ActionCost(4e-4, 9e-4, 1e-4, 1.2e-4, 5e-5, 1e-9, 2e-3)
+SHAPE = (128, 64)  # 32768 bytes of float32
+
+
+def _samples(rank: int, per: ActionCost, trip: list[float] | None = None) -> dict[str, list[float]]:
+    """What ranks 0 and 1 would measure if ``per`` were the truth (calibrate's module doc), or with
+    ``trip``, one-way times of its messages measured instead."""
+    numel = math.prod(SHAPE)
+    out = {"send": [per.send_s] * 3, "receive": [per.receive_s] * 3}
+    for k, n in enumerate(_MESSAGES):
+        size = max(1, n * numel) * 4
+        one_way = per.send_s + per.latency_s + per.receive_s + size * per.byte_s if trip is None else trip[k]
+        out[f"trip{k}"] = [2 * one_way] * 3
+    first, second = (per.send_s, per.receive_s) if rank == 0 else (per.receive_s, per.send_s)
+    for m in (_SHORT, _LONG):
+        out[f"forward{m}"] = [per.step_s + m * (per.forward_s + first)] * 3
+        out[f"full{m}"] = [per.step_s + m * (per.forward_s + first + per.backward_s + second)] * 3
+    return out
+
+
+def test_figures_give_back_the_cost_the_samples_were_made_of() -> None:
+    got = figures([_samples(0, TRUTH), _samples(1, TRUTH)], SHAPE, torch.float32)
+    for f in dataclasses.fields(ActionCost):
+        assert getattr(got, f.name) == pytest.approx(getattr(TRUTH, f.name), rel=1e-9), f.name
+
+
+def test_a_link_faster_than_its_send_and_receive_keeps_the_one_way_time_near_the_measured() -> None:
+    # the zero-byte intercept 1.5e-4 s below the send and the receive: the latency goes to zero and
+    # the per-byte figure is fitted again, so the model's one-way time is not the clamp's too long
+    on_ranks, sizes = TRUTH.send_s + TRUTH.receive_s, [4.0, 4.0 * 8192, 16 * 4.0 * 8192]
+    measured = [on_ranks - 1.5e-4 + size * TRUTH.byte_s for size in sizes]
+    got = figures([_samples(r, TRUTH, measured) for r in (0, 1)], SHAPE, torch.float32)
+    assert got.latency_s == 0.0 and 0 < got.byte_s < TRUTH.byte_s
+    model = [got.send_s + got.latency_s + got.receive_s + size * got.byte_s for size in sizes]
+    assert abs(model[-1] - measured[-1]) < 0.05 * measured[-1]
+    # a message that takes no longer for being larger: no negative per-byte figure, the mean instead
+    flat = figures([_samples(r, TRUTH, [7e-4, 6e-4, 5e-4]) for r in (0, 1)], SHAPE, torch.float32)
+    assert flat.byte_s == 0.0 and flat.latency_s == pytest.approx(6e-4 - on_ranks, rel=1e-9)
+
+
 @pytest.mark.slow  # two processes of its own, importing torch
-def test_calibrate_on_its_own_processes_gives_the_figures(tmp_path) -> None:
-    per = pp.calibrate((16, 8), rounds=3, workdir=tmp_path)
+def test_calibrate_on_its_own_processes_gives_the_figures_and_removes_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its temporary folder goes
+    per = pp.calibrate((16, 8), rounds=3)
     assert per.bad() is None and per.send_s > 0 and per.receive_s > 0
     assert per.forward_s + per.backward_s + per.step_s > 0
+    assert list(tmp_path.iterdir()) == []
