@@ -35,7 +35,9 @@ __all__ = ["FORMAT", "PipelinePlan"]
 
 # 2: a stage's transfer_bytes is one micro-batch's output (unless the last stage) and input
 # gradient, where /1 stored twice one transfer: a /1 plan's figures would be read wrong, so it is refused
-FORMAT = "remat.pipeline/2"
+# 3: the per-action cost (action_cost) stored; a /2 plan has none, read as op times only (all zero)
+FORMAT = "remat.pipeline/3"
+_READABLE = (FORMAT, "remat.pipeline/2")
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,15 @@ class PipelinePlan:
         cls, body: dict[str, Any], model: nn.Module | Sequence[nn.Module] | None = None
     ) -> PipelinePlan:
         """The plan ``to_json`` wrote, holding ``model`` to build stages from."""
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
+        if not isinstance(body, dict) or body.get("format") not in _READABLE:
             got = body.get("format") if isinstance(body, dict) else type(body).__name__
             raise RematValueError(
-                message("pipeline.load", f"not a {FORMAT} plan", f"format {got!r}", "load a file save wrote")
+                message(
+                    "pipeline.load",
+                    f"not a {' or '.join(_READABLE)} plan",
+                    f"format {got!r}",
+                    "load a file save wrote",
+                )
             )
         try:
             # plans written before n_ranks was stored ran one stage per rank
@@ -204,7 +211,7 @@ class PipelinePlan:
                 int(body["budget_bytes"]),
                 stage_plans,
                 str(body["balance"]),
-                # plans written before the per-action cost was stored had op times only
+                # /2 plans, written before the per-action cost was stored, had op times only
                 ActionCost(**body.get("action_cost", {})),
             )
         except (KeyError, TypeError, ZeroDivisionError) as err:

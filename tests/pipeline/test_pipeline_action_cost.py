@@ -207,7 +207,8 @@ def test_the_plan_keeps_its_action_cost_and_its_choices() -> None:
     assert str(per).startswith("ActionCost(forward 1.000 ms, backward 2.000 ms, send 0.100 ms")
     again = pp.PipelinePlan.from_json(costed.to_json())
     assert again.action_cost == per
-    older = {k: v for k, v in bare.to_json().items() if k != "action_cost"}
+    assert costed.to_json()["format"] == "remat.pipeline/3"
+    older = {k: v for k, v in bare.to_json().items() if k != "action_cost"} | {"format": "remat.pipeline/2"}
     assert pp.PipelinePlan.from_json(older).action_cost == ActionCost()
 
 
