@@ -43,8 +43,9 @@ running it costs the rank beyond that (``ActionCost``: torch's stage code and au
 or backward, gloo's work per send and per receive), and every rank starts its first action after
 the step's own fixed cost; a message between two ranks arrives ``latency_s + bytes x byte_s``
 after the action that sends it ends. Without these terms (``ActionCost()``, all zero) the model
-has op times only, and on a narrow chain the ranks' CPU time was 1.2-1.6x the busy time it gave
-them (benchmarks/pipeline); the figures are measured by ``remat.pipeline.calibrate``.
+has op times only, and the ranks' CPU time was 1.2-1.6x the busy time it gave them on the wide
+chain, 1.7-2.1x on the narrow one (benchmarks/pipeline); the figures are measured by
+``remat.pipeline.calibrate``.
 """
 
 from __future__ import annotations
