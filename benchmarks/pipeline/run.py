@@ -116,12 +116,17 @@ def _step_times(
 
 
 def stage_times(
-    plans: dict[str, pp.PipelinePlan], x: torch.Tensor, y: torch.Tensor, loss_fn: Loss, rounds: int
+    plans: dict[str, pp.PipelinePlan],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Loss,
+    rounds: int,
+    modes: tuple[str, ...] = ("none", "always", "planned"),
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per mode and stage, the median forward and backward CPU seconds of one micro-batch (``x``
-    enters the first stage, ``y`` is the target) as the mode runs it: plain, every block under
-    ``torch.utils.checkpoint`` (``always``; ``except_last`` runs the same), or under the planned
-    stage's plan; every (mode, stage) once per round."""
+    """Per mode of ``modes`` and stage, the median forward and backward CPU seconds of one
+    micro-batch (``x`` enters the first stage, ``y`` is the target) as the mode runs it: plain,
+    every block under ``torch.utils.checkpoint`` (``always``; ``except_last`` runs the same), or
+    under the planned stage's plan; every (mode, stage) once per round."""
     modules = plans["none"].stage_modules()
     n = len(modules)
     inputs = [x]
@@ -140,8 +145,7 @@ def stage_times(
 
         return once
 
-    timed = ("none", "always", "planned")
-    runners = {(mode, s): runner(mode, s) for mode in timed for s in range(n)}
+    runners = {(mode, s): runner(mode, s) for mode in modes for s in range(n)}
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {key: [] for key in runners}
     for _ in range(rounds):
         for key, once in runners.items():
@@ -156,9 +160,9 @@ def stage_times(
             )
             for s in range(n)
         ]
-        for mode in timed
+        for mode in modes
     }
-    return {**medians, "except_last": medians["always"]}
+    return {**medians, "except_last": medians["always"]} if "always" in medians else medians
 
 
 def timed(

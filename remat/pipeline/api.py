@@ -39,7 +39,7 @@ from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import BALANCES, balance, profile
 from remat.pipeline.stage_plan import StagePlan
-from remat.pipeline.timeline import walk
+from remat.pipeline.timeline import ActionCost, walk
 from remat.planner.api import block_key, plan_at
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.plan import Plan
@@ -268,6 +268,7 @@ def plan(
     balance_by: str = "memory",
     checkpoint: str = "planned",
     op_costs: str = "measured",
+    action_cost: ActionCost | None = None,
 ) -> PipelinePlan:
     """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks, ``stages_per_rank``
     stages each (more than one under ``"interleaved-1f1b"``: rank r runs stages r, r + P, ...;
@@ -292,7 +293,11 @@ def plan(
     refused, naming each rank's need). ``op_costs`` is ``"measured"`` (the op times of the
     example's step on one intra-op thread, as each rank runs: NOTE [stage times on one thread]) or
     ``"model"`` (the cost model's estimates: the same per-stage plans on every run and machine, for
-    a given cut; ``balance_by="time"`` still cuts by measured times).
+    a given cut; ``balance_by="time"`` still cuts by measured times). ``action_cost`` is what
+    each action of the schedule costs a rank beyond its stage's compute, as
+    ``remat.pipeline.calibrate`` measures it (NOTE [per-action cost] in
+    ``remat.pipeline.timeline``); by default none, and the predicted makespan has op times only.
+    It changes the predicted times, not the plans.
     """
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
@@ -311,6 +316,20 @@ def plan(
         raise _fail("unknown checkpoint mode", repr(checkpoint), f"use one of {', '.join(CHECKPOINT_MODES)}")
     if op_costs not in OP_COSTS:
         raise _fail("unknown op costs", repr(op_costs), f"use one of {', '.join(OP_COSTS)}")
+    if action_cost is not None and not isinstance(action_cost, ActionCost):
+        raise _fail(
+            "action_cost must be an ActionCost",
+            type(action_cost).__name__,
+            "pass remat.pipeline.calibrate()'s figures, or an ActionCost",
+            RematTypeError,
+        )
+    per_action = ActionCost() if action_cost is None else action_cost
+    if (bad := per_action.bad()) is not None:
+        raise _fail(
+            "action_cost's figures are seconds (and seconds per byte): finite and not negative",
+            bad,
+            "pass remat.pipeline.calibrate()'s figures",
+        )
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
     per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
@@ -335,4 +354,5 @@ def plan(
         )
     plans = tuple(sp for sp in chosen if sp is not None)
     model = model_or_stages if isinstance(model_or_stages, nn.Module) else tuple(model_or_stages)
-    return PipelinePlan(order, cuts, budget, plans, balance_by if boundaries is None else "given", model)
+    given = balance_by if boundaries is None else "given"
+    return PipelinePlan(order, cuts, budget, plans, given, per_action, model)

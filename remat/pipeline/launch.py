@@ -6,7 +6,9 @@ seconds, so one spawn runs every job given (a warm-up step and the measured step
 every rank writes its results to a file the caller reads; the model is built in each process
 by ``Job.build`` (seeded alike), and the plan travels as its JSON. Each measured step starts from
 the same buffers, with gradients cleared and every rank's generator seeded with ``seed + rank``,
-so a single-process reference can reproduce it (``reference``).
+so a single-process reference can reproduce it (``reference``). ``run_calibrated`` also measures,
+in the same processes before the jobs, what each schedule action costs a rank beyond its compute
+(``remat.pipeline.calibrate``): the processes are started once.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat._errors import RematValueError, message
 from remat.memory import track
+from remat.pipeline.calibrate import check, figures, samples
 from remat.pipeline.execute import torch_stage
 from remat.pipeline.plan import PipelinePlan
+from remat.pipeline.timeline import ActionCost
 
-__all__ = ["Job", "RankResult", "reference", "run"]
+__all__ = ["Job", "RankResult", "reference", "run", "run_calibrated"]
+
+# what the calibration is given: one micro-batch's activation shape, its dtype, the rounds
+_Calibration = tuple[tuple[int, ...], torch.dtype, int]
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,8 @@ class RankResult:
     allocator's ``peak_bytes`` in the measured step, ``counts`` of the counted ops in it,
     the median ``cpu_seconds`` of a step, the median ``wall_seconds`` from the step's start on
     every rank (after a barrier) until every rank has finished it (a barrier): the pipeline's
-    makespan, and ``order``: the forwards and backwards its stage ran in the measured step, as
+    makespan, ``fastest_wall_seconds``, the shortest of those (the step least delayed by other work
+    on the host), and ``order``: the forwards and backwards its stage ran in the measured step, as
     actions (``"0F1"``)."""
 
     rank: int
@@ -69,6 +78,7 @@ class RankResult:
     counts: dict[str, int]
     cpu_seconds: float
     wall_seconds: float
+    fastest_wall_seconds: float
     order: tuple[str, ...]
 
 
@@ -170,27 +180,65 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         counter.counts,
         statistics.median(seconds),
         statistics.median(walls),
+        min(walls),
         tuple(log),
     )
 
 
-def _worker(rank: int, jobs: Sequence[Job], n_ranks: int, workdir: str) -> None:
+def _worker(
+    rank: int, jobs: Sequence[Job], n_ranks: int, workdir: str, calibration: _Calibration | None
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=n_ranks)
     try:
-        torch.save([_one(job, rank, n_ranks) for job in jobs], Path(workdir) / f"rank{rank}.pt")
+        measured = None if calibration is None else samples(rank, n_ranks, *calibration)
+        torch.save((measured, [_one(job, rank, n_ranks) for job in jobs]), Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _spawn(
+    jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str], calibration: _Calibration | None
+) -> list[tuple[Any, list[RankResult]]]:
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / "init").unlink(missing_ok=True)
+    mp.spawn(_worker, args=(list(jobs), n_ranks, str(workdir), calibration), nprocs=n_ranks, join=True)
+    return [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
 
 
 def run(jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str]) -> list[list[RankResult]]:
     """Run ``jobs`` one after another on ``n_ranks`` spawned CPU processes over gloo (files in
     ``workdir``); per job, each rank's result."""
-    Path(workdir).mkdir(parents=True, exist_ok=True)
-    (Path(workdir) / "init").unlink(missing_ok=True)
-    mp.spawn(_worker, args=(list(jobs), n_ranks, str(workdir)), nprocs=n_ranks, join=True)
-    per_rank = [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
+    per_rank = [results for _, results in _spawn(jobs, n_ranks, workdir, None)]
     return [[per_rank[r][j] for r in range(n_ranks)] for j in range(len(jobs))]
+
+
+def run_calibrated(
+    jobs: Sequence[Job],
+    n_ranks: int,
+    workdir: str | os.PathLike[str],
+    activation: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    rounds: int = 15,
+) -> tuple[list[list[RankResult]], ActionCost]:
+    """``run``, the same processes first measuring what each schedule action costs a rank beyond
+    its compute (``remat.pipeline.calibrate``'s measurement, on ranks 0 and 1, with messages of
+    ``activation``'s shape and ``dtype``, ``rounds`` samples each): per job each rank's result,
+    and the ``ActionCost``. ``n_ranks`` is at least 2."""
+    check(activation, dtype, rounds, "pipeline.launch.run_calibrated")
+    if n_ranks < 2:
+        raise RematValueError(
+            message(
+                "pipeline.launch.run_calibrated",
+                "the calibration sends between two ranks",
+                f"n_ranks={n_ranks}",
+                "run on 2 ranks or more",
+            )
+        )
+    spawned = _spawn(jobs, n_ranks, workdir, (tuple(activation), dtype, rounds))
+    per_rank = [results for _, results in spawned]
+    cost = figures([spawned[0][0], spawned[1][0]], tuple(activation), dtype)
+    return [[per_rank[r][j] for r in range(n_ranks)] for j in range(len(jobs))], cost
 
 
 def reference(job: Job) -> nn.Module:

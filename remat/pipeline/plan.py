@@ -6,7 +6,8 @@ interleaved by the schedule, so what a rank must fit is not one step's peak but 
 saved bytes of the other micro-batches it holds at once (NOTE [held micro-batches] in
 ``remat.pipeline.timeline``). A ``PipelinePlan`` keeps, per stage, the static planner's ``Plan``
 for one micro-batch (None where nothing is recomputed), whether the last micro-batch runs without
-it (``except_last``), and the measured costs the pipeline model walks. It holds the model only to
+it (``except_last``), the measured costs the pipeline model walks and what each action costs a
+rank beyond them (``action_cost``, NOTE [per-action cost]). It holds the model only to
 build the stages (``stages``), never in its JSON form: ``load(path, model)`` gives it back.
 """
 
@@ -27,14 +28,16 @@ from remat._files import read_json
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.stage_plan import StagePlan
-from remat.pipeline.timeline import Timeline, walk
+from remat.pipeline.timeline import ActionCost, Timeline, walk
 from remat.planner.plan import Plan
 
 __all__ = ["FORMAT", "PipelinePlan"]
 
 # 2: a stage's transfer_bytes is one micro-batch's output (unless the last stage) and input
 # gradient, where /1 stored twice one transfer: a /1 plan's figures would be read wrong, so it is refused
-FORMAT = "remat.pipeline/2"
+# 3: the per-action cost (action_cost) stored; a /2 plan has none, read as op times only (all zero)
+FORMAT = "remat.pipeline/3"
+_READABLE = (FORMAT, "remat.pipeline/2")
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class PipelinePlan:
     """A pipeline step planned by ``remat.pipeline.plan``: the schedule's ``order`` of actions,
     the cut of the model (``boundaries``: the first child of each stage, then the number of
     children; empty when the stages were given as modules), ``budget_bytes`` per rank and one
-    ``StagePlan`` per stage.
+    ``StagePlan`` per stage; ``action_cost``, what each action of the schedule costs a rank beyond
+    its stage's compute (``remat.pipeline.calibrate``; zero: op times only).
     ``timeline()`` walks the pipeline model; ``stages`` and ``schedule`` run it on torch."""
 
     order: Schedule
@@ -50,6 +54,7 @@ class PipelinePlan:
     budget_bytes: int
     stage_plans: tuple[StagePlan, ...]
     balance: str
+    action_cost: ActionCost = ActionCost()
     model: nn.Module | tuple[nn.Module, ...] | None = field(default=None, compare=False, repr=False)
 
     # -- reading it ---------------------------------------------------------------------------
@@ -58,7 +63,7 @@ class PipelinePlan:
         """The pipeline model's walk of the step (makespan, per-rank memory over time)."""
         m = self.order.n_microbatches
         costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in self.stage_plans)
-        return walk(self.order, costs)
+        return walk(self.order, costs, self.action_cost)
 
     def __str__(self) -> str:
         line = self.timeline()
@@ -76,7 +81,11 @@ class PipelinePlan:
         return (
             f"PipelinePlan({self.order.name}, {self.order.n_stages} stages x "
             f"{self.order.n_microbatches} micro-batches, budget {format_bytes(self.budget_bytes)} per rank, "
-            f"predicted step {line.makespan * 1e3:.1f} ms; " + "; ".join(parts) + ")"
+            f"predicted step {line.makespan * 1e3:.1f} ms"
+            + ("" if self.action_cost == ActionCost() else f" with {self.action_cost}")
+            + "; "
+            + "; ".join(parts)
+            + ")"
         )
 
     def explain(self, file: Any = None) -> None:
@@ -154,6 +163,7 @@ class PipelinePlan:
             "boundaries": list(self.boundaries),
             "budget_bytes": self.budget_bytes,
             "balance": self.balance,
+            "action_cost": asdict(self.action_cost),
             "stage_plans": [
                 {**asdict(sp), "plan": None if sp.plan is None else sp.plan.to_json()}
                 for sp in self.stage_plans
@@ -165,10 +175,15 @@ class PipelinePlan:
         cls, body: dict[str, Any], model: nn.Module | Sequence[nn.Module] | None = None
     ) -> PipelinePlan:
         """The plan ``to_json`` wrote, holding ``model`` to build stages from."""
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
+        if not isinstance(body, dict) or body.get("format") not in _READABLE:
             got = body.get("format") if isinstance(body, dict) else type(body).__name__
             raise RematValueError(
-                message("pipeline.load", f"not a {FORMAT} plan", f"format {got!r}", "load a file save wrote")
+                message(
+                    "pipeline.load",
+                    f"not a {' or '.join(_READABLE)} plan",
+                    f"format {got!r}",
+                    "load a file save wrote",
+                )
             )
         try:
             # plans written before n_ranks was stored ran one stage per rank
@@ -196,11 +211,22 @@ class PipelinePlan:
                 int(body["budget_bytes"]),
                 stage_plans,
                 str(body["balance"]),
+                # /2 plans, written before the per-action cost was stored, had op times only
+                ActionCost(**body.get("action_cost", {})),
             )
         except (KeyError, TypeError, ZeroDivisionError) as err:
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None
+        if (bad := plan.action_cost.bad()) is not None:
+            raise RematValueError(
+                message(
+                    "pipeline.load",
+                    "action_cost's figures are seconds (and seconds per byte): finite and not negative",
+                    bad,
+                    "save the plan again, or calibrate again",
+                )
+            )
         return plan.with_model(model) if model is not None else plan
 
     def with_model(self, model: nn.Module | Sequence[nn.Module]) -> PipelinePlan:

@@ -34,19 +34,32 @@ micro-batch's backward on, the stage's output and the gradient of its input stay
 between two stages of one rank keeps them as well, in the receiving stage's buffers. The last
 stage's output is counted beside its saved bytes, once: where the loss saves its input
 (``mse_loss``) the stage's measured saved bytes leave it out (NOTE [the output counted once] in
-``remat.pipeline.measure``). Communication is taken as free: on one host over gloo it is small next
-to compute, and a rank waiting for a message holds what it held.
+``remat.pipeline.measure``). A rank waiting for a message holds what it held; what the message
+costs in time is the per-action cost's (below).
 A schedule whose dependencies cannot be met (a deadlock) raises before anything runs.
+
+Time (NOTE [per-action cost]): an action's duration is its stage's compute (``Cost``) plus what
+running it costs the rank beyond that (``ActionCost``: torch's stage code and autograd per forward
+or backward, gloo's work per send and per receive), and every rank starts its first action after
+the step's own fixed cost; a message between two ranks arrives ``latency_s + bytes x byte_s``
+after the action that sends it ends. Without these terms (``ActionCost()``, all zero) the model
+has op times only, and the ranks' CPU time was 1.2-1.6x the busy time it gave them on the wide
+chain, 1.7-2.1x on the narrow one (benchmarks/pipeline); the figures are measured by
+``remat.pipeline.calibrate``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 from remat._errors import RematValueError, message
 from remat.pipeline.schedule import Action, Schedule
 
-__all__ = ["Cost", "Span", "Timeline", "walk"]
+__all__ = ["ActionCost", "Cost", "Span", "Timeline", "walk"]
+
+# the backward kinds whose input (the gradient of the stage's output) comes from the next stage
+_CROSSING = ("B", "I")
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,42 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class ActionCost:
+    """What running the schedule costs a rank beyond its stages' compute, in seconds: per
+    ``forward_s`` and per ``backward_s`` action (torch's stage code, the autograd call), per
+    ``send_s`` and ``receive_s`` of a tensor to or from another rank, and ``step_s`` once per step
+    (splitting the batch, merging the outputs); a message crosses the link between two ranks in
+    ``latency_s`` plus ``byte_s`` per byte (NOTE [per-action cost]). All zero: op times only."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    send_s: float = 0.0
+    receive_s: float = 0.0
+    latency_s: float = 0.0
+    byte_s: float = 0.0
+    step_s: float = 0.0
+
+    def bad(self) -> str | None:
+        """The first figure that is no number (a bool is none), negative or not finite, as
+        ``name=value``, or None."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return f"{f.name}={value!r}"
+            if not math.isfinite(value) or value < 0:
+                return f"{f.name}={value!r}"
+        return None
+
+    def __str__(self) -> str:
+        return (
+            f"ActionCost(forward {self.forward_s * 1e3:.3f} ms, backward {self.backward_s * 1e3:.3f} ms, "
+            f"send {self.send_s * 1e3:.3f} ms, receive {self.receive_s * 1e3:.3f} ms, "
+            f"link {self.latency_s * 1e3:.3f} ms + {self.byte_s * 1e9:.3f} ns/byte, "
+            f"step {self.step_s * 1e3:.3f} ms)"
+        )
+
+
+@dataclass(frozen=True)
 class Span:
     """One action as the model places it: on ``rank`` from ``start`` to ``end`` seconds, with
     ``recompute_s`` of it recomputation, and ``bytes`` the rank needs while it runs."""
@@ -84,31 +133,58 @@ class Span:
 class Timeline:
     """A schedule walked with costs: every action's ``Span``, the step's ``makespan`` (seconds),
     each rank's ``peak_bytes`` and its memory over time (``memory[r]``: (seconds, bytes) points,
-    the bytes holding until the next point)."""
+    the bytes holding until the next point), and ``step_s``, the step's fixed cost on every rank
+    before its first action."""
 
     spans: tuple[Span, ...]
     makespan: float
     peak_bytes: tuple[int, ...]
     memory: tuple[tuple[tuple[float, int], ...], ...]
+    step_s: float = 0.0
 
     def busy(self, rank: int) -> float:
-        """Seconds ``rank`` computes during the step."""
-        return sum(s.end - s.start for s in self.spans if s.rank == rank)
+        """Seconds ``rank`` works during the step: its actions and the step's fixed cost."""
+        return self.step_s + sum(s.end - s.start for s in self.spans if s.rank == rank)
 
 
-def _ready(action: Action, done: dict[tuple[int, str, int], float], last: int) -> float | None:
-    """When ``action``'s dependency finished, or None if it has not yet."""
+def _source(action: Action, last: int) -> tuple[int, str, int] | None:
+    """The action whose end ``action`` waits for (see the module doc), or None."""
     if action.kind == "F":
-        need = (action.stage - 1, "F", action.microbatch) if action.stage > 0 else None
-    elif action.kind == "W":
-        need = (action.stage, "I", action.microbatch)
-    elif action.stage == last:
-        need = (action.stage, "F", action.microbatch)
-    else:
-        need = (action.stage + 1, action.kind, action.microbatch)
-    if need is None:
+        return (action.stage - 1, "F", action.microbatch) if action.stage > 0 else None
+    if action.kind == "W":
+        return (action.stage, "I", action.microbatch)
+    if action.stage == last:
+        return (action.stage, "F", action.microbatch)
+    return (action.stage + 1, action.kind, action.microbatch)
+
+
+def _overhead(schedule: Schedule, action: Action, per: ActionCost) -> float:
+    """What ``action`` costs its rank beyond its compute (NOTE [per-action cost]): the forward's
+    or backward's own cost, a receive for what comes from another rank's stage and a send for what
+    goes to one. ``W`` sends and receives nothing and, its backward run at ``I``, runs nothing."""
+    if action.kind == "W":
         return 0.0
-    return done.get(need)
+    rank, stage, last = schedule.rank_of(action.stage), action.stage, schedule.n_stages - 1
+    before = stage > 0 and schedule.rank_of(stage - 1) != rank
+    after = stage < last and schedule.rank_of(stage + 1) != rank
+    if action.kind == "F":
+        return per.forward_s + per.receive_s * before + per.send_s * after
+    return per.backward_s + per.receive_s * after + per.send_s * before
+
+
+def _link(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Action, per: ActionCost) -> float:
+    """The seconds ``action``'s input takes to cross from another rank: an activation (forward)
+    or the gradient of this stage's output (backward), none from its own rank."""
+    stage, last = action.stage, schedule.n_stages - 1
+    if action.kind == "F" and stage > 0:
+        source, sent = stage - 1, costs[stage - 1][action.microbatch].output_bytes
+    elif action.kind in _CROSSING and stage < last:
+        source, sent = stage + 1, costs[stage][action.microbatch].output_bytes
+    else:
+        return 0.0
+    if schedule.rank_of(source) == schedule.rank_of(stage):
+        return 0.0
+    return per.latency_s + sent * per.byte_s
 
 
 def _sent(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Action) -> int:
@@ -127,12 +203,16 @@ def _sent(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Actio
     return out + (costs[stage - 1][m].output_bytes if stage > 0 else 0)
 
 
-def walk(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> Timeline:
-    """Walk ``schedule`` with ``costs[stage][microbatch]`` (see the module doc)."""
+def walk(
+    schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], per_action: ActionCost | None = None
+) -> Timeline:
+    """Walk ``schedule`` with ``costs[stage][microbatch]`` and what each action costs its rank
+    beyond them (``per_action``, none by default; see the module doc)."""
+    per = ActionCost() if per_action is None else per_action
     last = schedule.n_stages - 1
     done: dict[tuple[int, str, int], float] = {}
     nxt = [0] * schedule.n_ranks
-    free = [0.0] * schedule.n_ranks
+    free = [per.step_s] * schedule.n_ranks
     held: list[dict[tuple[int, int], int]] = [{} for _ in range(schedule.n_ranks)]
     # the transfers' tensors, the outputs the last stage keeps, the gradients, the sends kept
     kept = [
@@ -151,9 +231,11 @@ def walk(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> Timeline:
         for rank, actions in enumerate(schedule.actions):
             while nxt[rank] < len(actions):
                 action = actions[nxt[rank]]
-                ready = _ready(action, done, last)
-                if ready is None:
+                source = _source(action, last)
+                finished = 0.0 if source is None else done.get(source)
+                if finished is None:
                     break
+                ready = finished + _link(schedule, costs, action, per)
                 cost = costs[action.stage][action.microbatch]
                 key = (action.stage, action.microbatch)
                 others = kept[rank] + sum(v for k, v in held[rank].items() if k != key)
@@ -161,7 +243,8 @@ def walk(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> Timeline:
                 if action.kind == "W":  # nothing left to run (see the module doc)
                     end, need, recompute = start, kept[rank] + sum(held[rank].values()), 0.0
                 else:
-                    end = start + (cost.forward_s if action.kind == "F" else cost.backward_s)
+                    compute = cost.forward_s if action.kind == "F" else cost.backward_s
+                    end = start + compute + _overhead(schedule, action, per)
                     need = others + cost.peak_bytes
                     recompute = cost.recompute_s if action.kind != "F" else 0.0
                 spans.append(Span(rank, action, start, end, recompute, need))
@@ -199,4 +282,4 @@ def walk(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> Timeline:
     end_rank = schedule.rank_of(last)
     memory[end_rank].append((max(free), kept[end_rank] - sends[end_rank] + merged))
     peaks = tuple(max(b for _, b in m) for m in memory)
-    return Timeline(tuple(spans), max(free), peaks, tuple(tuple(m) for m in memory))
+    return Timeline(tuple(spans), max(free), peaks, tuple(tuple(m) for m in memory), per.step_s)

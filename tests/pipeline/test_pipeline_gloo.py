@@ -2,10 +2,12 @@
 
 One spawn (one process group) runs every job of the module, to keep start-up cost down: GPipe,
 1F1B, interleaved 1F1B and ZBV (two stages per rank, looped or in a V; under ZBV each stage runs a
-micro-batch's whole backward at I and nothing at W), each under per-stage plans made for a budget
-below the plain pipeline's need, on a chain with batch norm and dropout. Each rank reports its
-gradients, buffers, allocator peak, the forward ops it ran (``addmm``: the schedule's forwards and
-the plan's recomputations) and the order its stages ran forwards and backwards in.
+micro-batch's whole backward at I and nothing at W), after the calibration of the per-action cost
+(``remat.pipeline.calibrate``'s measurement, in the same processes), each under per-stage plans
+made for a budget below the plain pipeline's need, on a chain with batch norm and dropout. Each
+rank reports its gradients, buffers, allocator peak, the forward ops it ran (``addmm``: the
+schedule's forwards and the plan's recomputations) and the order its stages ran forwards and
+backwards in.
 
 The gradients and buffers equal, bit for bit, those of a single-process run
 (``remat.pipeline.launch.reference``) that runs the same actions in a dependency order with each
@@ -21,7 +23,9 @@ the rank runs its forwards in, which only replaying the schedule reproduces.)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -30,7 +34,7 @@ from torch import nn
 
 import remat.pipeline as pp
 from remat.pipeline.chain import mlp_chain
-from remat.pipeline.launch import Job, RankResult, reference, run
+from remat.pipeline.launch import Job, RankResult, reference, run_calibrated
 from remat.planner.plan import Plan
 from remat.policy import Decision
 
@@ -58,9 +62,9 @@ def _recomputed(plan: Plan, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(
+def spawned(
     tmp_path_factory: pytest.TempPathFactory,
-) -> list[tuple[pp.PipelinePlan, Job, list[RankResult]]]:
+) -> tuple[list[tuple[pp.PipelinePlan, Job, list[RankResult]]], pp.ActionCost]:
     torch.manual_seed(0)
     x, y = torch.randn(M * ROWS, 32), torch.randn(M * ROWS, 32)
     plans: list[pp.PipelinePlan] = []
@@ -102,8 +106,31 @@ def runs(
         )
         for p in plans
     ]
-    results = run(jobs, RANKS, tmp_path_factory.mktemp("gloo"))
-    return list(zip(plans, jobs, results, strict=True))
+    # the processes also measure the per-action cost, with messages of one micro-batch's activation
+    results, per_action = run_calibrated(jobs, RANKS, tmp_path_factory.mktemp("gloo"), (ROWS, 32), rounds=3)
+    return list(zip(plans, jobs, results, strict=True)), per_action
+
+
+@pytest.fixture(scope="module")
+def runs(
+    spawned: tuple[list[tuple[pp.PipelinePlan, Job, list[RankResult]]], pp.ActionCost],
+) -> list[tuple[pp.PipelinePlan, Job, list[RankResult]]]:
+    return spawned[0]
+
+
+def test_the_calibration_in_the_same_processes_measures_each_figure(spawned) -> None:
+    per = spawned[1]
+    figures = dataclasses.asdict(per)
+    assert set(figures) == {f.name for f in dataclasses.fields(pp.ActionCost)}
+    assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in figures.values())
+    # a send and a receive each take CPU time on their rank, and the schedule's own work more
+    assert per.send_s > 0 and per.receive_s > 0
+    assert per.forward_s + per.backward_s + per.step_s > 0
+    # the plans take it, and their predicted step grows by it
+    plan = spawned[0][0][0]
+    costed = dataclasses.replace(plan, action_cost=per)
+    assert costed.timeline().makespan > plan.timeline().makespan
+    assert costed.timeline().peak_bytes == plan.timeline().peak_bytes
 
 
 @pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)

@@ -145,7 +145,10 @@ def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
     with pytest.raises(RematValueError, match=r"stages and micro-batches must be positive"):
         _plan(example, "1GB", schedule="gpipe", n_microbatches=0)
     (tmp_path / "bad.json").write_text('{"format": "other"}')
-    with pytest.raises(RematValueError, match=r"remat\.pipeline\.load: not a remat\.pipeline/2 plan"):
+    with pytest.raises(
+        RematValueError,
+        match=r"remat\.pipeline\.load: not a remat\.pipeline/3 or remat\.pipeline/2 plan \(format 'other'\)",
+    ):
         pp.PipelinePlan.load(tmp_path / "bad.json")
     with pytest.raises(RematValueError, match=r"no stage runs on this rank \(rank 5 of 2\)"):
         plain.stages(5, "cpu")
