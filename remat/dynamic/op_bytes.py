@@ -2,8 +2,9 @@
 
 NOTE [recompute bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs),
 its kernel's own buffers (learned per op signature on its first run, where the allocator's account
-can run: ``remat.aten.scratch``; until the next region, the reserve covers them, so that the core and
-its trace see one figure per op), the generator state a recomputation of a random op saves for the
+can run: ``remat.aten.scratch``; inside ``remat.memory.track(allocator=True)`` when the track ends,
+NOTE [held back] in ``remat._allocator``; until the next region, the reserve covers them, so that the
+core and its trace see one figure per op), the generator state a recomputation of a random op saves for the
 caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
 (NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the
 region, like a constant) the generator states its recipe keeps. Generator states are host tensors:
@@ -12,6 +13,7 @@ they count only in a region on the CPU.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,3 +50,22 @@ def state_bytes(
         return 0  # generator states are host tensors
     sources: list[aten.Source] = [*explicit, *([default] if default is not None else [])]
     return sum(aligned(aten.state_nbytes(source)) for source in sources)
+
+
+def warn_unmeasured(ops: int, device: torch.device) -> None:
+    """Say that ``ops`` ops of the step ran with their kernel's scratch unknown, counted as nothing:
+    the allocator's count may pass the budget by it (the reserve is all that covers it)."""
+    if not ops:
+        return
+    why = (
+        "it is not measured on CUDA"
+        if device.type != "cpu"
+        else "PyTorch's profiler was running (remat.memory.track(allocator=True) learns it for the next "
+        "step when it ends)"
+    )
+    warnings.warn(
+        f"remat.dynamic: {ops} ops of this step ran with their kernels' scratch unknown, counted as "
+        f"nothing: {why}; the allocator's count may pass the budget by it beyond the reserve; run a "
+        "step outside the profiler first, or raise reserve=",
+        stacklevel=3,
+    )
