@@ -28,6 +28,7 @@ import bisect
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,13 +68,15 @@ class Account:
 
 
 def available() -> bool:
-    """Whether an account can start now (the profiler cannot run twice at once)."""
-    return not _profiler_enabled()
+    """Whether an account can start now: the profiler cannot run twice at once, and a session
+    another thread started (which this thread's check does not see) is busy too."""
+    return not _profiler_enabled() and not _OPEN
 
 
 def ours() -> bool:
-    """Whether the profiler runs now for an account (so that :func:`later` can be asked)."""
-    return bool(_OPEN)
+    """Whether the profiler runs now for an account opened on this thread (so that :func:`later`
+    can be asked: the account sees this thread's allocations, not another's)."""
+    return bool(_OPEN) and _OPEN[-1][0] == threading.get_ident()
 
 
 @contextlib.contextmanager
@@ -121,7 +124,8 @@ def _counted(allocations: list[Any], live: dict[int, int]) -> Iterator[tuple[Any
 # allocations stamped between ``start_ns`` and ``end_ns`` (the clock of NOTE [profiler clock]) are
 # counted as an account of their own would have counted them, and ``then`` gets the bytes held at
 # their peak beyond what was held at ``end_ns``.
-_OPEN: list[list[tuple[int, int, Callable[[int], object]]]] = []  # per running account: what waits on it
+# per running account: the thread that opened it, and what waits on it
+_OPEN: list[tuple[int, list[tuple[int, int, Callable[[int], object]]]]] = []
 _CONFIG = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
 _ACTIVITIES = {ProfilerActivity.CPU}
 # the record-function scopes a session observes: one no eager program enters (TorchScript's static
@@ -133,7 +137,7 @@ _SCOPES = {RecordScope.STATIC_RUNTIME_MODEL}
 def later(start_ns: int, end_ns: int, then: Callable[[int], object]) -> None:
     """NOTE [held back]: call ``then`` with the scratch of ``[start_ns, end_ns]`` when the running
     account ends. Only while :func:`ours`."""
-    _OPEN[-1].append((start_ns, end_ns, then))
+    _OPEN[-1][1].append((start_ns, end_ns, then))
 
 
 def _held_back(allocations: list[Any], waiting: list[tuple[int, int, Callable[[int], object]]]) -> None:
@@ -157,7 +161,7 @@ def account(timeline: bool = False) -> Iterator[Account]:
     with _quiet_stderr():
         _prepare_profiler(_CONFIG, _ACTIVITIES)
         _enable_profiler(_CONFIG, _ACTIVITIES, _SCOPES)  # type: ignore[call-arg]
-    _OPEN.append(waiting)
+    _OPEN.append((threading.get_ident(), waiting))
     try:
         yield result
     finally:

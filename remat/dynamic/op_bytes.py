@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from remat import aten
+from remat import _allocator, aten
 from remat.dynamic.homes import aligned
 
 
@@ -57,15 +57,18 @@ def warn_unmeasured(ops: int, device: torch.device) -> None:
     the allocator's count may pass the budget by it (the reserve is all that covers it)."""
     if not ops:
         return
-    why = (
-        "it is not measured on CUDA"
-        if device.type != "cpu"
-        else "PyTorch's profiler was running (remat.memory.track(allocator=True) learns it for the next "
-        "step when it ends)"
-    )
+    if device.type != "cpu":
+        why = f"kernels' scratch is not measured on {device.type}; raise reserve= to cover it"
+    elif _allocator.ours():
+        why = (
+            "remat.memory.track(allocator=True) runs the profiler, and learns it when it ends, for the "
+            "steps after it; run a step outside the track first, or raise reserve="
+        )
+    else:
+        why = "another profiler session was running; run a step outside it first, or raise reserve="
     warnings.warn(
-        f"remat.dynamic: {ops} ops of this step ran with their kernels' scratch unknown, counted as "
-        f"nothing: {why}; the allocator's count may pass the budget by it beyond the reserve; run a "
-        "step outside the profiler first, or raise reserve=",
+        f"remat.dynamic: {ops} {'op' if ops == 1 else 'ops'} of this step ran with their kernels' "
+        f"scratch unknown, counted as nothing, so the allocator's count may pass the budget by it "
+        f"beyond the reserve: {why}",
         stacklevel=3,
     )

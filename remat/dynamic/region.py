@@ -215,12 +215,12 @@ class Dynamic:
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
-                warn_unmeasured(self._stats.unmeasured_scratch, self.device)
                 self.arriving = self._stats.arrived_bytes  # NOTE [arriving constants] in ``keep``
                 if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
                     budget = max(1, int(self.ratio * self._stats.peak_bytes))
                     self.reserve = _reserve(self._reserve_spec, budget)
                     self.budget = budget
+                warn_unmeasured(self._stats.unmeasured_scratch, self.device)
             else:
                 self._undo(engine, error)
         finally:

@@ -6,6 +6,7 @@ step outside the profiler learns; the next step counts it and holds the budget."
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -16,7 +17,9 @@ import remat
 from remat import _allocator
 from remat.aten import scratch
 
-UNMEASURED = r"remat\.dynamic: \d+ ops of this step ran with their kernels' scratch unknown"
+UNMEASURED = (
+    r"remat\.dynamic: \d+ ops? of this step ran with their kernels' scratch unknown.*learns it when it ends"
+)
 
 
 def cnn() -> tuple[nn.Module, torch.Tensor]:
@@ -60,6 +63,18 @@ def test_a_window_of_a_running_account_gets_the_scratch_of_its_allocations() -> 
         del before
     assert got == [4000]
     assert not _allocator.ours() and kept.numel() == 500
+
+
+def test_another_threads_account_is_neither_ours_nor_free() -> None:
+    """The profiler records the allocations of the thread that started it: another thread may
+    neither ask ``later`` nor start a session of its own (two sessions crash the process)."""
+    seen: list[bool] = []
+    with _allocator.account():
+        thread = threading.Thread(target=lambda: seen.extend((_allocator.ours(), _allocator.available())))
+        thread.start()
+        thread.join()
+    assert seen == [False, False]
+    assert _allocator.available()
 
 
 def test_scratch_learned_inside_a_track_equals_scratch_learned_outside(
