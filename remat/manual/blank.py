@@ -58,5 +58,11 @@ def _blanked(tape: Tape, node: Node, i: int, wanted: frozenset[int]) -> tuple[No
 
 def _read_elsewhere(tape: Tape, old: int, new: int, i: int) -> bool:
     """Whether a node of ``tape`` other than the ``i``-th reads the value before (``old``) or after
-    (``new``) the write."""
-    return any(old in node.reads or new in node.reads for j, node in enumerate(tape.nodes) if j != i)
+    (``new``) the write, or another tensor from outside the region on the same storage (a view of
+    the statistics taken before the region)."""
+    values = {old, new}
+    written = next((ref() for ref, vid in tape._ids.values() if vid == new), None)
+    if written is not None:
+        storage = written.untyped_storage().data_ptr()
+        values.update(vid for vid, (t, _) in tape.kept.items() if t.untyped_storage().data_ptr() == storage)
+    return any(not values.isdisjoint(node.reads) for j, node in enumerate(tape.nodes) if j != i)
