@@ -24,10 +24,12 @@ two calls run with it sent to /dev/null.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +39,13 @@ from torch._C._profiler import (
     ProfilerActivity,
     ProfilerConfig,
     ProfilerState,
+    RecordScope,
     _EventType,
     _ExperimentalConfig,
 )
 from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
 
-__all__ = ["Account", "AllocatorSample", "account", "available", "scratch_of"]
+__all__ = ["Account", "AllocatorSample", "account", "available", "later", "ours", "scratch_of"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,15 @@ class Account:
 
 
 def available() -> bool:
-    """Whether an account can start now (the profiler cannot run twice at once)."""
-    return not _profiler_enabled()
+    """Whether an account can start now: the profiler cannot run twice at once, and a session
+    another thread started (which this thread's check does not see) is busy too."""
+    return not _profiler_enabled() and not _OPEN
+
+
+def ours() -> bool:
+    """Whether the profiler runs now for an account opened on this thread (so that :func:`later`
+    can be asked: the account sees this thread's allocations, not another's)."""
+    return bool(_OPEN) and _OPEN[-1][0] == threading.get_ident()
 
 
 @contextlib.contextmanager
@@ -92,27 +102,9 @@ def _events(nodes: list[Any]) -> Iterator[Any]:
         yield from _events(n.children)
 
 
-@contextlib.contextmanager
-def account(timeline: bool = False) -> Iterator[Account]:
-    """Count the CPU allocator's allocations and frees inside the block (see the module docstring);
-    ``timeline=True`` keeps one sample per counted event, in time order. The caller checks
-    ``available()`` first."""
-    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-    activities = {ProfilerActivity.CPU}
-    result = Account(timeline=[] if timeline else None)
-    with _quiet_stderr():
-        _prepare_profiler(config, activities)
-        _enable_profiler(config, activities)
-    try:
-        yield result
-    finally:
-        with _quiet_stderr():
-            profile = _disable_profiler()
-    allocations = sorted(
-        (e for e in _events(profile.experimental_event_tree()) if e.tag == _EventType.Allocation),
-        key=lambda e: e.start_time_ns,
-    )
-    live: dict[int, int] = {}
+def _counted(allocations: list[Any], live: dict[int, int]) -> Iterator[tuple[Any, int]]:
+    """Each allocation or free in ``allocations`` (time order) that counts, with its signed size: a
+    free only of what was allocated among them (``live``: pointer -> size, updated)."""
     for e in allocations:
         fields = e.extra_fields
         if fields.device.type != "cpu":
@@ -122,10 +114,70 @@ def account(timeline: bool = False) -> Iterator[Account]:
             live[ptr] = size
         elif live.pop(ptr, None) is None:
             continue
+        yield e, size
+
+
+# NOTE [held back] A measurement that would need the profiler while an account runs it (a kernel's
+# scratch, learned by the dynamic runtime inside ``remat.memory.track(allocator=True)``) cannot open
+# a session of its own: the profiler runs one at a time, and a session stopped mid-step loses the
+# events of the backward nodes that captured it. It asks ``later`` instead: when the account ends, the
+# allocations stamped between ``start_ns`` and ``end_ns`` (the clock of NOTE [profiler clock]) are
+# counted as an account of their own would have counted them, and ``then`` gets the bytes held at
+# their peak beyond what was held at ``end_ns``.
+# per running account: the thread that opened it, and what waits on it
+_OPEN: list[tuple[int, list[tuple[int, int, Callable[[int], object]]]]] = []
+_CONFIG = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+_ACTIVITIES = {ProfilerActivity.CPU}
+# the record-function scopes a session observes: one no eager program enters (TorchScript's static
+# runtime). An account reads only the allocator's events, which come whatever the scopes; so no op,
+# module or backward node costs an event in a tracked step.
+_SCOPES = {RecordScope.STATIC_RUNTIME_MODEL}
+
+
+def later(start_ns: int, end_ns: int, then: Callable[[int], object]) -> None:
+    """NOTE [held back]: call ``then`` with the scratch of ``[start_ns, end_ns]`` when the running
+    account ends. Only while :func:`ours`."""
+    _OPEN[-1][1].append((start_ns, end_ns, then))
+
+
+def _held_back(allocations: list[Any], waiting: list[tuple[int, int, Callable[[int], object]]]) -> None:
+    stamps = [e.start_time_ns for e in allocations]
+    for start_ns, end_ns, then in waiting:
+        inside = allocations[bisect.bisect_left(stamps, start_ns) : bisect.bisect_right(stamps, end_ns)]
+        current = peak = 0
+        for _, size in _counted(inside, {}):
+            current += size
+            peak = max(peak, current)
+        then(max(0, peak - current))
+
+
+@contextlib.contextmanager
+def account(timeline: bool = False) -> Iterator[Account]:
+    """Count the CPU allocator's allocations and frees inside the block (see the module docstring);
+    ``timeline=True`` keeps one sample per counted event, in time order. The caller checks
+    ``available()`` first."""
+    result = Account(timeline=[] if timeline else None)
+    waiting: list[tuple[int, int, Callable[[int], object]]] = []
+    with _quiet_stderr():
+        _prepare_profiler(_CONFIG, _ACTIVITIES)
+        _enable_profiler(_CONFIG, _ACTIVITIES, _SCOPES)  # type: ignore[call-arg]
+    _OPEN.append((threading.get_ident(), waiting))
+    try:
+        yield result
+    finally:
+        _OPEN.pop()
+        with _quiet_stderr():
+            profile = _disable_profiler()
+    allocations = sorted(
+        (e for e in _events(profile.experimental_event_tree()) if e.tag == _EventType.Allocation),
+        key=lambda e: e.start_time_ns,
+    )
+    for e, size in _counted(allocations, {}):
         result.current_bytes += size
         result.peak_bytes = max(result.peak_bytes, result.current_bytes)
         if result.timeline is not None:
             result.timeline.append(AllocatorSample(e.start_time_ns, result.current_bytes))
+    _held_back(allocations, waiting)
 
 
 def scratch_of(run: Any, device: torch.device) -> int | None:

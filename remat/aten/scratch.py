@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from remat._allocator import account
+from remat._allocator import account, available, later, ours
 
 __all__ = ["known", "learn", "learn_results", "results", "signature", "signature_of", "timed"]
 
@@ -66,16 +67,23 @@ def learn_results(key: tuple[Any, ...], sizes: tuple[int, ...]) -> None:
 
 
 def timed(call: Callable[[], Any], key: tuple[Any, ...] | None) -> tuple[Any, float]:
-    """Run ``call()`` and time it; with ``key`` (a CPU op whose scratch is not known, the
-    allocator's account free to run) learn ``key``'s scratch from this very run: the bytes it held
-    at its peak beyond what it returned."""
-    if key is None:
-        start = time.perf_counter()
-        out = call()
-        return out, time.perf_counter() - start
-    with account() as held:
-        start = time.perf_counter()
-        out = call()
-        seconds = time.perf_counter() - start
-    learn(key, max(0, held.peak_bytes - held.current_bytes))
+    """Run ``call()`` and time it; with ``key`` (a CPU op whose scratch is not known) learn ``key``'s
+    scratch from this very run: the bytes it held at its peak beyond what it returned. Now where the
+    allocator's account is free to run; where one of ours runs (``remat.memory.track(allocator=True)``)
+    when it ends (NOTE [held back] in ``remat._allocator``); else not."""
+    if key is not None and available():
+        with account() as held:
+            start = time.perf_counter()
+            out = call()
+            seconds = time.perf_counter() - start
+        learn(key, max(0, held.peak_bytes - held.current_bytes))
+        return out, seconds
+    waits = key is not None and ours()
+    begin = time.time_ns() if waits else 0
+    start = time.perf_counter()
+    out = call()
+    seconds = time.perf_counter() - start
+    if waits:
+        assert key is not None
+        later(begin, time.time_ns(), partial(learn, key))
     return out, seconds

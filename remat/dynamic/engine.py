@@ -97,6 +97,7 @@ class Engine:
         self.current: str = ""  # the op being run, for errors
         self.peak_real_bytes = 0
         self.ops = 0
+        self.unmeasured = 0  # ops run with their kernel's scratch unknown, counted as 0 (NOTE [held back])
         self.estimated = estimated
         self.base_seconds = 0.0  # first runs of the ops, measured
         self.marks = (0, 0)  # evictions and recomputations when the program's last op was done
@@ -232,11 +233,9 @@ class Engine:
                 if sizes_of[storage] > 0 and (constant[storage] or not runtime.overwrites(handle)):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
         drawn = bool(explicit)
-        default = None
-        if schema.random:
-            source = aten.source_of(args, kwargs)
-            if isinstance(source, torch.device):
-                default, drawn = source, True
+        source = aten.source_of(args, kwargs) if schema.random else None
+        default = source if isinstance(source, torch.device) else None
+        drawn = drawn or default is not None
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
             """The generator states the recipe keeps (``rng``: a device's default one), taken just
@@ -245,10 +244,10 @@ class Engine:
             return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
 
         scratch = op_scratch.known(key)
-        learn = key if scratch is None and self.on_cpu and _allocator.available() else None
-        extra = 0
-        if drawn or schema.hidden_writes:
-            extra = recompute_bytes(func, args, default, self.device, self.managed)
+        learn = key if scratch is None and self.on_cpu else None  # now, or when our account ends
+        self.unmeasured += scratch is None and not (learn is not None and _allocator.available())
+        hidden = drawn or schema.hidden_writes
+        extra = recompute_bytes(func, args, default, self.device, self.managed) if hidden else 0
         tensors_info = self.tensors
         if metas is None:
             backend.ahead(func, args, kwargs, schema.fresh_returns, key, saved)

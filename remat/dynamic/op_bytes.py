@@ -2,8 +2,9 @@
 
 NOTE [recompute bytes] Beside its tensors an op accounts, as ``Op.scratch`` (held while it runs),
 its kernel's own buffers (learned per op signature on its first run, where the allocator's account
-can run: ``remat.aten.scratch``; until the next region, the reserve covers them, so that the core and
-its trace see one figure per op), the generator state a recomputation of a random op saves for the
+can run: ``remat.aten.scratch``; inside ``remat.memory.track(allocator=True)`` when the track ends,
+NOTE [held back] in ``remat._allocator``; until the next region, the reserve covers them, so that the
+core and its trace see one figure per op), the generator state a recomputation of a random op saves for the
 caller's stream, and the scratch copies of running statistics a recomputed batch norm writes
 (NOTE [hidden writes] in ``remat.aten.schema``); and as ``Op.state`` (held to the end of the
 region, like a constant) the generator states its recipe keeps. Generator states are host tensors:
@@ -12,12 +13,13 @@ they count only in a region on the CPU.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from remat import aten
+from remat import _allocator, aten
 from remat.dynamic.homes import aligned
 
 
@@ -48,3 +50,25 @@ def state_bytes(
         return 0  # generator states are host tensors
     sources: list[aten.Source] = [*explicit, *([default] if default is not None else [])]
     return sum(aligned(aten.state_nbytes(source)) for source in sources)
+
+
+def warn_unmeasured(ops: int, device: torch.device) -> None:
+    """Say that ``ops`` ops of the step ran with their kernel's scratch unknown, counted as nothing:
+    the allocator's count may pass the budget by it (the reserve is all that covers it)."""
+    if not ops:
+        return
+    if device.type != "cpu":
+        why = f"kernels' scratch is not measured on {device.type}; raise reserve= to cover it"
+    elif _allocator.ours():
+        why = (
+            "remat.memory.track(allocator=True) runs the profiler, and learns it when it ends, for the "
+            "steps after it; run a step outside the track first, or raise reserve="
+        )
+    else:
+        why = "another profiler session was running; run a step outside it first, or raise reserve="
+    warnings.warn(
+        f"remat.dynamic: {ops} {'op' if ops == 1 else 'ops'} of this step ran with their kernels' "
+        f"scratch unknown, counted as nothing, so the allocator's count may pass the budget by it "
+        f"beyond the reserve: {why}",
+        stacklevel=3,
+    )

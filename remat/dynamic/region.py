@@ -12,10 +12,9 @@ ordinary tensors afterwards.
 
 The budget holds in the allocator's count, not only in the pool's (NOTE [room first] in
 ``engine``). What the runtime cannot count ahead is covered by the ``reserve``, a part of the budget
-set aside at construction: the pool gets the rest. It covers kernels' scratch on an op signature's
-first run (learned there, where PyTorch's profiler is free to run) or always where it cannot be
-learned (CUDA, ``remat.memory.track(allocator=True)`` from the first step), the results of ops run
-before they are placed, and on the arena all scratch and copies (NOTE [beside the arena] in ``arena``).
+set aside at construction: the pool gets the rest. It covers kernels' scratch where it is unknown
+(NOTE [recompute bytes] in ``op_bytes``: a warning says so), the results of ops run before they are
+placed, and on the arena all scratch and copies (NOTE [beside the arena] in ``arena``).
 
 A region that fails (out of room, thrashing, or an error in the program) undoes the step
 (:mod:`remat.dynamic.undo`) and says so in the error.
@@ -45,6 +44,7 @@ from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.failures import explain
 from remat.dynamic.keep import API, arrived, members
+from remat.dynamic.op_bytes import warn_unmeasured
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
 from remat.dynamic.wanted import watch
@@ -102,14 +102,8 @@ class Dynamic:
                 )
             )
         if kind.places and not layout:
-            raise RematValueError(
-                message(
-                    API,
-                    f"the {backend} backend places tensors at addresses",
-                    "got layout=False",
-                    "pass layout=True",
-                )
-            )
+            rule = f"the {backend} backend places tensors at addresses"
+            raise RematValueError(message(API, rule, "got layout=False", "pass layout=True"))
         if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
             raise RematValueError(message(API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
         if (
@@ -226,6 +220,7 @@ class Dynamic:
                     budget = max(1, int(self.ratio * self._stats.peak_bytes))
                     self.reserve = _reserve(self._reserve_spec, budget)
                     self.budget = budget
+                warn_unmeasured(self._stats.unmeasured_scratch, self.device)
             else:
                 self._undo(engine, error)
         finally:
@@ -306,6 +301,7 @@ class Dynamic:
             fragmentation=telemetry.fragmentation,
             search_seconds=telemetry.search_seconds,
             copied_ops=tuple(sorted(getattr(backend, "copied", ()))),
+            unmeasured_scratch=engine.unmeasured,
             evicted=tuple(self._recorder.victims[: engine.marks[0]]),
             wants=tuple(runtime.wants),
             exit_recomputations=telemetry.recomputations - engine.marks[1],

@@ -108,6 +108,7 @@ class DynamicStats:
     fragmentation: float  # mean free bytes / budget over allocations that had to evict
     search_seconds: float  # time spent choosing victims
     copied_ops: tuple[str, ...]  # arena: ops with no out= overload, computed then copied
+    unmeasured_scratch: int  # ops run with their kernel's scratch unknown, counted as 0 (warned)
     evicted: tuple[int, ...]  # core storages in eviction order
     exit_recomputations: int  # recomputations to hand back what the program holds at the end
     wants: tuple[tuple[int, int], ...]  # (ops run before, handle) of each mark wanted at the end

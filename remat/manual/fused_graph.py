@@ -17,9 +17,17 @@ import torch
 from torch import fx
 
 from remat import aten
-from remat.manual.tape import Node, Ref, Seq, Step, Write
+from remat.manual.tape import Node, Ref, Seq, Step, Write, written_from
 
 _VIEW = torch.ops.aten.view.default
+_EMPTY = torch.ops.aten.empty_strided.default
+
+
+def _geometry(w: Write) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None:
+    """A blank write's shape, strides and dtype (None for another write)."""
+    if w.blank is None:
+        return None
+    return tuple(w.blank.shape), tuple(w.blank.stride()), w.blank.dtype
 
 
 def _arg(node: Node, position: int, name: str) -> Any:
@@ -39,7 +47,7 @@ def _fusable(step: Step, owned: set[int]) -> bool:
     if node.rng is not None:
         return False
     for w in node.writes:
-        if w.clone:
+        if w.clone or w.blank is not None:
             continue
         target = _written_arg(node, w)
         if type(target) is not Ref or target.vid not in owned:
@@ -103,6 +111,7 @@ def reads(run: Sequence[Step]) -> tuple[list[int], list[int]]:
     inputs: dict[int, None] = {}
     for step in run:
         node = step.node
+        made.update(dict.fromkeys(written_from(node, w) for w in node.writes if w.blank is not None))
         for a in (*node.args, *node.kwargs.values()):
             for vid in arg_refs(a):
                 if vid not in made:
@@ -133,7 +142,9 @@ def structure(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]
         kwargs = tuple(sorted((k, norm(v)) for k, v in node.kwargs.items()))
         outs = (node.outs,) if isinstance(node.outs, int) else node.outs
         outs_local = tuple(local.setdefault(v, len(local)) if v >= 0 else -1 for v in outs)
-        writes = tuple((w.key, w.item, w.clone, local.setdefault(w.vid, len(local))) for w in node.writes)
+        writes = tuple(
+            (w.key, w.item, w.clone, _geometry(w), local.setdefault(w.vid, len(local))) for w in node.writes
+        )
         ops.append((node.func, args, kwargs, outs_local, isinstance(node.outs, int), writes))
     return (tuple(ops), tuple(local[v] for v in outputs))
 
@@ -148,7 +159,7 @@ def storages_written(run: Sequence[Step]) -> tuple[dict[int, int], set[int]]:
         for vid, base in _made(node):
             root[vid] = root.get(base.vid, base.vid) if type(base) is Ref else vid
         for w in node.writes:
-            if w.clone:
+            if w.clone or w.blank is not None:
                 root[w.vid] = w.vid
                 continue
             target = _written_arg(node, w)
@@ -181,6 +192,11 @@ def build_graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[in
 
     for step in run:
         node = step.node
+        for w in node.writes:
+            if w.blank is not None:  # NOTE [blank writes] in ``remat.manual.blank``
+                shape, stride, dtype = w.blank.shape, w.blank.stride(), w.blank.dtype
+                where: dict[str, Any] = {"dtype": dtype, "device": w.device}
+                env[written_from(node, w)] = graph.call_function(_EMPTY, (shape, stride), where)
         args = [load(a) for a in node.args]
         kwargs = {k: load(v) for k, v in node.kwargs.items()}
         written: list[fx.Node] = []

@@ -17,7 +17,7 @@ from remat import aten
 from remat._errors import RecomputationError, message
 from remat.aten import describe
 from remat.host.offloader import Offloader
-from remat.manual.tape import Node, Ref, Seq, Slice
+from remat.manual.tape import Node, Ref, Seq, Slice, written_from
 
 
 def _load(a: Any, env: dict[int, torch.Tensor]) -> Any:
@@ -30,6 +30,11 @@ def _load(a: Any, env: dict[int, torch.Tensor]) -> Any:
 
 def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
     """Run one recorded op over ``env`` (value id -> tensor) and bind what it makes."""
+    for w in node.writes:
+        if w.blank is not None:  # NOTE [blank writes]: somewhere to write, of any content
+            env[written_from(node, w)] = torch.empty_strided(
+                w.blank.shape, w.blank.stride(), dtype=w.blank.dtype, device=w.device
+            )
     args = [_load(a, env) for a in node.args]
     kwargs = {k: _load(v, env) for k, v in node.kwargs.items()}
     written: list[torch.Tensor] = []

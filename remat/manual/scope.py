@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.aten import describe
 from remat.host.offloader import Offloader, Parcel
+from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error
@@ -112,7 +113,7 @@ class TapedRegion:
         """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
         tape, self.tape = self.tape, None
         if tape is not None and self.handles:
-            self.plan = tape.slice(self.handles, self.writers_needed)
+            self.plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
             self.declared = tape.declared
         if tape is not None:
             self.offloader = tape.offloader

@@ -58,12 +58,16 @@ class Seq(tuple[Any, ...]):
 class Write(NamedTuple):
     """A tensor an op writes: where it sits in the arguments (``item`` >= 0 inside a tensor list)
     and the value id the write makes.
-    ``clone``: the tensor is an external's snapshot, so replay writes into a clone of it."""
+    ``clone``: the tensor is an external's snapshot, so replay writes into a clone of it.
+    ``blank``: replay writes into a new tensor of this geometry (a meta tensor) on ``device``
+    instead, and no snapshot is kept (NOTE [blank writes] in ``remat.manual.blank``)."""
 
     key: int | str
     item: int
     vid: int
     clone: bool
+    blank: torch.Tensor | None = None
+    device: torch.device | None = None
 
 
 class Node(NamedTuple):
@@ -98,6 +102,13 @@ class Slice:
     rng_sources: tuple[torch.Generator | torch.device, ...]
     targets: frozenset[int]
     moved: dict[int, Parcel] = field(default_factory=dict)
+
+
+def written_from(node: Node, w: Write) -> int:
+    """The value id ``w`` overwrites (its argument's before the op ran)."""
+    box: Any = node.args if isinstance(w.key, int) else node.kwargs
+    value = box[w.key] if w.item < 0 else box[w.key][w.item]
+    return int(value.vid)
 
 
 def stale_view_error(view: torch.Tensor) -> RecomputationError:

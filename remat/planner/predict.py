@@ -124,6 +124,19 @@ def _writes(op: Op) -> tuple[int, ...]:
     return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
 
 
+def _blank(
+    op: Op, t: int, i: int, readers: dict[int, set[int]], saved_later: set[int], root: Sequence[int]
+) -> bool:
+    """Whether the tape lets go of its snapshot of ``t``, which op ``i`` writes, when the region
+    ends (NOTE [blank writes] in ``remat.manual.blank``): a hidden write of batch norm's that no
+    other op of the region reads, and that autograd does not save after the write while the region
+    records (the tape would replay it for that save). Where saves are not placed, never: the
+    prediction then counts the copy to the replay, as many bytes or more."""
+    r = root[t]
+    hidden = aten.writes_hidden(op.name) and t in op.inputs[-2:] and t not in op.mutates
+    return hidden and r not in saved_later and not any(r in rs for j, rs in readers.items() if j != i)
+
+
 def _where(op: Op, replaying: str = "") -> str:
     text = f"op {op.index} {op.name} in {op.module or '(top level)'}"
     return f"{text}, replaying {replaying}" if replaying else text
@@ -233,14 +246,21 @@ def _tape_holds(
         if not plans.planned[g]:
             death = last
         seen: set[int] = set()
+        readers = {i: {root[t] for t in trace.ops[i].inputs} for i in region.ops}
         for i in region.ops:
             op = trace.ops[i]
             written_outside = [t for t in _writes(op) if facts.region_made(root[t]) != g]
+            blank = []
+            if written_outside and trace.saved_at and aten.writes_hidden(op.name):
+                later = {root[t] for t, p in trace.saved_at if i < p <= last}  # the tape's handles
+                blank = [t for t in written_outside if _blank(op, t, i, readers, later, root)]
             copied = sum(tensors[t].view_bytes for t in written_outside) + (rng_bytes if op.random else 0)
             if copied:
                 holds.snapshots[i] = holds.snapshots.get(i, 0) + copied
+                freed = sum(tensors[t].view_bytes for t in blank)
                 after = death if i in plans.need[g] else last
-                holds.unsnap_after[after] = holds.unsnap_after.get(after, 0) + copied
+                holds.unsnap_after[after] = holds.unsnap_after.get(after, 0) + copied - freed
+                holds.unsnap_after[last] = holds.unsnap_after.get(last, 0) + freed
             outs = [root[t] for t in op.outputs if facts.maker.get(root[t]) == i]
             for r in [*(root[t] for t in op.inputs), *outs]:
                 if r in seen or tensors[r].constant:

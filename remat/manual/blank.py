@@ -1,0 +1,68 @@
+"""Blank writes: a replayed batch norm writes its running statistics into new tensors, so that a
+region keeps no copy of them from its forward to its replay.
+
+NOTE [blank writes] Batch norm in training writes its running statistics without its schema
+saying so (NOTE [hidden writes] in ``remat.aten.schema``), and its results do not depend on their
+old values. A tape keeps a snapshot of each tensor from outside the region that an op writes, for
+its replay to write into a clone of (NOTE [aliasing] in ``remat.manual.tape``). For such a hidden
+write the replay needs only somewhere to write, where no other op of the region reads the
+statistics (before the write or after it), the replay returns nothing the write makes, and it is
+not replayed for its writes: when the region ends the write becomes *blank*, the slice lets the
+snapshot go, and the replay writes into a new tensor of the same geometry. ``remat.planner.predict``
+counts the snapshot to the region's end for such a write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+from remat import aten
+from remat.manual.tape import Node, Slice, Step, Tape, _keys, written_from
+
+__all__ = ["blank_writes"]
+
+
+def blank_writes(tape: Tape, cut: Slice, also: Collection[int]) -> Slice:
+    """``cut`` (sliced from ``tape`` after running the nodes ``also``) with its hidden writes that
+    need no snapshot made blank."""
+    index = {id(node): i for i, node in enumerate(tape.nodes)}
+    steps: list[Step] = []
+    let_go: set[int] = set()
+    for step in cut.steps:
+        i = index[id(step.node)]
+        node, olds = (step.node, []) if i in also else _blanked(tape, step.node, i, cut.targets)
+        steps.append(Step(node, (*step.free, *olds)))
+        let_go.update(olds)
+    if not let_go:
+        return cut
+    kept = {vid: held for vid, held in cut.kept.items() if vid not in let_go}
+    return dataclasses.replace(cut, steps=tuple(steps), kept=kept)
+
+
+def _blanked(tape: Tape, node: Node, i: int, wanted: frozenset[int]) -> tuple[Node, list[int]]:
+    """``node`` with its blank writes, and the value ids whose snapshots they let go."""
+    if not any(w.clone for w in node.writes):
+        return node, []
+    hidden = _keys(aten.facts(node.func), node.args)
+    writes, olds = [], []
+    for w in node.writes:
+        old = written_from(node, w)
+        if w.clone and w.key in hidden and w.vid not in wanted and not _read_elsewhere(tape, old, w.vid, i):
+            snapshot = tape.kept[old][0]
+            w = w._replace(clone=False, blank=snapshot.to("meta"), device=snapshot.device)
+            olds.append(old)
+        writes.append(w)
+    return node._replace(writes=tuple(writes)), olds
+
+
+def _read_elsewhere(tape: Tape, old: int, new: int, i: int) -> bool:
+    """Whether a node of ``tape`` other than the ``i``-th reads the value before (``old``) or after
+    (``new``) the write, or another tensor from outside the region on the same storage (a view of
+    the statistics taken before the region)."""
+    values = {old, new}
+    written = next((ref() for ref, vid in tape._ids.values() if vid == new), None)
+    if written is not None:
+        storage = written.untyped_storage().data_ptr()
+        values.update(vid for vid, (t, _) in tape.kept.items() if t.untyped_storage().data_ptr() == storage)
+    return any(not values.isdisjoint(node.reads) for j, node in enumerate(tape.nodes) if j != i)
