@@ -50,7 +50,9 @@ def _blanked(tape: Tape, node: Node, i: int, wanted: frozenset[int]) -> tuple[No
         old = written_from(node, w)
         if w.clone and w.key in hidden and w.vid not in wanted and not _read_elsewhere(tape, old, w.vid, i):
             snapshot = tape.kept[old][0]
-            w = w._replace(clone=False, blank=snapshot.to("meta"), device=snapshot.device)
+            # geometry only: an op here would reach a dispatch mode still open (the plan's runner)
+            blank = (tuple(snapshot.shape), tuple(snapshot.stride()), snapshot.dtype, snapshot.device)
+            w = w._replace(clone=False, blank=blank)
             olds.append(old)
         writes.append(w)
     return node._replace(writes=tuple(writes)), olds

@@ -23,13 +23,6 @@ _VIEW = torch.ops.aten.view.default
 _EMPTY = torch.ops.aten.empty_strided.default
 
 
-def _geometry(w: Write) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None:
-    """A blank write's shape, strides and dtype (None for another write)."""
-    if w.blank is None:
-        return None
-    return tuple(w.blank.shape), tuple(w.blank.stride()), w.blank.dtype
-
-
 def _arg(node: Node, position: int, name: str) -> Any:
     """An argument of a recorded op, by schema position (or by name where passed as keyword)."""
     return node.args[position] if position < len(node.args) else node.kwargs.get(name)
@@ -143,7 +136,7 @@ def structure(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]
         outs = (node.outs,) if isinstance(node.outs, int) else node.outs
         outs_local = tuple(local.setdefault(v, len(local)) if v >= 0 else -1 for v in outs)
         writes = tuple(
-            (w.key, w.item, w.clone, _geometry(w), local.setdefault(w.vid, len(local))) for w in node.writes
+            (w.key, w.item, w.clone, w.blank, local.setdefault(w.vid, len(local))) for w in node.writes
         )
         ops.append((node.func, args, kwargs, outs_local, isinstance(node.outs, int), writes))
     return (tuple(ops), tuple(local[v] for v in outputs))
@@ -194,8 +187,8 @@ def build_graph(run: Sequence[Step], inputs: Sequence[int], outputs: Sequence[in
         node = step.node
         for w in node.writes:
             if w.blank is not None:  # NOTE [blank writes] in ``remat.manual.blank``
-                shape, stride, dtype = w.blank.shape, w.blank.stride(), w.blank.dtype
-                where: dict[str, Any] = {"dtype": dtype, "device": w.device}
+                shape, stride, dtype, device = w.blank
+                where: dict[str, Any] = {"dtype": dtype, "device": device}
                 env[written_from(node, w)] = graph.call_function(_EMPTY, (shape, stride), where)
         args = [load(a) for a in node.args]
         kwargs = {k: load(v) for k, v in node.kwargs.items()}

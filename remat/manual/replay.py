@@ -32,9 +32,8 @@ def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
     """Run one recorded op over ``env`` (value id -> tensor) and bind what it makes."""
     for w in node.writes:
         if w.blank is not None:  # NOTE [blank writes]: somewhere to write, of any content
-            env[written_from(node, w)] = torch.empty_strided(
-                w.blank.shape, w.blank.stride(), dtype=w.blank.dtype, device=w.device
-            )
+            shape, stride, dtype, device = w.blank
+            env[written_from(node, w)] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     args = [_load(a, env) for a in node.args]
     kwargs = {k: _load(v, env) for k, v in node.kwargs.items()}
     written: list[torch.Tensor] = []

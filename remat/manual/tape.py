@@ -59,15 +59,14 @@ class Write(NamedTuple):
     """A tensor an op writes: where it sits in the arguments (``item`` >= 0 inside a tensor list)
     and the value id the write makes.
     ``clone``: the tensor is an external's snapshot, so replay writes into a clone of it.
-    ``blank``: replay writes into a new tensor of this geometry (a meta tensor) on ``device``
-    instead, and no snapshot is kept (NOTE [blank writes] in ``remat.manual.blank``)."""
+    ``blank``: replay writes into a new tensor of this shape, strides, dtype and device instead,
+    and no snapshot is kept (NOTE [blank writes] in ``remat.manual.blank``)."""
 
     key: int | str
     item: int
     vid: int
     clone: bool
-    blank: torch.Tensor | None = None
-    device: torch.device | None = None
+    blank: tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device] | None = None
 
 
 class Node(NamedTuple):

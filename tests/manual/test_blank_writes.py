@@ -145,3 +145,35 @@ def test_statistics_the_region_still_needs_keep_their_copy_in_the_prediction_too
         plan = plan_trace(trace, budget, block_key=block_key(net))
         assert plan.regions
         assert _peak(net, x, plan) == plan.predicted_peak_bytes
+
+
+class _Raises(nn.Module):
+    """Raises in forward once ``armed``: the plan's region is still open then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise ValueError("the model's own error")
+        return x.relu()
+
+
+def test_a_forward_that_raises_inside_a_batch_norm_region_raises_its_own_error() -> None:
+    """The region is closed while the plan's dispatch mode is still pushed: closing it must run no
+    op there (it would be taken for an op of the forward)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 256), nn.BatchNorm1d(256), _Raises()]
+    for _ in range(4):
+        layers += [nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(256, 1))
+    x = torch.randn(512, 8)
+    trace = trace_step(model, (x,), lambda m, v: m(v).sum(), repeats=1)
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1)
+    plan = plan_trace(trace, info.value.minimum_bytes)
+    assert plan.regions
+    model[2].armed = True
+    with pytest.raises(ValueError, match="the model's own error"), plan.apply(model):
+        model(x).sum().backward()
