@@ -37,10 +37,11 @@ class Frame:
     """One op being run or restored: the storages it has locked. (A plain class with slots: the
     runtime makes one or two per op.)"""
 
-    __slots__ = ("locked", "relaxed", "firm")
+    __slots__ = ("locked", "gathering", "relaxed", "firm")
 
     def __init__(self, firm: bool = False) -> None:
         self.locked: list[int] = []
+        self.gathering: Sequence[int] = ()  # the storages it makes resident together
         self.relaxed = False
         self.firm = firm  # its locks are never relaxed (the storages the program ends holding)
 

@@ -32,6 +32,14 @@ only fails when a single op's own inputs and outputs, plus the constants, do not
 beside what is held firm (NOTE [worst case] in :mod:`remat.core.worst_case`). A pool whose
 addresses are a model is packed before any lock is dropped: packing costs nothing, a dropped lock a
 recomputation.
+
+NOTE [by-products kept]: a restore re-runs its producer whole. An output that was resident when the
+restore began gets a throwaway copy (a by-product); if the policy evicts the output meanwhile (the
+copy's own allocation may ask for it, once the callers' locks are relaxed), the copy is kept in
+its place, as is any output not resident that the program holds or that an op being run or
+restored is gathering. Throwing it away would make the caller's next gather restore it by the same
+op, whose by-product would be the storage just restored: two inputs of one op evicting each other
+for ever.
 """
 
 from __future__ import annotations
@@ -228,6 +236,7 @@ class Runtime(Residency):
             for storage in storages:
                 if resident[storage]:
                     last.set(storage, clock)
+        frame.gathering = storages
         while True:
             frame.relaxed = False
             locked, flags, missing = frame.locked, evictable.values, []
@@ -262,7 +271,7 @@ class Runtime(Residency):
             needed += [p for p in graph.parents[storage] if p not in needed]
             self._gather(frame, needed)
             keep = tuple(
-                s for s in record.outputs if s == storage or (self.live[s] > 0 and not self.resident[s])
+                s for s in record.outputs if s == storage or (not self.resident[s] and self._awaited(s))
             )
             self._run(frame, record, recompute=True, keep=keep)
             self.telemetry.recomputations += 1
@@ -318,17 +327,27 @@ class Runtime(Residency):
         for storage, old in takeovers:
             self.pool.transfer(old, storage)
             self._depart(old)
+        kept = list(keep)  # NOTE [by-products kept]
         for storage in transient:
+            if not self.resident[storage] and self._awaited(storage):
+                self.pool.transfer(owners.transient(storage), storage)
+                kept.append(storage)
+                continue
             self.pool.free(owners.transient(storage))
             if not self.resident[storage]:
                 self.backend.free(storage)
-        for storage in keep:
+        for storage in kept:
             self._arrive(storage)
         if recompute:
-            for storage in keep:
+            for storage in kept:
                 for view in graph.views[storage]:
                     self.clock += self.backend.materialize(graph.records[view], True)
         return allocated
+
+    def _awaited(self, storage: int) -> bool:
+        """Whether ``storage`` is worth keeping once made: the program holds it, or an op being run
+        or restored is gathering it."""
+        return self.live[storage] > 0 or any(storage in frame.gathering for frame in self._frames)
 
     def _may_overwrite(self, old: int, frame: Frame, record: Record) -> bool:
         """An in-place op may reuse ``old``'s memory when the policy says so, no one else holds a
