@@ -71,6 +71,7 @@ class Residency:
         self._counted: list[bool] = []  # storage adds its cost to its neighbours' evicted_nearby
         self._members: list[list[int]] = []  # every handle ever pointed at a storage
         self._storage_of: dict[int, int] = {}
+        self._frames: list[Frame] = []  # the ops being run or restored, the innermost last
 
     def storage_of(self, handle: int) -> int:
         return self._storage_of[handle]
@@ -221,6 +222,21 @@ class Residency:
         if self.wanted[old]:
             self._want(new)
         self._dead(old)
+
+    def _awaited(self, storage: int) -> bool:
+        """Whether ``storage`` is worth keeping once made: the program holds it, or an op being run
+        or restored is gathering it."""
+        return self.live[storage] > 0 or any(storage in frame.gathering for frame in self._frames)
+
+    def _relax(self) -> bool:
+        """NOTE [relaxed locks] in ``runtime``: drop the locks of the callers of the running op."""
+        dropped = False
+        for frame in self._frames[:-1]:
+            if frame.locked and not frame.firm:
+                self._unlock_all(frame)
+                frame.relaxed = dropped = True
+        self.telemetry.relaxations += dropped
+        return dropped
 
     def _lock(self, frame: Frame, storage: int) -> None:
         self.locks[storage] += 1

@@ -29,9 +29,11 @@ NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' 
 locked, so it can need more memory than any op of the program. When nothing is left to evict, the
 callers' locks are dropped and each caller gathers again once the restore returns: the runtime
 only fails when a single op's own inputs and outputs, plus the constants, do not fit, or at the end
-beside what is held firm (NOTE [worst case] in :mod:`remat.core.worst_case`). A pool whose
-addresses are a model is packed before any lock is dropped: packing costs nothing, a dropped lock a
-recomputation.
+beside what is held firm. A caller may lose what it had gathered meanwhile, and two inputs whose
+restores do not fit beside each other can evict each other for ever (the thrash limit stops it);
+counting bytes at the worst case, with no storage marked wanted, no lock is ever dropped (NOTE
+[worst case] in :mod:`remat.core.worst_case`). A pool whose addresses are a model is packed before
+any lock is dropped: packing costs nothing, a dropped lock a recomputation.
 
 NOTE [by-products kept]: a restore re-runs its producer whole. An output that was resident when the
 restore began gets a throwaway copy (a by-product); if the policy evicts the output meanwhile (the
@@ -87,7 +89,6 @@ class Runtime(Residency):
         # addresses]).
         self.compact = compact
         self.swap = swap
-        self._frames: list[Frame] = []
         self._constant_bytes = 0  # constants never leave the pool
 
     # -- the program's side ---------------------------------------------------------------------
@@ -344,11 +345,6 @@ class Runtime(Residency):
                     self.clock += self.backend.materialize(graph.records[view], True)
         return allocated
 
-    def _awaited(self, storage: int) -> bool:
-        """Whether ``storage`` is worth keeping once made: the program holds it, or an op being run
-        or restored is gathering it."""
-        return self.live[storage] > 0 or any(storage in frame.gathering for frame in self._frames)
-
     def _may_overwrite(self, old: int, frame: Frame, record: Record) -> bool:
         """An in-place op may reuse ``old``'s memory when the policy says so, no one else holds a
         lock on it, and it is not a constant. NOTE [constants stay] A constant cannot be recomputed,
@@ -392,15 +388,6 @@ class Runtime(Residency):
             telemetry.evicting_allocations += 1
             telemetry.free_fraction_sum += (pool.capacity - pool.used) / pool.capacity
         telemetry.peak_bytes = max(telemetry.peak_bytes, pool.used)
-
-    def _relax(self) -> bool:
-        """NOTE [relaxed locks]: drop the locks of the callers of the running op."""
-        dropped = False
-        for frame in self._frames[:-1]:
-            if frame.locked and not frame.firm:
-                self._unlock_all(frame)
-                frame.relaxed = dropped = True
-        return dropped
 
     def _evict(self, storage: int) -> None:
         if not self.evictable.values[storage]:

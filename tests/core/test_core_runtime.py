@@ -157,7 +157,7 @@ def test_released_storage_is_freed_but_kept_for_recomputation() -> None:
 
 def relaxed() -> Trace:
     """NOTE [relaxed locks]: x = k(a, b) with b evicted and its parent q dead. Restoring b while a
-    stays locked needs c + a + q + b = 31 bytes; x itself needs c + a + b + x = 22."""
+    stays locked needs c + a + q + b = 31 bytes (the worst case); x itself needs c + a + b + x = 22."""
     p = Builder()
     c = p.tensor(1, constant=True)
     q = p.tensor(10)
@@ -178,9 +178,9 @@ def relaxed() -> Trace:
 def test_relaxed_locks_reach_the_working_set() -> None:
     trace = relaxed()
     ok = simulate(trace, 22, "lru", layout=False)
-    assert ok.outcome is Outcome.OK and ok.needed_bytes == 22 and ok.peak_bytes <= 22
+    assert ok.outcome is Outcome.OK and ok.needed_bytes == 31 and ok.peak_bytes <= 22
     short = simulate(trace, 21, "lru", layout=False)
-    assert short.outcome is Outcome.OOM and short.needed_bytes == 22
+    assert short.outcome is Outcome.OOM and short.needed_bytes == 31
     assert "below the working set (22 B)" in short.reason
 
 
