@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from remat.core.backend import Backend
 from remat.core.classes import EvictedClasses
-from remat.core.graph import Column, Graph
+from remat.core.graph import Column, Graph, Record
 from remat.core.neighbourhood import Neighbourhoods
 from remat.core.pool import Pool
 from remat.core.telemetry import Telemetry
@@ -224,9 +224,17 @@ class Residency:
         self._dead(old)
 
     def _awaited(self, storage: int) -> bool:
-        """Whether ``storage`` is worth keeping once made: the program holds it, or an op being run
-        or restored is gathering it."""
+        """Whether ``storage`` is not resident and worth keeping once made: the program holds it, or
+        an op being run or restored is gathering it."""
+        if self.resident[storage]:
+            return False
         return self.live[storage] > 0 or any(storage in frame.gathering for frame in self._frames)
+
+    def _derivable(self, storage: int, record: Record) -> bool:
+        """Whether every view of ``storage``, an output ``record`` has just made, can be derived
+        again: its inputs are resident or made by ``record``."""
+        graph, resident, made = self.graph, self.resident, record.outputs
+        return all(resident[p] or p in made for v in graph.views[storage] for p in graph.records[v].inputs)
 
     def _relax(self) -> bool:
         """NOTE [relaxed locks] in ``runtime``: drop the locks of the callers of the running op."""

@@ -35,14 +35,11 @@ counting bytes at the worst case, with no storage marked wanted, no lock is ever
 [worst case] in :mod:`remat.core.worst_case`). A pool whose addresses are a model is packed before
 any lock is dropped: packing costs nothing, a dropped lock a recomputation.
 
-NOTE [by-products kept]: a restore re-runs its producer whole. An output that was resident when the
-restore began gets a throwaway copy (a by-product); if the policy evicts the output meanwhile (the
-copy's own allocation may ask for it, once the callers' locks are relaxed), the copy is kept in
-its place, as is any output not resident that the program holds or that an op being run or
-restored is gathering. Throwing it away would make the caller's next gather restore it by the same
-op, whose by-product would be the storage just restored: two inputs of one op evicting each other
-for ever.
-"""
+NOTE [by-products kept]: a restore re-runs its producer whole; an output already resident gets a
+throwaway copy. One not resident (evicted meanwhile, once the callers' locks are relaxed) that the
+program holds or an op is gathering is kept, else two outputs of one op, each the other's copy,
+evict each other for ever; unless a view of it reads what the run neither made nor holds. Copies
+are freed once the views are derived again: a view of several inputs may read one."""
 
 from __future__ import annotations
 
@@ -271,9 +268,9 @@ class Runtime(Residency):
             needed = list(record.inputs)
             needed += [p for p in graph.parents[storage] if p not in needed]
             self._gather(frame, needed)
-            keep = tuple(
-                s for s in record.outputs if s == storage or (not self.resident[s] and self._awaited(s))
-            )
+            if self.resident[storage]:  # kept by a restore the gather ran (NOTE [by-products kept])
+                return
+            keep = tuple(s for s in record.outputs if s == storage or self._awaited(s))
             self._run(frame, record, recompute=True, keep=keep)
             self.telemetry.recomputations += 1
         finally:
@@ -328,21 +325,25 @@ class Runtime(Residency):
         for storage, old in takeovers:
             self.pool.transfer(old, storage)
             self._depart(old)
-        kept = list(keep)  # NOTE [by-products kept]
+        kept = [s for s in keep if not recompute or self._derivable(s, record)]  # NOTE [by-products kept]
+        for storage in (s for s in keep if s not in kept):
+            if graph.nbytes[storage] > 0:
+                self.pool.free(storage)
+            self.backend.free(storage)
         for storage in transient:
-            if not self.resident[storage] and self._awaited(storage):
+            if self._awaited(storage) and self._derivable(storage, record):
                 self.pool.transfer(owners.transient(storage), storage)
                 kept.append(storage)
-                continue
-            self.pool.free(owners.transient(storage))
-            if not self.resident[storage]:
-                self.backend.free(storage)
         for storage in kept:
             self._arrive(storage)
         if recompute:
             for storage in kept:
                 for view in graph.views[storage]:
                     self.clock += self.backend.materialize(graph.records[view], True)
+        for storage in (s for s in transient if s not in kept):
+            self.pool.free(owners.transient(storage))
+            if not self.resident[storage]:
+                self.backend.free(storage)
         return allocated
 
     def _may_overwrite(self, old: int, frame: Frame, record: Record) -> bool:

@@ -34,9 +34,10 @@ so no lock is ever relaxed and every gather ends (with no storage marked wanted:
 the end] in :mod:`remat.core.residency` evicts those only after relaxing). It is a bound, not the
 least budget that works: taking every other input as held at every level of a chain is what an
 unlucky history can reach, but most runs finish well below it by relaxing locks (seed 83 finishes
-from 369 B, its figure is 504 B; a deep chain's figure grows with its depth where the byte count
+from 369 B, its figure is 457 B; a deep chain's figure grows with its depth where the byte count
 of any one restore does not). Below it a run may finish, run out, or thrash until the thrash limit
-stops it."""
+stops it. Nor is it ever above the peak of the run ``state`` made with room for everything: at
+that budget nothing is evicted at all."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def worst_case(state: Residency) -> int:
             s = stale.pop()
             if need.pop(s, None) is not None:
                 stale.extend(children[s])
-    return worst
+    return min(worst, state.telemetry.peak_bytes)  # with room for its peak, nothing is evicted
 
 
 def gather(inputs: Sequence[int], nbytes: Sequence[int], need: dict[int, int]) -> int:

