@@ -39,7 +39,7 @@ NOTE [by-products kept]: a restore re-runs its producer whole; an output already
 throwaway copy. One not resident (evicted meanwhile, once the callers' locks are relaxed) that the
 program holds or an op is gathering is kept, else two outputs of one op, each the other's copy,
 evict each other for ever; unless a view of it reads what the run neither made nor holds. Copies
-are freed once the views are derived again: a view of several inputs may read one."""
+and outputs not kept are freed only once the views are derived again: a view may read any."""
 
 from __future__ import annotations
 
@@ -326,10 +326,7 @@ class Runtime(Residency):
             self.pool.transfer(old, storage)
             self._depart(old)
         kept = [s for s in keep if not recompute or self._derivable(s, record)]  # NOTE [by-products kept]
-        for storage in (s for s in keep if s not in kept):
-            if graph.nbytes[storage] > 0:
-                self.pool.free(storage)
-            self.backend.free(storage)
+        dropped = [s for s in keep if s not in kept]
         for storage in transient:
             if self._awaited(storage) and self._derivable(storage, record):
                 self.pool.transfer(owners.transient(storage), storage)
@@ -340,6 +337,10 @@ class Runtime(Residency):
             for storage in kept:
                 for view in graph.views[storage]:
                     self.clock += self.backend.materialize(graph.records[view], True)
+        for storage in dropped:
+            if graph.nbytes[storage] > 0:
+                self.pool.free(storage)
+            self.backend.free(storage)
         for storage in (s for s in transient if s not in kept):
             self.pool.free(owners.transient(storage))
             if not self.resident[storage]:
