@@ -72,6 +72,7 @@ class Residency:
         self._members: list[list[int]] = []  # every handle ever pointed at a storage
         self._storage_of: dict[int, int] = {}
         self._frames: list[Frame] = []  # the ops being run or restored, the innermost last
+        self._gatherers: list[int] = []  # per storage: the frames whose ``gathering`` holds it
 
     def storage_of(self, handle: int) -> int:
         return self._storage_of[handle]
@@ -204,6 +205,7 @@ class Residency:
         self.wanted.append(False)
         self._counted.append(False)
         self._members.append([])
+        self._gatherers.append(0)
         return storage
 
     def _bind(self, handle: int, storage: int) -> None:
@@ -228,7 +230,22 @@ class Residency:
         an op being run or restored is gathering it."""
         if self.resident[storage]:
             return False
-        return self.live[storage] > 0 or any(storage in frame.gathering for frame in self._frames)
+        return self.live[storage] > 0 or self._gatherers[storage] > 0
+
+    def _gathers(self, frame: Frame, storages: Sequence[int]) -> None:
+        """``frame`` makes ``storages`` resident together, until :meth:`_leave`."""
+        gatherers = self._gatherers
+        for storage in frame.gathering:
+            gatherers[storage] -= 1
+        for storage in storages:
+            gatherers[storage] += 1
+        frame.gathering = storages
+
+    def _leave(self, frame: Frame) -> None:
+        """``frame``, the innermost, is done: its locks go, and it gathers nothing any more."""
+        self._unlock_all(frame)
+        self._gathers(frame, ())
+        self._frames.pop()
 
     def _derivable(self, storage: int, record: Record) -> bool:
         """Whether every view of ``storage``, an output ``record`` has just made, can be derived

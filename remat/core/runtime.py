@@ -94,11 +94,11 @@ class Runtime(Residency):
         """A tensor from outside (parameter, input): resident from now on, never evicted."""
         storage = self._new_storage(nbytes, -1, True, ())
         if nbytes > 0:
-            self._frames.append(Frame())
+            self._frames.append(frame := Frame())
             try:
                 self._allocate(storage, nbytes, End.LOW)
             finally:
-                self._frames.pop()
+                self._leave(frame)
         self._arrive(storage)
         self._bind(handle, storage)
         self._constant_bytes += nbytes
@@ -143,8 +143,7 @@ class Runtime(Residency):
             if need > self.telemetry.working_set:
                 self.telemetry.working_set = need
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
         made = iter(record.outputs)
         members, live = self._members, self.live
         for handle, info in zip(op.outputs, outputs, strict=True):  # ``_bind``, inlined
@@ -180,8 +179,7 @@ class Runtime(Residency):
         try:
             self._gather(frame, inputs)
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     def overwrites(self, handle: int) -> bool:
         """For a storage that is not a constant: whether the next :meth:`call` from the program, right
@@ -220,8 +218,7 @@ class Runtime(Residency):
                     self._restore(storage)
                 self._lock(frame, storage)
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     # -- restoring ------------------------------------------------------------------------------
 
@@ -234,7 +231,7 @@ class Runtime(Residency):
             for storage in storages:
                 if resident[storage]:
                     last.set(storage, clock)
-        frame.gathering = storages
+        self._gathers(frame, storages)
         while True:
             frame.relaxed = False
             locked, flags, missing = frame.locked, evictable.values, []
@@ -274,8 +271,7 @@ class Runtime(Residency):
             self._run(frame, record, recompute=True, keep=keep)
             self.telemetry.recomputations += 1
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     def _reload(self, storage: int, record: Record, swap: Swap) -> None:
         """Bring back swapped ``storage`` from the host, then re-derive its views as a restore does."""
@@ -291,8 +287,7 @@ class Runtime(Residency):
             for view in views:
                 self.clock += self.backend.materialize(view, True)
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     def _run(self, frame: Frame, record: Record, recompute: bool, keep: tuple[int, ...]) -> int:
         """Give ``record``'s outputs memory, run it, make ``keep`` resident; returns the bytes allocated."""
