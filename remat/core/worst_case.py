@@ -1,6 +1,6 @@
 """The worst case of a program under the runtime: the most bytes it can need at once, whatever was
 evicted before, so a budget at which counting bytes never runs out of memory and never relaxes a
-lock, so never thrashes for ever.
+lock, so never loops for ever (it may still recompute a lot).
 
 NOTE [worst case] The working set (``Telemetry.working_set``: the most bytes an op needs at its
 first run, or the end, where everything the program keeps is resident at once) is what no budget
@@ -31,13 +31,16 @@ is the constants plus the largest of those needs: of every restore, of every fir
 and of each kept storage's restore at the end beside the kept storages before it (its chain walked
 with them held firm). At that budget every allocation fits once everything evictable is evicted,
 so no lock is ever relaxed and every gather ends (with no storage marked wanted: NOTE [wanted at
-the end] in :mod:`remat.core.residency` evicts those only after relaxing). It is a bound, not the
-least budget that works: taking every other input as held at every level of a chain is what an
-unlucky history can reach, but most runs finish well below it by relaxing locks (seed 83 finishes
-from 369 B, its figure is 457 B; a deep chain's figure grows with its depth where the byte count
-of any one restore does not). Below it a run may finish, run out, or thrash until the thrash limit
-stops it. Nor is it ever above the peak of the run ``state`` made with room for everything: at
-that budget nothing is evicted at all."""
+the end] in :mod:`remat.core.residency` evicts those only after relaxing). It bounds memory, not
+recomputation: a run at it may restore one chain again and again (a chain read again after each
+eviction) and pass the thrash limit, but it ends. It is a bound, not the least budget that works:
+taking every other input as held at every level of a chain is what an unlucky history can reach,
+but most runs finish well below it by relaxing locks (every greedy policy finishes seed 317 of
+``tests/sim``'s regressions at 192 B, where its figure is 261 B; a deep chain's figure grows with
+its depth where the byte count of any one restore does not). Below it a run may finish, run out,
+or thrash until the thrash limit stops it. Nor is it ever above the peak of the run ``state`` made
+with room for everything: at that budget nothing is evicted at all (seed 83's bound, 504 B, is
+above its peak, 457 B, which is then its figure)."""
 
 from __future__ import annotations
 
