@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from remat.core.backend import Backend
 from remat.core.classes import EvictedClasses
-from remat.core.graph import Column, Graph
+from remat.core.graph import Column, Graph, Record
 from remat.core.neighbourhood import Neighbourhoods
 from remat.core.pool import Pool
 from remat.core.telemetry import Telemetry
@@ -37,10 +37,11 @@ class Frame:
     """One op being run or restored: the storages it has locked. (A plain class with slots: the
     runtime makes one or two per op.)"""
 
-    __slots__ = ("locked", "relaxed", "firm")
+    __slots__ = ("locked", "gathering", "relaxed", "firm")
 
     def __init__(self, firm: bool = False) -> None:
         self.locked: list[int] = []
+        self.gathering: Sequence[int] = ()  # the storages it makes resident together
         self.relaxed = False
         self.firm = firm  # its locks are never relaxed (the storages the program ends holding)
 
@@ -70,6 +71,8 @@ class Residency:
         self._counted: list[bool] = []  # storage adds its cost to its neighbours' evicted_nearby
         self._members: list[list[int]] = []  # every handle ever pointed at a storage
         self._storage_of: dict[int, int] = {}
+        self._frames: list[Frame] = []  # the ops being run or restored, the innermost last
+        self._gatherers: list[int] = []  # per storage: the frames whose ``gathering`` holds it
 
     def storage_of(self, handle: int) -> int:
         return self._storage_of[handle]
@@ -202,6 +205,7 @@ class Residency:
         self.wanted.append(False)
         self._counted.append(False)
         self._members.append([])
+        self._gatherers.append(0)
         return storage
 
     def _bind(self, handle: int, storage: int) -> None:
@@ -220,6 +224,44 @@ class Residency:
         if self.wanted[old]:
             self._want(new)
         self._dead(old)
+
+    def _awaited(self, storage: int) -> bool:
+        """Whether ``storage`` is not resident and worth keeping once made: the program holds it, or
+        an op being run or restored is gathering it."""
+        if self.resident[storage]:
+            return False
+        return self.live[storage] > 0 or self._gatherers[storage] > 0
+
+    def _gathers(self, frame: Frame, storages: Sequence[int]) -> None:
+        """``frame`` makes ``storages`` resident together, until :meth:`_leave`."""
+        gatherers = self._gatherers
+        for storage in frame.gathering:
+            gatherers[storage] -= 1
+        for storage in storages:
+            gatherers[storage] += 1
+        frame.gathering = storages
+
+    def _leave(self, frame: Frame) -> None:
+        """``frame``, the innermost, is done: its locks go, and it gathers nothing any more."""
+        self._unlock_all(frame)
+        self._gathers(frame, ())
+        self._frames.pop()
+
+    def _derivable(self, storage: int, record: Record) -> bool:
+        """Whether every view of ``storage``, an output ``record`` has just made, can be derived
+        again: its inputs are resident or made by ``record``."""
+        graph, resident, made = self.graph, self.resident, record.outputs
+        return all(resident[p] or p in made for v in graph.views[storage] for p in graph.records[v].inputs)
+
+    def _relax(self) -> bool:
+        """NOTE [relaxed locks] in ``runtime``: drop the locks of the callers of the running op."""
+        dropped = False
+        for frame in self._frames[:-1]:
+            if frame.locked and not frame.firm:
+                self._unlock_all(frame)
+                frame.relaxed = dropped = True
+        self.telemetry.relaxations += dropped
+        return dropped
 
     def _lock(self, frame: Frame, storage: int) -> None:
         self.locks[storage] += 1

@@ -29,10 +29,17 @@ NOTE [relaxed locks]: a restore deep in a recomputation runs while the callers' 
 locked, so it can need more memory than any op of the program. When nothing is left to evict, the
 callers' locks are dropped and each caller gathers again once the restore returns: the runtime
 only fails when a single op's own inputs and outputs, plus the constants, do not fit, or at the end
-beside what is held firm (NOTE [worst case] in :mod:`remat.core.worst_case`). A pool whose
-addresses are a model is packed before any lock is dropped: packing costs nothing, a dropped lock a
-recomputation.
-"""
+beside what is held firm. A caller may lose what it had gathered meanwhile, and two inputs whose
+restores do not fit beside each other can evict each other for ever (the thrash limit stops it);
+counting bytes at the worst case, with no storage marked wanted, no lock is ever dropped (NOTE
+[worst case] in :mod:`remat.core.worst_case`). A pool whose addresses are a model is packed before
+any lock is dropped: packing costs nothing, a dropped lock a recomputation.
+
+NOTE [by-products kept]: a restore re-runs its producer whole; an output already resident gets a
+throwaway copy. One not resident (evicted meanwhile, once the callers' locks are relaxed) that the
+program holds or an op is gathering is kept, else two outputs of one op, each the other's copy,
+evict each other for ever; unless a view of it reads what the run neither made nor holds. Copies
+and outputs not kept are freed only once the views are derived again: a view may read any."""
 
 from __future__ import annotations
 
@@ -79,7 +86,6 @@ class Runtime(Residency):
         # addresses]).
         self.compact = compact
         self.swap = swap
-        self._frames: list[Frame] = []
         self._constant_bytes = 0  # constants never leave the pool
 
     # -- the program's side ---------------------------------------------------------------------
@@ -88,11 +94,11 @@ class Runtime(Residency):
         """A tensor from outside (parameter, input): resident from now on, never evicted."""
         storage = self._new_storage(nbytes, -1, True, ())
         if nbytes > 0:
-            self._frames.append(Frame())
+            self._frames.append(frame := Frame())
             try:
                 self._allocate(storage, nbytes, End.LOW)
             finally:
-                self._frames.pop()
+                self._leave(frame)
         self._arrive(storage)
         self._bind(handle, storage)
         self._constant_bytes += nbytes
@@ -137,8 +143,7 @@ class Runtime(Residency):
             if need > self.telemetry.working_set:
                 self.telemetry.working_set = need
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
         made = iter(record.outputs)
         members, live = self._members, self.live
         for handle, info in zip(op.outputs, outputs, strict=True):  # ``_bind``, inlined
@@ -174,8 +179,7 @@ class Runtime(Residency):
         try:
             self._gather(frame, inputs)
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     def overwrites(self, handle: int) -> bool:
         """For a storage that is not a constant: whether the next :meth:`call` from the program, right
@@ -214,8 +218,7 @@ class Runtime(Residency):
                     self._restore(storage)
                 self._lock(frame, storage)
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     # -- restoring ------------------------------------------------------------------------------
 
@@ -228,6 +231,7 @@ class Runtime(Residency):
             for storage in storages:
                 if resident[storage]:
                     last.set(storage, clock)
+        self._gathers(frame, storages)
         while True:
             frame.relaxed = False
             locked, flags, missing = frame.locked, evictable.values, []
@@ -261,14 +265,13 @@ class Runtime(Residency):
             needed = list(record.inputs)
             needed += [p for p in graph.parents[storage] if p not in needed]
             self._gather(frame, needed)
-            keep = tuple(
-                s for s in record.outputs if s == storage or (self.live[s] > 0 and not self.resident[s])
-            )
+            if self.resident[storage]:  # kept by a restore the gather ran (NOTE [by-products kept])
+                return
+            keep = tuple(s for s in record.outputs if s == storage or self._awaited(s))
             self._run(frame, record, recompute=True, keep=keep)
             self.telemetry.recomputations += 1
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     def _reload(self, storage: int, record: Record, swap: Swap) -> None:
         """Bring back swapped ``storage`` from the host, then re-derive its views as a restore does."""
@@ -284,8 +287,7 @@ class Runtime(Residency):
             for view in views:
                 self.clock += self.backend.materialize(view, True)
         finally:
-            self._unlock_all(frame)
-            self._frames.pop()
+            self._leave(frame)
 
     def _run(self, frame: Frame, record: Record, recompute: bool, keep: tuple[int, ...]) -> int:
         """Give ``record``'s outputs memory, run it, make ``keep`` resident; returns the bytes allocated."""
@@ -318,16 +320,26 @@ class Runtime(Residency):
         for storage, old in takeovers:
             self.pool.transfer(old, storage)
             self._depart(old)
+        kept = [s for s in keep if not recompute or self._derivable(s, record)]  # NOTE [by-products kept]
+        dropped = [s for s in keep if s not in kept]
         for storage in transient:
+            if self._awaited(storage) and self._derivable(storage, record):
+                self.pool.transfer(owners.transient(storage), storage)
+                kept.append(storage)
+        for storage in kept:
+            self._arrive(storage)
+        if recompute:
+            for storage in kept:
+                for view in graph.views[storage]:
+                    self.clock += self.backend.materialize(graph.records[view], True)
+        for storage in dropped:
+            if graph.nbytes[storage] > 0:
+                self.pool.free(storage)
+            self.backend.free(storage)
+        for storage in (s for s in transient if s not in kept):
             self.pool.free(owners.transient(storage))
             if not self.resident[storage]:
                 self.backend.free(storage)
-        for storage in keep:
-            self._arrive(storage)
-        if recompute:
-            for storage in keep:
-                for view in graph.views[storage]:
-                    self.clock += self.backend.materialize(graph.records[view], True)
         return allocated
 
     def _may_overwrite(self, old: int, frame: Frame, record: Record) -> bool:
@@ -373,15 +385,6 @@ class Runtime(Residency):
             telemetry.evicting_allocations += 1
             telemetry.free_fraction_sum += (pool.capacity - pool.used) / pool.capacity
         telemetry.peak_bytes = max(telemetry.peak_bytes, pool.used)
-
-    def _relax(self) -> bool:
-        """NOTE [relaxed locks]: drop the locks of the callers of the running op."""
-        dropped = False
-        for frame in self._frames[:-1]:
-            if frame.locked and not frame.firm:
-                self._unlock_all(frame)
-                frame.relaxed = dropped = True
-        return dropped
 
     def _evict(self, storage: int) -> None:
         if not self.evictable.values[storage]:

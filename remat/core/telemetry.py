@@ -14,6 +14,7 @@ class Telemetry:
     searches: int = 0  # calls to the policy's victim search
     search_seconds: float = 0.0
     evicting_allocations: int = 0  # allocations that had to evict before they fitted
+    relaxations: int = 0  # times the callers' locks were dropped (NOTE [relaxed locks] in ``core.runtime``)
     free_fraction_sum: float = 0.0  # sum over those of free bytes / capacity once placed
     peak_bytes: int = 0  # most bytes held by the pool at once
     # Most bytes an op needed at its first run (constants, inputs, new outputs, scratch), or the end:

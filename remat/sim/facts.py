@@ -9,11 +9,12 @@ rules (the constants it keeps, the op's inputs, its new outputs and its scratch)
 run, where everything the program keeps is resident at once (``Runtime.finish``). Below it nothing
 can run to the end, but at it a restore may still run out: the *worst case*
 (:func:`remat.core.worst_case.worst_case`) adds what restores can need, each op re-run whole and the
-end's restores beside what is held firm (NOTE [worst case]). At or above the worst case the runtime
-does not run out of memory when counting bytes, whatever it evicts (the property tests check it on
-random programs); the simulator refuses budgets below the working set and runs those between the
-two. Both depend on whether mutations copy, so they are found by running the runtime itself with
-room for everything.
+end's restores beside what is held firm, and each input of a gathering op held beside the restore
+of another (NOTE [worst case]). At or above the worst case the runtime, counting bytes, never runs
+out of memory and drops no lock, whatever it evicts, so no run loops for ever, though one may still
+pass the thrash limit (the property tests check it on random programs); the simulator refuses
+budgets below the working set and runs those between the two. Both depend on whether mutations
+copy, so they are found by running the runtime itself with room for everything.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Facts:
     peak_bytes: int
     base_compute: float  # seconds: every op once
     working_set: int  # no budget below it can run
-    worst_case: int  # at or above it, counting bytes never runs out (NOTE [worst case])
+    worst_case: int  # at or above it, counting bytes never runs out and drops no lock (NOTE [worst case])
     ops: int
 
 

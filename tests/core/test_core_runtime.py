@@ -157,7 +157,7 @@ def test_released_storage_is_freed_but_kept_for_recomputation() -> None:
 
 def relaxed() -> Trace:
     """NOTE [relaxed locks]: x = k(a, b) with b evicted and its parent q dead. Restoring b while a
-    stays locked needs c + a + q + b = 31 bytes; x itself needs c + a + b + x = 22."""
+    stays locked needs c + a + q + b = 31 bytes (the worst case); x itself needs c + a + b + x = 22."""
     p = Builder()
     c = p.tensor(1, constant=True)
     q = p.tensor(10)
@@ -178,9 +178,9 @@ def relaxed() -> Trace:
 def test_relaxed_locks_reach_the_working_set() -> None:
     trace = relaxed()
     ok = simulate(trace, 22, "lru", layout=False)
-    assert ok.outcome is Outcome.OK and ok.needed_bytes == 22 and ok.peak_bytes <= 22
+    assert ok.outcome is Outcome.OK and ok.needed_bytes == 31 and ok.peak_bytes <= 22
     short = simulate(trace, 21, "lru", layout=False)
-    assert short.outcome is Outcome.OOM and short.needed_bytes == 22
+    assert short.outcome is Outcome.OOM and short.needed_bytes == 31
     assert "below the working set (22 B)" in short.reason
 
 
@@ -297,3 +297,78 @@ def test_a_wanted_storage_is_hidden_again_when_an_allocation_runs_out() -> None:
     assert runtime.resident[storage] and runtime.wanted[storage]
     assert not runtime.evictable.values[storage]  # hidden from the policies again
     assert not any(runtime.locks) and not runtime.evictable.array[: len(runtime.graph)].any()
+
+
+def view_of_two_outputs(third: bool) -> Trace:
+    """``r`` makes s and b (and, with ``third``, t); v is a view of s derived from s and b, and b is
+    dropped, so that restoring s, or t beside s, re-derives v from b made again by the same run."""
+    p = Builder()
+    c = p.tensor(10, constant=True)
+    outputs = (p.tensor(20), p.tensor(30)) + ((p.tensor(25),) if third else ())
+    s, b = outputs[:2]
+    p.op("r", (c,), outputs, 1.0)
+    v = p.tensor(0, alias_of=s)
+    p.op("v", (s, b), (v,), 0.01)
+    p.release(b)
+    y = p.tensor(60)
+    p.op("y", (c,), (y,), 1.0)  # pushes s (and t) out
+    p.release(y)
+    read = (v,)
+    if third:
+        w = p.tensor(5)
+        p.op("w", (outputs[2],), (w,), 1.0)  # restores t: s, which the program holds, comes back too
+        read = (v, w)
+    out = p.tensor(5)
+    p.op("x", read, (out,), 1.0)
+    return p.trace("view of two outputs")
+
+
+@pytest.mark.parametrize(("third", "budget"), [(False, 81), (True, 85)])
+@pytest.mark.parametrize("layout", [False, True])
+def test_a_view_of_two_outputs_of_one_op_is_derived_again(third: bool, budget: int, layout: bool) -> None:
+    # Restoring s gathered b, whose restore kept s too, and s was then allocated a second time (the
+    # address pool refused: "already holds a block"); restoring t kept s but freed b's throwaway copy
+    # before re-deriving v from it (RecomputationError). NOTE [by-products kept] in remat.core.runtime
+    trace = view_of_two_outputs(third)
+    runtime, backend = run(trace, budget, layout=layout)
+    assert [name for name, again in backend.runs if again] == ["r", "v"]  # once, then v from its results
+    assert runtime.telemetry.peak_bytes <= budget
+    nbytes = runtime.graph.nbytes
+    assert runtime.pool.used == sum(
+        nbytes[s] for s, here in enumerate(runtime.resident) if here
+    )  # none twice
+
+
+def view_of_a_dropped_output() -> Trace:
+    """``r`` makes t, s and p; a view of s reads p, a view of p reads q. Restoring t finds s and p
+    held and evicted: s's view can be derived again (p is made by the same run), p's cannot (q is
+    evicted), so p is dropped, but only once s's view has been derived from it."""
+    p = Builder()
+    c = p.tensor(10, constant=True)
+    t, s, dropped = p.tensor(20), p.tensor(20), p.tensor(20)
+    p.op("r", (c,), (t, s, dropped), 1.0)
+    q = p.tensor(20)
+    p.op("q", (c,), (q,), 1.0)
+    view = p.tensor(0, alias_of=dropped)
+    p.op("v2", (dropped, q), (view,), 0.01)
+    p.op("v1", (s, dropped), (p.tensor(0, alias_of=s),), 0.01)
+    big = p.tensor(100)
+    p.op("big", (c,), (big,), 1.0)  # pushes t, s, p and q out
+    p.release(big)
+    p.op("x", (t,), (p.tensor(5),), 1.0)
+    for handle in (dropped, view, q):  # the end needs neither
+        p.release(handle)
+    return p.trace("view of a dropped output")
+
+
+@pytest.mark.parametrize("policy", ["lru", "dtr", "largest"])
+def test_a_view_reading_a_dropped_output_is_derived_before_it_is_freed(policy: str) -> None:
+    # NOTE [by-products kept] in remat.core.runtime: p was freed before s's view was derived from it
+    # (RecomputationError: v1 ran without its input storages resident).
+    runtime, backend = run(view_of_a_dropped_output(), 110, policy)
+    assert [name for name, again in backend.runs if again] == ["r", "v1"]
+    assert runtime.telemetry.peak_bytes <= 110
+    t, s, dropped = runtime.graph.records[0].outputs
+    assert runtime.resident[t] and runtime.resident[s] and not runtime.resident[dropped]
+    nbytes = runtime.graph.nbytes
+    assert runtime.pool.used == sum(nbytes[k] for k, here in enumerate(runtime.resident) if here)
