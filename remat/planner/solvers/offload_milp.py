@@ -1,27 +1,44 @@
 """The exact three-way plan: an MILP choosing SAVE, RECOMPUTE or OFFLOAD per saved tensor.
 
-Why an MILP: where a transfer hides depends on every other transfer sharing the link in the same
-step, and on which stages recompute (a replay lengthens its backward step, and so hides more), so
-the choices do not decompose by tensor. The program encodes NOTE [offload model] with each copy
-placed within one step (a move's ``gone`` is its ``out``: the compute waits at the end of that
-step for the copy), so its optimum is the model's over those schedules; the greedy rule's copies,
-which run over several steps, can beat it where copies are longer than steps. HiGHS solves it
-through ``scipy.optimize.milp`` (imported when a plan is solved) with a time limit, and the figures
-are re-evaluated by ``remat.planner.offload_model``.
+Why an MILP: where a transfer hides depends on every other transfer sharing the link, and on which
+stages recompute (a replay lengthens its backward step, and so hides more), so the choices do not
+decompose by tensor. The program encodes NOTE [offload model] whole: the compute's timeline, the
+two streams of copies in issue order (a copy may run over several steps) and the host's
+``per_move`` seconds, so for fixed choices its least time is the model's time. Its optimum is the
+model's over every schedule whose moves name the step they leave after (``Move.gone``); a move
+with ``gone=None`` costs what the same move with ``gone`` the step its copy completes in costs, or
+moves nothing off the device where that is not before its copy back (then leaving it on the device
+is no slower), so the optimum is the model's over every schedule it accepts (tested against
+enumeration: ``tests/planner/test_offload_milp_exact.py``). HiGHS solves it through
+``scipy.optimize.milp`` (imported when a plan is solved) with a time limit, and the figures are
+re-evaluated by ``remat.planner.offload_model``.
 
-NOTE [offload MILP] Binaries r_k (stage k recomputed), w[i,s] (item i goes out in step s, for
-stage_i < s < need_i - 1) and v[i,s] (item i comes back in step s, stage_i + 1 < s < need_i);
-continuous stalls z_s >= 0. Rows:
-- one move at most: sum_s w[i,s] <= 1, and back exactly when out: sum_s v[i,s] = sum_s w[i,s];
-- back after out: sum_{s'<=s} v[i,s'] <= sum_{s'<s} w[i,s'];
+NOTE [offload MILP] Binaries r_k (stage k recomputed, k < n-1), and per movable item i: w[i,s]
+(its copy out issued in step s, stage_i < s < need_i - 1), x[i,g] (it leaves after step g, the
+compute waiting there for its copy out, stage_i < g < need_i - 1) and v[i,b] (its copy back issued
+in step b, stage_i + 1 < b < need_i). Continuous times, in units of the plain step's time: S_s and
+E_s (step s's compute starts, after the waits for copies back, and ends, after the waits for copies
+out), D_s and H_s (each stream is done with the copies issued up to step s), O_i and B_i (item i's
+copy out and back are done). A row per fact of the model:
+- one move at most: sum_s w[i,s] <= 1, and sum_s x[i,s] = sum_s v[i,s] = sum_s w[i,s];
+- order: sum_{s'<=s} x[i,s'] <= sum_{s'<=s} w[i,s'] (out <= gone) and sum_{s'<=s} v[i,s'] <=
+  sum_{s'<s} x[i,s'] (gone < back), so the copy out is done before the copy back begins;
 - an item its stage drops, or a recomputed stage reads, stays: sum_s w[i,s] + r_k <= 1;
-- link time: sum_i d2h_i w[i,s] - z_s - f_k r_k <= c_s (the same for h2d and v), f_k r_k only in
-  the backward step of stage k;
+- steps in turn: S_s >= E_{s-1}; E_s >= S_s + c_s + f_k r_k + per_move sum_i w[i,s] (f_k r_k in
+  the backward step of stage k: its replay);
+- streams: D_s >= D_{s-1} + sum_i d2h_i w[i,s] and D_s >= S_s + sum_i d2h_i w[i,s] (copies are
+  issued at S_s, the waits for copies back done); H_s likewise with h2d_i and v;
+- in issue order (by item within a step): O_i >= max(S_s, D_{s-1}) + sum_{j<=i} d2h_j w[j,s] -
+  M (1 - w[i,s]) (two rows), and B_i the same with H, h2d and v;
+- waits: E_g >= O_i - M (1 - x[i,g]); S_{need_i} >= B_i;
 - memory: gradients_s + sum_i m_i p[i,s] <= budget, with p[i,s] = 1 outside until_i < s < need_i
-  and inside it 1 - r_k (a recomputable item) - sum_{s'<s} w[i,s'] + sum_{s'<=s} v[i,s'];
+  and inside it 1 - r_k (a recomputable item) - sum_{s'<s} x[i,s'] + sum_{s'<=s} v[i,s'];
 - host: sum_i m_i sum_s w[i,s] <= host_budget.
-Objective: sum_k f_k r_k + sum_s z_s, the step's time above its plain compute (plus a trifle per
-move, ``_TRIFLE`` of its link time, so that of equally fast plans the one moving least wins).
+M is the sum of every duration in the problem (every compute, replay, per-move charge and copy),
+which no time of the model exceeds. The rows only bound the times from below and each is the
+model's max-plus recurrence, so for fixed binaries the least E_{last} is the model's time.
+Objective: E_{last}, plus a trifle per move (``_TRIFLE`` of its link time, so that of equally fast
+plans the one moving least wins); ``mip_rel_gap`` is relative to the whole step's time.
 """
 
 from __future__ import annotations
@@ -44,6 +61,9 @@ __all__ = ["solve"]
 # the one moving least wins (the optimum is the model's up to this share of the link time moved)
 _TRIFLE = 1e-3
 
+Terms = dict[int, float]
+Issued = list[list[tuple[int, int, float]]]  # per step: (item, column, seconds) of the copies issued, by item
+
 
 class _Program:
     """Columns and rows of NOTE [offload MILP] for one problem and budget."""
@@ -53,77 +73,124 @@ class _Program:
         self.cost: list[float] = []
         self.integer: list[int] = []
         self.upper: list[float] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-        n, steps = len(problem.chain), problem.steps
+        self.rows: list[tuple[Terms, float, float]] = []
+        n, steps, items, link = len(problem.chain), problem.steps, problem.items, problem.link
         scale = problem.base_cost or 1.0
-        self.r: dict[int, int] = {}
-        for k in sorted({it.stage for it in problem.items if it.recomputable}):
-            self.r[k] = self.column(problem.chain.stages[k].forward_cost / scale)
-        self.w: dict[tuple[int, int], int] = {}
-        self.v: dict[tuple[int, int], int] = {}
-        for i, it in enumerate(problem.items):
-            if it.movable:
-                for s in range(it.stage + 1, it.need - 1):
-                    self.w[i, s] = self.column(_TRIFLE * problem.link.d2h_seconds(it.nbytes) / scale)
-                for s in range(it.stage + 2, it.need):
-                    self.v[i, s] = self.column()
-        self.z = [self.column(1.0 / scale, integer=False, upper=np.inf) for _ in range(steps)]
-        d2h: list[dict[int, float]] = [{} for _ in range(steps)]
-        h2d: list[dict[int, float]] = [{} for _ in range(steps)]
-        memory: list[dict[int, float]] = [{} for _ in range(steps)]
+        movable = [i for i, it in enumerate(items) if it.movable]
+        d2h = {i: link.d2h_seconds(items[i].nbytes) / scale for i in movable}
+        h2d = {i: link.h2d_seconds(items[i].nbytes) / scale for i in movable}
+        replay = {
+            k: problem.chain.stages[k].forward_cost / scale
+            for k in sorted({it.stage for it in items if it.recomputable})
+            if k < n - 1
+        }
+        per_move = problem.per_move / scale
+        self.big = sum(problem.computes) / scale + sum(replay.values()) + per_move * len(movable)
+        self.big += sum(d2h.values()) + sum(h2d.values())
+        self.r = {k: self.column() for k in replay}
+        # per movable item: step -> its binary
+        self.w: dict[int, dict[int, int]] = {i: {} for i in movable}
+        self.x: dict[int, dict[int, int]] = {i: {} for i in movable}
+        self.v: dict[int, dict[int, int]] = {i: {} for i in movable}
+        outs: Issued = [[] for _ in range(steps)]
+        backs: Issued = [[] for _ in range(steps)]
+        for i in movable:
+            for s in range(items[i].stage + 1, items[i].need - 1):
+                self.w[i][s] = self.column(_TRIFLE * d2h[i])
+                self.x[i][s] = self.column()
+                outs[s].append((i, self.w[i][s], d2h[i]))
+            for s in range(items[i].stage + 2, items[i].need):
+                self.v[i][s] = self.column()
+                backs[s].append((i, self.v[i][s], h2d[i]))
+        self.start, self.end = [self.time() for _ in range(steps)], [self.time() for _ in range(steps)]
+        self.cost[self.end[-1]] = 1.0
+        out_free, back_free = [self.time() for _ in range(steps)], [self.time() for _ in range(steps)]
+        for s in range(steps):
+            if s > 0:
+                self.at_least({self.start[s]: 1.0, self.end[s - 1]: -1.0}, 0.0)
+            step = {self.end[s]: 1.0, self.start[s]: -1.0, **{c: -per_move for _, c, _ in outs[s]}}
+            if 2 * n - 1 - s in self.r and s >= n:
+                step[self.r[2 * n - 1 - s]] = -replay[2 * n - 1 - s]
+            self.at_least(step, problem.compute(s) / scale)
+            for free, issued in ((out_free, outs[s]), (back_free, backs[s])):
+                copies = {c: -t for _, c, t in issued}
+                for ahead in [self.start[s]] + ([free[s - 1]] if s > 0 else []):
+                    self.at_least({free[s]: 1.0, ahead: -1.0, **copies}, 0.0)
         fixed = [float(problem.gradients(s)) for s in range(steps)]
-        host: dict[int, float] = {}
-        for i, it in enumerate(problem.items):
-            outs = [(s, self.w[i, s]) for s in range(steps) if (i, s) in self.w]
-            backs = [(s, self.v[i, s]) for s in range(steps) if (i, s) in self.v]
-            if outs:
-                self.row({c: 1.0 for _, c in outs}, -np.inf, 1.0)
-                self.row({**{c: 1.0 for _, c in backs}, **{c: -1.0 for _, c in outs}}, 0.0, 0.0)
-                for s, _ in backs:
-                    terms = {c: 1.0 for t, c in backs if t <= s}
-                    terms.update({c: -1.0 for t, c in outs if t < s})
-                    self.row(terms, -np.inf, 0.0)
+        memory: list[Terms] = [{} for _ in range(steps)]
+        host: Terms = {}
+        for i, it in enumerate(items):
+            if i in d2h:
+                out_done = self.stream(i, self.w[i], outs, out_free)
+                for g, c in self.x[i].items():
+                    self.at_least({self.end[g]: 1.0, out_done: -1.0, c: -self.big}, -self.big)
+                back_done = self.stream(i, self.v[i], backs, back_free)
+                self.at_least({self.start[it.need]: 1.0, back_done: -1.0}, 0.0)
+                self.order(i)
                 stages = set(it.readers) | ({it.stage} if it.recomputable else set())
                 for k in stages & self.r.keys():
-                    self.row({**{c: 1.0 for _, c in outs}, self.r[k]: 1.0}, -np.inf, 1.0)
-                for s, c in outs:
-                    d2h[s][c] = problem.link.d2h_seconds(it.nbytes)
-                    host[c] = float(it.nbytes)
-                for s, c in backs:
-                    h2d[s][c] = problem.link.h2d_seconds(it.nbytes)
+                    self.at_most({**dict.fromkeys(self.w[i].values(), 1.0), self.r[k]: 1.0}, 1.0)
+                host.update(dict.fromkeys(self.w[i].values(), float(it.nbytes)))
             for s in range(it.stage, it.freed + 1):
                 fixed[s] += it.nbytes
                 if not it.until < s < it.need:
                     continue
                 if it.recomputable and it.stage in self.r:
                     memory[s][self.r[it.stage]] = memory[s].get(self.r[it.stage], 0.0) - it.nbytes
-                for t, c in outs:
-                    if t < s:
-                        memory[s][c] = -float(it.nbytes)
-                for t, c in backs:
-                    if t <= s:
-                        memory[s][c] = float(it.nbytes)
+                memory[s].update({c: -float(it.nbytes) for g, c in self.x.get(i, {}).items() if g < s})
+                memory[s].update({c: float(it.nbytes) for b, c in self.v.get(i, {}).items() if b <= s})
         for s in range(steps):
-            replay = {}
-            if s >= n and 2 * n - 1 - s in self.r:
-                k = 2 * n - 1 - s
-                replay = {self.r[k]: -problem.chain.stages[k].forward_cost}
-            for link in (d2h[s], h2d[s]):
-                if link:
-                    self.row({**link, self.z[s]: -1.0, **replay}, -np.inf, problem.compute(s))
             if memory[s] or fixed[s] > budget:
-                self.row({c: b / budget for c, b in memory[s].items()}, -np.inf, 1.0 - fixed[s] / budget)
+                self.at_most({c: b / budget for c, b in memory[s].items()}, 1.0 - fixed[s] / budget)
         if problem.host_budget is not None and host:
-            self.row(host, -np.inf, float(problem.host_budget))
+            self.at_most(host, float(problem.host_budget))
 
-    def column(self, cost: float = 0.0, integer: bool = True, upper: float = 1.0) -> int:
+    def column(self, cost: float = 0.0) -> int:
+        """A binary."""
         self.cost.append(cost)
-        self.integer.append(int(integer))
-        self.upper.append(upper)
+        self.integer.append(1)
+        self.upper.append(1.0)
         return len(self.cost) - 1
 
-    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
-        self.rows.append((coefs, lo, hi))
+    def time(self) -> int:
+        """A continuous time (in units of the plain step's)."""
+        self.cost.append(0.0)
+        self.integer.append(0)
+        self.upper.append(np.inf)
+        return len(self.cost) - 1
+
+    def at_least(self, terms: Terms, lo: float) -> None:
+        self.rows.append((terms, lo, np.inf))
+
+    def at_most(self, terms: Terms, hi: float) -> None:
+        self.rows.append((terms, -np.inf, hi))
+
+    def stream(self, i: int, binaries: dict[int, int], issued: Issued, free: list[int]) -> int:
+        """A time at least the end of item ``i``'s copy on one stream: issued in step s, it runs
+        after the copies issued before s and those of items before it issued in s."""
+        done = self.time()
+        for s, mine in binaries.items():
+            copies = {c: -t for k, c, t in issued[s] if k <= i}
+            copies[mine] -= self.big
+            for ahead in [self.start[s]] + ([free[s - 1]] if s > 0 else []):
+                self.at_least({done: 1.0, ahead: -1.0, **copies}, -self.big)
+        return done
+
+    def order(self, i: int) -> None:
+        """Item ``i`` moves at most once, leaves after its copy out is issued and comes back
+        after it left."""
+        outs, gones, backs = self.w[i], self.x[i], self.v[i]
+        self.at_most(dict.fromkeys(outs.values(), 1.0), 1.0)
+        for same in (gones, backs):
+            self.rows.append(
+                ({**dict.fromkeys(same.values(), 1.0), **dict.fromkeys(outs.values(), -1.0)}, 0.0, 0.0)
+            )
+        for s in outs:  # gone no sooner than out
+            out_by = {c: -1.0 for t, c in outs.items() if t <= s}
+            self.at_most({**{c: 1.0 for t, c in gones.items() if t <= s}, **out_by}, 0.0)
+        for s in backs:  # back after gone
+            gone_before = {c: -1.0 for t, c in gones.items() if t < s}
+            self.at_most({**{c: 1.0 for t, c in backs.items() if t <= s}, **gone_before}, 0.0)
 
     def run(self, time_limit: float, gap: float) -> tuple[OffloadSchedule | None, float, int]:
         """The schedule HiGHS found (None when none), its MIP gap and scipy's status."""
@@ -150,18 +217,17 @@ class _Program:
         x = np.round(result.x).astype(int)
         recompute = frozenset(k for k, c in self.r.items() if x[c])
         moves = []
-        for i in range(len(self.problem.items)):
-            out = [s for (j, s), c in self.w.items() if j == i and x[c]]
-            back = [s for (j, s), c in self.v.items() if j == i and x[c]]
-            if out and back:
-                moves.append(Move(i, out[0], back[0], out[0]))
+        for i in self.w:
+            out, gone, back = ([s for s, c in b[i].items() if x[c]] for b in (self.w, self.x, self.v))
+            if out and gone and back:
+                moves.append(Move(i, out[0], back[0], gone[0]))
         gap_found = float(getattr(result, "mip_gap", 0.0) or 0.0)
         return OffloadSchedule(recompute, tuple(moves)), gap_found, result.status
 
 
 @register(
     "offload_milp",
-    "three-way MILP (HiGHS): save, recompute or offload each saved tensor, transfers hidden in compute steps",
+    "three-way MILP (HiGHS): save, recompute or offload each saved tensor, exact for the offload model",
     (OffloadProblem,),
 )
 def solve(
