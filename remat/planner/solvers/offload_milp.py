@@ -13,23 +13,30 @@ enumeration: ``tests/planner/test_offload_milp_exact.py``). HiGHS solves it thro
 ``scipy.optimize.milp`` (imported when a plan is solved) with a time limit, and the figures are
 re-evaluated by ``remat.planner.offload_model``.
 
+The price of exactness is size and a weak relaxation (the stream rows hold through big-M terms):
+on a tiny GPT-2's 50 movable tensors in 48 steps HiGHS takes seconds where the earlier program
+(each copy within one step, ``per_move`` left out) took one, and may stop at its time limit with a
+plan the greedy rule beats (benchmarks/offload/README.md); ``offload_search`` keeps both.
+
 NOTE [offload MILP] Binaries r_k (stage k recomputed, k < n-1), and per movable item i: w[i,s]
 (its copy out issued in step s, stage_i < s < need_i - 1), x[i,g] (it leaves after step g, the
 compute waiting there for its copy out, stage_i < g < need_i - 1) and v[i,b] (its copy back issued
 in step b, stage_i + 1 < b < need_i). Continuous times, in units of the plain step's time: S_s and
 E_s (step s's compute starts, after the waits for copies back, and ends, after the waits for copies
-out), D_s and H_s (each stream is done with the copies issued up to step s), O_i and B_i (item i's
-copy out and back are done). A row per fact of the model:
+out), G_s and K_s (the copies out, and back, issued in step s begin: each stream runs its copies
+one at a time, in issue order), O_i and B_i (item i's copy out and back are done). A row per fact
+of the model:
 - one move at most: sum_s w[i,s] <= 1, and sum_s x[i,s] = sum_s v[i,s] = sum_s w[i,s];
 - order: sum_{s'<=s} x[i,s'] <= sum_{s'<=s} w[i,s'] (out <= gone) and sum_{s'<=s} v[i,s'] <=
   sum_{s'<s} x[i,s'] (gone < back), so the copy out is done before the copy back begins;
 - an item its stage drops, or a recomputed stage reads, stays: sum_s w[i,s] + r_k <= 1;
 - steps in turn: S_s >= E_{s-1}; E_s >= S_s + c_s + f_k r_k + per_move sum_i w[i,s] (f_k r_k in
   the backward step of stage k: its replay);
-- streams: D_s >= D_{s-1} + sum_i d2h_i w[i,s] and D_s >= S_s + sum_i d2h_i w[i,s] (copies are
-  issued at S_s, the waits for copies back done); H_s likewise with h2d_i and v;
-- in issue order (by item within a step): O_i >= max(S_s, D_{s-1}) + sum_{j<=i} d2h_j w[j,s] -
-  M (1 - w[i,s]) (two rows), and B_i the same with H, h2d and v;
+- streams: G_s >= S_s (copies are issued once the waits for copies back are done), G_s >=
+  G_{s'} + sum_i d2h_i w[i,s'] for the step s' < s copies were last issued in; K_s likewise with
+  h2d_i and v;
+- in issue order (by item within a step): O_i >= G_s + sum_{j<=i} d2h_j w[j,s] - M (1 - w[i,s]),
+  and B_i >= K_s + sum_{j<=i} h2d_j v[j,s] - M (1 - v[i,s]);
 - waits: E_g >= O_i - M (1 - x[i,g]); S_{need_i} >= B_i;
 - memory: gradients_s + sum_i m_i p[i,s] <= budget, with p[i,s] = 1 outside until_i < s < need_i
   and inside it 1 - r_k (a recomputable item) - sum_{s'<s} x[i,s'] + sum_{s'<=s} v[i,s'];
@@ -76,7 +83,8 @@ class _Program:
         self.rows: list[tuple[Terms, float, float]] = []
         n, steps, items, link = len(problem.chain), problem.steps, problem.items, problem.link
         scale = problem.base_cost or 1.0
-        movable = [i for i, it in enumerate(items) if it.movable]
+        host = problem.host_budget
+        movable = [i for i, it in enumerate(items) if it.movable and (host is None or it.nbytes <= host)]
         d2h = {i: link.d2h_seconds(items[i].nbytes) / scale for i in movable}
         h2d = {i: link.h2d_seconds(items[i].nbytes) / scale for i in movable}
         replay = {
@@ -104,7 +112,7 @@ class _Program:
                 backs[s].append((i, self.v[i][s], h2d[i]))
         self.start, self.end = [self.time() for _ in range(steps)], [self.time() for _ in range(steps)]
         self.cost[self.end[-1]] = 1.0
-        out_free, back_free = [self.time() for _ in range(steps)], [self.time() for _ in range(steps)]
+        out_begin, back_begin = self.issue(outs), self.issue(backs)
         for s in range(steps):
             if s > 0:
                 self.at_least({self.start[s]: 1.0, self.end[s - 1]: -1.0}, 0.0)
@@ -112,25 +120,21 @@ class _Program:
             if 2 * n - 1 - s in self.r and s >= n:
                 step[self.r[2 * n - 1 - s]] = -replay[2 * n - 1 - s]
             self.at_least(step, problem.compute(s) / scale)
-            for free, issued in ((out_free, outs[s]), (back_free, backs[s])):
-                copies = {c: -t for _, c, t in issued}
-                for ahead in [self.start[s]] + ([free[s - 1]] if s > 0 else []):
-                    self.at_least({free[s]: 1.0, ahead: -1.0, **copies}, 0.0)
         fixed = [float(problem.gradients(s)) for s in range(steps)]
         memory: list[Terms] = [{} for _ in range(steps)]
-        host: Terms = {}
+        on_host: Terms = {}
         for i, it in enumerate(items):
             if i in d2h:
-                out_done = self.stream(i, self.w[i], outs, out_free)
+                out_done = self.stream(i, self.w[i], outs, out_begin)
                 for g, c in self.x[i].items():
                     self.at_least({self.end[g]: 1.0, out_done: -1.0, c: -self.big}, -self.big)
-                back_done = self.stream(i, self.v[i], backs, back_free)
+                back_done = self.stream(i, self.v[i], backs, back_begin)
                 self.at_least({self.start[it.need]: 1.0, back_done: -1.0}, 0.0)
                 self.order(i)
                 stages = set(it.readers) | ({it.stage} if it.recomputable else set())
                 for k in stages & self.r.keys():
                     self.at_most({**dict.fromkeys(self.w[i].values(), 1.0), self.r[k]: 1.0}, 1.0)
-                host.update(dict.fromkeys(self.w[i].values(), float(it.nbytes)))
+                on_host.update(dict.fromkeys(self.w[i].values(), float(it.nbytes)))
             for s in range(it.stage, it.freed + 1):
                 fixed[s] += it.nbytes
                 if not it.until < s < it.need:
@@ -142,8 +146,8 @@ class _Program:
         for s in range(steps):
             if memory[s] or fixed[s] > budget:
                 self.at_most({c: b / budget for c, b in memory[s].items()}, 1.0 - fixed[s] / budget)
-        if problem.host_budget is not None and host:
-            self.at_most(host, float(problem.host_budget))
+        if host is not None and on_host:
+            self.at_most(on_host, float(host))
 
     def column(self, cost: float = 0.0) -> int:
         """A binary."""
@@ -165,15 +169,30 @@ class _Program:
     def at_most(self, terms: Terms, hi: float) -> None:
         self.rows.append((terms, -np.inf, hi))
 
-    def stream(self, i: int, binaries: dict[int, int], issued: Issued, free: list[int]) -> int:
+    def issue(self, issued: Issued) -> dict[int, int]:
+        """Per step where copies may be issued on one stream, a time at least when the first of
+        them begins: the step's start, after the copies issued before it are done."""
+        begin: dict[int, int] = {}
+        free = None  # a time at least when the stream is done with the copies issued so far
+        for s, copies in enumerate(issued):
+            if not copies:
+                continue
+            begin[s] = self.time()
+            self.at_least({begin[s]: 1.0, self.start[s]: -1.0}, 0.0)
+            if free is not None:
+                self.at_least({begin[s]: 1.0, free: -1.0}, 0.0)
+            free = self.time()
+            self.at_least({free: 1.0, begin[s]: -1.0, **{c: -t for _, c, t in copies}}, 0.0)
+        return begin
+
+    def stream(self, i: int, binaries: dict[int, int], issued: Issued, begin: dict[int, int]) -> int:
         """A time at least the end of item ``i``'s copy on one stream: issued in step s, it runs
         after the copies issued before s and those of items before it issued in s."""
         done = self.time()
         for s, mine in binaries.items():
             copies = {c: -t for k, c, t in issued[s] if k <= i}
             copies[mine] -= self.big
-            for ahead in [self.start[s]] + ([free[s - 1]] if s > 0 else []):
-                self.at_least({done: 1.0, ahead: -1.0, **copies}, -self.big)
+            self.at_least({done: 1.0, begin[s]: -1.0, **copies}, -self.big)
         return done
 
     def order(self, i: int) -> None:
