@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, replace
 
 import pytest
+from test_offload_solvers import chain_problem
 
 import remat
 from remat.planner.offload_model import Item, Move, OffloadProblem, OffloadSchedule, backward_step, evaluate
@@ -142,5 +143,18 @@ def test_the_milp_finds_the_least_time_of_every_schedule(seed: int, per_move: fl
                 fast = get("offload_greedy").solve(bounded, budget)
             except OffloadFailed:
                 continue
-            assert mine.total_cost <= fast.total_cost + trifle(problem, fast.offload) + 1e-6
+            assert mine.total_cost <= fast.total_cost
     assert checked >= 2
+
+
+def test_the_milp_stopped_at_its_time_limit_is_no_slower_than_the_greedy_rule() -> None:
+    """Stopped before HiGHS has a plan, or with a slower one, on a chain of twelve steps where a
+    copy outlasts a step, the MILP answers the greedy rule's plan (solved to the end, it is never
+    slower: the test above)."""
+    problem = chain_problem(6, remat.Link(d2h=100, h2d=100, latency=0))
+    for budget, per_move in ((1600, 0.0), (2000, 0.5)):
+        moving = replace(problem, per_move=per_move)
+        fast = get("offload_greedy").solve(moving, budget)
+        mine = get("offload_milp").solve(moving, budget, time_limit=1e-3)
+        assert mine.predicted_peak_bytes <= budget
+        assert mine.total_cost <= fast.total_cost

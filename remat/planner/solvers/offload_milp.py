@@ -58,8 +58,10 @@ from remat.planner.offload_model import (
     OffloadProblem,
     OffloadSchedule,
     OffloadSolution,
+    evaluate,
     offload_solution,
 )
+from remat.planner.solvers import offload_greedy as greedy
 from remat.planner.solvers.registry import register
 
 __all__ = ["solve"]
@@ -253,29 +255,38 @@ def solve(
     problem: OffloadProblem, budget_bytes: int, *, time_limit: float = 30.0, mip_rel_gap: float = 1e-4
 ) -> OffloadSolution:
     """The fastest three-way schedule of ``problem`` whose peak fits ``budget_bytes`` under NOTE
-    [offload model], within ``time_limit`` seconds and ``mip_rel_gap``."""
+    [offload model], within ``time_limit`` seconds and ``mip_rel_gap``; or the greedy rule's plan
+    where HiGHS's is slower (stopped at the time limit, or within the gap or ``_TRIFLE``; scipy's
+    HiGHS takes no starting plan to better), so it is never predicted slower than that one."""
+    fast = _greedy(problem, budget_bytes)
     limit = budget_bytes
     for _ in range(3):
         schedule, gap, status = _Program(problem, limit).run(time_limit, mip_rel_gap)
-        if schedule is None:
+        verdict = "optimal" if status == 0 else "stopped at the time limit"
+        if schedule is None and not (status == 1 and fast is not None):
             infeasible = status == 2
             raise RematValueError(
                 message(
                     "plan",
                     "no three-way plan fits the budget" if infeasible else "the MILP found no plan in time",
                     f"budget {budget_bytes} bytes, time_limit={time_limit} s",
-                    "raise the budget or the host budget"
-                    if infeasible
-                    else "raise time_limit or use solver='offload_greedy'",
+                    "raise the budget or the host budget" if infeasible else "raise time_limit",
                 )
             )
-        verdict = "optimal" if status == 0 else "stopped at the time limit"
+        found = evaluate(problem, schedule) if schedule is not None else None
+        if fast is not None and (found is None or fast.total_cost < found.total_cost):
+            note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan, faster than its"
+            return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, gap, note)
+        assert schedule is not None
         note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
         result = offload_solution(problem, schedule, "offload_milp", budget_bytes, gap, note)
         if result.predicted_peak_bytes <= budget_bytes:
             return result
         # HiGHS's feasibility tolerance let a schedule a few bytes over through: tighten and retry
         limit -= result.predicted_peak_bytes - budget_bytes + 1
+    if fast is not None:
+        note = "HiGHS's plans kept passing the budget: the greedy rule's plan"
+        return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, None, note)
     raise RematValueError(
         message(
             "plan",
@@ -284,3 +295,11 @@ def solve(
             "use solver='offload_greedy'",
         )
     )
+
+
+def _greedy(problem: OffloadProblem, budget_bytes: int) -> OffloadSolution | None:
+    """The greedy rule's plan, None where it finds none."""
+    try:
+        return greedy.solve(problem, budget_bytes)
+    except greedy.OffloadFailed:
+        return None
