@@ -300,6 +300,8 @@ def solve(
 def _greedy(problem: OffloadProblem, budget_bytes: int) -> OffloadSolution | None:
     """The greedy rule's plan, None where it finds none."""
     try:
-        return greedy.solve(problem, budget_bytes)
+        solution = greedy.solve(problem, budget_bytes)
     except greedy.OffloadFailed:
         return None
+    assert isinstance(solution, OffloadSolution)
+    return solution
