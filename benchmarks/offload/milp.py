@@ -5,7 +5,7 @@ H100 roofline (as ``run.py`` does), offered to both solvers at budgets a share o
 over a few link rates, with the host's per-move charge 0 and 10 µs. Predicted figures under NOTE
 [offload model]; solve times are CPU time (``time.process_time``).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/offload/milp.py
+    PYTHONPATH=. .venv/bin/python benchmarks/offload/milp.py --time-limit 20
 """
 
 from __future__ import annotations

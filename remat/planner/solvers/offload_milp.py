@@ -275,7 +275,7 @@ def solve(
             )
         found = evaluate(problem, schedule) if schedule is not None else None
         if fast is not None and (found is None or fast.total_cost < found.total_cost):
-            note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan, faster than its"
+            note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan was faster"
             return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, gap, note)
         assert schedule is not None
         note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
