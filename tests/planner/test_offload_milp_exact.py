@@ -19,7 +19,7 @@ import remat
 from remat.planner.offload_model import Item, Move, OffloadProblem, OffloadSchedule, backward_step, evaluate
 from remat.planner.solvers import get
 from remat.planner.solvers.offload_greedy import OffloadFailed
-from remat.planner.solvers.offload_milp import _TRIFLE
+from remat.planner.solvers.offload_milp import _TRIFLE, _Program
 from remat.planner.types import Chain
 
 
@@ -137,6 +137,14 @@ def test_the_milp_finds_the_least_time_of_every_schedule(seed: int, per_move: fl
             assert mine.total_cost >= best.time - 1e-9
             assert mine.total_cost <= best.time + trifle(problem, best.schedule) + 1e-6, (
                 f"{mine.offload} against {best.schedule}"
+            )
+            # the program alone, without the greedy rule's plan to bound it or fall back on
+            alone, _, status = _Program(bounded, budget, math.inf).run(60.0, 1e-9)
+            assert status == 0 and alone is not None
+            cost = evaluate(bounded, alone)
+            assert cost.peak_bytes <= budget and (host is None or cost.host_bytes <= host)
+            assert cost.total_cost <= best.time + trifle(problem, best.schedule) + 1e-6, (
+                f"{alone} against {best.schedule}"
             )
             checked += 1
             try:

@@ -50,6 +50,8 @@ plans the one moving least wins); ``mip_rel_gap`` is relative to the whole step'
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from remat._errors import RematValueError, message
@@ -77,7 +79,7 @@ Issued = list[list[tuple[int, int, float]]]  # per step: (item, column, seconds)
 class _Program:
     """Columns and rows of NOTE [offload MILP] for one problem and budget."""
 
-    def __init__(self, problem: OffloadProblem, budget: int) -> None:
+    def __init__(self, problem: OffloadProblem, budget: int, cutoff: float) -> None:
         self.problem = problem
         self.cost: list[float] = []
         self.integer: list[int] = []
@@ -114,6 +116,8 @@ class _Program:
                 backs[s].append((i, self.v[i][s], h2d[i]))
         self.start, self.end = [self.time() for _ in range(steps)], [self.time() for _ in range(steps)]
         self.cost[self.end[-1]] = 1.0
+        if cutoff < math.inf:
+            self.at_most({self.end[-1]: 1.0}, cutoff / scale)
         out_begin, back_begin = self.issue(outs), self.issue(backs)
         for s in range(steps):
             if s > 0:
@@ -255,15 +259,23 @@ def solve(
     problem: OffloadProblem, budget_bytes: int, *, time_limit: float = 30.0, mip_rel_gap: float = 1e-4
 ) -> OffloadSolution:
     """The fastest three-way schedule of ``problem`` whose peak fits ``budget_bytes`` under NOTE
-    [offload model], within ``time_limit`` seconds and ``mip_rel_gap``; or the greedy rule's plan
-    where HiGHS's is slower (stopped at the time limit, or within the gap or ``_TRIFLE``; scipy's
-    HiGHS takes no starting plan to better), so it is never predicted slower than that one."""
+    [offload model], within ``time_limit`` seconds and ``mip_rel_gap``. It is never predicted
+    slower than the greedy rule's plan: that plan's time bounds the program's (scipy's HiGHS takes
+    no starting plan), and it is the answer where HiGHS finds none faster (stopped at the time
+    limit, or having proved there is none) or a slower one (within the gap or ``_TRIFLE``)."""
     fast = _greedy(problem, budget_bytes)
+    # no plan slower than the greedy rule's is wanted: HiGHS searches the faster ones only, and
+    # finding none proves the greedy rule's plan the fastest
+    cutoff = fast.total_cost * (1 + 1e-9) if fast is not None else math.inf
     limit = budget_bytes
     for _ in range(3):
-        schedule, gap, status = _Program(problem, limit).run(time_limit, mip_rel_gap)
+        schedule, gap, status = _Program(problem, limit, cutoff).run(time_limit, mip_rel_gap)
         verdict = "optimal" if status == 0 else "stopped at the time limit"
-        if schedule is None and not (status == 1 and fast is not None):
+        if schedule is None and fast is not None:
+            verdict = "found none faster" if status == 2 else "stopped at the time limit with none faster"
+            note = f"HiGHS {verdict}: the greedy rule's plan"
+            return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, None, note)
+        if schedule is None:
             infeasible = status == 2
             raise RematValueError(
                 message(
@@ -273,11 +285,9 @@ def solve(
                     "raise the budget or the host budget" if infeasible else "raise time_limit",
                 )
             )
-        found = evaluate(problem, schedule) if schedule is not None else None
-        if fast is not None and (found is None or fast.total_cost < found.total_cost):
+        if fast is not None and fast.total_cost < evaluate(problem, schedule).total_cost:  # within the gap
             note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan was faster"
             return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, gap, note)
-        assert schedule is not None
         note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
         result = offload_solution(problem, schedule, "offload_milp", budget_bytes, gap, note)
         if result.predicted_peak_bytes <= budget_bytes:
