@@ -14,9 +14,10 @@ enumeration: ``tests/planner/test_offload_milp_exact.py``). HiGHS solves it thro
 re-evaluated by ``remat.planner.offload_model``.
 
 The price of exactness is size and a weak relaxation (the stream rows hold through big-M terms):
-on a tiny GPT-2's 50 movable tensors in 48 steps HiGHS takes seconds where the earlier program
-(each copy within one step, ``per_move`` left out) took one, and may stop at its time limit with a
-plan the greedy rule beats (benchmarks/offload/README.md); ``offload_search`` keeps both.
+on a tiny GPT-2's 50 movable tensors in 46 steps HiGHS takes seconds where the earlier program
+(each copy within one step, ``per_move`` left out) took one, and may stop at its time limit
+(benchmarks/offload/README.md). So ``solve`` bounds the program's time by the greedy rule's plan
+(scipy's HiGHS takes no starting plan) and answers that plan where HiGHS finds none faster.
 
 NOTE [offload MILP] Binaries r_k (stage k recomputed, k < n-1), and per movable item i: w[i,s]
 (its copy out issued in step s, stage_i < s < need_i - 1), x[i,g] (it leaves after step g, the
@@ -43,9 +44,10 @@ of the model:
 - host: sum_i m_i sum_s w[i,s] <= host_budget.
 M is the sum of every duration in the problem (every compute, replay, per-move charge and copy),
 which no time of the model exceeds. The rows only bound the times from below and each is the
-model's max-plus recurrence, so for fixed binaries the least E_{last} is the model's time.
-Objective: E_{last}, plus a trifle per move (``_TRIFLE`` of its link time, so that of equally fast
-plans the one moving least wins); ``mip_rel_gap`` is relative to the whole step's time.
+model's max-plus recurrence, so for fixed binaries the least E_{last} is the model's time. With
+the greedy rule's plan at hand, also E_{last} <= its time. Objective: E_{last}, plus a trifle per
+move (``_TRIFLE`` of its link time, so that of equally fast plans the one moving least wins);
+``mip_rel_gap`` is relative to the whole step's time.
 """
 
 from __future__ import annotations
