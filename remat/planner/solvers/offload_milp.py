@@ -79,7 +79,8 @@ Issued = list[list[tuple[int, int, float]]]  # per step: (item, column, seconds)
 
 
 class _Program:
-    """Columns and rows of NOTE [offload MILP] for one problem and budget."""
+    """Columns and rows of NOTE [offload MILP] for one problem, budget and bound on the time
+    (``cutoff``, seconds; ``math.inf`` for none)."""
 
     def __init__(self, problem: OffloadProblem, budget: int, cutoff: float) -> None:
         self.problem = problem
