@@ -46,8 +46,12 @@ M is the sum of every duration in the problem (every compute, replay, per-move c
 which no time of the model exceeds. The rows only bound the times from below and each is the
 model's max-plus recurrence, so for fixed binaries the least E_{last} is the model's time. With
 the greedy rule's plan at hand, also E_{last} <= its time. Objective: E_{last}, plus a trifle per
-move (``_TRIFLE`` of its link time, so that of equally fast plans the one moving least wins);
-``mip_rel_gap`` is relative to the whole step's time.
+move (``_TRIFLE`` of its link time, so that of equally fast plans the one moving least wins) and a
+smaller one per x[i,g] growing with g (so that a move leaves at the earliest step that costs no
+time); ``mip_rel_gap`` is relative to the whole step's time. Each memory and host row is in units
+of its largest term, so that HiGHS's feasibility tolerance (relative to the row) lets a fraction of
+an item's bytes over, not of the budget; a schedule still over is repaired (its moves leaving
+sooner) or cut off and solved again (``solve``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ __all__ = ["solve"]
 # what a move costs in the objective, as a share of its link time: so that of plans of equal time
 # the one moving least wins (the optimum is the model's up to this share of the link time moved)
 _TRIFLE = 1e-3
+_SAME = 1e-9  # times this close, relative, are one
+_TRIES = 3  # HiGHS solves, each cutting off the schedules before it found over the budget
 
 Terms = dict[int, float]
 Issued = list[list[tuple[int, int, float]]]  # per step: (item, column, seconds) of the copies issued, by item
@@ -110,9 +116,11 @@ class _Program:
         outs: Issued = [[] for _ in range(steps)]
         backs: Issued = [[] for _ in range(steps)]
         for i in movable:
+            span = items[i].need - items[i].stage
             for s in range(items[i].stage + 1, items[i].need - 1):
                 self.w[i][s] = self.column(_TRIFLE * d2h[i])
-                self.x[i][s] = self.column()
+                # leaving later costs a trifle too: of equal plans, the one holding the device least
+                self.x[i][s] = self.column(_TRIFLE * d2h[i] * (s - items[i].stage) / span)
                 outs[s].append((i, self.w[i][s], d2h[i]))
             for s in range(items[i].stage + 2, items[i].need):
                 self.v[i][s] = self.column()
@@ -152,11 +160,15 @@ class _Program:
                     memory[s][self.r[it.stage]] = memory[s].get(self.r[it.stage], 0.0) - it.nbytes
                 memory[s].update({c: -float(it.nbytes) for g, c in self.x.get(i, {}).items() if g < s})
                 memory[s].update({c: float(it.nbytes) for b, c in self.v.get(i, {}).items() if b <= s})
+        # each row in units of its largest term: HiGHS's feasibility tolerance, relative to the
+        # row, then lets a fraction of the largest item over, not of the budget
         for s in range(steps):
             if memory[s] or fixed[s] > budget:
-                self.at_most({c: b / budget for c, b in memory[s].items()}, 1.0 - fixed[s] / budget)
+                unit = max(map(abs, memory[s].values()), default=float(budget))
+                self.at_most({c: b / unit for c, b in memory[s].items()}, (budget - fixed[s]) / unit)
         if host is not None and on_host:
-            self.at_most(on_host, float(host))
+            unit = max(on_host.values())
+            self.at_most({c: b / unit for c, b in on_host.items()}, host / unit)
 
     def column(self, cost: float = 0.0) -> int:
         """A binary."""
@@ -220,6 +232,15 @@ class _Program:
             gone_before = {c: -1.0 for t, c in gones.items() if t < s}
             self.at_most({**{c: 1.0 for t, c in backs.items() if t <= s}, **gone_before}, 0.0)
 
+    def exclude(self, schedule: OffloadSchedule) -> None:
+        """Cut off the binaries of ``schedule`` (as ``run`` found it: every ``gone`` a step)."""
+        ones = {self.r[k] for k in schedule.recompute}
+        for m in schedule.moves:
+            assert m.gone is not None
+            ones |= {self.w[m.item][m.out], self.x[m.item][m.gone], self.v[m.item][m.back]}
+        binaries = [c for c, integer in enumerate(self.integer) if integer]
+        self.at_most({c: 1.0 if c in ones else -1.0 for c in binaries}, len(ones) - 1.0)
+
     def run(self, time_limit: float, gap: float) -> tuple[OffloadSchedule | None, float, int]:
         """The schedule HiGHS found (None when none), its MIP gap and scipy's status."""
         # scipy (HiGHS) loads when a plan is solved, not when remat is imported
@@ -264,21 +285,25 @@ def solve(
     """The fastest three-way schedule of ``problem`` whose peak fits ``budget_bytes`` under NOTE
     [offload model], within ``time_limit`` seconds and ``mip_rel_gap``. It is never predicted
     slower than the greedy rule's plan: that plan's time bounds the program's (scipy's HiGHS takes
-    no starting plan), and it is the answer where HiGHS finds none faster (stopped at the time
-    limit, or having proved there is none) or a slower one (within the gap or ``_TRIFLE``)."""
+    no starting plan), and it is the answer where it already takes the plain step's time (the
+    least any plan can), where HiGHS finds none faster (stopped at the time limit, or having proved
+    there is none) or where HiGHS's is no better on the program's objective (time plus the trifle
+    per move: of equally fast plans, the one moving least)."""
     fast = _greedy(problem, budget_bytes)
+    if fast is not None and fast.total_cost <= problem.base_cost * (1 + _SAME):
+        note = "the greedy rule's plan takes the plain step's time, the least any plan can"
+        return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, 0.0, note)
     # no plan slower than the greedy rule's is wanted: HiGHS searches the faster ones only, and
     # finding none proves the greedy rule's plan the fastest
-    cutoff = fast.total_cost * (1 + 1e-9) if fast is not None else math.inf
-    limit = budget_bytes
-    for _ in range(3):
-        schedule, gap, status = _Program(problem, limit, cutoff).run(time_limit, mip_rel_gap)
+    program = _Program(problem, budget_bytes, fast.total_cost * (1 + _SAME) if fast is not None else math.inf)
+    for _ in range(_TRIES):
+        found, gap, status = program.run(time_limit, mip_rel_gap)
         verdict = "optimal" if status == 0 else "stopped at the time limit"
-        if schedule is None and fast is not None:
+        if found is None and fast is not None:
             verdict = "found none faster" if status == 2 else "stopped at the time limit with none faster"
             note = f"HiGHS {verdict}: the greedy rule's plan"
             return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, None, note)
-        if schedule is None:
+        if found is None:
             infeasible = status == 2
             raise RematValueError(
                 message(
@@ -288,15 +313,18 @@ def solve(
                     "raise the budget or the host budget" if infeasible else "raise time_limit",
                 )
             )
-        if fast is not None and fast.total_cost < evaluate(problem, schedule).total_cost:  # within the gap
-            note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan was faster"
-            return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, gap, note)
-        note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
-        result = offload_solution(problem, schedule, "offload_milp", budget_bytes, gap, note)
-        if result.predicted_peak_bytes <= budget_bytes:
-            return result
-        # HiGHS's feasibility tolerance let a schedule a few bytes over through: tighten and retry
-        limit -= result.predicted_peak_bytes - budget_bytes + 1
+        schedule = _repaired(problem, found, budget_bytes)
+        cost = evaluate(problem, schedule)
+        host = problem.host_budget
+        if cost.peak_bytes <= budget_bytes and (host is None or cost.host_bytes <= host):
+            if fast is not None and objective(problem, fast.offload) <= objective(problem, schedule):
+                note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan was as fast"
+                return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, gap, note)
+            note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
+            return offload_solution(problem, schedule, "offload_milp", budget_bytes, gap, note)
+        # HiGHS's feasibility tolerance let a schedule a few bytes over through, and moving its
+        # items off sooner did not bring it in: cut that schedule off and solve again
+        program.exclude(found)
     if fast is not None:
         note = "HiGHS's plans kept passing the budget: the greedy rule's plan"
         return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, None, note)
@@ -308,6 +336,33 @@ def solve(
             "use solver='offload_greedy'",
         )
     )
+
+
+def objective(problem: OffloadProblem, schedule: OffloadSchedule) -> float:
+    """The program's objective in seconds: the schedule's time plus the trifle per move."""
+    moved = (problem.link.d2h_seconds(problem.items[m.item].nbytes) for m in schedule.moves)
+    return evaluate(problem, schedule).total_cost + _TRIFLE * math.fsum(moved)
+
+
+def _repaired(problem: OffloadProblem, schedule: OffloadSchedule, budget_bytes: int) -> OffloadSchedule:
+    """``schedule`` where its peak is over ``budget_bytes`` (HiGHS's tolerances let a few bytes
+    through, and nothing in its time keeps a move's ``gone`` at the earliest step): each move
+    leaving at the earliest step (``None`` first) that raises neither the time nor the peak, until
+    the peak fits."""
+    cost = evaluate(problem, schedule)
+    for k, m in enumerate(schedule.moves):
+        if cost.peak_bytes <= budget_bytes:
+            break
+        for gone in (None, *range(m.out, m.gone if m.gone is not None else m.out)):
+            moves = (*schedule.moves[:k], Move(m.item, m.out, m.back, gone), *schedule.moves[k + 1 :])
+            trial = OffloadSchedule(schedule.recompute, moves)
+            trial_cost = evaluate(problem, trial)
+            if trial_cost.total_cost <= cost.total_cost and trial_cost.peak_bytes <= cost.peak_bytes:
+                if sum(trial_cost.memory) >= sum(cost.memory):
+                    continue
+                schedule, cost = trial, trial_cost
+                break
+    return schedule
 
 
 def _greedy(problem: OffloadProblem, budget_bytes: int) -> OffloadSolution | None:
