@@ -170,10 +170,9 @@ def test_the_milp_stopped_at_its_time_limit_is_no_slower_than_the_greedy_rule() 
         assert mine.total_cost <= fast.total_cost
 
 
-def test_a_plan_that_fits_the_budget_exactly_is_found_beside_a_hundred_megabytes_that_stay() -> None:
-    """The budget is 100 MB of pinned weights and 850 B the items share; only the item of 30 B
-    moved out at once (gone the step its copy out is issued in) fits it, to the byte. Rows in units
-    of the budget let HiGHS's tolerance (a millionth of a row) pass a plan 30 B over, leaving later."""
+def weighty_problem() -> OffloadProblem:
+    """100 MB of pinned weights and 880 B of items: at a budget 850 B above the weights, only the
+    item of 30 B moved out at once (gone the step its copy out is issued in) fits, to the byte."""
     chain = Chain.of([0.5, 3.0, 1.0, 0.5], [2.0, 0.5, 0.5, 0.5], [10, 0, 0, 0], [0] * 4, input_bytes=10)
     items = (
         Item("x0", 0, 30, 0, 0, 7, 7),
@@ -183,15 +182,42 @@ def test_a_plan_that_fits_the_budget_exactly_is_found_beside_a_hundred_megabytes
         Item("a4", 4, 100, 1, 3, 4, 6, frozenset({2, 3})),
         Item("weights", 99, 10**8, 1, 3, 4, 6, frozenset({2, 3}), pinned=True),
     )
-    problem = OffloadProblem(chain, items, remat.Link(d2h=400, h2d=200, latency=0.5))
-    budget = 10**8 + 850
-    fits = OffloadSchedule(moves=(Move(0, 1, 6, 1),))
-    assert evaluate(problem, fits).peak_bytes == budget
+    return OffloadProblem(chain, items, remat.Link(d2h=400, h2d=200, latency=0.5))
+
+
+WEIGHTY_BUDGET = 10**8 + 850
+FITS = OffloadSchedule(moves=(Move(0, 1, 6, 1),))
+
+
+def test_a_plan_that_fits_the_budget_to_the_byte_is_found_beside_a_hundred_megabytes_that_stay() -> None:
+    """Rows in units of the budget let HiGHS's tolerance (a millionth of a row) pass a plan 30 B
+    over, its item leaving later; lowering the budget then cut off the plan that fits."""
+    problem, budget = weighty_problem(), WEIGHTY_BUDGET
+    assert evaluate(problem, FITS).peak_bytes == budget
     with pytest.raises(OffloadFailed):
         get("offload_greedy").solve(problem, budget)
     mine = get("offload_milp").solve(problem, budget, time_limit=math.inf)
     assert mine.predicted_peak_bytes <= budget
-    assert mine.total_cost == evaluate(problem, fits).total_cost
+    assert mine.total_cost == evaluate(problem, FITS).total_cost
     alone, _, status = _Program(problem, budget, math.inf).run(math.inf, 1e-4)
     assert status == 0 and alone is not None
     assert evaluate(problem, alone).peak_bytes <= budget
+
+
+def test_a_schedule_over_the_budget_is_repaired_or_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS answering the item leaving three steps late (30 B over, no faster): ``solve`` moves it
+    out sooner. A schedule cut off is not found again."""
+    problem, budget = weighty_problem(), WEIGHTY_BUDGET
+    late = OffloadSchedule(moves=(Move(0, 1, 6, 4),))
+    assert evaluate(problem, late).peak_bytes == budget + 30
+    with monkeypatch.context() as patch:
+        patch.setattr(_Program, "run", lambda *_: (late, 0.0, 0))
+        mine = get("offload_milp").solve(problem, budget)
+    assert mine.predicted_peak_bytes <= budget
+    assert mine.total_cost == evaluate(problem, late).total_cost
+    program = _Program(problem, budget, math.inf)
+    first, _, _ = program.run(math.inf, 1e-9)
+    assert first == FITS
+    program.exclude(first)
+    second, _, _ = program.run(math.inf, 1e-9)
+    assert second != first

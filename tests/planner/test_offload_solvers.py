@@ -1,7 +1,9 @@
 """The three-way solvers on hand-made chains: the MILP's plans are never worse than recomputation
 alone (its space contains those plans), both solvers' copies run over several steps, an infinitely
 fast link reaches budgets recomputation cannot at no cost, a slow one leaves offload out, the host
-budget holds, and the offload model refuses schedules it cannot run."""
+budget holds, and the offload model refuses schedules it cannot run; the MILP answers the greedy
+rule's plan without HiGHS where it takes the plain step's time, and of equally fast plans the one
+moving least."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from remat.planner.offload_model import (
     backward_step,
     evaluate,
 )
-from remat.planner.solvers import get
+from remat.planner.solvers import get, offload_milp
 from remat.planner.solvers.offload_greedy import OffloadFailed
 from remat.planner.types import Chain
 from remat.policy import Decision
@@ -159,3 +161,33 @@ def test_the_solvers_refuse_other_problems() -> None:
     chain = Chain.of([1.0], [1.0], [1], [1])
     with pytest.raises(remat.RematTypeError, match="takes a OffloadProblem"):
         get("offload_milp").solve(chain, 10)
+
+
+def test_the_milp_answers_the_greedy_rules_plan_at_once_where_it_takes_the_plain_steps_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No plan is faster than the plain step's compute, so HiGHS is not asked."""
+
+    def never(*_: object) -> None:
+        raise AssertionError("HiGHS was asked")
+
+    monkeypatch.setattr(offload_milp._Program, "run", never)
+    problem = chain_problem(8, FAST, internal=100, output=400)
+    fast = get("offload_greedy").solve(problem, 2400)
+    assert fast.total_cost == problem.base_cost
+    plan = get("offload_milp").solve(problem, 2400)
+    assert plan.offload == fast.offload and plan.gap == 0.0
+
+
+def test_of_equally_fast_plans_the_milp_answers_the_one_moving_least(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS (within its gap) answering the greedy rule's plan with one more move that costs no
+    time: the program's objective (time plus a trifle per move) prefers the greedy rule's."""
+    problem = chain_problem(4, remat.Link(d2h=100, h2d=100, latency=0))
+    fast = get("offload_greedy").solve(problem, 1400)
+    assert fast.offload == OffloadSchedule(frozenset({1}))
+    more = OffloadSchedule(fast.offload.recompute, (Move(0, 1, 4, 3),))
+    assert evaluate(problem, more).total_cost == fast.total_cost > problem.base_cost
+    assert evaluate(problem, more).peak_bytes <= 1400
+    monkeypatch.setattr(offload_milp._Program, "run", lambda *_: (more, 0.0, 0))
+    plan = get("offload_milp").solve(problem, 1400)
+    assert plan.offload == fast.offload
