@@ -2,8 +2,8 @@
 alone (its space contains those plans), both solvers' copies run over several steps, an infinitely
 fast link reaches budgets recomputation cannot at no cost, a slow one leaves offload out, the host
 budget holds, and the offload model refuses schedules it cannot run; the MILP answers the greedy
-rule's plan without HiGHS where it takes the plain step's time, and of equally fast plans the one
-moving least."""
+rule's plan without HiGHS where it takes the plain step's time, of equally fast plans the one
+moving least, and checks the host budget of HiGHS's answer."""
 
 from __future__ import annotations
 
@@ -190,4 +190,17 @@ def test_of_equally_fast_plans_the_milp_answers_the_one_moving_least(monkeypatch
     assert evaluate(problem, more).peak_bytes <= 1400
     monkeypatch.setattr(offload_milp._Program, "run", lambda *_: (more, 0.0, 0))
     plan = get("offload_milp").solve(problem, 1400)
+    assert plan.offload == fast.offload
+
+
+def test_the_milp_checks_the_host_budget_of_what_highs_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS (its tolerance) answering a faster plan 100 B over the host budget: cut off, and the
+    greedy rule's plan answered."""
+    problem = chain_problem(4, FAST, host_budget=300)
+    over = OffloadSchedule(moves=(Move(0, 1, 6, 1), Move(1, 1, 5, 1)))
+    cost = evaluate(problem, over)
+    fast = get("offload_greedy").solve(problem, 1300)
+    assert cost.peak_bytes <= 1300 and cost.host_bytes == 400 and cost.total_cost < fast.total_cost
+    monkeypatch.setattr(offload_milp._Program, "run", lambda *_: (over, 0.0, 0))
+    plan = get("offload_milp").solve(problem, 1300)
     assert plan.offload == fast.offload
