@@ -221,3 +221,15 @@ def test_a_schedule_over_the_budget_is_repaired_or_cut_off(monkeypatch: pytest.M
     program.exclude(first)
     second, _, _ = program.run(math.inf, 1e-9)
     assert second != first
+
+
+def test_an_empty_storage_alone_in_a_steps_memory_row_is_no_trouble() -> None:
+    """A row's unit is its largest term: where the only terms are of 0 bytes (a CUDA kernel's
+    CPU-side seed, say), the budget instead."""
+    chain = Chain.of([1.0] * 3, [2.0] * 3, [10] * 3, [0] * 3, input_bytes=10)
+    items = (Item("seed", 0, 0, 0, 0, 5, 5), Item("x1", 1, 100, 1, 1, 4, 4))
+    problem = OffloadProblem(chain, items, remat.Link(d2h=100, h2d=100, latency=0), host_budget=0)
+    plain = evaluate(problem, OffloadSchedule()).peak_bytes
+    alone, _, status = _Program(problem, plain, math.inf).run(math.inf, 1e-9)
+    assert status == 0 and alone is not None
+    assert evaluate(problem, alone).peak_bytes <= plain

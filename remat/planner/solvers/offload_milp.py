@@ -164,10 +164,10 @@ class _Program:
         # row, then lets a fraction of the largest item over, not of the budget
         for s in range(steps):
             if memory[s] or fixed[s] > budget:
-                unit = max(map(abs, memory[s].values()), default=float(budget))
+                unit = max(map(abs, memory[s].values()), default=0.0) or float(budget)
                 self.at_most({c: b / unit for c, b in memory[s].items()}, (budget - fixed[s]) / unit)
         if host is not None and on_host:
-            unit = max(on_host.values())
+            unit = max(on_host.values()) or 1.0
             self.at_most({c: b / unit for c, b in on_host.items()}, host / unit)
 
     def column(self, cost: float = 0.0) -> int:
@@ -317,7 +317,7 @@ def solve(
         cost = evaluate(problem, schedule)
         host = problem.host_budget
         if cost.peak_bytes <= budget_bytes and (host is None or cost.host_bytes <= host):
-            if fast is not None and objective(problem, fast.offload) <= objective(problem, schedule):
+            if fast is not None and _objective(problem, fast.offload) <= _objective(problem, schedule):
                 note = f"HiGHS {verdict}, MIP gap {gap:.2e}; the greedy rule's plan was as fast"
                 return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, gap, note)
             note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
@@ -338,7 +338,7 @@ def solve(
     )
 
 
-def objective(problem: OffloadProblem, schedule: OffloadSchedule) -> float:
+def _objective(problem: OffloadProblem, schedule: OffloadSchedule) -> float:
     """The program's objective in seconds: the schedule's time plus the trifle per move."""
     moved = (problem.link.d2h_seconds(problem.items[m.item].nbytes) for m in schedule.moves)
     return evaluate(problem, schedule).total_cost + _TRIFLE * math.fsum(moved)
