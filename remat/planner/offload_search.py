@@ -55,10 +55,12 @@ __all__ = [
 ]
 
 _ATTEMPTS = 6
-# ``solver="auto"`` tries the three-way MILP up to this many binaries (about 1 s of HiGHS on a tiny GPT-2's
-# 53 saved tensors in 46 steps, 4,000 binaries)
-_MILP_COLUMNS = 8000
-_AUTO_TIME_LIMIT = 5.0  # seconds per MILP solve when ``solver="auto"`` tries it
+# ``solver="auto"`` tries the three-way MILP up to this many binaries (three per movable tensor and
+# step it may move in, NOTE [offload MILP]): HiGHS takes about 0.5 s on a tiny BERT's 49 movable
+# tensors in 18 steps (1,260 binaries), 2-3 s on a tiny GPT-2's 50 in 46 (3,063), and stops at the
+# time limit on a tiny BiLSTM's 255 in 26 (9,162)
+_MILP_COLUMNS = 4000
+_AUTO_TIME_LIMIT = 2.0  # seconds per MILP solve when ``solver="auto"`` tries it
 _ON_TOP = 4  # recompute-only plans ``solver="auto"`` adds offload to (``on_top``)
 # the ladder of step budgets ``offload_frontier`` searches at, beside recomputation's peaks: rungs
 # at least 1/_RUNGS of the span from the plain peak to recomputation's least peak apart, at most
@@ -185,7 +187,7 @@ def offload_search(
     if not exact:
         solvers = ["offload_greedy"]
     elif solver == "auto":
-        size = sum(2 * (it.need - it.stage) for it in problem.items if it.movable)
+        size = sum(3 * (it.need - it.stage - 2) for it in problem.items if it.movable)
         solvers = ["offload_greedy"] + (["offload_milp"] if size <= _MILP_COLUMNS else [])
         options = {"time_limit": _AUTO_TIME_LIMIT, **options}
     else:

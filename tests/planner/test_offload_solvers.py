@@ -1,8 +1,9 @@
 """The three-way solvers on hand-made chains: the MILP's plans are never worse than recomputation
-alone (its space contains those plans), the greedy rule's copies run over several steps where the
-MILP's stay within one, an infinitely fast link reaches budgets recomputation cannot at no cost, a
-slow one leaves offload out, the host budget holds, and the offload model refuses schedules it
-cannot run."""
+alone (its space contains those plans), both solvers' copies run over several steps, an infinitely
+fast link reaches budgets recomputation cannot at no cost, a slow one leaves offload out, the host
+budget holds, and the offload model refuses schedules it cannot run; the MILP answers the greedy
+rule's plan without HiGHS where it takes the plain step's time, of equally fast plans the one
+moving least, and checks the host budget of HiGHS's answer."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from remat.planner.offload_model import (
     backward_step,
     evaluate,
 )
-from remat.planner.solvers import get
+from remat.planner.solvers import get, offload_milp
 from remat.planner.solvers.offload_greedy import OffloadFailed
 from remat.planner.types import Chain
 from remat.policy import Decision
@@ -70,16 +71,18 @@ def test_milp_is_never_worse_than_recomputation_alone(rate: float, budget: int) 
     assert fast.predicted_peak_bytes <= budget
 
 
-def test_the_greedy_rule_lets_a_copy_run_over_several_steps() -> None:
-    """A copy of an internal tensor takes 3 s each way, longer than any 1 s forward step: the MILP,
-    which places a copy within one step, recomputes more; the greedy rule's copies run over the
-    forward and hide."""
+def test_both_solvers_let_a_copy_run_over_several_steps() -> None:
+    """A copy of an internal tensor takes 3 s each way, longer than any 1 s forward step: both
+    solvers' copies run over the forward and hide, and the MILP's plan is no slower than the
+    greedy rule's."""
     problem = chain_problem(6, remat.Link(d2h=100, h2d=100, latency=0))
     exact = solve("offload_milp", problem, 1600)
     fast = solve("offload_greedy", problem, 1600)
-    assert fast.predicted_peak_bytes <= 1600
-    assert fast.total_cost < exact.total_cost and fast.cost is not None and fast.cost.stall == 0.0
-    assert any(d.action is Decision.OFFLOAD for d in fast.decisions)
+    for plan in (exact, fast):
+        assert plan.predicted_peak_bytes <= 1600
+        assert plan.cost is not None and plan.cost.stall == 0.0
+        assert plan.offload.moves and all(plan.cost.gone_step(m.item) > m.out for m in plan.offload.moves)
+    assert exact.total_cost <= fast.total_cost
 
 
 def test_an_infinitely_fast_link_reaches_budgets_recomputation_cannot_at_no_cost() -> None:
@@ -158,3 +161,46 @@ def test_the_solvers_refuse_other_problems() -> None:
     chain = Chain.of([1.0], [1.0], [1], [1])
     with pytest.raises(remat.RematTypeError, match="takes a OffloadProblem"):
         get("offload_milp").solve(chain, 10)
+
+
+def test_the_milp_answers_the_greedy_rules_plan_at_once_where_it_takes_the_plain_steps_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No plan is faster than the plain step's compute, so HiGHS is not asked."""
+
+    def never(*_: object) -> None:
+        raise AssertionError("HiGHS was asked")
+
+    monkeypatch.setattr(offload_milp._Program, "run", never)
+    problem = chain_problem(8, FAST, internal=100, output=400)
+    fast = get("offload_greedy").solve(problem, 2400)
+    assert fast.total_cost == problem.base_cost
+    plan = get("offload_milp").solve(problem, 2400)
+    assert plan.offload == fast.offload and plan.gap == 0.0
+
+
+def test_of_equally_fast_plans_the_milp_answers_the_one_moving_least(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS (within its gap) answering the greedy rule's plan with one more move that costs no
+    time: the program's objective (time plus a trifle per move) prefers the greedy rule's."""
+    problem = chain_problem(4, remat.Link(d2h=100, h2d=100, latency=0))
+    fast = get("offload_greedy").solve(problem, 1400)
+    assert fast.offload == OffloadSchedule(frozenset({1}))
+    more = OffloadSchedule(fast.offload.recompute, (Move(0, 1, 4, 3),))
+    assert evaluate(problem, more).total_cost == fast.total_cost > problem.base_cost
+    assert evaluate(problem, more).peak_bytes <= 1400
+    monkeypatch.setattr(offload_milp._Program, "run", lambda *_: (more, 0.0, 0))
+    plan = get("offload_milp").solve(problem, 1400)
+    assert plan.offload == fast.offload
+
+
+def test_the_milp_checks_the_host_budget_of_what_highs_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS (its tolerance) answering a faster plan 100 B over the host budget: cut off, and the
+    greedy rule's plan answered."""
+    problem = chain_problem(4, FAST, host_budget=300)
+    over = OffloadSchedule(moves=(Move(0, 1, 6, 1), Move(1, 1, 5, 1)))
+    cost = evaluate(problem, over)
+    fast = get("offload_greedy").solve(problem, 1300)
+    assert cost.peak_bytes <= 1300 and cost.host_bytes == 400 and cost.total_cost < fast.total_cost
+    monkeypatch.setattr(offload_milp._Program, "run", lambda *_: (over, 0.0, 0))
+    plan = get("offload_milp").solve(problem, 1300)
+    assert plan.offload == fast.offload

@@ -1,11 +1,12 @@
 """The fast three-way plan: offload or recompute, cheapest seconds per byte at the peak first.
 
-Why a heuristic beside the MILP: the MILP has a binary per saved tensor and step, too many for a
-ResNet-50's hundreds of saved tensors, while a plan is wanted in a second; and it places each copy
-within one step, where NOTE [offload model]'s streams let a copy run over several. Each round looks
-at the step holding the peak and weighs every action that lowers it: offloading a saved tensor (its
-copy out issued as soon as it is made and leaving when the copy completes, or, where that is after
-the peak, waited for just before it; its copy back issued as late as the link, with the reloads
+Why a heuristic beside the MILP: the MILP, exact for NOTE [offload model], has three binaries per
+saved tensor and step, too many for a ResNet-50's hundreds of saved tensors, while a plan is wanted
+in a second (the MILP is the reference the rule is tested against: on small chains it is never
+predicted slower, ``tests/planner/test_offload_milp_exact.py``). Each round looks at the step
+holding the peak and weighs every action that lowers it: offloading a saved tensor (its copy out
+issued as soon as it is made and leaving when the copy completes, or, where that is after the
+peak, waited for just before it; its copy back issued as late as the link, with the reloads
 already issued, still brings it back before it is needed) or recomputing a stage. The actions are
 ranked by an estimate of their added seconds per byte removed at the peak, read off the current
 plan's timeline; the best few of each kind (more where none of those lowers the peak) are
