@@ -187,7 +187,7 @@ def offload_search(
     if not exact:
         solvers = ["offload_greedy"]
     elif solver == "auto":
-        size = sum(3 * (it.need - it.stage - 2) for it in problem.items if it.movable)
+        size = sum(3 * max(0, it.need - it.stage - 2) for it in problem.items if it.movable)
         solvers = ["offload_greedy"] + (["offload_milp"] if size <= _MILP_COLUMNS else [])
         options = {"time_limit": _AUTO_TIME_LIMIT, **options}
     else:

@@ -233,3 +233,23 @@ def test_an_empty_storage_alone_in_a_steps_memory_row_is_no_trouble() -> None:
     alone, _, status = _Program(problem, plain, math.inf).run(math.inf, 1e-9)
     assert status == 0 and alone is not None
     assert evaluate(problem, alone).peak_bytes <= plain
+
+
+def test_plans_gigabytes_apart_by_tens_of_bytes_end_in_the_one_that_fits() -> None:
+    """Items of 0.3 and 4 GB beside stage outputs of 10-30 B: HiGHS's tolerance passes schedules
+    30 B over the budget, each different in a move that does not change that step's bytes; a cut
+    of only the binaries of the step over the budget removes all of them at once, where a cut of
+    the one schedule let three tries run out and raised."""
+    chain = Chain.of([1.0, 0.25, 3.0], [0.5, 1.0, 2.0], [0, 10, 30], [0, 0, 0], input_bytes=10)
+    items = (
+        Item("x0", 0, 3 * 10**8, 1, 1, 4, 4, frozenset(), True),
+        Item("a1", 1, 4 * 10**9, 0, 1, 4, 5, frozenset({1})),
+        Item("x2", 2, 3 * 10**8, 0, 0, 5, 5, frozenset(), True),
+    )
+    problem = OffloadProblem(chain, items, remat.Link(d2h=4 * 10**9, h2d=2 * 10**9, latency=0.1))
+    budget = 4_300_000_010
+    best = OffloadSchedule(recompute=frozenset({0, 1}))
+    assert evaluate(problem, best).peak_bytes == budget
+    mine = get("offload_milp").solve(problem, budget, time_limit=math.inf, mip_rel_gap=1e-9)
+    assert mine.predicted_peak_bytes <= budget
+    assert mine.total_cost == evaluate(problem, best).total_cost

@@ -78,7 +78,7 @@ __all__ = ["solve"]
 # the one moving least wins (the optimum is the model's up to this share of the link time moved)
 _TRIFLE = 1e-3
 _SAME = 1e-9  # times this close, relative, are one
-_TRIES = 3  # HiGHS solves, each cutting off the schedules before it found over the budget
+_TRIES = 10  # HiGHS solves, each cutting off the schedules before it found over the budget
 
 Terms = dict[int, float]
 Issued = list[list[tuple[int, int, float]]]  # per step: (item, column, seconds) of the copies issued, by item
@@ -162,6 +162,7 @@ class _Program:
                 memory[s].update({c: float(it.nbytes) for b, c in self.v.get(i, {}).items() if b <= s})
         # each row in units of its largest term: HiGHS's feasibility tolerance, relative to the
         # row, then lets a fraction of the largest item over, not of the budget
+        self.memory = memory
         for s in range(steps):
             if memory[s] or fixed[s] > budget:
                 unit = max(map(abs, memory[s].values()), default=0.0) or float(budget)
@@ -232,13 +233,16 @@ class _Program:
             gone_before = {c: -1.0 for t, c in gones.items() if t < s}
             self.at_most({**{c: 1.0 for t, c in backs.items() if t <= s}, **gone_before}, 0.0)
 
-    def exclude(self, schedule: OffloadSchedule) -> None:
-        """Cut off the binaries of ``schedule`` (as ``run`` found it: every ``gone`` a step)."""
+    def exclude(self, schedule: OffloadSchedule, step: int | None = None) -> None:
+        """Cut off the binaries of ``schedule`` (as ``run`` found it: every ``gone`` a step): with
+        ``step``, where it is over the budget, only those of that step's memory row (every schedule
+        that sets them alike holds the same bytes there: all are over), else all of them."""
         ones = {self.r[k] for k in schedule.recompute}
         for m in schedule.moves:
             assert m.gone is not None
             ones |= {self.w[m.item][m.out], self.x[m.item][m.gone], self.v[m.item][m.back]}
-        binaries = [c for c, integer in enumerate(self.integer) if integer]
+        binaries = self.memory[step] if step is not None else [c for c, i in enumerate(self.integer) if i]
+        ones &= set(binaries)
         self.at_most({c: 1.0 if c in ones else -1.0 for c in binaries}, len(ones) - 1.0)
 
     def run(self, time_limit: float, gap: float) -> tuple[OffloadSchedule | None, float, int]:
@@ -288,7 +292,8 @@ def solve(
     no starting plan), and it is the answer where it already takes the plain step's time (the
     least any plan can), where HiGHS finds none faster (stopped at the time limit, or having proved
     there is none) or where HiGHS's is no better on the program's objective (time plus the trifle
-    per move: of equally fast plans, the one moving least)."""
+    per move: of equally fast plans, the one moving least; except where the greedy rule's plan
+    takes the plain step's time, which is answered as is, however many tensors it moves)."""
     fast = _greedy(problem, budget_bytes)
     if fast is not None and fast.total_cost <= problem.base_cost * (1 + _SAME):
         note = "the greedy rule's plan takes the plain step's time, the least any plan can"
@@ -323,8 +328,10 @@ def solve(
             note = f"HiGHS {verdict}, MIP gap {gap:.2e}"
             return offload_solution(problem, schedule, "offload_milp", budget_bytes, gap, note)
         # HiGHS's feasibility tolerance let a schedule a few bytes over through, and moving its
-        # items off sooner did not bring it in: cut that schedule off and solve again
-        program.exclude(found)
+        # items off sooner did not bring it in: cut off what puts it over and solve again
+        memory = evaluate(problem, found).memory
+        over = next((t for t, held in enumerate(memory) if held > budget_bytes), None)
+        program.exclude(found, over)
     if fast is not None:
         note = "HiGHS's plans kept passing the budget: the greedy rule's plan"
         return offload_solution(problem, fast.offload, "offload_milp", budget_bytes, None, note)
