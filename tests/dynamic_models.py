@@ -90,6 +90,16 @@ def _cnn() -> tuple[nn.Module, Batch]:
     return model, batch
 
 
+def conv_relu(convs: int) -> tuple[nn.Module, torch.Tensor]:
+    """``convs`` 3x3 convolutions of 16 channels with ReLUs and a linear head, and a batch of eight
+    16x16 images: a convolution's scratch is the size of its result."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1), nn.ReLU()]
+    for _ in range(convs - 1):
+        layers += [nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(16 * 16 * 16, 1)), torch.randn(8, 3, 16, 16)
+
+
 def _llama() -> tuple[nn.Module, Batch]:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from dynamic_models import conv_relu
 from torch import nn
 
 import remat
@@ -25,22 +26,7 @@ def mlp() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(*layers, nn.Linear(256, 1)), torch.randn(1024, 32)
 
 
-def cnn() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(16 * 16 * 16, 1),
-    )
-    return model, torch.randn(8, 3, 16, 16)
-
-
-MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {"mlp": mlp, "cnn": cnn}
+MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {"mlp": mlp, "cnn": lambda: conv_relu(3)}
 
 # (model, ratio, reserve) -> the error the first budgeted step raises; every other case holds. The
 # CNN's convolutions hold scratch the size of their result beside the arena, which the pool counts
@@ -146,7 +132,7 @@ def test_an_out_form_without_its_own_kernel_holds_its_results_beside_the_arena()
     results beside the arena and copies them in, which must fit there (it passed the budget
     silently before)."""
     _, peak = reference("cnn")  # the kernels' scratch learned first, as a second step would have
-    model, x = cnn()
+    model, x = conv_relu(3)
     region = remat.dynamic(
         int(1.5 * peak), "dtr", backend="arena", keep=model, cost="model", reserve=0.25, thrash_limit=50.0
     )

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from dynamic_models import conv_relu
 from torch import nn
 
 import remat
@@ -20,19 +21,6 @@ from remat.aten import scratch
 UNMEASURED = (
     r"remat\.dynamic: \d+ ops? of this step ran with their kernels' scratch unknown.*learns it when it ends"
 )
-
-
-def cnn() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(16 * 16 * 16, 1),
-    )
-    return model, torch.randn(8, 3, 16, 16)
 
 
 def step(model: nn.Module, x: torch.Tensor) -> None:
@@ -80,7 +68,7 @@ def test_another_threads_account_is_neither_ours_nor_free() -> None:
 def test_scratch_learned_inside_a_track_equals_scratch_learned_outside(
     forgotten: dict[tuple[object, ...], int],
 ) -> None:
-    model, x = cnn()
+    model, x = conv_relu(2)
     with remat.dynamic(None, "dtr", keep=model):
         step(model, x)
     outside = dict(forgotten)
@@ -95,7 +83,7 @@ def test_scratch_learned_inside_a_track_equals_scratch_learned_outside(
 def test_the_step_after_the_track_learned_the_scratch_holds_the_budget(
     forgotten: dict[tuple[object, ...], int],
 ) -> None:
-    model, x = cnn()
+    model, x = conv_relu(2)
     step(model, x)
     plain = [p.grad.clone() for p in model.parameters()]
     free = remat.dynamic(None, "dtr", keep=model, cost="model")
