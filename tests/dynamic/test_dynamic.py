@@ -3,9 +3,13 @@ deciding as the simulator.
 
 Each workload trains two SGD steps (momentum, so the optimizer has state) with the whole step,
 optimizer included, inside a region. Budgets come from the simulator: the region's own trace at no
-budget is run on a ladder of budgets; those under which every step runs without thrashing are
-feasible. Costs come from the cost model (``cost="model"``) so that the decisions, and hence the
-budgets that work, do not depend on timing noise.
+budget is run on a ladder of budgets, as the backend lays memory out (NOTE [model addresses] in
+``remat.core.runtime``: the accounting backend packs its model pool where only its addresses stand
+in the way, the arena's addresses are the memory) and under the runs' thrash limit; those under
+which every step runs are feasible. Where none is, the region must refuse the step with the
+house's error, as the simulator ran out of memory. Costs come from the cost model
+(``cost="model"``) so that the decisions, and hence the budgets that work, do not depend on timing
+noise.
 
 The budget is checked against the CPU allocator's own count (``remat.memory.track(allocator=True)``,
 the profiler's allocation events) around each step's region, plus the bytes of the tensors from
@@ -26,6 +30,7 @@ from dynamic_models import WORKLOADS, Result, assert_same, copies, train
 from torch import nn
 
 import remat
+from remat import RematValueError
 from remat.dynamic import Dynamic, DynamicStats, backends, homes
 from remat.sim.result import Outcome
 from remat.sim.simulate import simulate
@@ -35,6 +40,7 @@ BACKENDS = backends.names()
 LADDER = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 RATIOS = (0.9, 0.7, 0.5)  # checked where feasible, and the smallest feasible one
 STEPS = 2
+THRASH = 50.0  # the runs' thrash limit, and the simulator's when it finds the budgets that work
 ARENA_RESERVE = {"": 0.3, "bilstm": 0.6}  # what lives beside the arena (see ``options``)
 
 
@@ -89,24 +95,19 @@ def reference(name: str) -> tuple[Result, tuple[DynamicStats, ...]]:
     return result, tuple(free.stats)
 
 
-@functools.cache
-def feasible(name: str, policy: str) -> tuple[float, ...]:
-    """The ratios of the ladder under which the simulator runs every step of ``name``, with the
-    pool's addresses as laid out and packed when only they stand in the way (the accounting
-    backend's model, NOTE [model addresses] in ``remat.core.runtime``)."""
+def simulated(name: str, policy: str, backend: str, ratio: float) -> list[Outcome]:
+    """Each step of ``name`` in the simulator at ``ratio`` of the plain peak, as ``backend`` lays
+    memory out (its own ``compact``, NOTE [model addresses]) and under the runs' thrash limit."""
     _, steps = reference(name)
     peak = max(s.peak_bytes for s in steps)
-    found = tuple(
-        ratio
-        for ratio in LADDER
-        if all(
-            simulate(s.trace, int(ratio * peak), policy, 3.0, compact=compact).outcome is Outcome.OK
-            for s in steps
-            for compact in (False, True)
-        )
-    )
-    assert found, f"no budget on the ladder works for {name} with {policy}"
-    return found
+    compact = not backends.get(backend).places
+    return [simulate(s.trace, int(ratio * peak), policy, THRASH, compact=compact).outcome for s in steps]
+
+
+@functools.cache
+def feasible(name: str, policy: str, backend: str) -> tuple[float, ...]:
+    """The ratios of the ladder under which the simulator runs every step of ``name``."""
+    return tuple(r for r in LADDER if all(o is Outcome.OK for o in simulated(name, policy, backend, r)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,14 +116,17 @@ def feasible(name: str, policy: str) -> tuple[float, ...]:
 def test_trains_like_plain_within_the_allocators_budget(name: str, policy: str, backend: str) -> None:
     expected, free = reference(name)
     peak = max(s.peak_bytes for s in free)
-    ratios = feasible(name, policy)
+    ratios = feasible(name, policy, backend)
+    if not ratios:
+        _the_step_is_refused_where_the_simulator_runs_out(name, policy, backend, peak)
+        return
     checked = sorted({r for r in RATIOS if r in ratios} | {min(ratios)}, reverse=True)
     evictions = 0
     for ratio in checked:
         capacity = int(ratio * peak) // homes.ALIGNMENT * homes.ALIGNMENT  # NOTE [alignment] in ``homes``
         budget = budget_of(capacity, name, backend)
         _, model, batch = copies(name)
-        steps = Steps(budget=budget, policy=policy, thrash_limit=50.0, **options(name, backend))
+        steps = Steps(budget=budget, policy=policy, thrash_limit=THRASH, **options(name, backend))
         assert_same(expected, train(model, batch, steps, STEPS))
         for stats, allocated in zip(steps.stats, steps.allocator, strict=True):
             assert stats.capacity == capacity and stats.backend == backend
@@ -130,6 +134,29 @@ def test_trains_like_plain_within_the_allocators_budget(name: str, policy: str, 
             assert allocated + stats.outside_bytes <= budget, (ratio, allocated, stats.outside_bytes, budget)
             evictions += stats.evictions
     assert evictions > 0
+
+
+def _the_step_is_refused_where_the_simulator_runs_out(
+    name: str, policy: str, backend: str, peak: int
+) -> None:
+    """No ratio of the ladder runs (Coop's op-guided placement on the small CNN's second step, whose
+    parameters' new versions lie scattered through the arena): at the top of the ladder the
+    simulator runs out of memory, and the region refuses the step with the house's error and
+    undoes it."""
+    ratio = LADDER[0]
+    assert Outcome.OOM in simulated(name, policy, backend, ratio), simulated(name, policy, backend, ratio)
+    capacity = int(ratio * peak) // homes.ALIGNMENT * homes.ALIGNMENT
+    _, model, batch = copies(name)
+    steps = Steps(
+        budget=budget_of(capacity, name, backend),
+        policy=policy,
+        thrash_limit=THRASH,
+        **options(name, backend),
+    )
+    with pytest.raises(
+        RematValueError, match=r"remat\.dynamic: .* found no contiguous room.*the step was undone"
+    ):
+        train(model, batch, steps, STEPS)
 
 
 # test_evicts_what_the_simulator_evicts: at 0.9 of the unconstrained peak every policy evicts
