@@ -200,13 +200,22 @@ def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
     return {"family": name, "floor": floor, "checkpoint_peak": ck_peak, "capture_s": capture_s, "rows": rows}
 
 
+def _paired(row: dict[str, Any], other: dict[str, Any]) -> str:
+    """``row``'s step time ÷ ``other``'s in the same round: median and range over the rounds."""
+    if "ratios" not in row:
+        return "-"
+    each = [a / b for a, b in zip(row["ratios"], other["ratios"], strict=True)]
+    return f"{statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f})"
+
+
 def table(results: dict[str, Any]) -> str:
     """The README's table, from a ``--out`` file."""
     mib = 2**20
     lines = [
         "| family | plain | checkpoint per layer: peak, overhead | plan's floor: predicted, measured, "
-        "overhead | plan at checkpointing's peak: measured, predicted overhead, overhead |",
-        "|---|---|---|---|---|",
+        "overhead | plan at checkpointing's peak: measured, predicted overhead, overhead "
+        "| plan ÷ checkpointing at its peak, per round: median (range) |",
+        "|---|---|---|---|---|---|",
     ]
     for f in results["families"]:
         rows = f["rows"]
@@ -219,7 +228,8 @@ def table(results: dict[str, Any]) -> str:
             f"| {f['family']} | {rows['plain']['peak'] / mib:.1f} MiB "
             f"| {ck['peak'] / mib:.1f} MiB, {ck['overhead']:.3f} "
             f"| {low['predicted_peak'] / mib:.1f} MiB, {low['peak'] / mib:.1f} MiB, {low['overhead']:.3f} "
-            f"| {at['peak'] / mib:.1f} MiB, {at['predicted_overhead']:.3f}, {at['overhead']:.3f} |"
+            f"| {at['peak'] / mib:.1f} MiB, {at['predicted_overhead']:.3f}, {at['overhead']:.3f} "
+            f"| {_paired(at, ck)} |"
         )
     return "\n".join(lines)
 

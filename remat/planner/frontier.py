@@ -16,8 +16,9 @@ split into its direct submodules, so a plan can recompute a block's MLP and keep
 the plans between "block recomputed" and "block kept" that spare budget buys); ``sqrt`` for every
 segment count of either chain (fewer segments recompute less); ``milp`` on ``_MILP_RUNGS`` budgets
 spread from its smallest to its plain peak (each solve takes seconds); ``auto`` the chain and
-greedy ladders, plain checkpointing (``simple``), the plans near the smallest peak (``floor``) and
-each of those keeping matmul, convolution and attention outputs.
+greedy ladders, plain checkpointing (``simple``), the plans near the smallest peak (``floor``),
+each of those keeping matmul, convolution and attention outputs, and the lowest in peak of all
+those keeping what fits under their own peak (``remat.planner.room``, NOTE [room under the peak]).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from remat.planner.cost_model import ExecutorCost
 from remat.planner.executor_cost import measured
 from remat.planner.lowering import chain_from_trace, dag_from_trace
 from remat.planner.offload_model import OffloadProblem
+from remat.planner.room import filled_all
 from remat.planner.search import (
     Candidate,
     Step,
@@ -206,6 +208,7 @@ def frontier(
             tried += ladder(step, "greedy", problem, {})
         tried += simple(step, chain) + floor(step, chain)
         tried += keeping_compute(step, pareto(tried))
+        tried += filled_all(step, pareto(tried))
     elif solver in ("chain", "greedy"):
         extra = {"single_level": True} if solver == "chain" else {}
         for problem in chains:

@@ -88,16 +88,22 @@ class Step:
                 "make loss_fn call the model",
             )
         self.position = {op.index: p for p, op in enumerate(self.forward)}
+        # NOTE [kept views] the ops that make a storage, the only ones a region keeps: a view kept on
+        # the tape holds its base's whole storage, which the prediction (``kept_values``) counts
+        # as dropped and replayed; replayed from its base, a view costs nothing
+        fresh = {t.id for t in trace.tensors if t.alias_of is None and not t.constant}
+        self.makers = frozenset(op.index for op in self.forward if fresh.intersection(op.outputs))
 
     def region(
         self, name: str, ops: Sequence[int], save: Sequence[int] = ()
     ) -> tuple[Region, RegionOps] | None:
-        """A region over the model's forward ops among trace ops ``ops`` (contiguous), or None."""
+        """A region over the model's forward ops among trace ops ``ops`` (contiguous), or None;
+        of ``save`` it keeps the ``makers`` only (NOTE [kept views])."""
         spots = sorted(self.position[i] for i in ops if i in self.position)
         if not spots:
             return None
         first, last = spots[0], spots[-1]
-        keep = frozenset(self.position[i] for i in save if i in self.position)
+        keep = frozenset(self.position[i] for i in save if i in self.makers)
         members = tuple(self.forward[p].index for p in range(first, last + 1))
         keep_ops = frozenset(self.forward[p].index for p in keep)
         return Region(name, first, last, keep), RegionOps(members, keep_ops)

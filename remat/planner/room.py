@@ -1,0 +1,126 @@
+"""Keep what a plan would replay wherever the step's peak leaves room: a plan filled up to its own peak.
+
+Why after the solvers: a solver's model of the step is coarse (no parameter gradients, one block
+per stage; NOTE [chain model]) and a plain checkpointing plan has no model at all, so a region is
+recomputed whole even where the step never comes near its peak while the region's tensors are
+alive. In a transformer the peak is in the first layers' backward, where every parameter
+gradient exists; the last layers' backward runs first, beside few gradients, so the last regions
+can keep part or all of what they would replay at no cost in peak. Per-layer checkpointing leaves
+that room unused; here the plan is checked on the step itself (``predict``, exact to the byte
+where measured) as it keeps more.
+
+NOTE [room under the peak] For each region, last first (its backward comes first, beside the
+fewest gradients): a region where not even its smallest storage fits keeps nothing more, one
+where all of them fit keeps all; otherwise it keeps the storages it would replay in order of
+replay time per byte (the dearest to make again per byte kept first), as many as keep the plan's
+predicted peak no higher than its own (found by bisection). A region left keeping everything it
+saves is dropped where that is no dearer. The result's peak is the plan's own, whatever the
+budget, so the candidates stay independent of the budget (NOTE [monotone plans]), and the filled
+plan is picked over the plan only where it is predicted cheaper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from remat.planner.predict import Prediction
+from remat.planner.region_model import RegionOps
+from remat.planner.regions import Region
+from remat.planner.search import Candidate, Step, predicted
+
+__all__ = ["filled", "filled_all"]
+
+# how many candidates are filled: the lowest in peak (each costs tens of predictions of the step)
+_FILLED = 4
+
+
+def _spare(step: Step, ops: RegionOps) -> list[int]:
+    """The ops of a region that make a storage autograd saves and that it does not keep yet."""
+    trace = step.trace
+    saved = {trace.root(t) for t in trace.saved}
+    return [
+        i
+        for i in ops.ops
+        if i in step.makers and i not in ops.save and any(t in saved for t in trace.ops[i].outputs)
+    ]
+
+
+def _size(step: Step, i: int) -> int:
+    trace = step.trace
+    return sum(trace.tensors[t].nbytes for t in trace.ops[i].outputs if trace.tensors[t].alias_of is None)
+
+
+def _per_byte(step: Step, i: int) -> float:
+    op = step.trace.ops[i]
+    return (op.cost if step.trace.total_cost > 0 else op.est_cost) / max(_size(step, i), 1)
+
+
+Entry = tuple[Region, RegionOps]
+Kept = tuple[Prediction, Entry]
+
+
+def _keeping(step: Step, regions: list[Entry], g: int, more: Sequence[int], peak: int) -> Kept | None:
+    """Region ``g`` keeping ``more`` as well, where the plan's predicted peak stays within ``peak``."""
+    region, ops = regions[g]
+    made = step.region(region.name, ops.ops, [*ops.save, *more])
+    assert made is not None
+    pred = predicted(step, [*regions[:g], made, *regions[g + 1 :]])
+    return (pred, made) if pred.peak_bytes <= peak else None
+
+
+def _longest(step: Step, regions: list[Entry], g: int, ranking: Sequence[int], peak: int) -> Kept | None:
+    """Region ``g`` keeping the longest head of ``ranking`` within ``peak`` (bisection: keeping
+    more never lowers a peak), or None where not even its first fits."""
+    best, lo, hi = None, 0, len(ranking)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = _keeping(step, regions, g, ranking[:mid], peak)
+        if found is None:
+            hi = mid - 1
+        else:
+            lo, best = mid, found
+    return best
+
+
+def _fill(step: Step, regions: list[Entry], g: int, spare: list[int], peak: int) -> Kept | None:
+    """The most region ``g`` keeps within ``peak`` (NOTE [room under the peak]): nothing where not
+    even its smallest spare storage fits, everything where all of it fits, else the dearest to
+    replay per byte."""
+    if _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak) is None:
+        return None
+    whole = _keeping(step, regions, g, spare, peak)
+    if whole is not None:
+        return whole
+    return _longest(step, regions, g, sorted(spare, key=lambda i: -_per_byte(step, i)), peak)
+
+
+def filled(step: Step, candidate: Candidate) -> Candidate | None:
+    """``candidate`` with its regions keeping what fits under its own predicted peak (NOTE [room
+    under the peak]), or None where that spares nothing."""
+    regions = list(candidate.regions)
+    pred, peak = candidate.pred, candidate.pred.peak_bytes
+    kept = 0
+    for g in reversed(range(len(regions))):
+        spare = _spare(step, regions[g][1])
+        best = _fill(step, regions, g, spare, peak) if spare else None
+        if best is None or best[0].overhead >= pred.overhead:
+            continue
+        kept += len(best[1][1].save) - len(regions[g][1].save)
+        pred, regions[g] = best
+        if not _spare(step, regions[g][1]):
+            rest = [*regions[:g], *regions[g + 1 :]]
+            alone = predicted(step, rest)
+            if alone.peak_bytes <= peak and alone.overhead <= pred.overhead:
+                pred, regions = alone, rest
+    if pred is candidate.pred:
+        return None
+    notes = f"{candidate.notes}, then keeping {kept} more saved tensors where its peak leaves room"
+    return Candidate(candidate.solver, candidate.gap, notes, regions, pred)
+
+
+def filled_all(step: Step, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The ``_FILLED`` candidates with regions of lowest peak, each filled where it has room under
+    its peak (``filled``): a filled plan costs tens of predictions, and the tight budgets, where
+    plans recompute the most, gain the most."""
+    lowest = sorted((c for c in candidates if c.regions), key=lambda c: c.pred.peak_bytes)[:_FILLED]
+    return [f for c in lowest if (f := filled(step, c)) is not None]
