@@ -40,7 +40,11 @@ from run import blocks, per_block_checkpoint  # noqa: E402
 import remat  # noqa: E402
 from remat import zoo  # noqa: E402
 from remat.planner import BudgetTooSmall, Plan, plan_trace, trace_step  # noqa: E402
-from remat.planner.api import block_key  # noqa: E402
+from remat.planner.api import block_key, plan_at  # noqa: E402
+from remat.planner.frontier import frontier  # noqa: E402
+from remat.planner.predict import Prediction  # noqa: E402
+from remat.planner.room import filled  # noqa: E402
+from remat.planner.search import simple  # noqa: E402
 
 Step = tuple[nn.Module, Callable[[nn.Module], torch.Tensor], Callable[[], Any]]
 
@@ -200,6 +204,40 @@ def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
     return {"family": name, "floor": floor, "checkpoint_peak": ck_peak, "capture_s": capture_s, "rows": rows}
 
 
+def predicted_only(name: str, capture_repeats: int) -> str:
+    """A row of the predicted figures (no timed rounds): per-layer checkpointing as remat's own plan
+    (``simple``'s "every layer checkpointed"), the same plan filled up to its peak
+    (``remat.planner.room``), and the plan ``auto`` picks at checkpointing's measured peak."""
+    torch.manual_seed(0)
+    model, loss_of, checkpointed = FAMILIES[name]()
+    model.train()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with checkpointed():
+            loss_of(model).backward()
+
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
+        step()
+    trace = trace_step(model, (), lambda m: loss_of(m), repeats=capture_repeats)
+    key = block_key(model)
+    found = frontier(trace, "auto", key)
+    every = next(c for c in simple(found.step, found.chain) if c.notes == "every layer checkpointed")
+    full = filled(found.step, every)
+    picked = plan_at(found, tracked.peak_bytes)
+    base = every.pred.base_cost
+
+    def figures(p: Prediction) -> str:
+        return f"{p.overhead:.3f} ({p.recompute_cost / base:.3f} + {p.executor_cost / base:.3f})"
+
+    mib = 2**20
+    return (
+        f"| {name} | {tracked.peak_bytes / mib:.1f} MiB | {every.pred.peak_bytes / mib:.1f} MiB, "
+        f"{figures(every.pred)} | {figures(full.pred) if full else '-'} "
+        f"| {picked.predicted_peak_bytes / mib:.1f} MiB, {picked.predicted_overhead:.3f} |"
+    )
+
+
 def _paired(row: dict[str, Any], other: dict[str, Any]) -> str:
     """``row``'s step time ÷ ``other``'s in the same round: median and range over the rounds."""
     if "ratios" not in row:
@@ -241,11 +279,22 @@ def main() -> None:
     parser.add_argument("--capture-repeats", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("--table", help="print the README's table from this --out file and stop")
+    parser.add_argument("--predicted", action="store_true", help="the predicted figures only, as a table")
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return
     torch.set_num_threads(1)
+    if args.predicted:
+        print(
+            "| family | checkpoint per layer, measured peak | as remat's plan: predicted peak, overhead "
+            "(replay + executor) | filled up to its peak: overhead (replay + executor) "
+            "| picked at checkpointing's peak: predicted peak, overhead |"
+        )
+        print("|---|---|---|---|---|")
+        for name in args.families:
+            print(predicted_only(name, args.capture_repeats), flush=True)
+        return
     import transformers
 
     results = {

@@ -88,9 +88,10 @@ class Step:
                 "make loss_fn call the model",
             )
         self.position = {op.index: p for p, op in enumerate(self.forward)}
-        # NOTE [kept views] the ops that make a storage, the only ones a region keeps: a view kept on
-        # the tape holds its base's whole storage, which the prediction (``kept_values``) counts
-        # as dropped and replayed; replayed from its base, a view costs nothing
+        # NOTE [kept views] the ops that make a storage, the only ones a region keeps: an output
+        # sharing its input's storage though the schema does not say so (``_unsafe_view``) is new
+        # to the tape, which keeps it and its base's whole storage, that the prediction
+        # (``kept_values``) counts as dropped and replayed; replayed from its base it costs nothing
         fresh = {t.id for t in trace.tensors if t.alias_of is None and not t.constant}
         self.makers = frozenset(op.index for op in self.forward if fresh.intersection(op.outputs))
 
