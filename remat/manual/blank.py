@@ -15,7 +15,10 @@ counts the snapshot to the region's end for such a write.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Collection
+
+import torch
 
 from remat import aten
 from remat.manual.tape import Node, Slice, Step, Tape, _keys, written_from
@@ -26,12 +29,15 @@ __all__ = ["blank_writes"]
 def blank_writes(tape: Tape, cut: Slice, also: Collection[int]) -> Slice:
     """``cut`` (sliced from ``tape`` after running the nodes ``also``) with its hidden writes that
     need no snapshot made blank."""
+    if not any(w.clone for step in cut.steps for w in step.node.writes):
+        return cut
     index = {id(node): i for i, node in enumerate(tape.nodes)}
+    readers = _Readers(tape)
     steps: list[Step] = []
     let_go: set[int] = set()
     for step in cut.steps:
         i = index[id(step.node)]
-        node, olds = (step.node, []) if i in also else _blanked(tape, step.node, i, cut.targets)
+        node, olds = (step.node, []) if i in also else _blanked(tape, readers, step.node, i, cut.targets)
         steps.append(Step(node, (*step.free, *olds)))
         let_go.update(olds)
     if not let_go:
@@ -40,7 +46,38 @@ def blank_writes(tape: Tape, cut: Slice, also: Collection[int]) -> Slice:
     return dataclasses.replace(cut, steps=tuple(steps), kept=kept)
 
 
-def _blanked(tape: Tape, node: Node, i: int, wanted: frozenset[int]) -> tuple[Node, list[int]]:
+class _Readers:
+    """Which nodes of a tape read each value, each value's tensor, and the values the tape keeps
+    on each storage: indexed once per slice, so that each write asks in constant time (a scan of
+    the tape per write made a region of many batch norms quadratic)."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.nodes: dict[int, set[int]] = {}
+        for j, node in enumerate(tape.nodes):
+            for vid in node.reads:
+                self.nodes.setdefault(vid, set()).add(j)
+        self.tensor: dict[int, weakref.ref[torch.Tensor]] = {}
+        for ref, vid in tape._ids.values():
+            self.tensor.setdefault(vid, ref)
+        self.kept: dict[int, list[int]] = {}
+        for vid, (t, _) in tape.kept.items():
+            self.kept.setdefault(t.untyped_storage().data_ptr(), []).append(vid)
+
+    def elsewhere(self, old: int, new: int, i: int) -> bool:
+        """Whether a node other than the ``i``-th reads the value before (``old``) or after
+        (``new``) the write, or another tensor from outside the region on the same storage (a
+        view of the statistics taken before the region)."""
+        values = {old, new}
+        ref = self.tensor.get(new)
+        written = ref() if ref is not None else None
+        if written is not None:
+            values.update(self.kept.get(written.untyped_storage().data_ptr(), ()))
+        return any(self.nodes.get(v, set()) - {i} for v in values)
+
+
+def _blanked(
+    tape: Tape, readers: _Readers, node: Node, i: int, wanted: frozenset[int]
+) -> tuple[Node, list[int]]:
     """``node`` with its blank writes, and the value ids whose snapshots they let go."""
     if not any(w.clone for w in node.writes):
         return node, []
@@ -48,7 +85,7 @@ def _blanked(tape: Tape, node: Node, i: int, wanted: frozenset[int]) -> tuple[No
     writes, olds = [], []
     for w in node.writes:
         old = written_from(node, w)
-        if w.clone and w.key in hidden and w.vid not in wanted and not _read_elsewhere(tape, old, w.vid, i):
+        if w.clone and w.key in hidden and w.vid not in wanted and not readers.elsewhere(old, w.vid, i):
             snapshot = tape.kept[old][0]
             # geometry only: an op here would reach a dispatch mode still open (the plan's runner)
             blank = (tuple(snapshot.shape), tuple(snapshot.stride()), snapshot.dtype, snapshot.device)
@@ -56,15 +93,3 @@ def _blanked(tape: Tape, node: Node, i: int, wanted: frozenset[int]) -> tuple[No
             olds.append(old)
         writes.append(w)
     return node._replace(writes=tuple(writes)), olds
-
-
-def _read_elsewhere(tape: Tape, old: int, new: int, i: int) -> bool:
-    """Whether a node of ``tape`` other than the ``i``-th reads the value before (``old``) or after
-    (``new``) the write, or another tensor from outside the region on the same storage (a view of
-    the statistics taken before the region)."""
-    values = {old, new}
-    written = next((ref() for ref, vid in tape._ids.values() if vid == new), None)
-    if written is not None:
-        storage = written.untyped_storage().data_ptr()
-        values.update(vid for vid, (t, _) in tape.kept.items() if t.untyped_storage().data_ptr() == storage)
-    return any(not values.isdisjoint(node.reads) for j, node in enumerate(tape.nodes) if j != i)

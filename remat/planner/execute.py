@@ -89,8 +89,8 @@ class _Runner(TorchDispatchMode):
         self.open: Region | None = None
         self.tape: Tape | None = None
         self.region: TapedRegion | None = None
+        self.model = model
         self.top = type(model).__name__
-        self.names = {m: name or self.top for name, m in model.named_modules()}
         self.pushed = False
         # overload -> its name, or "" for what is neither counted nor checked
         self.op_names: dict[Any, str] = {}
@@ -151,11 +151,12 @@ class _Runner(TorchDispatchMode):
     def _running_module(self) -> str:
         """The innermost module of this model whose forward is on the Python stack (only looked
         up for an error: module hooks on every call would cost every forward)."""
+        names = {m: name or self.top for name, m in self.model.named_modules()}
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and owner in self.names:
-                return self.names[owner]
+            if isinstance(owner, nn.Module) and owner in names:
+                return names[owner]
             frame = frame.f_back
         return self.top
 
