@@ -28,7 +28,7 @@ from remat.aten.schema import (
     writes_hidden,
     written_tensors,
 )
-from remat.aten.tensors import Geometry, describe, dtype_name, geometry, storage_of
+from remat.aten.tensors import Geometry, describe, dtype_name, geometry, sharing, storage_of
 
 __all__ = [
     "METADATA_PACKETS",
@@ -45,6 +45,7 @@ __all__ = [
     "geometry",
     "replayed",
     "restore",
+    "sharing",
     "source_of",
     "state_nbytes",
     "storage_of",

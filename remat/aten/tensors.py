@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,6 +24,19 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def sharing(out: torch.Tensor, args: Sequence[Any]) -> int:
+    """The position of the tensor in ``args`` whose storage ``out`` shares, or -1: a result a
+    schema promises new may be a view all the same (``_unsafe_view``)."""
+    storage = storage_of(out)
+    if storage is None or storage.nbytes() == 0:
+        return -1
+    ptr = storage.data_ptr()
+    for k, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and (s := storage_of(a)) is not None and s.data_ptr() == ptr:
+            return k
+    return -1
 
 
 @functools.cache  # a dispatch mode names the dtype of every new tensor

@@ -61,7 +61,8 @@ class _Readers:
             self.tensor.setdefault(vid, ref)
         self.kept: dict[int, list[int]] = {}
         for vid, (t, _) in tape.kept.items():
-            self.kept.setdefault(t.untyped_storage().data_ptr(), []).append(vid)
+            if (storage := aten.storage_of(t)) is not None:  # none: sparse and nested tensors
+                self.kept.setdefault(storage.data_ptr(), []).append(vid)
 
     def elsewhere(self, old: int, new: int, i: int) -> bool:
         """Whether a node other than the ``i``-th reads the value before (``old``) or after
@@ -70,8 +71,9 @@ class _Readers:
         values = {old, new}
         ref = self.tensor.get(new)
         written = ref() if ref is not None else None
-        if written is not None:
-            values.update(self.kept.get(written.untyped_storage().data_ptr(), ()))
+        storage = aten.storage_of(written) if written is not None else None
+        if storage is not None:
+            values.update(self.kept.get(storage.data_ptr(), ()))
         return any(self.nodes.get(v, set()) - {i} for v in values)
 
 

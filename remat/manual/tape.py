@@ -17,7 +17,8 @@ Value ids
 
 NOTE [aliasing]
     Values that share storage form a *group*: a view joins the group of the tensor it views (read
-    from the op schema), anything else starts its own. An in-place op writes the whole group, so
+    from the op schema, or found on an argument's storage where the schema promises a new tensor:
+    ``_unsafe_view``), anything else starts its own. An in-place op writes the whole group, so
     every later op that reads a member of the group replays after it (``Node.after``). A write to
     an external is replayed into a clone of a snapshot taken just before the write, so replay never
     touches parameters or batch-norm running statistics, and earlier reads replay against the value
@@ -231,6 +232,7 @@ class Tape:
         self,
         o: Any,
         alias: tuple[int, str] | None,
+        args: tuple[Any, ...],
         targs: tuple[Any, ...],
         fresh: list[tuple[int, torch.Tensor]],
     ) -> int:
@@ -242,6 +244,8 @@ class Tape:
         group = -1
         if alias is not None and alias[0] < len(targs) and type(targs[alias[0]]) is Ref:
             group = self.group[targs[alias[0]].vid]
+        elif alias is None and (k := aten.sharing(o, args)) >= 0 and type(targs[k]) is Ref:
+            group = self.group[targs[k].vid]
         vid = self._bind(o, len(self.nodes), group)
         fresh.append((vid, o))
         return vid
@@ -282,9 +286,9 @@ class Tape:
         outs: int | tuple[int, ...]
         if isinstance(out, (tuple, list)):
             aliases = info.aliases if len(info.aliases) == len(out) else info.aliases[:1] * len(out)
-            outs = tuple(self._output(o, a, targs, fresh) for o, a in zip(out, aliases, strict=True))
+            outs = tuple(self._output(o, a, args, targs, fresh) for o, a in zip(out, aliases, strict=True))
         else:
-            outs = self._output(out, info.aliases[0] if info.aliases else None, targs, fresh)
+            outs = self._output(out, info.aliases[0] if info.aliases else None, args, targs, fresh)
         owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid]
         if owned:
             self._decide(info, owned, (func, args, kwargs))

@@ -139,7 +139,7 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
     ops, modules = [op.name for op in forward], [op.module for op in forward]
     whole = Region("calibration", 0, len(forward) - 1)
     made = {trace.root(t) for op in forward for t in op.outputs}
-    moved = len(made & {trace.root(t) for t in trace.saved})
+    moved = len(made & trace.saved_roots)
     work = predict(trace, [RegionOps(tuple(op.index for op in forward))]).work
     figures = _median_step(
         model,

@@ -95,7 +95,7 @@ def chain_from_trace(
             out[k] += trace.tensors[r].nbytes
     out[-1] += sum(trace.tensors[t].nbytes for t in ops[-1].outputs if t in made_in)
     saved = [0] * n
-    for r in {trace.root(t) for t in trace.saved}:
+    for r in trace.saved_roots:
         if r in made_in and last_read.get(r, made_in[r]) == made_in[r]:
             saved[made_in[r]] += trace.tensors[r].nbytes
     stages_by_key: dict[str, list[int]] = {}

@@ -61,7 +61,7 @@ def offload_problem(
             owners = stages_by_name.get(block(op.module) or top, [])
             current = owners[0] if len(owners) == 1 else current
             back_stage[op.index] = current
-    saved = {trace.root(t) for t in trace.saved}
+    saved = trace.saved_roots
     maker: dict[int, int] = {}
     readers: dict[int, set[int]] = {}
     backward: dict[int, list[int]] = {}

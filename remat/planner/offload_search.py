@@ -284,9 +284,7 @@ def mark(
     model made, by storage) with the moved ones OFFLOAD."""
     trace = step.trace
     made = {r for op in step.forward for r in op.outputs}
-    roots = [
-        r for r in sorted({trace.root(t) for t in trace.saved}) if not trace.tensors[r].constant and r in made
-    ]
+    roots = [r for r in sorted(trace.saved_roots) if not trace.tensors[r].constant and r in made]
     why = dict(chosen.reasons)
     return tuple(
         dataclasses.replace(t, action=Decision.OFFLOAD, reason=why[r]) if r in why else t

@@ -12,11 +12,11 @@ where measured) as it keeps more.
 NOTE [room under the peak] For each region, last first (its backward comes first, beside the
 fewest gradients): a region where not even its smallest storage fits keeps nothing more, one
 where all of them fit keeps all; otherwise it keeps the storages it would replay in order of
-replay time per byte (the dearest to make again per byte kept first), as many as keep the plan's
-predicted peak no higher than its own (found by bisection). A region left keeping everything it
-saves is dropped where that is no dearer. The result's peak is the plan's own, whatever the
-budget, so the candidates stay independent of the budget (NOTE [monotone plans]), and the filled
-plan is picked over the plan only where it is predicted cheaper.
+the time of the op that makes them per byte (the dearest to make again per byte kept first), as
+many as keep the plan's predicted peak no higher than its own (found by bisection). A region left
+keeping everything it saves is dropped where that is no dearer. The result's peak is at most the
+plan's own, whatever the budget, so the candidates stay independent of the budget (NOTE
+[monotone plans]), and the filled plan is picked over the plan only where it is predicted cheaper.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _FILLED = 4
 def _spare(step: Step, ops: RegionOps) -> list[int]:
     """The ops of a region that make a storage autograd saves and that it does not keep yet."""
     trace = step.trace
-    saved = {trace.root(t) for t in trace.saved}
+    saved = trace.saved_roots
     return [
         i
         for i in ops.ops
@@ -69,8 +69,9 @@ def _keeping(step: Step, regions: list[Entry], g: int, more: Sequence[int], peak
 
 
 def _longest(step: Step, regions: list[Entry], g: int, ranking: Sequence[int], peak: int) -> Kept | None:
-    """Region ``g`` keeping the longest head of ``ranking`` within ``peak`` (bisection: keeping
-    more never lowers a peak), or None where not even its first fits."""
+    """Region ``g`` keeping the longest head of ``ranking`` within ``peak``, found by bisection, or
+    None: a heuristic, since keeping more can lower a peak too (a kept tensor spares its replay),
+    but each head it returns is checked on the prediction."""
     best, lo, hi = None, 0, len(ranking)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -85,13 +86,14 @@ def _longest(step: Step, regions: list[Entry], g: int, ranking: Sequence[int], p
 def _fill(step: Step, regions: list[Entry], g: int, spare: list[int], peak: int) -> Kept | None:
     """The most region ``g`` keeps within ``peak`` (NOTE [room under the peak]): nothing where not
     even its smallest spare storage fits, everything where all of it fits, else the dearest to
-    replay per byte."""
-    if _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak) is None:
+    replay per byte (or the smallest alone, where not even the dearest fits)."""
+    smallest = _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak)
+    if smallest is None:
         return None
     whole = _keeping(step, regions, g, spare, peak)
     if whole is not None:
         return whole
-    return _longest(step, regions, g, sorted(spare, key=lambda i: -_per_byte(step, i)), peak)
+    return _longest(step, regions, g, sorted(spare, key=lambda i: -_per_byte(step, i)), peak) or smallest
 
 
 def filled(step: Step, candidate: Candidate) -> Candidate | None:

@@ -149,7 +149,7 @@ def dag_regions(step: Step, solution: Solution) -> list[tuple[Region, RegionOps]
     recompute = {i for d in solution.decisions if d.action is Decision.RECOMPUTE for i in d.ops}
     # a SAVE block keeps only what autograd saves of it: pinning its other outputs would hold
     # temporaries the plain step frees
-    saved = {trace.root(t) for t in trace.saved}
+    saved = trace.saved_roots
     keep = {
         i
         for d in solution.decisions
@@ -240,7 +240,7 @@ def keeping_compute(step: Step, candidates: Sequence[Candidate]) -> list[Candida
     attention outputs (``COMPUTE_INTENSIVE_OPS``): selective checkpointing as plans, where replay
     costs only the cheap ops between them, at the memory of what they keep."""
     trace = step.trace
-    saved = {trace.root(t) for t in trace.saved}
+    saved = trace.saved_roots
     intensive = {
         op.index
         for op in step.forward
@@ -371,7 +371,7 @@ def decisions(
     recomputed = {r: g for g, rs in enumerate(pred.recomputed) for r in rs}
     region_at = {i: g for g, (_, ops) in enumerate(regions) for i in ops.ops}
     out = []
-    for r in sorted({trace.root(t) for t in trace.saved}):
+    for r in sorted(trace.saved_roots):
         info = trace.tensors[r]
         if info.constant:
             continue

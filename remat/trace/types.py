@@ -55,6 +55,11 @@ class Trace:
         return tuple(e for e in self.events if isinstance(e, Op))
 
     @functools.cached_property
+    def saved_roots(self) -> frozenset[int]:
+        """The storages autograd saved: the roots of ``saved``; cached."""
+        return frozenset(self.root(t) for t in self.saved)
+
+    @functools.cached_property
     def liveness(self) -> Liveness:
         """Live bytes with no budget (see ``remat.trace.liveness``); cached."""
         return liveness(self)

@@ -4,6 +4,7 @@ and refuses clearly what it cannot do."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from typing import Any
@@ -21,6 +22,7 @@ from remat.planner import plan_trace
 from remat.planner.api import block_key
 from remat.planner.lowering import chain_from_trace
 from remat.planner.predict import Prediction
+from remat.planner.room import filled
 from remat.planner.search import Candidate, Step, best, keeping_compute, simple, untied
 from remat.policy import Decision
 
@@ -334,6 +336,27 @@ def test_keeping_compute_keeps_matmul_outputs_and_replays_less() -> None:
         base = next(c for c in plain if candidate.notes.removesuffix(SUFFIX) == c.notes)
         assert candidate.pred.recompute_cost < base.pred.recompute_cost
         assert candidate.pred.peak_bytes >= base.pred.peak_bytes
+
+
+def test_a_filled_plan_of_a_cnn_with_batch_norm_trains_exactly_and_measures_its_peak() -> None:
+    """NOTE [room under the peak] on a CNN with batch norm, in-place ReLU and dropout (hidden writes,
+    blank writes): every block checkpointed, filled up to its peak, keeps more at the same predicted
+    peak, drops the last region, measures that peak, and trains bit for bit."""
+    trace, _, _ = _traced("cnn")
+    step = Step(trace)
+    every = next(c for c in simple(step, chain_from_trace(trace)) if c.notes == "every block checkpointed")
+    full = filled(step, every)
+    assert full is not None
+    assert full.pred.peak_bytes <= every.pred.peak_bytes
+    assert full.pred.recompute_cost < every.pred.recompute_cost
+    assert len(full.regions) < len(every.regions)
+    plan = dataclasses.replace(plan_trace(trace, 1.0), regions=tuple(r for r, _ in full.regions))
+    model, batch, _ = build("cnn")
+    planned = twin(model)
+    plain = train(model, batch, steps=2)
+    ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
+    assert_same(plain, ran)
+    assert _measured_peak(planned, batch(0), plan) <= full.pred.peak_bytes + SCALARS
 
 
 def _candidate(solver: str, overhead: float, peak: int) -> Candidate:

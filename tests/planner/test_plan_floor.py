@@ -22,6 +22,7 @@ import remat
 from remat.planner import BudgetTooSmall, plan_trace, trace_step
 from remat.planner.api import block_key
 from remat.planner.lowering import chain_from_trace
+from remat.planner.region_model import RegionOps
 from remat.planner.room import filled
 from remat.planner.search import Candidate, Step, predicted, simple
 
@@ -185,11 +186,11 @@ def test_a_filled_plan_keeps_its_peak_and_measures_it(name: str) -> None:
     step, every = _every_layer(name)
     full = filled(step, every)
     assert full is not None, "no room under the peak: the test would prove nothing"
-    assert full.pred.peak_bytes == every.pred.peak_bytes
+    assert full.pred.peak_bytes <= every.pred.peak_bytes
     assert full.pred.overhead < every.pred.overhead
     assert full.pred.recompute_cost < every.pred.recompute_cost
-    kept = sum(len(ops.save) for _, ops in full.regions)
-    assert kept > sum(len(ops.save) for _, ops in every.regions) or len(full.regions) < len(every.regions)
+    assert len(full.regions) < len(every.regions)  # the last layer keeps all it saves: no region
+    assert sum(len(ops.save) for _, ops in full.regions) > 0  # and another keeps part of it
     measured = _peak(model, batch, _with(plan_trace(trace, 1.0, block_key=block_key(model)), full))
     assert measured <= full.pred.peak_bytes + SCALARS
     assert full.pred.peak_bytes <= measured * 1.01
@@ -212,9 +213,11 @@ def test_a_filled_plan_trains_exactly_as_the_plain_model(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_a_region_asked_to_keep_views_measures_what_it_predicts(name: str) -> None:
-    """NOTE [kept views]: a region told to keep the views autograd saves (not the ops that made
-    their storages) replays them from their bases, as predicted; kept by the tape, a view held its
-    base's whole storage past the prediction (Llama: 112 KiB over)."""
+    """NOTE [kept views], NOTE [aliasing] in ``remat.manual.tape``: a region whose plan keeps the
+    views autograd saves (``_unsafe_view`` among them, whose schema promises a new tensor) replays
+    them from their bases, as predicted; kept by the tape as tensors of their own, they held their
+    bases' storages past the prediction (Llama: 112 KiB over). The planner does not ask for them
+    (``Step.region`` keeps makers only); a plan saved before that, or edited, still may."""
     model, batch, trace, _, _ = _family(name)
     step, every = _every_layer(name)
     saved = {trace.root(t) for t in trace.saved}
@@ -227,11 +230,13 @@ def test_a_region_asked_to_keep_views_measures_what_it_predicts(name: str) -> No
                 trace.tensors[t].alias_of is not None and trace.root(t) in saved for t in trace.ops[i].outputs
             )
         ]
-        assert views
+        assert any(trace.ops[i].name == "aten._unsafe_view.default" for i in views)
         made = step.region(region.name, ops.ops, views)
-        assert made is not None
-        regions.append(made)
+        assert made is not None and not made[1].save  # the planner keeps no view
+        positions = frozenset(step.position[i] for i in views)
+        regions.append((dataclasses.replace(region, save=positions), RegionOps(ops.ops, frozenset(views))))
     asked = dataclasses.replace(every, regions=regions, pred=predicted(step, regions))
+    assert asked.pred.peak_bytes == every.pred.peak_bytes  # the prediction keeps makers only
     measured = _peak(model, batch, _with(plan_trace(trace, 1.0, block_key=block_key(model)), asked))
     assert measured <= asked.pred.peak_bytes + SCALARS
 
