@@ -23,6 +23,7 @@ from remat.aten.generators import (
 from remat.aten.schema import (
     METADATA_PACKETS,
     SKIPPED_NAMESPACES,
+    UNSAID_VIEWS,
     OpFacts,
     facts,
     writes_hidden,
@@ -33,6 +34,7 @@ from remat.aten.tensors import Geometry, describe, dtype_name, geometry, sharing
 __all__ = [
     "METADATA_PACKETS",
     "SKIPPED_NAMESPACES",
+    "UNSAID_VIEWS",
     "Geometry",
     "OpFacts",
     "RngState",

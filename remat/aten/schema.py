@@ -42,6 +42,10 @@ METADATA_PACKETS = frozenset(
 ``sizes_strides_policy``, fake tensors): they read no data, and a mode that counts ops must not
 count them, or its counts differ between runs of the same code on different tensors."""
 
+UNSAID_VIEWS = frozenset({"aten._unsafe_view"})
+"""Packets whose schema promises a new tensor but whose result may share an argument's storage
+(NOTE [aliasing] in ``remat.manual.tape``)."""
+
 # NOTE [hidden writes]: packet -> (written positions, the bool argument that gates the writes)
 _HIDDEN_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
     "aten.native_batch_norm": ((3, 4), 5),
@@ -88,6 +92,11 @@ class OpFacts:
     def view_only(self) -> bool:
         """Every result views an input and nothing is written: the op reads no data."""
         return bool(self.fresh_returns) and not any(self.fresh_returns) and not self.writes
+
+    @property
+    def unsaid_view(self) -> bool:
+        """Its result may view an argument though its schema promises a new tensor."""
+        return self.packet in UNSAID_VIEWS
 
     @property
     def pure(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat._errors import RecomputationError
-from remat.aten import scratch
+from remat.aten import UNSAID_VIEWS, scratch
 from remat.core import owners
 from remat.core.driver import ThrashMeter
 from remat.core.graph import NO_REUSE, Record
@@ -43,7 +43,8 @@ NO_META = {
     "aten::_efficient_attention_forward",
     "aten::_flash_attention_forward",
 }
-ALIASING = {"aten::_unsafe_view"}  # of those, the ones whose results may share an input's storage
+# of those, the ones whose results may share an input's storage (more are learned as they are met)
+ALIASING = {packet.replace(".", "::", 1) for packet in UNSAID_VIEWS}
 
 
 _METAS: dict[tuple[Any, ...], list[torch.Tensor] | None] = {}  # by op signature (see ``plan``)

@@ -16,14 +16,14 @@ Value ids
     instead of recomputing it. A value nothing reads back never crosses the link.
 
 NOTE [aliasing]
-    Values that share storage form a *group*: a view joins the group of the tensor it views (read
-    from the op schema, or found on an argument's storage where the schema promises a new tensor:
-    ``_unsafe_view``), anything else starts its own. An in-place op writes the whole group, so
-    every later op that reads a member of the group replays after it (``Node.after``). A write to
-    an external is replayed into a clone of a snapshot taken just before the write, so replay never
-    touches parameters or batch-norm running statistics, and earlier reads replay against the value
-    they saw. Writes into an internal view of an external cannot be replayed that way and are
-    refused, as are reads of such a view after its external was written.
+    Values that share storage form a *group*: a view joins the group of the tensor it views (per
+    the op schema, or found on its storage: ``aten.UNSAID_VIEWS``), anything else starts its own.
+    An in-place op writes the whole group, so every later op that reads a member of the group
+    replays after it (``Node.after``). A write to an external is replayed into a clone of a
+    snapshot taken just before the write, so replay never touches parameters or batch-norm running
+    statistics, and earlier reads replay against the value they saw. Writes into an internal view
+    of an external cannot be replayed that way and are refused, as are reads of such a view after
+    its external was written.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class Tape:
         self,
         o: Any,
         alias: tuple[int, str] | None,
-        args: tuple[Any, ...],
+        shared: tuple[Any, ...],
         targs: tuple[Any, ...],
         fresh: list[tuple[int, torch.Tensor]],
     ) -> int:
@@ -241,11 +241,8 @@ class Tape:
         vid = self.lookup(o)
         if vid >= 0:  # an argument returned as is: in-place ops return what they wrote
             return vid
-        group = -1
-        if alias is not None and alias[0] < len(targs) and type(targs[alias[0]]) is Ref:
-            group = self.group[targs[alias[0]].vid]
-        elif alias is None and (k := aten.sharing(o, args)) >= 0 and type(targs[k]) is Ref:
-            group = self.group[targs[k].vid]
+        k = alias[0] if alias is not None else aten.sharing(o, shared) if shared else -1
+        group = self.group[targs[k].vid] if 0 <= k < len(targs) and type(targs[k]) is Ref else -1
         vid = self._bind(o, len(self.nodes), group)
         fresh.append((vid, o))
         return vid
@@ -284,11 +281,12 @@ class Tape:
         )
         fresh: list[tuple[int, torch.Tensor]] = []
         outs: int | tuple[int, ...]
+        shared = args if info.unsaid_view else ()  # the arguments a result may view unsaid
         if isinstance(out, (tuple, list)):
             aliases = info.aliases if len(info.aliases) == len(out) else info.aliases[:1] * len(out)
-            outs = tuple(self._output(o, a, args, targs, fresh) for o, a in zip(out, aliases, strict=True))
+            outs = tuple(self._output(o, a, shared, targs, fresh) for o, a in zip(out, aliases, strict=True))
         else:
-            outs = self._output(out, info.aliases[0] if info.aliases else None, args, targs, fresh)
+            outs = self._output(out, info.aliases[0] if info.aliases else None, shared, targs, fresh)
         owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid]
         if owned:
             self._decide(info, owned, (func, args, kwargs))
