@@ -200,10 +200,13 @@ def _worker(
 def _spawn(
     jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str], calibration: _Calibration | None
 ) -> list[tuple[Any, list[RankResult]]]:
-    Path(workdir).mkdir(parents=True, exist_ok=True)
-    (Path(workdir) / "init").unlink(missing_ok=True)
-    mp.spawn(_worker, args=(list(jobs), n_ranks, str(workdir), calibration), nprocs=n_ranks, join=True)
-    return [torch.load(Path(workdir) / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
+    # absolute: in ``file://out/gloo/init`` the rendezvous takes ``out`` for a host, and the file
+    # for ``/gloo/init``
+    folder = Path(workdir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "init").unlink(missing_ok=True)
+    mp.spawn(_worker, args=(list(jobs), n_ranks, str(folder), calibration), nprocs=n_ranks, join=True)
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(n_ranks)]
 
 
 def run(jobs: Sequence[Job], n_ranks: int, workdir: str | os.PathLike[str]) -> list[list[RankResult]]:

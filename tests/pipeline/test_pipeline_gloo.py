@@ -185,10 +185,13 @@ def test_the_schedule_model_is_the_order_torch_runs(runs, index: int) -> None:
         assert list(result.order) == [str(a) for a in plan.order.actions[result.rank]]
 
 
-def test_the_demo_draws_its_step_and_every_rank_stays_within_the_budget(tmp_path) -> None:
+def test_the_demo_draws_its_step_and_every_rank_stays_within_the_budget(tmp_path, monkeypatch) -> None:
+    """In a folder named relative to the working directory, as ``make demo`` names it (a relative
+    one made the file rendezvous's URL name another file, and every rank waited for the others)."""
     from remat.pipeline.demo import demo
 
-    result = demo(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = demo("out")
     assert result.picture.read_bytes()[:4] == b"\x89PNG"
     assert all(0 < peak <= result.budget_bytes for peak in result.measured)
     assert str(result).startswith("pipeline, 1f1b on 2 gloo processes")
