@@ -144,8 +144,8 @@ def plan_trace(
     plans]), so more budget never gives a costlier plan. ``auto`` weighs the chain DP's and
     greedy's plans on the chain of blocks (and on a finer chain), plain checkpointing (every
     block, every layer, sqrt(n) segments), each also keeping matmul, convolution and attention
-    outputs, and the lowest of them keeping what they would replay wherever the step's peak leaves
-    room (``remat.planner.room``). ``block_key`` maps a module path to its block (default
+    outputs, and those (lowest first) keeping what they would replay wherever the step's peak
+    leaves room (``remat.planner.room``). ``block_key`` maps a module path to its block (default
     ``stage_key``; ``plan`` passes ``block_key(model)``).
 
     Of the plans that fit, the one with the least predicted overhead wins, with a stable tie rule

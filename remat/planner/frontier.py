@@ -17,8 +17,8 @@ the plans between "block recomputed" and "block kept" that spare budget buys); `
 segment count of either chain (fewer segments recompute less); ``milp`` on ``_MILP_RUNGS`` budgets
 spread from its smallest to its plain peak (each solve takes seconds); ``auto`` the chain and
 greedy ladders, plain checkpointing (``simple``), the plans near the smallest peak (``floor``),
-each of those keeping matmul, convolution and attention outputs, and the lowest in peak of all
-those keeping what fits under their own peak (``remat.planner.room``, NOTE [room under the peak]).
+each of those keeping matmul, convolution and attention outputs, and those keeping what fits under
+their own peak, lowest first (``remat.planner.room``, NOTE [room under the peak]).
 """
 
 from __future__ import annotations

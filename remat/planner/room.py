@@ -30,8 +30,20 @@ from remat.planner.search import Candidate, Step, predicted
 
 __all__ = ["filled", "filled_all"]
 
-# how many candidates are filled: the lowest in peak (each costs tens of predictions of the step)
-_FILLED = 4
+# the step-level predictions all the fills of one frontier may make (tens per plan), the plans of
+# lowest peak first: a count, not a time, so that the candidates are the same on every run
+_PREDICTIONS = 300
+
+
+class _Predictions:
+    """``predicted`` on the step, counting down what ``filled_all`` may still spend."""
+
+    def __init__(self, step: Step, left: int) -> None:
+        self.step, self.left = step, left
+
+    def __call__(self, regions: list[tuple[Region, RegionOps]]) -> Prediction:
+        self.left -= 1
+        return predicted(self.step, regions)
 
 
 def _spare(step: Step, ops: RegionOps) -> list[int]:
@@ -59,23 +71,27 @@ Entry = tuple[Region, RegionOps]
 Kept = tuple[Prediction, Entry]
 
 
-def _keeping(step: Step, regions: list[Entry], g: int, more: Sequence[int], peak: int) -> Kept | None:
+def _keeping(
+    step: Step, regions: list[Entry], g: int, more: Sequence[int], peak: int, predict: _Predictions
+) -> Kept | None:
     """Region ``g`` keeping ``more`` as well, where the plan's predicted peak stays within ``peak``."""
     region, ops = regions[g]
     made = step.region(region.name, ops.ops, [*ops.save, *more])
     assert made is not None
-    pred = predicted(step, [*regions[:g], made, *regions[g + 1 :]])
+    pred = predict([*regions[:g], made, *regions[g + 1 :]])
     return (pred, made) if pred.peak_bytes <= peak else None
 
 
-def _longest(step: Step, regions: list[Entry], g: int, ranking: Sequence[int], peak: int) -> Kept | None:
+def _longest(
+    step: Step, regions: list[Entry], g: int, ranking: Sequence[int], peak: int, predict: _Predictions
+) -> Kept | None:
     """Region ``g`` keeping the longest head of ``ranking`` within ``peak``, found by bisection, or
     None: a heuristic, since keeping more can lower a peak too (a kept tensor spares its replay),
     but each head it returns is checked on the prediction."""
     best, lo, hi = None, 0, len(ranking)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        found = _keeping(step, regions, g, ranking[:mid], peak)
+        found = _keeping(step, regions, g, ranking[:mid], peak, predict)
         if found is None:
             hi = mid - 1
         else:
@@ -83,35 +99,39 @@ def _longest(step: Step, regions: list[Entry], g: int, ranking: Sequence[int], p
     return best
 
 
-def _fill(step: Step, regions: list[Entry], g: int, spare: list[int], peak: int) -> Kept | None:
+def _fill(
+    step: Step, regions: list[Entry], g: int, spare: list[int], peak: int, predict: _Predictions
+) -> Kept | None:
     """The most region ``g`` keeps within ``peak`` (NOTE [room under the peak]): nothing where not
     even its smallest spare storage fits, everything where all of it fits, else the dearest to
     replay per byte (or the smallest alone, where not even the dearest fits)."""
-    smallest = _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak)
+    smallest = _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak, predict)
     if smallest is None:
         return None
-    whole = _keeping(step, regions, g, spare, peak)
+    whole = _keeping(step, regions, g, spare, peak, predict)
     if whole is not None:
         return whole
-    return _longest(step, regions, g, sorted(spare, key=lambda i: -_per_byte(step, i)), peak) or smallest
+    ranking = sorted(spare, key=lambda i: -_per_byte(step, i))
+    return _longest(step, regions, g, ranking, peak, predict) or smallest
 
 
-def filled(step: Step, candidate: Candidate) -> Candidate | None:
+def filled(step: Step, candidate: Candidate, predict: _Predictions | None = None) -> Candidate | None:
     """``candidate`` with its regions keeping what fits under its own predicted peak (NOTE [room
-    under the peak]), or None where that spares nothing."""
+    under the peak]), or None where that spares nothing; ``predict`` counts the predictions."""
+    predict = predict or _Predictions(step, 0)
     regions = list(candidate.regions)
     pred, peak = candidate.pred, candidate.pred.peak_bytes
     kept = 0
     for g in reversed(range(len(regions))):
         spare = _spare(step, regions[g][1])
-        best = _fill(step, regions, g, spare, peak) if spare else None
+        best = _fill(step, regions, g, spare, peak, predict) if spare else None
         if best is None or best[0].overhead >= pred.overhead:
             continue
         kept += len(best[1][1].save) - len(regions[g][1].save)
         pred, regions[g] = best
         if not _spare(step, regions[g][1]):
             rest = [*regions[:g], *regions[g + 1 :]]
-            alone = predicted(step, rest)
+            alone = predict(rest)
             if alone.peak_bytes <= peak and alone.overhead <= pred.overhead:
                 pred, regions = alone, rest
     if pred is candidate.pred:
@@ -121,8 +141,14 @@ def filled(step: Step, candidate: Candidate) -> Candidate | None:
 
 
 def filled_all(step: Step, candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The ``_FILLED`` candidates with regions of lowest peak, each filled where it has room under
-    its peak (``filled``): a filled plan costs tens of predictions, and the tight budgets, where
-    plans recompute the most, gain the most."""
-    lowest = sorted((c for c in candidates if c.regions), key=lambda c: c.pred.peak_bytes)[:_FILLED]
-    return [f for c in lowest if (f := filled(step, c)) is not None]
+    """The candidates with regions, each filled where it has room under its peak (``filled``), the
+    lowest in peak first, while ``_PREDICTIONS`` last (the plan being filled when they run out is
+    finished): the tight budgets, where plans recompute the most, gain the most."""
+    predict = _Predictions(step, _PREDICTIONS)
+    out = []
+    for c in sorted((c for c in candidates if c.regions), key=lambda c: c.pred.peak_bytes):
+        if predict.left <= 0:
+            break
+        if (f := filled(step, c, predict)) is not None:
+            out.append(f)
+    return out

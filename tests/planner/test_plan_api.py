@@ -18,11 +18,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import remat
 from remat import Plan, RecomputationError, RematTypeError, RematValueError
-from remat.planner import plan_trace
+from remat.planner import plan_trace, room
 from remat.planner.api import block_key
 from remat.planner.lowering import chain_from_trace
 from remat.planner.predict import Prediction
-from remat.planner.room import filled
+from remat.planner.room import filled, filled_all
 from remat.planner.search import Candidate, Step, best, keeping_compute, simple, untied
 from remat.policy import Decision
 
@@ -357,6 +357,20 @@ def test_a_filled_plan_of_a_cnn_with_batch_norm_trains_exactly_and_measures_its_
     ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
     assert_same(plain, ran)
     assert _measured_peak(planned, batch(0), plan) <= full.pred.peak_bytes + SCALARS
+
+
+def test_filling_stops_when_its_predictions_run_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``remat.planner.room`` fills the plans lowest in peak first while its count of predictions
+    lasts: a count, so the candidates are the same on every run; the plan begun is finished."""
+    trace, _, _ = _traced("gpt2")
+    step = Step(trace)
+    candidates = [c for c in simple(step, chain_from_trace(trace)) if c.regions]
+    everything = filled_all(step, candidates)
+    assert len(everything) > 1
+    monkeypatch.setattr(room, "_PREDICTIONS", 1)
+    lowest = min(candidates, key=lambda c: c.pred.peak_bytes)
+    (first,) = filled_all(step, candidates)
+    assert first.notes.startswith(lowest.notes) and first.pred.peak_bytes <= lowest.pred.peak_bytes
 
 
 def _candidate(solver: str, overhead: float, peak: int) -> Candidate:
