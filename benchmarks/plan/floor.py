@@ -41,6 +41,7 @@ import remat  # noqa: E402
 from remat import zoo  # noqa: E402
 from remat.planner import BudgetTooSmall, Plan, plan_trace, trace_step  # noqa: E402
 from remat.planner.api import block_key, plan_at  # noqa: E402
+from remat.planner.cost_model import ExecutorCost  # noqa: E402
 from remat.planner.frontier import frontier  # noqa: E402
 from remat.planner.predict import Prediction  # noqa: E402
 from remat.planner.room import filled  # noqa: E402
@@ -132,7 +133,10 @@ FAMILIES: dict[str, Callable[[], Step]] = {
     "bert": bert,
     "resnet50": lambda: _zoo("resnet50", batch=4, image=128),
     "unet": lambda: _zoo("unet", batch=2, image=128),
+    # section 3's planning time: GPT-2 small, 12 layers, batch 2 x 256 (not in the default families)
+    "gpt2-small": lambda: _zoo("gpt2", batch=2, seq=256),
 }
+DEFAULT = ["llama", "vit", "gpt2", "bert", "resnet50", "unet"]
 
 
 def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
@@ -238,6 +242,44 @@ def predicted_only(name: str, capture_repeats: int) -> str:
     )
 
 
+def fill_gain(name: str, fractions: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75)) -> str:
+    """A row: the plan's predicted overhead at budgets ``min + f · (plain − min)`` without filling
+    and with it (``remat.planner.room``), and the CPU seconds ``frontier`` takes each way; one
+    trace, no executor figures, so that the two differ by filling alone."""
+    torch.manual_seed(0)
+    model, loss_of, _ = FAMILIES[name]()
+    model.train()
+    trace = trace_step(model, (), lambda m: loss_of(m), repeats=1)
+    key = block_key(model)
+    found, seconds = {}, {}
+    for fill in (False, True):
+        with contextlib.ExitStack() as stack:
+            if not fill:
+                stack.enter_context(_no_filling())
+            start = time.process_time()
+            found[fill] = frontier(trace, "auto", key, executor_cost=ExecutorCost())
+            seconds[fill] = time.process_time() - start
+    low = min(c.pred.peak_bytes for c in found[True].candidates)
+    base = found[True].baseline
+    cells = []
+    for f in fractions:
+        a, b = (plan_at(found[x], int(low + f * (base - low))).predicted_overhead for x in (False, True))
+        cells.append(f"{a:.3f}" if round(a, 3) == round(b, 3) else f"{a:.3f} → {b:.3f}")
+    return f"| {name} | {' | '.join(cells)} | {seconds[False]:.1f} s → {seconds[True]:.1f} s |"
+
+
+@contextlib.contextmanager
+def _no_filling() -> Iterator[None]:
+    import remat.planner.frontier as module
+
+    filled_all = module.filled_all
+    module.filled_all = lambda step, candidates: []
+    try:
+        yield
+    finally:
+        module.filled_all = filled_all
+
+
 def _paired(row: dict[str, Any], other: dict[str, Any]) -> str:
     """``row``'s step time ÷ ``other``'s in the same round: median and range over the rounds."""
     if "ratios" not in row:
@@ -274,17 +316,28 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--families", nargs="*", default=DEFAULT, choices=list(FAMILIES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--capture-repeats", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("--table", help="print the README's table from this --out file and stop")
     parser.add_argument("--predicted", action="store_true", help="the predicted figures only, as a table")
+    parser.add_argument(
+        "--fill-gain",
+        action="store_true",
+        help="predicted overheads and planning time without and with filling",
+    )
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return
     torch.set_num_threads(1)
+    if args.fill_gain:
+        print("| family | f = 0 | 0.1 | 0.25 | 0.5 | 0.75 | planning, CPU |")
+        print("|---|---|---|---|---|---|---|")
+        for name in args.families:
+            print(fill_gain(name), flush=True)
+        return
     if args.predicted:
         print(
             "| family | checkpoint per layer, measured peak | as remat's plan: predicted peak, overhead "
