@@ -9,7 +9,6 @@ and no mode may treat it as pure.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,9 +114,20 @@ def _gate(args: Sequence[Any], position: int) -> bool:
     return position < len(args) and bool(args[position])
 
 
-@functools.cache
+# id of an overload -> (the overload, its facts): an ``OpOverload``'s ``__hash__`` is Python code, and
+# every op a dispatch mode sees asks for its facts (the overload is held, so its id stays its own)
+_FACTS: dict[int, tuple[torch._ops.OpOverload, OpFacts]] = {}
+
+
 def facts(func: torch._ops.OpOverload) -> OpFacts:
     """The facts of ``func`` (cached per overload)."""
+    entry = _FACTS.get(id(func))
+    if entry is None or entry[0] is not func:
+        entry = _FACTS[id(func)] = (func, _facts(func))
+    return entry[1]
+
+
+def _facts(func: torch._ops.OpOverload) -> OpFacts:
     schema = func._schema
     arguments = schema.arguments
     alias_sets: dict[str, tuple[int, str]] = {}

@@ -55,10 +55,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from remat import _allocator, aten
+from remat._dispatch import Unguarded
 from remat.aten import OpFacts, RngState
 from remat.aten import scratch as op_scratch
 from remat.core.driver import Thrashed
@@ -385,7 +385,7 @@ def _same_device(a: torch.device | str, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
-class Interceptor(TorchDispatchMode):
+class Interceptor(Unguarded):
     """Hands every ATen op of the region to its engine."""
 
     def __init__(self, engine: Engine) -> None:

@@ -34,8 +34,9 @@ def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
         if w.blank is not None:  # NOTE [blank writes]: somewhere to write, of any content
             shape, stride, dtype, device = w.blank
             env[written_from(node, w)] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    args = [_load(a, env) for a in node.args]
-    kwargs = {k: _load(v, env) for k, v in node.kwargs.items()}
+    # the common argument, a tensor (``Ref``), is loaded inline: this runs once per replayed op
+    args = [env[a.vid] if type(a) is Ref else _load(a, env) for a in node.args]
+    kwargs = {k: _load(v, env) for k, v in node.kwargs.items()} if node.kwargs else {}
     written: list[torch.Tensor] = []
     for w in node.writes:
         box: Any = args if isinstance(w.key, int) else kwargs
@@ -46,11 +47,12 @@ def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
     if node.rng is not None:
         aten.restore(node.rng)
     out = node.func(*args, **kwargs)
-    if isinstance(node.outs, int):
-        if node.outs >= 0:
-            env[node.outs] = out
+    outs = node.outs
+    if type(outs) is int:
+        if outs >= 0:
+            env[outs] = out
     else:
-        for vid, o in zip(node.outs, out, strict=True):
+        for vid, o in zip(outs, out, strict=True):
             if vid >= 0:
                 env[vid] = o
     for w, t in zip(node.writes, written, strict=True):

@@ -91,13 +91,14 @@ class TapedRegion:
         vid = tape.lookup(t)
         if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
             return _Kept(t, t._version)
-        parcel = tape.move(vid)
+        moving = bool(tape.offloading or tape.moved)
+        parcel = tape.move(vid) if moving else None
         if parcel is not None:
             self.moved_packs[vid] = self.moved_packs.get(vid, 0) + 1
             return parcel
         group = tape.group[vid]
         writer = tape.writers.get(group)
-        if writer is None and tape.move(group) is not None and tape.offloader is not None:
+        if writer is None and moving and tape.move(group) is not None and tape.offloader is not None:
             return tape.offloader.out(t)  # a view of an offloaded tensor: its storage moves too
         if writer is None and (group in tape.kept or tape.producer[group] == EXTERNAL):
             # a view of a kept or outside tensor that nothing wrote since: its memory is kept anyway

@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import aten
+from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, message
 from remat.aten import OpFacts, RngState, describe
 from remat.host.offloader import Offloader, Parcel
-from remat.policy import Decision, OpContext, Policy
+from remat.policy import Decision, OpContext, Policy, RecomputeAll
 
 EXTERNAL = -1
 """The producer of a value that no recorded op produced."""
@@ -288,7 +288,7 @@ class Tape:
         else:
             outs = self._output(out, info.aliases[0] if info.aliases else None, shared, targs, fresh)
         owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid]
-        if owned:
+        if owned and type(self.policy) is not RecomputeAll:  # that one keeps nothing: not asked
             self._decide(info, owned, (func, args, kwargs))
         if self.offloading and not (owned and all(v in self.kept or v in self.offloading for v, _ in owned)):
             for vid in reads:  # this op may replay: what it reads that is to move moves now
@@ -375,7 +375,7 @@ class Tape:
         )
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(Unguarded):
     """The dispatch mode that appends every op run under it to a tape."""
 
     def __init__(self, tape: Tape) -> None:

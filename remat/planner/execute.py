@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from remat import aten
+from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
@@ -67,8 +68,12 @@ class _Keep:
 _KEEP = _Keep()
 _RECOMPUTE = RecomputeAll()
 
+# id of an overload -> (the overload, its name, or "" for what is neither counted nor checked): by
+# id, since an ``OpOverload``'s ``__hash__`` is Python code run for every op of every forward
+_NAMES: dict[int, tuple[Any, str]] = {}
 
-class _Runner(TorchDispatchMode):
+
+class _Runner(Unguarded):
     """Counts and checks the forward's ops and runs the plan's regions (see the module doc)."""
 
     def __init__(
@@ -92,8 +97,6 @@ class _Runner(TorchDispatchMode):
         self.model = model
         self.top = type(model).__name__
         self.pushed = False
-        # overload -> its name, or "" for what is neither counted nor checked
-        self.op_names: dict[Any, str] = {}
 
     # -- regions ---------------------------------------------------------------------------------
 
@@ -179,9 +182,10 @@ class _Runner(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        name = self.op_names.get(func)
-        if name is None:
-            name = self.op_names[func] = "" if aten.facts(func).skipped else str(func)
+        entry = _NAMES.get(id(func))
+        if entry is None or entry[0] is not func:
+            entry = _NAMES[id(func)] = (func, "" if aten.facts(func).skipped else str(func))
+        name = entry[1]
         if not name or not self.active or torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
         if name in UNCOUNTED:

@@ -1,0 +1,62 @@
+"""Dispatch modes without torch's per-call Dynamo wrapper (``remat._dispatch``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import remat
+from remat._dispatch import Unguarded
+
+
+class _Count(Unguarded):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_unguarded_mode_loses_the_wrapper_and_still_sees_every_op() -> None:
+    x = torch.randn(4, 4)
+    with _Count() as counted:
+        y = torch.relu(x @ x).sum()
+    assert "__wrapped__" not in vars(_Count.__dict__["__torch_dispatch__"])
+    assert counted.ops == ["aten.mm.default", "aten.relu.default", "aten.sum.default"]
+    assert torch.equal(y, torch.relu(x @ x).sum())
+
+
+def test_compiled_code_runs_under_an_unguarded_mode() -> None:
+    """Dynamo compiles the function, not the mode's own code: the results are the eager ones and
+    the mode sees the ops the compiled function runs."""
+    f = torch.compile(lambda a: (a * 2).sin() + 1, backend="eager", fullgraph=False)
+    x = torch.randn(8)
+    with _Count() as counted:
+        y = f(x)
+    assert torch.equal(y, (x * 2).sin() + 1)
+    assert "aten.sin.default" in counted.ops
+
+
+def test_a_scope_around_compiled_code_gives_the_plain_gradients() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    inner = torch.compile(lambda h: torch.nn.functional.gelu(layer(h)) * h, backend="eager")
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def grads(use_scope: bool) -> list[Any]:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        if use_scope:
+            with remat.scope():
+                out = inner(x)
+        else:
+            out = inner(x)
+        out.square().sum().backward()
+        return [x.grad, layer.weight.grad, layer.bias.grad]
+
+    plain = grads(False)
+    for got, want in zip(grads(True), plain, strict=True):
+        assert torch.equal(got, want)
