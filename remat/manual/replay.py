@@ -48,7 +48,7 @@ def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
         aten.restore(node.rng)
     out = node.func(*args, **kwargs)
     outs = node.outs
-    if type(outs) is int:
+    if isinstance(outs, int):
         if outs >= 0:
             env[outs] = out
     else:
