@@ -93,11 +93,6 @@ class OpFacts:
         return bool(self.fresh_returns) and not any(self.fresh_returns) and not self.writes
 
     @property
-    def unsaid_view(self) -> bool:
-        """Its result may view an argument though its schema promises a new tensor."""
-        return self.packet in UNSAID_VIEWS
-
-    @property
     def pure(self) -> bool:
         """Safe to run again on the same inputs: an ATen op that writes nothing (hidden writes
         included) and draws no random numbers."""

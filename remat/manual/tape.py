@@ -270,7 +270,7 @@ class Tape:
             else v
             for k, v in kwargs.items()
         }
-        places = info.all_writes(args)
+        places = info.all_writes(args) if info.hidden_writes else info.writes
         written = self._written(info, places, args, kwargs) if places else []
         rng = aten.capture((aten.source_of(args, kwargs),)) if info.random else None
 
@@ -281,14 +281,15 @@ class Tape:
         )
         fresh: list[tuple[int, torch.Tensor]] = []
         outs: int | tuple[int, ...]
-        shared = args if info.unsaid_view else ()  # the arguments a result may view unsaid
+        shared = args if info.packet in aten.UNSAID_VIEWS else ()  # what a result may view unsaid
         if isinstance(out, (tuple, list)):
             aliases = info.aliases if len(info.aliases) == len(out) else info.aliases[:1] * len(out)
             outs = tuple(self._output(o, a, shared, targs, fresh) for o, a in zip(out, aliases, strict=True))
         else:
             outs = self._output(out, info.aliases[0] if info.aliases else None, shared, targs, fresh)
-        owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid]
-        if owned and type(self.policy) is not RecomputeAll:  # that one keeps nothing: not asked
+        asks = type(self.policy) is not RecomputeAll  # that one keeps nothing: not asked
+        owned = [(vid, t) for vid, t in fresh if self.group[vid] == vid] if asks or self.offloading else []
+        if owned and asks:
             self._decide(info, owned, (func, args, kwargs))
         if self.offloading and not (owned and all(v in self.kept or v in self.offloading for v, _ in owned)):
             for vid in reads:  # this op may replay: what it reads that is to move moves now
