@@ -10,8 +10,8 @@ others (``run.per_block_checkpoint``). Strategies: the plain step, per-layer che
 ``remat.plan`` at its smallest feasible budget (the figure ``BudgetTooSmall`` names) and at
 checkpointing's measured peak. Peaks: the CPU allocator's count for one step
 (``remat.memory.track(allocator=True)``). Time: the process's CPU time with one intra-op thread,
-``--rounds`` rounds in which each strategy runs once, interleaved; overhead per round ÷ the plain
-step of the same round, median.
+``--rounds`` rounds in which each strategy runs once, interleaved (every other round in reverse
+order); overhead per round ÷ the plain step of the same round, median.
 
     .venv/bin/python benchmarks/plan/floor.py --rounds 5 --out benchmarks/plan/floor.json
     .venv/bin/python benchmarks/plan/floor.py --table benchmarks/plan/floor.json
@@ -183,11 +183,13 @@ def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {k: {"peak": peak(s), "ratios": []} for k, s in steps.items()}
     for s in steps.values():  # warm-up
         s()
-    for _ in range(rounds):
+    for index in range(rounds):
         times = {}
-        for k, s in steps.items():
+        # every other round runs the strategies in reverse order, so that a drift of the machine's
+        # speed within a round favours none of them over a pair of rounds
+        for k in list(steps) if index % 2 == 0 else reversed(list(steps)):
             begin = time.process_time()
-            s()
+            steps[k]()
             times[k] = time.process_time() - begin
         for k in steps:
             rows[k]["ratios"].append(times[k] / times["plain"])

@@ -11,11 +11,14 @@ layer, layer norm, GELU, views), since the cost of an op under the executor grow
 arguments and outputs. Its step runs four ways, interleaved over rounds: plainly; under
 ``plan.apply`` with no region (the check alone); with one region over every op (the tape, and its
 replay in backward); with every saved output offloaded (the hooks and the offloader, on a link of
-the default rates: its copies are a few hundred bytes). Per op: the median forward's difference ÷
-the ops checked or recorded; the median backward's difference, less the replayed ops' kernels (the
-forward without autograd, per op), ÷ the ops replayed; the offloaded run's difference ÷ the tensors
-moved. The counts come from ``predict`` on the model's own trace, so that the figures divide
-exactly the work the prediction multiplies them by.
+the default rates: its copies are a few hundred bytes); and a forward without autograd (the
+kernels). Each difference is taken within a round, and the figure is its median over the rounds:
+the machine's speed drifts between rounds, and a difference of medians taken over different rounds
+could come out negative. Per op: the forward's difference ÷ the ops checked or recorded; the
+backward's difference, less the replayed ops' kernels (the forward without autograd, per op), ÷
+the ops replayed; the offloaded run's difference ÷ the tensors moved. The counts come from
+``predict`` on the model's own trace, so that the figures divide exactly the work the prediction
+multiplies them by.
 
 Times are the process's CPU time (``time.process_time``) with one intra-op thread: the executor's
 work is the host's, single-threaded, and on a machine doing other work too the wall clock counts
@@ -81,37 +84,36 @@ class _Stack(nn.Module):
         return self.blocks(x).sum()
 
 
-def _median_step(
+KERNELS = "kernels"
+
+
+def _rounds(
     model: nn.Module,
     x: torch.Tensor,
     contexts: dict[str, Callable[[], contextlib.AbstractContextManager[None]]],
-) -> dict[str, tuple[float, float]]:
-    """Per way of running: the median forward and backward seconds over interleaved rounds."""
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in contexts}
+) -> list[dict[str, tuple[float, float]]]:
+    """Per round: each way of running's forward and backward seconds, the ways interleaved (every
+    other round in reverse order), and under ``KERNELS`` the forward without autograd (its
+    kernels, as a replay runs them) and no backward."""
+    rounds: list[dict[str, tuple[float, float]]] = []
     for k in range(_WARMUP + _ROUNDS):
-        for name, context in contexts.items():
+        times: dict[str, tuple[float, float]] = {}
+        for name in list(contexts) if k % 2 == 0 else reversed(list(contexts)):
             model.zero_grad(set_to_none=True)
-            with context():
+            with contexts[name]():
                 start = time.process_time()
                 loss = model(x)
                 middle = time.process_time()
                 loss.backward()
                 end = time.process_time()
-            if k >= _WARMUP:
-                times[name][0].append(middle - start)
-                times[name][1].append(end - middle)
-    return {name: (statistics.median(f), statistics.median(b)) for name, (f, b) in times.items()}
-
-
-def _kernels(model: nn.Module, x: torch.Tensor) -> float:
-    """The median seconds of the forward without autograd: its kernels, as a replay runs them."""
-    runs = []
-    with torch.no_grad():
-        for _ in range(_ROUNDS):
+            times[name] = (middle - start, end - middle)
+        with torch.no_grad():
             start = time.process_time()
             model(x)
-            runs.append(time.process_time() - start)
-    return statistics.median(runs)
+            times[KERNELS] = (time.process_time() - start, 0.0)
+        if k >= _WARMUP:
+            rounds.append(times)
+    return rounds
 
 
 def calibrate(device: torch.device | str = "cpu") -> ExecutorCost:
@@ -141,7 +143,7 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
     made = {trace.root(t) for op in forward for t in op.outputs}
     moved = len(made & trace.saved_roots)
     work = predict(trace, [RegionOps(tuple(op.index for op in forward))]).work
-    figures = _median_step(
+    rounds = _rounds(
         model,
         x,
         {
@@ -153,13 +155,18 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
             ),
         },
     )
-    plain, check, tape, offload = (figures[k] for k in ("plain", "check", "tape", "offload"))
-    beyond_kernels = tape[1] - check[1] - _kernels(model, x) * work.replayed / work.checked
+
+    def median(figure: Callable[[dict[str, tuple[float, float]]], float]) -> float:
+        """The median over rounds of a difference taken within each round (so that the machine's
+        drift from round to round cancels), and not below 0."""
+        return max(statistics.median(figure(r) for r in rounds), 0.0)
+
+    share = work.replayed / work.checked  # of the forward's kernels, what a replay runs again
     return ExecutorCost(
-        check=max(check[0] - plain[0], 0.0) / work.checked,
-        record=max(tape[0] - check[0], 0.0) / work.recorded,
-        replay=max(beyond_kernels, 0.0) / max(work.replayed, 1),
-        offload=max(sum(offload) - sum(check), 0.0) / max(moved, 1),
+        check=median(lambda r: r["check"][0] - r["plain"][0]) / work.checked,
+        record=median(lambda r: r["tape"][0] - r["check"][0]) / work.recorded,
+        replay=median(lambda r: r["tape"][1] - r["check"][1] - r[KERNELS][0] * share) / max(work.replayed, 1),
+        offload=median(lambda r: sum(r["offload"]) - sum(r["check"])) / max(moved, 1),
     )
 
 
