@@ -12,8 +12,9 @@ where measured) as it keeps more.
 NOTE [room under the peak] For each region, last first (its backward comes first, beside the
 fewest gradients): a region where not even its smallest storage fits keeps nothing more, one
 where all of them fit keeps all; otherwise it keeps the storages it would replay in order of
-the time of the op that makes them per byte (the dearest to make again per byte kept first), as
-many as keep the plan's predicted peak no higher than its own (found by bisection). A region left
+the replay time keeping each spares per byte (its own op and the ops that lead only to it: a
+rotary embedding's sum spares the projection under it), as many as keep the plan's predicted peak
+no higher than its own (found by bisection). A region left
 keeping everything it saves is dropped where that is no dearer. The result's peak is at most the
 plan's own, whatever the budget, so the candidates stay independent of the budget (NOTE
 [monotone plans]), and the filled plan is picked over the plan only where it is predicted cheaper.
@@ -62,9 +63,42 @@ def _size(step: Step, i: int) -> int:
     return sum(trace.tensors[t].nbytes for t in trace.ops[i].outputs if trace.tensors[t].alias_of is None)
 
 
-def _per_byte(step: Step, i: int) -> float:
-    op = step.trace.ops[i]
-    return (op.cost if step.trace.total_cost > 0 else op.est_cost) / max(_size(step, i), 1)
+def _rankings(step: Step, ops: RegionOps, spare: list[int]) -> list[list[int]]:
+    """The spare storages in two orders, the first of most replay spared per byte kept: keeping one
+    spares its op and the ops that lead only to it (a rotary embedding's sum spares its products
+    and the projection under them), so per storage, the replay's cost keeping it as well against
+    the replay's cost now, each the ops that lead to the storages the region hands autograd,
+    stopping at kept ones (roughly: in-place writes left out, since each fill a ranking leads to
+    is checked on the prediction). The second, where it differs, is by the time of the storage's
+    own op per byte: a head of either fits under the peak (bisection) where the other's may not
+    (the first may put a large storage first)."""
+    trace, root = step.trace, step.trace.root
+    timed = trace.total_cost > 0
+    maker = {root(t): i for i in ops.ops for t in trace.ops[i].outputs}
+    # per op, last first: its index, its time, the storages it makes, those of the region it reads
+    graph: list[tuple[int, float, set[int], list[int]]] = []
+    for i in reversed(ops.ops):
+        op = trace.ops[i]
+        reads = [r for t in op.inputs if (r := root(t)) in maker]
+        graph.append((i, op.cost if timed else op.est_cost, {root(t) for t in op.outputs}, reads))
+    saved = [r for r in maker if r in trace.saved_roots]
+
+    def replayed(keep: frozenset[int]) -> float:
+        wanted = {r for r in saved if maker[r] not in keep}
+        cost = 0.0
+        for i, seconds, outs, ins in graph:
+            if i in keep or outs.isdisjoint(wanted):
+                continue
+            cost += seconds
+            wanted.update(r for r in ins if maker[r] not in keep)
+        return cost
+
+    now = replayed(ops.save)
+    spared = {i: now - replayed(ops.save | {i}) for i in spare}
+    by_chain = sorted(spare, key=lambda i: -spared[i] / max(_size(step, i), 1))
+    own = {i: seconds for i, seconds, _, _ in graph}
+    by_op = sorted(spare, key=lambda i: -own[i] / max(_size(step, i), 1))
+    return [by_chain] if by_op == by_chain else [by_chain, by_op]
 
 
 Entry = tuple[Region, RegionOps]
@@ -103,16 +137,17 @@ def _fill(
     step: Step, regions: list[Entry], g: int, spare: list[int], peak: int, predict: _Predictions
 ) -> Kept | None:
     """The most region ``g`` keeps within ``peak`` (NOTE [room under the peak]): nothing where not
-    even its smallest spare storage fits, everything where all of it fits, else the dearest to
-    replay per byte (or the smallest alone, where not even the dearest fits)."""
+    even its smallest spare storage fits, everything where all of it fits, else the cheaper of the
+    longest heads of its two rankings that fit (or the smallest alone, where neither's first
+    does)."""
     smallest = _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak, predict)
     if smallest is None:
         return None
     whole = _keeping(step, regions, g, spare, peak, predict)
     if whole is not None:
         return whole
-    ranking = sorted(spare, key=lambda i: -_per_byte(step, i))
-    return _longest(step, regions, g, ranking, peak, predict) or smallest
+    heads = [_longest(step, regions, g, r, peak, predict) for r in _rankings(step, regions[g][1], spare)]
+    return min((h for h in heads if h is not None), key=lambda h: h[0].overhead, default=smallest)
 
 
 def filled(step: Step, candidate: Candidate, predict: _Predictions | None = None) -> Candidate | None:
