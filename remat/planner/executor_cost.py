@@ -84,7 +84,7 @@ class _Stack(nn.Module):
         return self.blocks(x).sum()
 
 
-KERNELS = "kernels"
+_KERNELS = "kernels"
 
 
 def _rounds(
@@ -93,7 +93,7 @@ def _rounds(
     contexts: dict[str, Callable[[], contextlib.AbstractContextManager[None]]],
 ) -> list[dict[str, tuple[float, float]]]:
     """Per round: each way of running's forward and backward seconds, the ways interleaved (every
-    other round in reverse order), and under ``KERNELS`` the forward without autograd (its
+    other round in reverse order), and under ``_KERNELS`` the forward without autograd (its
     kernels, as a replay runs them) and no backward."""
     rounds: list[dict[str, tuple[float, float]]] = []
     for k in range(_WARMUP + _ROUNDS):
@@ -110,7 +110,7 @@ def _rounds(
         with torch.no_grad():
             start = time.process_time()
             model(x)
-            times[KERNELS] = (time.process_time() - start, 0.0)
+            times[_KERNELS] = (time.process_time() - start, 0.0)
         if k >= _WARMUP:
             rounds.append(times)
     return rounds
@@ -165,7 +165,8 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
     return ExecutorCost(
         check=median(lambda r: r["check"][0] - r["plain"][0]) / work.checked,
         record=median(lambda r: r["tape"][0] - r["check"][0]) / work.recorded,
-        replay=median(lambda r: r["tape"][1] - r["check"][1] - r[KERNELS][0] * share) / max(work.replayed, 1),
+        replay=median(lambda r: r["tape"][1] - r["check"][1] - r[_KERNELS][0] * share)
+        / max(work.replayed, 1),
         offload=median(lambda r: sum(r["offload"]) - sum(r["check"])) / max(moved, 1),
     )
 

@@ -11,13 +11,14 @@ where measured) as it keeps more.
 
 NOTE [room under the peak] For each region, last first (its backward comes first, beside the
 fewest gradients): a region where not even its smallest storage fits keeps nothing more, one
-where all of them fit keeps all; otherwise it keeps the storages it would replay in order of
+where all of them fit keeps all; otherwise it ranks the storages it would replay two ways, by
 the replay time keeping each spares per byte (its own op and the ops that lead only to it: a
-rotary embedding's sum spares the projection under it), as many as keep the plan's predicted peak
-no higher than its own (found by bisection). A region left
-keeping everything it saves is dropped where that is no dearer. The result's peak is at most the
-plan's own, whatever the budget, so the candidates stay independent of the budget (NOTE
-[monotone plans]), and the filled plan is picked over the plan only where it is predicted cheaper.
+rotary embedding's sum spares the projection under it) and by its own op's time per byte, and
+keeps the cheaper of the two longest heads that leave the plan's predicted peak no higher than its
+own (found by bisection). A region left keeping everything it saves is dropped where that is no
+dearer. The result's peak is at most the plan's own, whatever the budget, so the candidates stay
+independent of the budget (NOTE [monotone plans]), and the filled plan is picked over the plan
+only where it is predicted cheaper.
 """
 
 from __future__ import annotations
