@@ -190,9 +190,11 @@ def replay_ops(
         outside: set[int] = set()
         for i in reversed(region.ops):
             op = trace.ops[i]
-            if not {root[t] for t in (*op.outputs, *op.mutates)} & wanted or any(
-                root[t] in kept[g] and facts.maker.get(root[t]) == i for t in op.outputs
-            ):
+            # NOTE [kept beside a written output] an op runs again when it makes or writes a value
+            # the replay wants, even where it keeps another of its outputs: batch norm keeps its
+            # statistics while an in-place ReLU after it writes its result, which the tape then
+            # replays (kept values exclude written ones), so it runs batch norm again
+            if not {root[t] for t in (*op.outputs, *op.mutates)} & wanted:
                 continue
             ops_needed.add(i)
             for t in op.inputs:
