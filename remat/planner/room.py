@@ -32,8 +32,9 @@ from remat.planner.search import Candidate, Step, predicted
 
 __all__ = ["filled", "filled_all"]
 
-# the step-level predictions all the fills of one frontier may make (tens per plan), the plans of
-# lowest peak first: a count, not a time, so that the candidates are the same on every run
+# the step-level predictions all the fills of one frontier may make (tens per plan: two bisections
+# per region), the plans of lowest peak first: a count, not a time, so that the candidates are the
+# same on every run
 _PREDICTIONS = 300
 
 
@@ -75,14 +76,24 @@ def _rankings(step: Step, ops: RegionOps, spare: list[int]) -> list[list[int]]:
     (the first may put a large storage first)."""
     trace, root = step.trace, step.trace.root
     timed = trace.total_cost > 0
-    maker = {root(t): i for i in ops.ops for t in trace.ops[i].outputs}
+    maker: dict[int, int] = {}  # storage -> the op of the region that made it
+    for i in ops.ops:
+        for t in trace.ops[i].outputs:
+            if trace.tensors[t].alias_of is None and not trace.tensors[t].constant:
+                maker.setdefault(t, i)
     # per op, last first: its index, its time, the storages it makes, those of the region it reads
     graph: list[tuple[int, float, set[int], list[int]]] = []
     for i in reversed(ops.ops):
         op = trace.ops[i]
         reads = [r for t in op.inputs if (r := root(t)) in maker]
         graph.append((i, op.cost if timed else op.est_cost, {root(t) for t in op.outputs}, reads))
-    saved = [r for r in maker if r in trace.saved_roots]
+    # what the region hands autograd: saved while its tape records (NOTE [region model]), not its
+    # output that the next block saves and holds anyway; all it saves where saves are not placed
+    first, last = ops.ops[0], ops.ops[-1]
+    packed = (
+        {root(t) for t, p in trace.saved_at if first < p <= last} if trace.saved_at else trace.saved_roots
+    )
+    saved = [r for r in maker if r in packed]
 
     def replayed(keep: frozenset[int]) -> float:
         wanted = {r for r in saved if maker[r] not in keep}
@@ -139,8 +150,7 @@ def _fill(
 ) -> Kept | None:
     """The most region ``g`` keeps within ``peak`` (NOTE [room under the peak]): nothing where not
     even its smallest spare storage fits, everything where all of it fits, else the cheaper of the
-    longest heads of its two rankings that fit (or the smallest alone, where neither's first
-    does)."""
+    longest heads of its two rankings that fit and the smallest alone."""
     smallest = _keeping(step, regions, g, [min(spare, key=lambda i: _size(step, i))], peak, predict)
     if smallest is None:
         return None
@@ -148,7 +158,7 @@ def _fill(
     if whole is not None:
         return whole
     heads = [_longest(step, regions, g, r, peak, predict) for r in _rankings(step, regions[g][1], spare)]
-    return min((h for h in heads if h is not None), key=lambda h: h[0].overhead, default=smallest)
+    return min([*(h for h in heads if h is not None), smallest], key=lambda h: h[0].overhead)
 
 
 def filled(step: Step, candidate: Candidate, predict: _Predictions | None = None) -> Candidate | None:
