@@ -12,26 +12,34 @@ does on its first call.
 
 from __future__ import annotations
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Unguarded", "unguard"]
 
 
+# the code of torch's wrapper (every function ``torch._disable_dynamo`` returns shares it): only a
+# method wrapped by it is unwrapped, not one another decorator wrapped
+_WRAPPER = torch._disable_dynamo(lambda: None).__code__
+
+
 def unguard(cls: type[TorchDispatchMode]) -> None:
     """Take torch's wrapper off the ``__torch_dispatch__`` of ``cls`` and of the classes it derives
-    from, and have Dynamo skip them (see above); nothing where done already or where this torch
-    does not wrap them."""
+    from, and have Dynamo skip them (see above); nothing where done already, where this torch
+    does not wrap them, or where it lacks the API (any failure keeps torch's wrapper)."""
     for klass in cls.__mro__:
-        raw = getattr(klass.__dict__.get("__torch_dispatch__"), "__wrapped__", None)
-        if raw is None:
+        wrapped = klass.__dict__.get("__torch_dispatch__")
+        raw = getattr(wrapped, "__wrapped__", None)
+        if raw is None or getattr(wrapped, "__code__", None) is not _WRAPPER:
             continue
         try:
             import torch._dynamo  # noqa: F401  (the types below need it loaded)
             from torch._C._dynamo.eval_frame import set_code_exec_strategy
             from torch._dynamo.types import FrameAction, FrameExecStrategy
-        except ImportError:
+
+            set_code_exec_strategy(raw.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        except Exception:  # a private API: a torch that moved or changed it keeps the wrapper
             return
-        set_code_exec_strategy(raw.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
         klass.__torch_dispatch__ = raw  # type: ignore[attr-defined]
 
 

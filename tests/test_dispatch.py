@@ -29,15 +29,24 @@ def test_an_unguarded_mode_loses_the_wrapper_and_still_sees_every_op() -> None:
     assert torch.equal(y, torch.relu(x @ x).sum())
 
 
-def test_compiled_code_runs_under_an_unguarded_mode() -> None:
-    """Dynamo compiles the function, not the mode's own code: the results are the eager ones and
-    the mode sees the ops the compiled function runs."""
-    f = torch.compile(lambda a: (a * 2).sin() + 1, backend="eager", fullgraph=False)
+def test_dynamo_compiles_the_functions_run_under_an_unguarded_mode_and_not_the_mode() -> None:
+    """A function compiled before the mode runs from Dynamo's cache under it, one compiled under it
+    runs too, with eager results: Dynamo compiles the one function and never the mode's own code
+    (without the skip mark it compiles the mode's method on each op, a cache entry per op)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    f = torch.compile(lambda a: (a * 2).sin() + 1, backend=counter)
     x = torch.randn(8)
+    f(x)
     with _Count() as counted:
         y = f(x)
-    assert torch.equal(y, (x * 2).sin() + 1)
-    assert "aten.sin.default" in counted.ops
+        z = torch.compile(lambda a: a.cos() * 3, backend=counter)(x)
+    assert torch.equal(y, (x * 2).sin() + 1) and torch.equal(z, x.cos() * 3)
+    assert "aten.sin.default" in counted.ops and "aten.cos.default" in counted.ops
+    assert counter.frame_count == 1
+    assert _debug_get_cache_entry_list(_Count.__dict__["__torch_dispatch__"].__code__) == []
 
 
 def test_a_scope_around_compiled_code_gives_the_plain_gradients() -> None:
