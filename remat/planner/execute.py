@@ -68,10 +68,6 @@ class _Keep:
 _KEEP = _Keep()
 _RECOMPUTE = RecomputeAll()
 
-# id of an overload -> (the overload, its name, or "" for what is neither counted nor checked): by
-# id, since an ``OpOverload``'s ``__hash__`` is Python code run for every op of every forward
-_NAMES: dict[int, tuple[Any, str]] = {}
-
 
 class _Runner(Unguarded):
     """Counts and checks the forward's ops and runs the plan's regions (see the module doc)."""
@@ -182,12 +178,10 @@ class _Runner(Unguarded):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        entry = _NAMES.get(id(func))
-        if entry is None or entry[0] is not func:
-            entry = _NAMES[id(func)] = (func, "" if aten.facts(func).skipped else str(func))
-        name = entry[1]
-        if not name or not self.active or torch._C._current_autograd_node() is not None:
+        info = aten.facts(func)
+        if info.skipped or not self.active or torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
+        name = info.name
         if name in UNCOUNTED:
             return self.tape.record(func, args, kwargs) if self.tape is not None else func(*args, **kwargs)
         i = self.position

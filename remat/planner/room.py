@@ -76,11 +76,7 @@ def _rankings(step: Step, ops: RegionOps, spare: list[int]) -> list[list[int]]:
     (the first may put a large storage first)."""
     trace, root = step.trace, step.trace.root
     timed = trace.total_cost > 0
-    maker: dict[int, int] = {}  # storage -> the op of the region that made it
-    for i in ops.ops:
-        for t in trace.ops[i].outputs:
-            if trace.tensors[t].alias_of is None and not trace.tensors[t].constant:
-                maker.setdefault(t, i)
+    maker = {t: i for i in ops.ops for t in trace.ops[i].outputs if t in step.maker}  # storage -> op
     # per op, last first: its index, its time, the storages it makes, those of the region it reads
     graph: list[tuple[int, float, set[int], list[int]]] = []
     for i in reversed(ops.ops):

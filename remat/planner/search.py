@@ -88,12 +88,14 @@ class Step:
                 "make loss_fn call the model",
             )
         self.position = {op.index: p for p, op in enumerate(self.forward)}
-        # NOTE [kept views] the ops that make a storage, the only ones a region keeps: an output
-        # sharing its input's storage though the schema does not say so (``_unsafe_view``) is new
-        # to the tape, which keeps it and its base's whole storage, that the prediction
-        # (``kept_values``) counts as dropped and replayed; replayed from its base it costs nothing
-        fresh = {t.id for t in trace.tensors if t.alias_of is None and not t.constant}
-        self.makers = frozenset(op.index for op in self.forward if fresh.intersection(op.outputs))
+        # NOTE [kept views] ``maker``: storage -> the op that made it; those ops, the only ones a
+        # region keeps: an output sharing its input's storage though the schema does not say so
+        # (``_unsafe_view``) is new to the tape, which keeps it and its base's whole storage, that
+        # the prediction counts as dropped and replayed; replayed from its base it costs nothing
+        made = [(t, op.index) for op in self.forward for t in op.outputs]
+        tensors = trace.tensors
+        self.maker = {t: i for t, i in made if tensors[t].alias_of is None and not tensors[t].constant}
+        self.makers = frozenset(self.maker.values())
 
     def region(
         self, name: str, ops: Sequence[int], save: Sequence[int] = ()

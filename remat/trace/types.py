@@ -81,14 +81,14 @@ class Trace:
         """Bytes of the constants' storages (parameters, inputs, pre-existing optimizer state)."""
         return self.liveness.constant_bytes
 
-    @property
+    @functools.cached_property
     def total_cost(self) -> float:
-        """Sum of the measured op costs, seconds (0.0 for a trace taken on fake tensors)."""
+        """Sum of the measured op costs, seconds (0.0 for a trace taken on fake tensors); cached."""
         return math.fsum(op.cost for op in self.ops)
 
-    @property
+    @functools.cached_property
     def total_est_cost(self) -> float:
-        """Sum of the cost model's estimates, seconds."""
+        """Sum of the cost model's estimates, seconds; cached."""
         return math.fsum(op.est_cost for op in self.ops)
 
     def root(self, tensor: int) -> int:
