@@ -311,8 +311,11 @@ def main() -> None:
                 "predicted_busy_ms": [line.busy(r) * 1e3 for r in range(args.ranks)],
                 "measured_cpu_ms": [r.cpu_seconds * 1e3 for r in ranks],
                 "measured_wall_ms": statistics.median(r.wall_seconds for r in ranks) * 1e3,
+                # the first step, which makes the receive buffers, and a later one
                 "predicted_peak_bytes": list(line.peak_bytes),
-                "measured_peak_bytes": [r.peak_bytes for r in ranks],
+                "measured_peak_bytes": [r.first_peak_bytes for r in ranks],
+                "predicted_later_peak_bytes": list(line.steady_peak_bytes),
+                "measured_later_peak_bytes": [r.peak_bytes for r in ranks],
             }
         )
     largest_out = [
@@ -320,7 +323,7 @@ def main() -> None:
             "mode": mode,
             "rows": r,
             "predicted_peak_bytes": list(p.timeline().peak_bytes) if p else None,
-            "measured_peak_bytes": [q.peak_bytes for q in ranks],
+            "measured_peak_bytes": [q.first_peak_bytes for q in ranks],
             "plans": [None if sp.plan is None else sp.plan.notes for sp in p.stage_plans] if p else None,
         }
         for (mode, (r, p)), ranks in zip(big.items(), results[len(MODES) :], strict=True)
@@ -343,7 +346,7 @@ def main() -> None:
     draw(
         predicted["planned"],
         Path(args.out) / f"planned{suffix}.png",
-        measured=[r.peak_bytes for r in results[3]],
+        measured=[r.first_peak_bytes for r in results[3]],
     )
     for row in [*rows_out, *largest_out]:
         print(json.dumps(row))

@@ -281,8 +281,10 @@ def plan(
     the first) fix the cut; or the list of stage modules itself. ``example_microbatch`` and
     ``target`` are one micro-batch's input and target; ``loss_fn(output, target)`` is the loss the
     torch schedule computes on the last stage. ``budget_per_rank`` (bytes, or ``"2GB"``) bounds
-    the bytes a step adds on each rank: activations, gradients, the plan's recomputation
-    (``remat.memory.track(allocator=True)`` around ``schedule.step``), parameters not counted.
+    the bytes a step adds on each rank: activations, gradients, the plan's recomputation, and in
+    the first step torch's receive buffers (``remat.memory.track(allocator=True)`` around
+    ``schedule.step``; NOTE [receive buffers] in ``remat.pipeline.timeline``), parameters not
+    counted.
     ``schedule`` is one of ``remat.pipeline.SCHEDULES``. The model's buffers, gradients and the
     RNG are left as they were.
 

@@ -1,5 +1,7 @@
 """The pipeline section of ``make demo``: a planned 1F1B step on 2 CPU processes over gloo, its
-schedule picture, and each rank's measured peak against its budget and the prediction.
+schedule picture, and each rank's measured peak in the first step (the one that also makes the
+receive buffers: NOTE [receive buffers] in ``remat.pipeline.timeline``) against its budget and the
+prediction.
 
 Why a budget below the plain pipeline's need: so that the plan has something to do. Rank 0 holds
 two micro-batches under 1F1B and rank 1 one, so the same budget makes rank 0 recompute and leaves
@@ -32,7 +34,7 @@ _BUILD = functools.partial(mlp_chain, 4, _WIDTH, 128, 0.1, True)
 @dataclass(frozen=True)
 class DemoResult:
     """What the demo drew and measured: the ``picture`` path, the per-rank ``budget_bytes``, and
-    per rank the ``predicted`` and ``measured`` peaks (bytes)."""
+    per rank the ``predicted`` and ``measured`` peaks of the first step (bytes)."""
 
     picture: Path
     budget_bytes: int
@@ -73,7 +75,7 @@ def demo(out_dir: str | os.PathLike[str]) -> DemoResult:
     (results,) = run(
         [Job(_BUILD, planned.to_json(), x, y, nn.functional.mse_loss, seed=1)], _RANKS, out / "gloo"
     )
-    measured = tuple(r.peak_bytes for r in results)
+    measured = tuple(r.first_peak_bytes for r in results)  # the step that makes the receive buffers
     picture = out / "pipeline.png"
     draw(planned, picture, measured=measured)
     return DemoResult(picture, budget, planned.timeline().peak_bytes, measured)

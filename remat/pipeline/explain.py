@@ -36,7 +36,8 @@ def render(
 
     m = order.n_microbatches
     table = Table(title=title, title_justify="left")
-    for column in ("rank", "stage", "peak", "budget", "held", "recomputed", "plain micro-batches", "busy"):
+    columns = ("rank", "stage", "first step's peak", "later steps'", "budget", "held", "recomputed")
+    for column in (*columns, "plain micro-batches", "busy"):
         table.add_column(
             column, justify="left" if column in ("recomputed", "plain micro-batches") else "right"
         )
@@ -53,6 +54,7 @@ def render(
             str(sp.rank),
             str(sp.stage),
             format_bytes(line.peak_bytes[sp.rank]),
+            format_bytes(line.steady_peak_bytes[sp.rank]),
             format_bytes(budget_bytes),
             str(sp.in_flight),
             recomputed,

@@ -45,8 +45,9 @@ class Job:
     """What every rank runs: ``build()`` makes the model (the same in every process), ``plan`` is
     the ``PipelinePlan``'s JSON, ``inputs`` and ``target`` the whole batch the schedule splits.
     ``wrap`` (a picklable function of a stage module) replaces the plan's stage modules, for a
-    comparison such as per-block ``torch.utils.checkpoint`` or none; after one warm-up step,
-    ``steps`` steps are timed and one more is measured (memory, counted ops, order).
+    comparison such as per-block ``torch.utils.checkpoint`` or none; the first step (its memory
+    measured) warms up, ``steps`` steps are timed and one more is measured (memory, counted ops,
+    order).
     ``counted`` names ATen ops to count on each rank (forward-only ops count the forwards and
     their recomputations)."""
 
@@ -64,7 +65,9 @@ class Job:
 @dataclass(frozen=True)
 class RankResult:
     """What one rank measured: its stage's ``grads`` and ``buffers`` by the model's names, the
-    allocator's ``peak_bytes`` in the measured step, ``counts`` of the counted ops in it,
+    allocator's ``peak_bytes`` in the measured step (one after the first) and
+    ``first_peak_bytes`` in the first step (NOTE [receive buffers] in ``remat.pipeline.timeline``),
+    ``counts`` of the counted ops in the measured step,
     the median ``cpu_seconds`` of a step, the median ``wall_seconds`` from the step's start on
     every rank (after a barrier) until every rank has finished it (a barrier): the pipeline's
     makespan, ``fastest_wall_seconds``, the shortest of those (the step least delayed by other work
@@ -80,6 +83,7 @@ class RankResult:
     wall_seconds: float
     fastest_wall_seconds: float
     order: tuple[str, ...]
+    first_peak_bytes: int
 
 
 class _Counter(TorchDispatchMode):
@@ -153,7 +157,8 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         torch.manual_seed(job.seed + rank)
         dist.barrier()
 
-    step()
+    with track(allocator=True) as first_memory:
+        step()
     seconds, walls = [], []
     for _ in range(job.steps):  # timed bare: the tracker and the counter cost time per op
         reset()
@@ -182,6 +187,7 @@ def _one(job: Job, rank: int, n_ranks: int) -> RankResult:
         statistics.median(walls),
         min(walls),
         tuple(log),
+        first_memory.peak_bytes,
     )
 
 

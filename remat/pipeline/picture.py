@@ -72,7 +72,7 @@ def draw(
     for rank, ax in enumerate(panels):
         times = [t * 1e3 for t, _ in line.memory[rank]]
         held = [b / _MIB for _, b in line.memory[rank]]
-        ax.step(times, held, where="post", label="predicted")
+        ax.step(times, held, where="post", label="predicted (first step)")
         ax.axhline(plan.budget_bytes / _MIB, color="black", linewidth=1, label="budget")
         if measured is not None:
             ax.axhline(

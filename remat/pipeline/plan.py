@@ -60,7 +60,8 @@ class PipelinePlan:
     # -- reading it ---------------------------------------------------------------------------
 
     def timeline(self) -> Timeline:
-        """The pipeline model's walk of the step (makespan, per-rank memory over time)."""
+        """The pipeline model's walk of the step (makespan, per-rank memory over time, the first
+        step's peak and later steps')."""
         m = self.order.n_microbatches
         costs = tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in self.stage_plans)
         return walk(self.order, costs, self.action_cost)
@@ -76,7 +77,8 @@ class PipelinePlan:
                 what += ", last micro-batch plain"
             parts.append(
                 f"rank {sp.rank} stage {sp.stage}: {what}, holds {sp.in_flight}, "
-                f"peak {format_bytes(line.peak_bytes[sp.rank])}"
+                f"peak {format_bytes(line.peak_bytes[sp.rank])} "
+                f"(later steps {format_bytes(line.steady_peak_bytes[sp.rank])})"
             )
         return (
             f"PipelinePlan({self.order.name}, {self.order.n_stages} stages x "

@@ -23,20 +23,29 @@ holds of the others plus ``m``'s one-micro-batch step peak (the planner's predic
 backward on, its parameters' gradients stay (later micro-batches add theirs into them, so the
 gradient bytes are counted on top of the one-micro-batch peak that holds them once), and the last
 stage keeps every micro-batch's output to the end of the step, where it also concatenates them.
-Each rank also holds the tensors it sends; what it receives lands in buffers its stages made in
-the first step. The single-stage schedules (``gpipe``, ``1f1b``) keep their last send operations
-referenced a little past their wait: ``transfer_bytes``, one micro-batch's output (sent forward)
-and input gradient (sent backward); with them the model meets the allocator's count on the first
-rank of a 2-rank gloo run (tests/pipeline). The schedules torch runs with
-``_PipelineScheduleRuntime`` (``interleaved-1f1b``, ``zbv``: ``Schedule.keeps_sends``) keep every
-send's work, and the tensor it sent, until the step ends (NOTE [sends kept to the end]): from a
-micro-batch's backward on, the stage's output and the gradient of its input stay; a V's hand-over
-between two stages of one rank keeps them as well, in the receiving stage's buffers. The last
-stage's output is counted beside its saved bytes, once: where the loss saves its input
+Each rank also holds the tensors it sends; what it receives lands in buffers its stages make when
+the first step starts (NOTE [receive buffers]). The single-stage schedules (``gpipe``, ``1f1b``)
+keep their last send operations referenced a little past their wait: ``transfer_bytes``, one
+micro-batch's output (sent forward) and input gradient (sent backward); with them the model meets
+the allocator's count on the first rank of a 2-rank gloo run (tests/pipeline). The schedules torch
+runs with ``_PipelineScheduleRuntime`` (``interleaved-1f1b``, ``zbv``: ``Schedule.keeps_sends``)
+keep every send's work, and the tensor it sent, until the step ends (NOTE [sends kept to the end]):
+from a micro-batch's backward on, the stage's output and the gradient of its input stay; a V's
+hand-over between two stages of one rank keeps them as well, in the receiving stage's buffers. The
+last stage's output is counted beside its saved bytes, once: where the loss saves its input
 (``mse_loss``) the stage's measured saved bytes leave it out (NOTE [the output counted once] in
 ``remat.pipeline.measure``). A rank waiting for a message holds what it held; what the message
 costs in time is the per-action cost's (below).
 A schedule whose dependencies cannot be met (a deadlock) raises before anything runs.
+
+NOTE [receive buffers] torch's ``PipelineStage`` makes, when the first step starts, one receive
+buffer per micro-batch for the stage's input (all stages but the first) and for the gradient of
+its output (all but the last), and keeps them for every later step: so the first step adds them
+to what later steps add. A buffer a stage of the same rank fills (a V's hand-over) is replaced by
+the tensor handed over, right after the action that makes it, and the first buffer goes then.
+``Timeline.peak_bytes`` is the first step's (what a budget must hold), ``steady_peak_bytes``
+every later step's; measured on 2 gloo ranks (tests/pipeline), the first step exceeded a later
+one by exactly the buffers the model counts still alive at its peak.
 
 Time (NOTE [per-action cost]): an action's duration is its stage's compute (``Cost``) plus what
 running it costs the rank beyond that (``ActionCost``: torch's stage code and autograd per forward
@@ -132,14 +141,16 @@ class Span:
 @dataclass(frozen=True)
 class Timeline:
     """A schedule walked with costs: every action's ``Span``, the step's ``makespan`` (seconds),
-    each rank's ``peak_bytes`` and its memory over time (``memory[r]``: (seconds, bytes) points,
-    the bytes holding until the next point), and ``step_s``, the step's fixed cost on every rank
-    before its first action."""
+    each rank's ``peak_bytes`` in the first step and its memory over time in it (``memory[r]``:
+    (seconds, bytes) points, the bytes holding until the next point), each rank's
+    ``steady_peak_bytes`` in every later step (its receive buffers made before it: NOTE [receive
+    buffers]), and ``step_s``, the step's fixed cost on every rank before its first action."""
 
     spans: tuple[Span, ...]
     makespan: float
     peak_bytes: tuple[int, ...]
     memory: tuple[tuple[tuple[float, int], ...], ...]
+    steady_peak_bytes: tuple[int, ...]
     step_s: float = 0.0
 
     def busy(self, rank: int) -> float:
@@ -203,6 +214,29 @@ def _sent(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Actio
     return out + (costs[stage - 1][m].output_bytes if stage > 0 else 0)
 
 
+def _buffers(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> list[int]:
+    """Each rank's receive buffers when the first step starts (NOTE [receive buffers]): per
+    micro-batch, its stages' inputs (from the previous stage) and their outputs' gradients."""
+    out = [0] * schedule.n_ranks
+    for s in range(schedule.n_stages):
+        for m in range(schedule.n_microbatches):
+            inputs = costs[s - 1][m].output_bytes if s > 0 else 0
+            grads = costs[s][m].output_bytes if s < schedule.n_stages - 1 else 0
+            out[schedule.rank_of(s)] += inputs + grads
+    return out
+
+
+def _handed_over(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Action) -> int:
+    """The first-step receive buffer ``action`` replaces on its own rank: a V's hand-over of its
+    output to the next stage (a forward) or of its input's gradient to the previous one."""
+    stage, m, rank = action.stage, action.microbatch, schedule.rank_of(action.stage)
+    if action.kind == "F" and stage < schedule.n_stages - 1 and schedule.rank_of(stage + 1) == rank:
+        return costs[stage][m].output_bytes
+    if action.kind in _CROSSING and stage > 0 and schedule.rank_of(stage - 1) == rank:
+        return costs[stage - 1][m].output_bytes
+    return 0
+
+
 def walk(
     schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], per_action: ActionCost | None = None
 ) -> Timeline:
@@ -222,7 +256,9 @@ def walk(
         for r in range(schedule.n_ranks)
     ]
     sends = [0] * schedule.n_ranks
-    memory: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in range(schedule.n_ranks)]
+    buffers = _buffers(schedule, costs)
+    memory: list[list[tuple[float, int]]] = [[(0.0, b)] for b in buffers]
+    steady = [0] * schedule.n_ranks
     spans: list[Span] = []
     total = sum(len(a) for a in schedule.actions)
     backwarded: set[int] = set()
@@ -247,7 +283,7 @@ def walk(
                     end = start + compute + _overhead(schedule, action, per)
                     need = others + cost.peak_bytes
                     recompute = cost.recompute_s if action.kind != "F" else 0.0
-                spans.append(Span(rank, action, start, end, recompute, need))
+                spans.append(Span(rank, action, start, end, recompute, need + buffers[rank]))
                 if action.kind == "F":
                     held[rank][key] = cost.saved_bytes + cost.output_bytes
                 elif action.kind != "W":
@@ -260,7 +296,11 @@ def walk(
                     if action.stage not in backwarded:
                         backwarded.add(action.stage)
                         kept[rank] += cost.grad_bytes
-                memory[rank] += [(start, need), (end, kept[rank] + sum(held[rank].values()))]
+                after = kept[rank] + sum(held[rank].values())
+                steady[rank] = max(steady[rank], need, after)
+                first = buffers[rank]
+                buffers[rank] -= _handed_over(schedule, costs, action)
+                memory[rank] += [(start, need + first), (end, after + buffers[rank])]
                 done[(action.stage, action.kind, action.microbatch)] = end
                 free[rank] = end
                 nxt[rank] += 1
@@ -280,6 +320,10 @@ def walk(
     # the last stage concatenates its outputs at the end of the step
     merged = sum(costs[last][m].output_bytes for m in range(schedule.n_microbatches))
     end_rank = schedule.rank_of(last)
-    memory[end_rank].append((max(free), kept[end_rank] - sends[end_rank] + merged))
+    ending = kept[end_rank] - sends[end_rank] + merged
+    memory[end_rank].append((max(free), ending + buffers[end_rank]))
+    steady[end_rank] = max(steady[end_rank], ending)
     peaks = tuple(max(b for _, b in m) for m in memory)
-    return Timeline(tuple(spans), max(free), peaks, tuple(tuple(m) for m in memory), per.step_s)
+    return Timeline(
+        tuple(spans), max(free), peaks, tuple(tuple(m) for m in memory), tuple(steady), per.step_s
+    )

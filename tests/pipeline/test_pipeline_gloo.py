@@ -157,11 +157,17 @@ def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> N
 
 @pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)
 def test_each_rank_peak_within_its_budget_and_the_prediction(runs, index: int) -> None:
+    """In the first step, which makes the receive buffers, and in a later one, which reuses them
+    (NOTE [receive buffers] in ``remat.pipeline.timeline``)."""
     plan, _, results = runs[index]
-    predicted = plan.timeline().peak_bytes
+    line = plan.timeline()
     for result in results:
-        assert result.peak_bytes <= plan.budget_bytes
-        assert abs(result.peak_bytes - predicted[result.rank]) <= 0.05 * predicted[result.rank]
+        for measured, predicted in (
+            (result.first_peak_bytes, line.peak_bytes[result.rank]),
+            (result.peak_bytes, line.steady_peak_bytes[result.rank]),
+        ):
+            assert measured <= plan.budget_bytes
+            assert abs(measured - predicted) <= 0.05 * predicted
 
 
 @pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)

@@ -165,11 +165,32 @@ def test_a_schedule_that_keeps_its_sends_holds_them_to_the_steps_end() -> None:
     looped = build("interleaved-1f1b", 2, 4, 2)
     assert looped.keeps_sends and build("zbv", 2, 4, 2).keeps_sends and not build("1f1b", 2, 4).keeps_sends
     line = walk(looped, costs(4))
+    # the first step's receive buffers (NOTE [receive buffers]): rank 0 the output gradients of
+    # stages 0 and 2 and the inputs of stage 2, rank 1 the same of stages 1 and 3, less stage 3's
+    # output gradients (the last stage's gradient is the loss's)
+    buffers = (3 * 4 * 8, 3 * 4 * 8)
     # rank 0 (stages 0, 2): 4 outputs of stage 0, 4 outputs and input gradients of stage 2
-    assert line.memory[0][-1][1] == 4 * 8 + 4 * 16
+    assert line.memory[0][-1][1] == 4 * 8 + 4 * 16 + buffers[0]
     # rank 1 (stages 1, 3): stage 1 as stage 2, stage 3 its input gradients and its outputs (kept
     # for the end), and at the end its outputs concatenated, the sends gone
-    assert max(b for _, b in line.memory[1]) == 4 * 16 + 4 * 8 + 4 * 8
-    assert line.memory[1][-1][1] == 4 * 8 + 4 * 8
+    assert line.steady_peak_bytes[1] == 4 * 16 + 4 * 8 + 4 * 8
+    assert max(b for _, b in line.memory[1]) == line.peak_bytes[1] == 4 * 16 + 4 * 8 + 4 * 8 + buffers[1]
+    assert line.memory[1][-1][1] == 4 * 8 + 4 * 8 + buffers[1]
     one = walk(build("1f1b", 2, 4), costs(2))
-    assert one.memory[0][-1][1] == 100 and one.memory[1][-1][1] == 100 + 4 * 8 + 4 * 8
+    # 1F1B on 2 ranks: rank 0 receives its output's gradients, rank 1 its inputs, 4 of each
+    assert one.memory[0][-1][1] == 100 + 4 * 8 and one.memory[1][-1][1] == 100 + 4 * 8 + 4 * 8 + 4 * 8
+    assert [a - b for a, b in zip(one.peak_bytes, one.steady_peak_bytes, strict=True)] == [4 * 8, 4 * 8]
+
+
+def test_a_hand_over_on_one_rank_replaces_its_first_step_buffer() -> None:
+    """NOTE [receive buffers]: under ZBV rank 1 runs stages 1 and 2, and hands stage 1's outputs
+    to stage 2 and stage 2's input gradients to stage 1 itself: each such buffer goes when its
+    micro-batch is handed over, so by the step's end only the buffers filled from rank 0 stay."""
+    costs = tuple(tuple(Cost(1.0, 1.0, 0.0, 0, 0, 8, 0, 0) for _ in range(4)) for _ in range(4))
+    line = walk(build("zbv", 2, 4, 2), costs)
+    # at the start: stages 1 and 2, their inputs and output gradients, 4 micro-batches of 8 bytes
+    assert line.memory[1][0][1] == 2 * 2 * 4 * 8
+    # at the end: the sends kept (each middle stage's output and input gradient, NOTE [sends kept
+    # to the end]) and the 8 buffers rank 0 fills (stage 1's inputs, stage 2's output gradients)
+    assert line.memory[1][-1][1] == 2 * 4 * (8 + 8) + 8 * 8
+    assert line.steady_peak_bytes[1] < line.peak_bytes[1] < line.steady_peak_bytes[1] + 2 * 2 * 4 * 8
