@@ -137,6 +137,7 @@ def plan_trace(
     link: Link | None = None,
     host_budget: int | str | None = None,
     executor_cost: ExecutorCost | None = None,
+    rerun_modules: bool = False,
     **options: Any,
 ) -> Plan:
     """The plan for a captured step (see ``plan``); ``options`` go to the solver. Each solver's
@@ -161,10 +162,12 @@ def plan_trace(
     three_way = OffloadProblem in get(solver).problems
     host = offload_arguments(solver, three_way, link, host_budget)
     if not three_way:
-        found = frontier(trace, solver, block_key, executor_cost=executor_cost, **options)
+        found = frontier(
+            trace, solver, block_key, executor_cost=executor_cost, rerun_modules=rerun_modules, **options
+        )
         return plan_at(found, budget, link=link, host_budget=host)
     # a three-way solver adds its moves to recomputation's plans too (``offload_search``)
-    found = frontier(trace, "auto", block_key, executor_cost=executor_cost)
+    found = frontier(trace, "auto", block_key, executor_cost=executor_cost, rerun_modules=rerun_modules)
     return plan_at(found, budget, link=link, host_budget=host, options=options, solver=solver)
 
 
@@ -252,6 +255,7 @@ def plan(
     link: Link | None = None,
     host_budget: int | str | None = None,
     executor_cost: ExecutorCost | None = None,
+    rerun_modules: bool = False,
     **options: Any,
 ) -> Plan:
     """Plan the recomputation of one training step of ``model`` under ``budget``.
@@ -272,6 +276,15 @@ def plan(
     the regions' tapes and replays, the offloader's per-tensor bookkeeping), at ``executor_cost``
     (``remat.planner.ExecutorCost``) or, by default, at figures measured once per process on the model's
     device (see ``plan_trace``).
+
+    ``rerun_modules=True``: a region that is exactly one call of one module (a transformer layer,
+    a block) and keeps nothing runs as ``torch.utils.checkpoint`` runs it, the module called again
+    in backward, with no Python call per op in forward or backward (NOTE [module re-run]); other
+    regions replay their ops from a tape. As with ``torch.utils.checkpoint``, the module's forward
+    must do the same when called again: no Python state it changes or reads that changes between
+    the calls (pass ``use_cache=False`` to a ``transformers`` model: its cache grows at every
+    call). Random numbers are drawn again the same; a tensor made again with another shape or
+    dtype than the forward's raises RecomputationError.
 
     The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
     parameters, buffers, gradients and the RNG are left as they were. Run the plan with
@@ -306,5 +319,6 @@ def plan(
         link=link,
         host_budget=host_budget,
         executor_cost=executor_cost,
+        rerun_modules=rerun_modules,
         **options,
     )

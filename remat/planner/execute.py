@@ -15,6 +15,11 @@ needs it, with the RNG and batch-norm buffers handled there::
     dispatch mode: check op i == plan.ops[i]; i == A.first -> start tape + hooks;
                    after op A.last -> stop (region A now holds only its replay slice)
 
+A region the plan marks ``rerun`` (one module's one call, NOTE [module re-run] in
+``remat.planner.rerun_regions``) runs instead through the module's ``forward``, wrapped while the
+plan runs: at the expected count the mode steps aside, the call runs bare under
+``remat.planner.rerun``'s hooks, and the count moves past the region.
+
 Counting starts when the model's own forward starts (a forward pre-hook on the model) and a
 forward must run exactly the traced ops: another op, or fewer or more of them, raises
 RecomputationError with the position, the expected and the executed op and the module.
@@ -45,6 +50,7 @@ from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
 from remat.planner.regions import Region
+from remat.planner.rerun import run_again
 from remat.policy import Decision, OpContext, RecomputeAll
 
 __all__ = ["UNCOUNTED", "apply"]
@@ -224,9 +230,59 @@ def apply(
         )
     runner = make_runner(regions, ops, modules, model, execute)
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
+    wrapped = [
+        _run_again(runner, region, _submodule(model, region.rerun)) for region in regions if region.rerun
+    ]
     try:
         yield
     finally:
         runner.leave()
         for h in hooks:
             h.remove()
+        for module, before in reversed(wrapped):
+            if before is None:
+                del module.forward
+            else:
+                module.forward = before
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise RematTypeError(
+            message(
+                "plan",
+                "a module the plan runs again is not in the model",
+                f"{name!r} in {type(model).__name__}",
+                "apply the plan to the model it was made for",
+            )
+        ) from None
+
+
+def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.Module, Any]:
+    """Wrap ``module.forward`` to run ``region`` as the module called again (``remat.planner.rerun``)
+    at the call the plan expects; the forward it had as an attribute of its own (or None) goes back
+    when the plan's block ends."""
+    before = module.__dict__.get("forward")
+    forward = module.forward
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not (
+            runner.active
+            and runner.position == region.first
+            and runner.open is None
+            and torch.is_grad_enabled()
+            and _get_current_dispatch_mode() is runner
+        ):
+            return forward(*args, **kwargs)
+        runner.__exit__(None, None, None)
+        try:
+            out = run_again(forward, args, kwargs, region.random)
+        finally:
+            runner.__enter__()
+        runner.position = region.last + 1
+        return out
+
+    module.forward = call
+    return module, before

@@ -43,14 +43,13 @@ from remat.planner.search import (
     chain_regions,
     floor,
     keeping_compute,
-    model_peak,
     predicted,
     regions_of,
     search,
     simple,
     untied,
 )
-from remat.planner.single_level import chain_segments
+from remat.planner.single_level import chain_segments, model_peak
 from remat.planner.solvers import chain_dp, get
 from remat.planner.solvers.sqrt import split
 from remat.planner.types import Chain, Problem, Solution
@@ -188,13 +187,15 @@ def frontier(
     block_key: Callable[[str], str] | None = None,
     *,
     executor_cost: ExecutorCost | None = None,
+    rerun_modules: bool = False,
     **options: Any,
 ) -> Frontier:
     """The candidates of ``solver`` for the step ``trace`` captured (see the module doc);
     ``options`` go to the solver (``segments`` for ``sqrt`` gives its one plan). Every candidate is
     predicted with ``executor_cost`` (NOTE [executor cost]; by default the figures measured on the
-    trace's device, once per process)."""
-    step = Step(trace, block_key, measured(trace.device) if executor_cost is None else executor_cost)
+    trace's device, once per process); ``rerun_modules``: see ``remat.plan``."""
+    executor = measured(trace.device) if executor_cost is None else executor_cost
+    step = Step(trace, block_key, executor, rerun_modules)
     get(solver)
     start = time.perf_counter()
     baseline = predicted(step, []).peak_bytes

@@ -165,7 +165,9 @@ class Plan:
         """The stable serialized form (``FORMAT``)."""
         body = asdict(self)
         body["regions"] = [
-            {"name": r.name, "first": r.first, "last": r.last, "save": sorted(r.save)} for r in self.regions
+            {"name": r.name, "first": r.first, "last": r.last, "save": sorted(r.save)}
+            | ({"rerun": r.rerun, "random": r.random} if r.rerun else {})
+            for r in self.regions
         ]
         body["tensors"] = [{**asdict(t), "action": t.action.value} for t in self.tensors]
         body["ops"] = list(self.ops)
@@ -185,7 +187,14 @@ class Plan:
         try:
             fields = {k: v for k, v in body.items() if k != "format"}
             fields["regions"] = tuple(
-                Region(r["name"], int(r["first"]), int(r["last"]), frozenset(r["save"]))
+                Region(
+                    r["name"],
+                    int(r["first"]),
+                    int(r["last"]),
+                    frozenset(r["save"]),
+                    str(r.get("rerun", "")),
+                    bool(r.get("random", False)),
+                )
                 for r in fields["regions"]
             )
             fields["tensors"] = tuple(

@@ -75,6 +75,7 @@ from remat.planner.region_model import (
     replay_ops,
     replay_points,
     step_facts,
+    writes,
 )
 from remat.trace.types import Op, Phase, Trace
 
@@ -111,17 +112,6 @@ class Prediction:
     def executor_overhead(self) -> float:
         """The executor's part of ``overhead``: its seconds ÷ the plain step's."""
         return self.executor_cost / self.base_cost if self.base_cost > 0 else 0.0
-
-
-def _writes(op: Op) -> tuple[int, ...]:
-    """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
-    the running statistics its schema does not declare (its last two tensor inputs when it has
-    three or more: ``remat.manual.tape`` snapshots both kinds when an op of a region writes them). The
-    trace does not say whether batch norm ran in training mode or tracks running statistics, so a
-    frozen one (or one without statistics) is counted with a snapshot it does not take: an
-    overestimate of two vectors of its channels."""
-    hidden = aten.writes_hidden(op.name) and len(op.inputs) >= 3
-    return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
 
 
 def _blank(
@@ -184,10 +174,13 @@ def predict(
     costs = zip(trace.ops, facts.cost, strict=True)
     base = math.fsum(c for op, c in costs if op.phase is not Phase.OPTIMIZER)
     recomputed = tuple(frozenset(ts) for ts in targets)
+    bare = {i for r in regions if r.rerun is not None for i in r.ops}  # NOTE [module re-run]
     checked = sum(
-        op.phase is Phase.FORWARD and bool(op.module) and op.name not in UNCOUNTED for op in trace.ops
+        op.phase is Phase.FORWARD and bool(op.module) and op.name not in UNCOUNTED and op.index not in bare
+        for op in trace.ops
     )
-    work = ExecutorWork(checked, sum(len(r.ops) for r in regions), walk.replayed, len(moved))
+    recorded = sum(len(r.ops) for r in regions if r.rerun is None)
+    work = ExecutorWork(checked, recorded, walk.replayed, len(moved))
     return Prediction(
         walk.peak,
         walk.peak_op,
@@ -249,12 +242,13 @@ def _tape_holds(
         readers = {i: {root[t] for t in trace.ops[i].inputs} for i in region.ops}
         for i in region.ops:
             op = trace.ops[i]
-            written_outside = [t for t in _writes(op) if facts.region_made(root[t]) != g]
+            written_outside = [t for t in writes(op) if facts.region_made(root[t]) != g]
             blank = []
             if written_outside and trace.saved_at and aten.writes_hidden(op.name):
                 later = {root[t] for t, p in trace.saved_at if i < p <= last}  # the tape's handles
                 blank = [t for t in written_outside if _blank(op, t, i, readers, later, root)]
-            copied = sum(tensors[t].view_bytes for t in written_outside) + (rng_bytes if op.random else 0)
+            drawn = rng_bytes if op.random and region.rerun is None else 0  # a re-run: one, below
+            copied = sum(tensors[t].view_bytes for t in written_outside) + drawn
             if copied:
                 holds.snapshots[i] = holds.snapshots.get(i, 0) + copied
                 freed = sum(tensors[t].view_bytes for t in blank)
@@ -272,6 +266,9 @@ def _tape_holds(
         for r in plans.held_by_plan[g]:
             holds.hold_at.setdefault(last, []).append(r)
             holds.unhold_after.setdefault(death, []).append(r)
+        if region.rerun is not None and region.rerun.random:  # the state its call started with
+            holds.snapshots[first] = holds.snapshots.get(first, 0) + rng_bytes
+            holds.unsnap_after[death] = holds.unsnap_after.get(death, 0) + rng_bytes
     return holds
 
 
@@ -313,13 +310,20 @@ class _Walk:
         """Region ``g``'s replay just before backward op ``before``."""
         trace, root, tensors = self.trace, self.facts.root, self.trace.tensors
         ops = [trace.ops[i] for i in self.regions[g].ops if i in self.plans.need[g]]
-        self.replayed += len(ops)
+        again = self.regions[g].rerun
         last_use: dict[int, int] = {}
-        for op in ops:
-            for t in op.inputs:
-                last_use[root[t]] = op.index
-        # the replay saves the generator's state and restores it after (``remat.manual.replay``)
-        transient: dict[int, int] = {-1: self.rng_bytes if any(op.random for op in ops) else 0}
+        gone = -1  # a value no op of the replay reads dies after the op that makes it
+        if again is None:
+            self.replayed += len(ops)
+            for op in ops:
+                for t in op.inputs:
+                    last_use[root[t]] = op.index
+        else:  # NOTE [module re-run]: a value lives as long as the forward kept it
+            last_use, gone = trace.forward_deaths, len(trace.ops)
+        # the replay saves the generator's state and restores it after (``remat.manual.replay``);
+        # a module re-run, where its region draws random numbers at all (``remat.planner.rerun``)
+        drawn = again.random if again is not None else any(op.random for op in ops)
+        transient: dict[int, int] = {-1: self.rng_bytes if drawn else 0}
         name = self.names[g] if g < len(self.names) else f"region {g}"
         for op in ops:
             self.recompute += self.facts.cost[op.index]
@@ -341,7 +345,7 @@ class _Walk:
                 else:
                     transient[r] = tensors[r].nbytes
             self.sample(before, self.made + sum(transient.values()) + op.scratch, name)
-            for r in [r for r in transient if r >= 0 and last_use.get(r, -1) <= op.index]:
+            for r in [r for r in transient if r >= 0 and last_use.get(r, gone) <= op.index]:
                 del transient[r]
 
     def release(self, r: int) -> None:

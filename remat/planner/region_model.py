@@ -12,26 +12,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.trace.types import Phase, Trace
+from remat import aten
+from remat.trace.types import Op, Phase, Trace
 
 __all__ = [
     "RegionOps",
+    "Rerun",
     "RegionPlans",
     "StepFacts",
     "kept_values",
     "region_targets",
     "replay_ops",
     "replay_points",
+    "read_back",
     "step_facts",
+    "writes",
 ]
 
 
 @dataclass(frozen=True)
+class Rerun:
+    """A region the executor runs as one call of ``module`` run again (NOTE [module re-run] in
+    ``remat.planner.rerun_regions``): its re-run runs the region's ops before trace op ``stop``
+    (where autograd's last save in the call comes); ``random``: it draws random numbers;
+    ``inputs``: the storages the call was given (roots, constants left out), which it holds."""
+
+    module: str
+    stop: int
+    random: bool
+    inputs: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
 class RegionOps:
-    """A region in trace op indices: its forward ops (in order) and those whose outputs it keeps."""
+    """A region in trace op indices: its forward ops (in order) and those whose outputs it keeps;
+    ``rerun`` where the executor runs it as its module again instead of from a tape."""
 
     ops: tuple[int, ...]
     save: frozenset[int] = frozenset()
+    rerun: Rerun | None = None
 
 
 @dataclass(frozen=True)
@@ -113,11 +132,19 @@ def region_targets(
     for g, region in enumerate(regions):
         for p in range(region.ops[0] + 1, region.ops[-1] + 1) if region.ops else ():
             window[p] = g
+    # a module re-run's hooks also see what its last op saves of its own outputs
+    ends = {region.ops[-1] + 1: g for g, region in enumerate(regions) if region.rerun and region.ops}
     packed: list[set[int]] = [set() for _ in regions]  # roots saved while the region records
     held_by_autograd: set[int] = set()  # roots some save holds as in the plain step
     for t, p in trace.saved_at:
         r = facts.root[t]
         g = window.get(p, -1)
+        rerun = regions[ends[p]].rerun if p in ends else None
+        if rerun is not None and facts.region_made(r) == ends[p]:
+            mine, others = read_back(trace, r, rerun.module)
+            g = ends[p] if mine else g
+            if mine and others:  # saved by a later op too, which holds it
+                held_by_autograd.add(r)
         if g >= 0:
             packed[g].add(r)
         if g < 0 or r in kept[g] or facts.region_made(r) != g:
@@ -180,11 +207,16 @@ def replay_ops(
     planned: list[set[int]],
 ) -> tuple[list[set[int]], list[set[int]]]:
     """The ops each replay runs: those that lead to the targets, stopping at kept values and at
-    values from outside the region; and what they read of those, which the region's plan holds."""
+    values from outside the region (a module re-run: every op before its last save); and what they
+    read of those, which the region's plan holds (a module re-run: what its call was given)."""
     root = facts.root
     need: list[set[int]] = []
     held_by_plan: list[set[int]] = []
     for g, region in enumerate(regions):
+        if region.rerun is not None:  # NOTE [module re-run]: every op before the last save
+            need.append({i for i in region.ops if i < region.rerun.stop})
+            held_by_plan.append(set(region.rerun.inputs) if planned[g] else set())
+            continue
         wanted = set(planned[g])
         ops_needed: set[int] = set()
         outside: set[int] = set()
@@ -208,3 +240,22 @@ def replay_ops(
         need.append(ops_needed)
         held_by_plan.append(outside if planned[g] else set())
     return need, held_by_plan
+
+
+def writes(op: Op) -> tuple[int, ...]:
+    """The tensors ``op`` writes in place: those it says it mutates and, for batch norm in training,
+    the running statistics its schema does not declare (its last two tensor inputs when it has
+    three or more: ``remat.manual.tape`` snapshots both kinds when an op of a region writes them). The
+    trace does not say whether batch norm ran in training mode or tracks running statistics, so a
+    frozen one (or one without statistics) is counted with a snapshot it does not take: an
+    overestimate of two vectors of its channels."""
+    hidden = aten.writes_hidden(op.name) and len(op.inputs) >= 3
+    return tuple(dict.fromkeys((*op.mutates, *(op.inputs[-2:] if hidden else ()))))
+
+
+def read_back(trace: Trace, r: int, module: str) -> tuple[bool, bool]:
+    """Whether backward ops of ``module`` or its submodules read storage ``r`` (backward ops carry
+    the module of the forward op whose node runs them), and whether others do."""
+    prefix = module + "."
+    inside = [m == module or m.startswith(prefix) for m in trace.backward_modules.get(r, ())]
+    return any(inside), not all(inside)

@@ -43,12 +43,17 @@ class TensorDecision:
 class Region:
     """Forward ops ``first`` .. ``last`` (positions, inclusive) run as one recomputed region:
     what autograd saves inside it is dropped after the forward and replayed from the region's
-    inputs at its first use in backward, except the outputs of the ops in ``save``."""
+    inputs at its first use in backward, except the outputs of the ops in ``save``. Where
+    ``rerun`` names a module, the region is that module's one call and runs as the module called
+    again (NOTE [module re-run] in ``remat.planner.rerun_regions``); ``random``: it draws random
+    numbers, which its re-run draws again the same."""
 
     name: str
     first: int
     last: int
     save: frozenset[int] = frozenset()
+    rerun: str = ""
+    random: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "save", frozenset(self.save))
@@ -58,4 +63,5 @@ class Region:
 
     def __str__(self) -> str:
         kept = f", keeps {len(self.save)} op outputs" if self.save else ""
-        return f"{self.name}: ops {self.first}-{self.last}{kept}"
+        again = f", runs {self.rerun} again" if self.rerun else ""
+        return f"{self.name}: ops {self.first}-{self.last}{kept}{again}"

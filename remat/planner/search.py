@@ -16,13 +16,14 @@ from typing import Any
 
 from remat._errors import RematValueError, message
 from remat.planner.chain_recursion import minimum_peak
-from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, schedule_cost
+from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost
 from remat.planner.execute import UNCOUNTED
 from remat.planner.lowering import stage_key
 from remat.planner.predict import Prediction, predict
 from remat.planner.region_model import RegionOps
 from remat.planner.regions import Region, TensorDecision
-from remat.planner.single_level import chain_segments, dag_from_saved
+from remat.planner.rerun_regions import rerun_of
+from remat.planner.single_level import chain_segments, model_peak
 from remat.planner.solvers import get
 from remat.planner.solvers.sqrt import split
 from remat.planner.types import Chain, ChainOp, ChainSchedule, Problem, Solution
@@ -67,17 +68,18 @@ def fail(rule: str, given: object, todo: str, kind: type[Exception] = RematValue
 class Step:
     """The captured step seen by the planner: the model's forward ops, and regions in both
     numberings (trace op indices for the prediction, forward positions for the Plan); every plan
-    of it is predicted with the executor's per-op figures ``executor`` (NOTE [executor cost])."""
+    of it is predicted with the executor's per-op figures ``executor`` (NOTE [executor cost]);
+    with ``rerun_modules``, a region that is one call of a module runs as it called again."""
 
     def __init__(
         self,
         trace: Trace,
         block_key: Callable[[str], str] | None = None,
         executor: ExecutorCost = NO_EXECUTOR_COST,
+        rerun_modules: bool = False,
     ) -> None:
-        self.trace = trace
-        self.key = block_key or stage_key
-        self.executor = executor
+        self.trace, self.key, self.executor = trace, block_key or stage_key, executor
+        self.rerun_modules = rerun_modules
         self.forward = [
             op for op in trace.ops if op.phase is Phase.FORWARD and op.module and op.name not in UNCOUNTED
         ]
@@ -109,7 +111,9 @@ class Step:
         keep = frozenset(self.position[i] for i in save if i in self.makers)
         members = tuple(self.forward[p].index for p in range(first, last + 1))
         keep_ops = frozenset(self.forward[p].index for p in keep)
-        return Region(name, first, last, keep), RegionOps(members, keep_ops)
+        again = rerun_of(self.trace, members, keep_ops) if self.rerun_modules else None
+        module, random = (again.module, again.random) if again else ("", False)  # NOTE [module re-run]
+        return Region(name, first, last, keep, module, random), RegionOps(members, keep_ops, again)
 
     def blocks(self) -> list[list[int]]:
         """The model's forward ops in runs of one block each (``stage_key``), as trace indices."""
@@ -177,13 +181,6 @@ def regions_of(step: Step, problem: Problem, solution: Solution) -> list[tuple[R
 
 def predicted(step: Step, regions: list[tuple[Region, RegionOps]]) -> Prediction:
     return predict(step.trace, [r for _, r in regions], [r.name for r, _ in regions], executor=step.executor)
-
-
-def model_peak(problem: Problem) -> int:
-    """The solver model's peak with nothing recomputed."""
-    if isinstance(problem, Chain):
-        return schedule_cost(problem, chain_segments(problem, [])).peak_bytes
-    return schedule_cost(problem, dag_from_saved(problem, problem.saved)).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -381,17 +378,16 @@ def decisions(
         if maker is None:
             continue
         g = region_at.get(maker.index, -1)
-        if r in recomputed:
-            action, reason = (
-                Decision.RECOMPUTE,
-                f"{solver}: dropped, replayed in backward with {regions[g][0].name}",
-            )
-        elif g < 0:
+        region = regions[g][0] if g >= 0 else None
+        if r in recomputed and region is not None:
+            how = f"{region.rerun} run again" if region.rerun else f"replayed in backward with {region.name}"
+            action, reason = Decision.RECOMPUTE, f"{solver}: dropped, {how}"
+        elif region is None:
             action, reason = Decision.SAVE, f"{solver}: outside every recomputed region"
         elif maker.index in regions[g][1].save:
-            action, reason = Decision.SAVE, f"{solver}: kept inside {regions[g][0].name}"
+            action, reason = Decision.SAVE, f"{solver}: kept inside {region.name}"
         else:
-            action, reason = Decision.SAVE, f"saved by ops after {regions[g][0].name}"
+            action, reason = Decision.SAVE, f"saved by ops after {region.name}"
         out.append(
             TensorDecision(
                 step.position[maker.index], maker.name, maker.module, info.nbytes, action, reason, maker.cost

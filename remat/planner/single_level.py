@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 
+from remat.planner.cost_model import schedule_cost
 from remat.planner.types import Chain, ChainOp, ChainSchedule, ChainStep, Dag, DagSchedule, DagStage
 
-__all__ = ["chain_segments", "closure", "dag_from_saved"]
+__all__ = ["chain_segments", "closure", "dag_from_saved", "model_peak"]
 
 
 def chain_segments(chain: Chain, segments: Iterable[tuple[int, int]]) -> ChainSchedule:
@@ -94,3 +95,10 @@ def dag_from_saved(dag: Dag, saved: Collection[int]) -> DagSchedule:
             drops[max((i, *dag.users[i]))].append(i)
     stages = [DagStage(((t,) if t < n else computes[t - n]), tuple(sorted(d))) for t, d in enumerate(drops)]
     return DagSchedule(tuple(stages))
+
+
+def model_peak(problem: Chain | Dag) -> int:
+    """The solver model's peak with nothing recomputed."""
+    if isinstance(problem, Chain):
+        return schedule_cost(problem, chain_segments(problem, [])).peak_bytes
+    return schedule_cost(problem, dag_from_saved(problem, problem.saved)).peak_bytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -34,10 +34,14 @@ _MODULE_KEY = "remat.trace.module"
 class Attribution:
     """The module stack and optimizer depth of a running step, kept by global hooks."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_call: Callable[[nn.Module, Any, Any, Any], None] | None = None) -> None:
+        self.on_call = on_call  # a forward hook (with keyword arguments) for every named module
+        self.watched: list[torch.utils.hooks.RemovableHandle] = []
         self.modules: list[str] = []
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.in_optimizer = 0
+        self.calls: dict[str, int] = {}  # forward calls per named module below a root
+        self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def where(self) -> tuple[Phase | None, str]:
         """The phase and module of the op running now; phase None: decided by ``phases``."""
@@ -61,7 +65,13 @@ class Attribution:
 
     def name_modules(self, root: nn.Module) -> None:
         """Name ``root``'s modules by their qualified path (``root`` itself by its class)."""
+        self.roots.add(root)
         for qualified, m in root.named_modules():
+            if m not in self.names and self.on_call is not None:
+                # per module: a global hook with keyword arguments outlives its removal in torch
+                # 2.13 (its entry in ``_global_forward_hooks_with_kwargs`` stays), and Dynamo then
+                # compiles no module call
+                self.watched.append(m.register_forward_hook(self.on_call, with_kwargs=True))
             self.names.setdefault(m, qualified or type(root).__name__)
 
     @contextlib.contextmanager
@@ -76,11 +86,14 @@ class Attribution:
         try:
             yield
         finally:
-            for h in handles:
+            for h in [*handles, *self.watched]:
                 h.remove()
+            self.watched.clear()
 
     def _module_pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(module)
+        if name is not None and module not in self.roots:  # by a path its root resolves
+            self.calls[name] = self.calls.get(name, 0) + 1
         if name is None:
             if self.modules:
                 name = f"{self.modules[-1]}.{type(module).__name__}"

@@ -50,7 +50,8 @@ _OP_FIELDS = {
     "scratch",
     "state",
 }
-_HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"}
+_OPTIONAL_HEADER = {"calls", "call_inputs"}  # what the capture adds about the model's module calls
+_HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"} | _OPTIONAL_HEADER
 _PHASES = {p.value: p for p in Phase}
 
 
@@ -67,6 +68,10 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
             "tensors": len(trace.tensors),
             "events": len(trace.events),
         }
+        if trace.calls:
+            header["calls"] = dict(trace.calls)
+        if trace.call_inputs:
+            header["call_inputs"] = {name: list(ids) for name, ids in trace.call_inputs}
         f.write(_dumps(header))
         at: dict[int, list[int]] = {}
         for tid, position in trace.saved_at:
@@ -152,6 +157,8 @@ def _read(path: Path) -> Trace:
                         "the header's counts must match the file (is it truncated?)",
                         f"header announces {header[key]} {key}, the file has {got}",
                     )
+            calls = _calls(header.get("calls", {}))
+            call_inputs = _call_inputs(header.get("call_inputs", {}), len(tensors))
     except Invalid as err:
         raise RematValueError(
             message(
@@ -173,6 +180,8 @@ def _read(path: Path) -> Trace:
         device=header["device"],
         source=header["source"],
         saved_at=tuple(saved_at),
+        calls=calls,
+        call_inputs=call_inputs,
     )
 
 
@@ -181,6 +190,24 @@ def _read(path: Path) -> Trace:
 
 def _dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def _calls(value: object) -> tuple[tuple[str, int], ...]:
+    if not (isinstance(value, dict) and all(isinstance(k, str) and _is_count(n) for k, n in value.items())):
+        raise Invalid("calls must map module paths to call counts", f"calls {value!r}"[:200])
+    return tuple(value.items())
+
+
+def _call_inputs(value: object, n_tensors: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    if not (
+        isinstance(value, dict)
+        and all(
+            isinstance(k, str) and isinstance(ids, list) and all(_is_count(i) and i < n_tensors for i in ids)
+            for k, ids in value.items()
+        )
+    ):
+        raise Invalid("call_inputs must map module paths to lists of tensor ids", f"{value!r}"[:200])
+    return tuple((k, tuple(ids)) for k, ids in value.items())
 
 
 def _positions(record: dict[str, Any], tid: int) -> list[int]:

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -107,7 +108,8 @@ class Recorder(TorchDispatchMode):
         self.saved: set[int] = set()
         self.saved_at: list[tuple[int, int]] = []
         self.op_module: list[str] = []  # per tensor id: module path of the op that made it
-        self.attribution = Attribution()
+        self.attribution = Attribution(self.called)
+        self.call_inputs: dict[str, tuple[int, ...]] = {}  # per named module: its first call's
         self.finalizers: list[weakref.finalize] = []
         self.device: str | None = None
         self.fake = False
@@ -307,6 +309,19 @@ class Recorder(TorchDispatchMode):
             self.saved_at.append((h, self.n_ops))
         return t
 
+    def called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Forward hook: note the tensors a named module's first call was given (what running the
+        call again holds, NOTE [module re-run] in ``remat.planner.rerun_regions``)."""
+        name = self.attribution.names.get(module)
+        if name is None or module in self.attribution.roots or name in self.call_inputs:
+            return
+        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and self._known(t)]
+        self.call_inputs[name] = tuple(sorted({h for t in given if (h := self.handle(t)) is not None}))
+
+    def _known(self, t: torch.Tensor) -> bool:
+        storage = aten.storage_of(t)
+        return storage is not None and storage._cdata in self.storages
+
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         """Record while the context is open: this mode, the saved-tensor hook and attribution."""
@@ -360,4 +375,6 @@ class Recorder(TorchDispatchMode):
             self.device or "cpu",
             source,
             tuple(self.saved_at),
+            tuple(self.attribution.calls.items()),
+            tuple(self.call_inputs.items()),
         )

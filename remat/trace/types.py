@@ -36,7 +36,8 @@ class Trace:
     saved for backward. ``saved_at`` says when, where known: one ``(tensor, position)`` per save,
     ``position`` being the number of ops that had run (the save came after op ``position - 1`` and
     before op ``position``: autograd saves an op's inputs before it runs and its outputs after),
-    sorted."""
+    sorted. ``calls`` counts the forward calls of each module path, where the capture counted them
+    (empty: not known), and ``call_inputs`` names the tensors each one's first call was given."""
 
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]
@@ -45,9 +46,13 @@ class Trace:
     device: str = "cpu"
     source: str = "capture"
     saved_at: tuple[tuple[int, int], ...] = ()
+    calls: tuple[tuple[str, int], ...] = ()
+    call_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "saved_at", tuple(sorted(self.saved_at)))
+        object.__setattr__(self, "calls", tuple(sorted(self.calls)))
+        object.__setattr__(self, "call_inputs", tuple(sorted((k, tuple(v)) for k, v in self.call_inputs)))
 
     @functools.cached_property
     def ops(self) -> tuple[Op, ...]:
@@ -90,6 +95,59 @@ class Trace:
     def total_est_cost(self) -> float:
         """Sum of the cost model's estimates, seconds; cached."""
         return math.fsum(op.est_cost for op in self.ops)
+
+    @functools.cached_property
+    def module_spans(self) -> dict[str, tuple[int, int, int]]:
+        """Per module path: the first and the last forward op that it or a module below it
+        issued, and how many (trace op indices); cached."""
+        spans: dict[str, tuple[int, int, int]] = {}
+        for op in self.ops:
+            if op.phase is not Phase.FORWARD or not op.module:
+                continue
+            parts = op.module.split(".")
+            for k in range(1, len(parts) + 1):
+                name = ".".join(parts[:k])
+                first, _, n = spans.get(name, (op.index, op.index, 0))
+                spans[name] = (first, op.index, n + 1)
+        return spans
+
+    @functools.cached_property
+    def roots(self) -> tuple[int, ...]:
+        """Each tensor's ``root``, by id; cached."""
+        return tuple(self.root(t.id) for t in self.tensors)
+
+    @functools.cached_property
+    def backward_modules(self) -> dict[int, frozenset[str]]:
+        """Per storage (root), the modules of the backward ops that read it (backward ops carry
+        the module of the forward op whose node runs them); cached."""
+        found: dict[int, set[str]] = {}
+        roots = self.roots
+        for op in self.ops:
+            if op.phase is Phase.BACKWARD:
+                for t in op.inputs:
+                    found.setdefault(roots[t], set()).add(op.module)
+        return {r: frozenset(m) for r, m in found.items()}
+
+    @functools.cached_property
+    def forward_deaths(self) -> dict[int, int]:
+        """Per storage (root) the program let go of before backward began: the op after which its
+        last handle went; cached."""
+        roots, last = self.roots, -1
+        handles: dict[int, int] = {}
+        deaths: dict[int, int] = {}
+        for e in self.events:
+            if isinstance(e, Op):
+                if e.phase is Phase.BACKWARD:
+                    break
+                last = e.index
+                for t in e.outputs:
+                    handles[roots[t]] = handles.get(roots[t], 0) + 1
+            elif roots[e.tensor] in handles:
+                r = roots[e.tensor]
+                handles[r] -= 1
+                if handles[r] == 0:
+                    deaths[r] = last
+        return deaths
 
     def root(self, tensor: int) -> int:
         """The tensor that owns ``tensor``'s storage (itself unless it is an alias)."""

@@ -1,0 +1,177 @@
+"""Run a plan's module regions as their module called again (NOTE [module re-run] in
+``remat.planner.rerun_regions``): the executor's path without a Python call per op.
+
+While the plan runs, each such module's ``forward`` is wrapped: at the call the plan expects (the
+forward's op count at the region's first op), the executor's dispatch mode steps aside, the call
+runs bare under saved-tensor hooks that keep a handle per saved tensor (its shape, dtype and
+version, not the tensor), and the count moves past the region. In backward, the first handle
+unpacked runs the module again on the call's inputs, under the forward's random-number state and
+autocast settings, keeping each tensor autograd saves until the last one comes back (then it
+stops); each unpack takes its own::
+
+    forward:  runner (checks ops) | module(x) bare, pack: tensor -> handle i | runner ...
+    backward: unpack(handle i) -> module(x') again, pack'(j) stores j ... stop after the last
+
+Any other call of the module (outside the step, or where the count differs) runs it as it is,
+under the executor's mode, which then checks and records it as a tape region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from remat import aten
+from remat._errors import RecomputationError, message
+from remat.manual import autocast
+from remat.manual.checks import TensorMeta
+
+__all__ = ["run_again"]
+
+
+class _Stop(Exception):
+    """Raised inside the re-run once every saved tensor has been made again."""
+
+
+class _Inputs(torch.autograd.Function):
+    """Holds the call's tensor inputs as autograd saves them (version-checked when read back)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*tensors)
+        return anchor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never part of a used graph
+        raise RuntimeError("remat internal: _Inputs is an anchor and is never differentiated")
+
+
+class _Frame:
+    """One call of a module region: what running it again needs, and the handles it gave out."""
+
+    def __init__(
+        self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], random: bool
+    ):
+        self.forward = forward
+        flat = [*args, *kwargs.values()]
+        self.slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        self.grad = [flat[i].requires_grad for i in self.slots]
+        self.holder = _Inputs.apply(torch.empty((0,), requires_grad=True), *(flat[i] for i in self.slots))
+        for i in self.slots:  # held by the holder's node only
+            flat[i] = None
+        self.structure = (len(args), list(kwargs), flat)
+        self.rng = aten.capture_all() if random else None
+        self.autocast = autocast.capture_autocast()
+        self.metas: list[TensorMeta] = []
+        self.versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self.running = True
+        self.made: dict[int, dict[int, torch.Tensor]] = {}  # graph task -> handle -> tensor
+        self.lock = threading.Lock()
+
+    def pack(self, t: torch.Tensor) -> tuple[_Frame, int]:
+        self.metas.append(TensorMeta.of(t))
+        self.versions.append((weakref.ref(t), t._version))
+        return self, len(self.metas) - 1
+
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        nargs, keys, flat = self.structure
+        flat = list(flat)
+        saved = self.holder.grad_fn.saved_tensors  # type: ignore[union-attr]
+        for slot, t, grad in zip(self.slots, saved, self.grad, strict=True):
+            flat[slot] = t.detach().requires_grad_(grad)
+        return tuple(flat[:nargs]), dict(zip(keys, flat[nargs:], strict=True))
+
+    def unpack(self, index: int) -> torch.Tensor:
+        if self.running:
+            raise _error(
+                "backward reached a tensor saved by a module region whose call is still running",
+                f"saved tensor #{index} {self.metas[index]}",
+                "run backward after the forward",
+            )
+        ref, version = self.versions[index]
+        source = ref()
+        if source is not None and source._version != version:
+            raise _error(
+                "a tensor saved for backward was modified in place after it was saved",
+                f"{self.metas[index]} at version {source._version}, saved at {version}",
+                "clone it before modifying it, or use the out-of-place op",
+            )
+        task = torch._C._current_graph_task_id()
+        with self.lock:
+            made = self.made.get(task)
+            if made is None or index not in made:
+                made = self.made[task] = self.again()
+            tensor = made.pop(index)
+            if not made:
+                del self.made[task]
+            return tensor
+
+    def again(self) -> dict[int, torch.Tensor]:
+        """Run the module again up to its last save; every saved tensor, by handle."""
+        made: dict[int, torch.Tensor] = {}
+        total = len(self.metas)
+
+        def pack(t: torch.Tensor) -> None:
+            i = len(made)
+            if i >= total:
+                raise _Stop
+            meta = TensorMeta.of(t)
+            if meta != self.metas[i]:
+                raise _error(
+                    "a tensor made again differs from the forward's",
+                    f"saved tensor #{i}: forward {self.metas[i]}, again {meta}",
+                    "the module must compute the same shapes in forward and backward",
+                )
+            made[i] = t.detach()
+            if i == total - 1:
+                raise _Stop
+
+        args, kwargs = self.inputs()
+        try:
+            with (
+                aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
+                autocast.autocast_replayed(self.autocast),
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(pack, _never),
+            ):
+                self.forward(*args, **kwargs)
+        except _Stop:
+            pass
+        if len(made) < total:
+            raise _error(
+                "the module saved fewer tensors for backward when run again",
+                f"{len(made)} of {total}",
+                "make the module take the same path in forward and backward",
+            )
+        return made
+
+
+def _never(packed: object) -> torch.Tensor:  # pragma: no cover - the re-run's graph is never run
+    raise RuntimeError("remat internal: the re-run's own graph is never differentiated")
+
+
+def _unpack(packed: tuple[_Frame, int]) -> torch.Tensor:
+    frame, index = packed
+    return frame.unpack(index)
+
+
+def _error(rule: str, given: str, todo: str) -> RecomputationError:
+    return RecomputationError(message("plan", rule, given, todo))
+
+
+def run_again(
+    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], random: bool
+) -> Any:
+    """Run one call of a module region: ``forward(*args, **kwargs)`` keeping a handle for each
+    tensor autograd saves, to be made again in backward (see the module doc)."""
+    frame = _Frame(forward, args, kwargs, random)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+            return forward(*args, **kwargs)
+    finally:
+        frame.running = False

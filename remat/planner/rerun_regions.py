@@ -1,0 +1,94 @@
+"""Which regions of a plan run as their module called again, not replayed from a tape.
+
+NOTE [module re-run] A tape (``remat.manual.tape``) records every op of a region through a dispatch
+mode in forward and replays the ones backward needs from Python: some tens of microseconds per op
+on the host, beside the kernels. A region that is exactly one call of one module can run as
+``torch.utils.checkpoint`` runs it instead (``remat.planner.rerun``): the call runs bare under
+saved-tensor hooks that keep a handle for each tensor autograd saves, and backward calls the
+module again, with the same random numbers, up to the last save, with no Python per op. A region
+qualifies when
+
+- it keeps nothing (a kept output is handed back by its position among the ops, which only a
+  dispatch mode sees);
+- its forward ops are exactly the ops of one call of one module: every op of the region is the
+  module's or a submodule's, no op elsewhere is, and the capture counted one call of it
+  (``Trace.calls``; a module called twice in a row, as ALBERT calls its shared layer, does not
+  qualify);
+- no op of it writes a storage made before it (batch norm's running statistics, an in-place op
+  on its input), which the call run again would see written, or write twice.
+
+What it then does, for the prediction (``remat.planner.predict``): its handles are the tape's
+targets (what the region made and autograd saved while it ran) and what its last op saves of its
+own outputs (a layer norm's statistics, an activation's result at the end of a block: saves right
+after the last op that a backward op of the module reads; the tape leaves those to autograd); its
+re-run runs every op of the region before the op where the call's last save came (``Rerun.stop``),
+each value living as long as the forward kept it (Python holds values as the code does, until the
+re-run stops) and the targets until backward lets them go; it holds the call's inputs until the
+last backward op that reads what it packed (``Trace.call_inputs``; objects it was given that hold
+tensors, such as a cache, hold them too, unseen); a region drawing random numbers keeps the
+generator's state from its forward and saves the state around its re-run. Its ops are not checked
+one by one in forward (the ops after it are, and the re-run checks each tensor it makes again
+against the forward's: shape and dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from remat.planner.region_model import Rerun, read_back, writes
+from remat.trace.types import Phase, Trace
+
+__all__ = ["rerun_of"]
+
+
+def _module(trace: Trace, first: int, last: int) -> str | None:
+    """The outermost module whose one call issued exactly the forward ops ``first`` .. ``last``
+    (trace op indices, the region's own and the uncounted ones between them)."""
+    calls = dict(trace.calls)
+    module = trace.ops[first].module
+    parts = module.split(".") if module else []
+    for k in range(1, len(parts) + 1):
+        name = ".".join(parts[:k])
+        span = trace.module_spans.get(name)
+        if span is None or calls.get(name) != 1 or span[:2] != (first, last):
+            continue
+        inside = sum(1 for op in trace.ops[first : last + 1] if op.phase is Phase.FORWARD and op.module)
+        return name if span[2] == inside else None
+    return None
+
+
+def rerun_of(trace: Trace, ops: Sequence[int], save: frozenset[int]) -> Rerun | None:
+    """How the region of trace ops ``ops`` that keeps the outputs of ``save`` runs again as its
+    module (NOTE [module re-run]), or None where it cannot."""
+    if save or not ops or not trace.calls or not trace.saved_at:
+        return None
+    first, last = ops[0], ops[-1]
+    module = _module(trace, first, last)
+    given = dict(trace.call_inputs).get(module) if module is not None else None
+    if module is None or given is None:
+        return None
+    root = trace.roots
+    tensors = trace.tensors
+    made = {
+        t
+        for i in ops
+        for t in trace.ops[i].outputs
+        if tensors[t].alias_of is None and not tensors[t].constant
+    }
+    if any(root[t] not in made for i in ops for t in writes(trace.ops[i])):
+        return None
+    # the saves its hooks see: inside the call, and its last op's of its own outputs
+
+    def own(r: int) -> bool:
+        return read_back(trace, r, module)[0]
+
+    stop = max(
+        (
+            p
+            for t, p in trace.saved_at
+            if first < p <= last or (p == last + 1 and root[t] in made and own(root[t]))
+        ),
+        default=first,
+    )
+    inputs = frozenset(root[t] for t in given if not tensors[root[t]].constant)
+    return Rerun(module, stop, any(trace.ops[i].random for i in ops), inputs)

@@ -1,0 +1,235 @@
+"""Plans whose regions run as their module called again (NOTE [module re-run] in
+``remat.planner.rerun_regions``, ``remat.planner.rerun``): which regions qualify, the allocator's
+peak against the prediction, training bit for bit as the plain model, the executor's work, and
+the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import pytest
+import torch
+from models import MLP, assert_same, train, twin
+from plans import SCALARS, fixed_costs, trace_with_fixed_costs
+from test_plan_floor import FAMILIES, _peak
+from torch import nn
+
+import remat
+import remat.planner.execute as execute
+from remat import RecomputationError, RematTypeError, RematValueError
+from remat.planner import Plan, plan_trace, trace_step
+from remat.planner.api import block_key
+from remat.planner.cost_model import ExecutorCost
+from remat.planner.lowering import chain_from_trace
+from remat.planner.rerun_regions import rerun_of
+from remat.planner.search import Candidate, Step, simple
+from remat.trace.codec import load, save
+from remat.trace.types import Trace
+
+Batch = dict[str, Any]
+
+
+@functools.cache
+def _family(name: str) -> tuple[nn.Module, Batch, Trace]:
+    torch.manual_seed(0)
+    model, batch = FAMILIES[name]()
+    model.train()
+    return model, batch, fixed_costs(trace_step(model, batch, repeats=1))
+
+
+def _every_layer(model: nn.Module, trace: Trace, rerun: bool) -> tuple[Step, Candidate]:
+    key = block_key(model)
+    step = Step(trace, key, rerun_modules=rerun)
+    plans = simple(step, chain_from_trace(trace, key=key))
+    return step, next(c for c in plans if c.notes == "every layer checkpointed")
+
+
+def _plan(trace: Trace, model: nn.Module, candidate: Candidate) -> Plan:
+    plan = plan_trace(trace, 1.0, block_key=block_key(model))
+    return dataclasses.replace(plan, regions=tuple(r for r, _ in candidate.regions))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_layer_runs_again_as_predicted(name: str) -> None:
+    """Llama, ViT, GPT-2 (dropout) and BERT (post-norm: each layer's last op saves its own
+    statistics): each layer is one region run as the layer called again, the allocator measures
+    the predicted peak, and the executor neither checks nor records the layers' ops."""
+    model, batch, trace = _family(name)
+    _, again = _every_layer(model, trace, rerun=True)
+    _, taped = _every_layer(model, trace, rerun=False)
+    assert len(again.regions) == 4 and all(r.rerun for r, _ in again.regions)
+    assert not any(r.rerun for r, _ in taped.regions)
+    assert again.pred.work.recorded == 0 and again.pred.work.replayed == 0
+    assert again.pred.work.checked < taped.pred.work.checked
+    assert again.pred.recompute_cost <= taped.pred.recompute_cost * 1.2  # the ops before each last save
+    assert abs(_peak(model, batch, _plan(trace, model, again)) - again.pred.peak_bytes) <= SCALARS
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_a_plan_running_layers_again_trains_exactly_as_the_plain_model(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Losses, every gradient, buffers and the RNG stream after two steps (dropout in GPT-2 and
+    BERT draws the same numbers again), and one module call run again per layer and forward."""
+    model, batch, trace = _family(name)
+    _, again = _every_layer(model, trace, rerun=True)
+    plan = _plan(trace, model, again)
+    calls = []
+    run_again = execute.run_again
+    monkeypatch.setattr(execute, "run_again", lambda *a: calls.append(1) or run_again(*a))
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=2, region=lambda: plan.apply(planned))
+    assert len(calls) == 2 * 4
+    assert_same(train(twin(model), lambda _: batch, steps=2), ran)
+
+
+def test_remat_plan_runs_modules_again_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On fixed op costs and executor figures, so that the pick is the same on every run."""
+    trace_with_fixed_costs(monkeypatch)
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=6).train()
+    x = torch.randn(256, 32)
+    figures = ExecutorCost(check=2e-5, record=3e-5, replay=2e-5)
+    asked = remat.plan(model, (x,), 0.7, rerun_modules=True, executor_cost=figures)
+    plain = remat.plan(model, (x,), 0.7, executor_cost=figures)
+    assert any(r.rerun for r in asked.regions) and not any(r.rerun for r in plain.regions)
+    assert any("runs layers" in str(r) for r in asked.regions)
+    assert any(t.reason.endswith("run again") for t in asked.tensors)
+    assert Plan.from_json(asked.to_json()) == asked
+    planned = twin(model)
+    ran = train(planned, lambda _: {"x": x}, steps=2, region=lambda: asked.apply(planned))
+    assert_same(train(twin(model), lambda _: {"x": x}, steps=2), ran)
+
+
+class _Twice(nn.Module):
+    """One block applied twice (ALBERT shares its layer so), then another once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.once = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.once(self.shared(self.shared(x))).sum()
+
+
+def _ops_of(step: Step, module: str) -> list[int]:
+    return [op.index for op in step.forward if op.module == module or op.module.startswith(module + ".")]
+
+
+def test_only_one_call_of_one_module_that_writes_nothing_before_it_qualifies() -> None:
+    torch.manual_seed(0)
+    model = _Twice()
+    trace = trace_step(model, (torch.randn(4, 16, requires_grad=True),), repeats=1)
+    assert dict(trace.calls)["shared"] == 2 and dict(trace.calls)["once"] == 1
+    step = Step(trace, rerun_modules=True)
+    once, shared = _ops_of(step, "once"), _ops_of(step, "shared")
+    assert rerun_of(trace, once, frozenset()) is not None
+    assert rerun_of(trace, shared, frozenset()) is None  # two calls
+    assert rerun_of(trace, once[1:], frozenset()) is None  # part of a call
+    assert rerun_of(trace, once, frozenset(once[:1])) is None  # keeps an output
+    assert rerun_of(dataclasses.replace(trace, calls=()), once, frozenset()) is None  # calls unknown
+    made = step.region("once", once)
+    assert made is not None and made[0].rerun == "once"
+    norm = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).train()  # writes its statistics
+    traced = trace_step(norm, (torch.randn(4, 16),), lambda m, x: m(x).sum(), repeats=1)
+    assert rerun_of(traced, [op.index for op in Step(traced).forward if op.module], frozenset()) is None
+
+
+def test_the_calls_and_their_inputs_go_through_a_trace_file(tmp_path) -> None:
+    torch.manual_seed(0)
+    trace = trace_step(_Twice(), (torch.randn(4, 16),), repeats=1)
+    assert trace.calls and trace.call_inputs
+    save(trace, tmp_path / "t.jsonl")
+    back = load(tmp_path / "t.jsonl")
+    assert (back.calls, back.call_inputs) == (trace.calls, trace.call_inputs)
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    bad = lines[0].replace('"calls":{', '"calls":{"x":-1,')
+    assert bad != lines[0]
+    (tmp_path / "bad.jsonl").write_text("\n".join([bad, *lines[1:]]) + "\n")
+    with pytest.raises(RematValueError, match="calls must map module paths to call counts"):
+        load(tmp_path / "bad.jsonl")
+
+
+class _Growing(nn.Module):
+    """Each call concatenates its input once more: a Python count the module changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.cat([self.inner(x)] * self.calls, dim=1).sin().sum(dim=1, keepdim=True)
+
+
+class _Outer(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x)).sum()
+
+
+def _rerun_plan(model: nn.Module, x: torch.Tensor) -> Plan:
+    trace = trace_step(model, (x,), repeats=1)
+    step = Step(trace, rerun_modules=True)
+    made = step.region("block", _ops_of(step, "block"))
+    assert made is not None and made[0].rerun == "block"
+    return dataclasses.replace(plan_trace(trace, 1.0), regions=(made[0],))
+
+
+def test_a_module_that_computes_other_shapes_when_run_again_is_refused() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Growing()), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    with plan.apply(model):
+        loss = model(x)
+    with pytest.raises(RecomputationError, match="a tensor made again differs from the forward's"):
+        loss.backward()
+
+
+class _OwnGradient(nn.Module):
+    """Differentiates inside its forward (a gradient penalty)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x).tanh()
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y + g.pow(2).sum(dim=1, keepdim=True)
+
+
+def test_backward_inside_a_module_run_again_is_refused() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_OwnGradient()), torch.randn(4, 8, requires_grad=True)
+    plan = _rerun_plan(model, x)
+    with pytest.raises(RecomputationError, match="whose call is still running"), plan.apply(model):
+        model(x)
+
+
+def test_a_plan_running_a_module_again_needs_the_model_it_was_made_for() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Growing()), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    other = nn.Sequential(nn.Linear(8, 1))
+    refused = pytest.raises(RematTypeError, match="a module the plan runs again is not in the model")
+    with refused, plan.apply(other):
+        pass
+
+
+def test_the_capture_leaves_no_hook_behind() -> None:
+    """The call inputs are noted by a forward hook on each named module, removed after the capture
+    (a global hook with keyword arguments leaves an entry behind in torch 2.13, and Dynamo then
+    compiled no module call of the process)."""
+    model = _Twice()
+    trace_step(model, (torch.randn(4, 16),), repeats=1)
+    assert not any(m._forward_hooks or m._forward_hooks_with_kwargs for m in model.modules())
+    assert not nn.modules.module._global_forward_hooks_with_kwargs
