@@ -109,7 +109,7 @@ def render(
     region_of: dict[str, str] = {}
     for region in regions:
         for key in dict.fromkeys(stage_key(m) for m in modules[region.first : region.last + 1]):
-            region_of.setdefault(key, region.name)
+            region_of.setdefault(key, f"{region.name} (run again)" if region.rerun else region.name)
     order = list(dict.fromkeys(stage_key(m) for m in modules))
     table = Table(title=title, title_justify="left")
     amounts = ("kept", "recomputed") + (("offloaded",) if offload else ())

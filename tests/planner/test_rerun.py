@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 from typing import Any
 
 import pytest
@@ -97,6 +98,9 @@ def test_remat_plan_runs_modules_again_only_when_asked(monkeypatch: pytest.Monke
     assert any(r.rerun for r in asked.regions) and not any(r.rerun for r in plain.regions)
     assert any("runs layers" in str(r) for r in asked.regions)
     assert any(t.reason.endswith("run again") for t in asked.tensors)
+    table = io.StringIO()
+    asked.explain(file=table)
+    assert "(run again)" in table.getvalue()
     assert Plan.from_json(asked.to_json()) == asked
     planned = twin(model)
     ran = train(planned, lambda _: {"x": x}, steps=2, region=lambda: asked.apply(planned))
