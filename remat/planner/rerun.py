@@ -19,6 +19,7 @@ under the executor's mode, which then checks and records it as a tape region.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -105,6 +106,9 @@ class _Frame:
         with self.lock:
             made = self.made.get(task)
             if made is None or index not in made:
+                if made is None and task >= 0:  # what this backward leaves unread goes with it
+                    forget = functools.partial(_forget, weakref.ref(self), task)
+                    torch.autograd.Variable._execution_engine.queue_callback(forget)
                 made = self.made[task] = self.again()
             tensor = made.pop(index)
             if not made:
@@ -149,6 +153,13 @@ class _Frame:
                 "make the module take the same path in forward and backward",
             )
         return made
+
+
+def _forget(frame: weakref.ref[_Frame], task: int) -> None:
+    alive = frame()
+    if alive is not None:
+        with alive.lock:
+            alive.made.pop(task, None)
 
 
 def _never(packed: object) -> torch.Tensor:  # pragma: no cover - the re-run's graph is never run
