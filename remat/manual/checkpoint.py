@@ -48,7 +48,7 @@ from remat.manual.keywords import Settings
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.policy import Policy, RecomputeAll
 
-__all__ = ["checkpoint", "run"]
+__all__ = ["SaveInputs", "checkpoint", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,7 +57,7 @@ class _StopRecomputation(Exception):
     """Raised inside the recomputation once every saved tensor has been produced again."""
 
 
-class _SaveInputs(torch.autograd.Function):
+class SaveInputs(torch.autograd.Function):
     """Holds the region's tensor inputs through autograd's saved-tensor machinery, so that an
     enclosing checkpoint sees them too (nested checkpoints drop and recompute them as well)."""
 
@@ -68,7 +68,7 @@ class _SaveInputs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never part of a used graph
-        raise RuntimeError("remat internal: _SaveInputs is an anchor and is never differentiated")
+        raise RuntimeError("remat internal: SaveInputs is an anchor and is never differentiated")
 
 
 class _Handle:
@@ -96,14 +96,14 @@ class _Frame:
     ) -> None:
         self.fn = fn
         self.check = check
-        # Tensors (positional and keyword) go through _SaveInputs; the rest is kept as is.
+        # Tensors (positional and keyword) go through SaveInputs; the rest is kept as is.
         flat = list(args) + list(kwargs.values())
         self.tensor_slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         self.structure = (len(args), list(kwargs.keys()), flat)
         tensors = [flat[i] for i in self.tensor_slots]
         self.requires_grad = [t.requires_grad for t in tensors]
         anchor = torch.empty((0,), requires_grad=True)
-        self.saver = _SaveInputs.apply(anchor, *tensors) if tensors else None
+        self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
         for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
             flat[i] = None
         self.rng = aten.capture_all() if preserve_rng else None

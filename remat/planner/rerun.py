@@ -30,6 +30,7 @@ import torch
 from remat import aten
 from remat._errors import RecomputationError, message
 from remat.manual import autocast
+from remat.manual.checkpoint import SaveInputs
 from remat.manual.checks import TensorMeta
 
 __all__ = ["run_again"]
@@ -37,19 +38,6 @@ __all__ = ["run_again"]
 
 class _Stop(Exception):
     """Raised inside the re-run once every saved tensor has been made again."""
-
-
-class _Inputs(torch.autograd.Function):
-    """Holds the call's tensor inputs as autograd saves them (version-checked when read back)."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(*tensors)
-        return anchor.detach()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never part of a used graph
-        raise RuntimeError("remat internal: _Inputs is an anchor and is never differentiated")
 
 
 class _Frame:
@@ -62,7 +50,7 @@ class _Frame:
         flat = [*args, *kwargs.values()]
         self.slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         self.grad = [flat[i].requires_grad for i in self.slots]
-        self.holder = _Inputs.apply(torch.empty((0,), requires_grad=True), *(flat[i] for i in self.slots))
+        self.holder = SaveInputs.apply(torch.empty((0,), requires_grad=True), *(flat[i] for i in self.slots))
         for i in self.slots:  # held by the holder's node only
             flat[i] = None
         self.structure = (len(args), list(kwargs), flat)
