@@ -98,8 +98,8 @@ def _cut(
 
 def _rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None]) -> int:
     """The pipeline model's peak on ``sp``'s rank with ``sp`` for its stage and ``others[s]`` for
-    the other stages (a rank's memory depends on its own stages only; where ``others[s]`` is None,
-    ``sp``'s costs stand in, which holds for ranks of one stage)."""
+    the other stages (a rank's memory depends on its own stages, and on its neighbours' outputs
+    for its receive buffers; where ``others[s]`` is None, ``sp``'s costs stand in)."""
     m = order.n_microbatches
     plans = [sp if s == sp.stage else (others[s] or sp) for s in range(order.n_stages)]
     costs = tuple(tuple(each.cost(i, m) for i in range(m)) for each in plans)
@@ -239,11 +239,15 @@ def _plan_stages(
     alike: list[StagePlan | None] = [None] * order.n_stages
     for rounds in range(1 if order.n_stages == order.n_ranks else 2):
         for s, (base, trace) in enumerate(measured):
-            sp, needs[s] = _choose(
-                order, base, trace, modules[s], budget, chosen if rounds else alike, checkpoint
-            )
+            # a stage of another rank not planned yet stands in as measured: its output is what
+            # this rank's receive buffers hold (NOTE [receive buffers] in ``remat.pipeline.timeline``)
+            others = [
+                o if o is not None or order.rank_of(k) == order.rank_of(s) else measured[k][0]
+                for k, o in enumerate(chosen if rounds else alike)
+            ]
+            sp, needs[s] = _choose(order, base, trace, modules[s], budget, others, checkpoint)
             chosen[s] = sp if sp is not None or not rounds else chosen[s]
-    if rounds and all(sp is not None for sp in chosen):
+    if all(sp is not None for sp in chosen):
         # a stage that found no plan beside the others kept its first one: check the whole rank
         m = order.n_microbatches
         peaks = walk(order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in chosen if sp)).peak_bytes

@@ -283,8 +283,9 @@ def plan(
     regions replay their ops from a tape. As with ``torch.utils.checkpoint``, the module's forward
     must do the same when called again: no Python state it changes or reads that changes between
     the calls (pass ``use_cache=False`` to a ``transformers`` model: its cache grows at every
-    call). Random numbers are drawn again the same; a tensor made again with another shape or
-    dtype than the forward's raises RecomputationError.
+    call). Random numbers of the default generators are drawn again the same; a tensor the call
+    read and that was written since, or a tensor made again with another shape or dtype than the
+    forward's, raises RecomputationError.
 
     The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
     parameters, buffers, gradients and the RNG are left as they were. Run the plan with

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -229,11 +230,11 @@ def apply(
             )
         )
     runner = make_runner(regions, ops, modules, model, execute)
+    again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
-    wrapped = [
-        _run_again(runner, region, _submodule(model, region.rerun)) for region in regions if region.rerun
-    ]
+    wrapped = []
     try:
+        wrapped += [_run_again(runner, region, module) for region, module in again]
         yield
     finally:
         runner.leave()
@@ -267,7 +268,19 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
     before = module.__dict__.get("forward")
     forward = module.forward
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is not module:  # a copy made while the plan runs (``copy.deepcopy``) is not the plan's
+            return type(self).forward(self, *args, **kwargs)
+        if runner.active and region.first < runner.position <= region.last:
+            raise RecomputationError(
+                message(
+                    "plan",
+                    "a module the plan runs again ran ops of its call before its forward",
+                    f"{region.rerun} called at op #{runner.position}, its region starts at op "
+                    f"#{region.first} (a forward pre-hook?)",
+                    "plan without rerun_modules, or move the hook's work out of the module",
+                )
+            )
         if not (
             runner.active
             and runner.position == region.first
@@ -278,11 +291,11 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
             return forward(*args, **kwargs)
         runner.__exit__(None, None, None)
         try:
-            out = run_again(forward, args, kwargs, region.random)
+            out = run_again(module, forward, args, kwargs)
         finally:
             runner.__enter__()
         runner.position = region.last + 1
         return out
 
-    module.forward = call
+    module.forward = types.MethodType(call, module)
     return module, before

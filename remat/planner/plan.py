@@ -166,7 +166,7 @@ class Plan:
         body = asdict(self)
         body["regions"] = [
             {"name": r.name, "first": r.first, "last": r.last, "save": sorted(r.save)}
-            | ({"rerun": r.rerun, "random": r.random} if r.rerun else {})
+            | ({"rerun": r.rerun} if r.rerun else {})
             for r in self.regions
         ]
         body["tensors"] = [{**asdict(t), "action": t.action.value} for t in self.tensors]
@@ -193,7 +193,6 @@ class Plan:
                     int(r["last"]),
                     frozenset(r["save"]),
                     str(r.get("rerun", "")),
-                    bool(r.get("random", False)),
                 )
                 for r in fields["regions"]
             )

@@ -266,7 +266,7 @@ def _tape_holds(
         for r in plans.held_by_plan[g]:
             holds.hold_at.setdefault(last, []).append(r)
             holds.unhold_after.setdefault(death, []).append(r)
-        if region.rerun is not None and region.rerun.random:  # the state its call started with
+        if region.rerun is not None:  # the generators' state its call started with
             holds.snapshots[first] = holds.snapshots.get(first, 0) + rng_bytes
             holds.unsnap_after[death] = holds.unsnap_after.get(death, 0) + rng_bytes
     return holds
@@ -321,8 +321,8 @@ class _Walk:
         else:  # NOTE [module re-run]: a value lives as long as the forward kept it
             last_use, gone = trace.forward_deaths, len(trace.ops)
         # the replay saves the generator's state and restores it after (``remat.manual.replay``);
-        # a module re-run, where its region draws random numbers at all (``remat.planner.rerun``)
-        drawn = again.random if again is not None else any(op.random for op in ops)
+        # a module re-run, always (``remat.planner.rerun``)
+        drawn = again is not None or any(op.random for op in ops)
         transient: dict[int, int] = {-1: self.rng_bytes if drawn else 0}
         name = self.names[g] if g < len(self.names) else f"region {g}"
         for op in ops:

@@ -34,12 +34,11 @@ __all__ = [
 class Rerun:
     """A region the executor runs as one call of ``module`` run again (NOTE [module re-run] in
     ``remat.planner.rerun_regions``): its re-run runs the region's ops before trace op ``stop``
-    (where autograd's last save in the call comes); ``random``: it draws random numbers;
-    ``inputs``: the storages the call was given (roots, constants left out), which it holds."""
+    (where autograd's last save in the call comes); ``inputs``: the storages the call was given
+    (roots, constants left out), which it holds."""
 
     module: str
     stop: int
-    random: bool
     inputs: frozenset[int] = frozenset()
 
 

@@ -45,15 +45,13 @@ class Region:
     what autograd saves inside it is dropped after the forward and replayed from the region's
     inputs at its first use in backward, except the outputs of the ops in ``save``. Where
     ``rerun`` names a module, the region is that module's one call and runs as the module called
-    again (NOTE [module re-run] in ``remat.planner.rerun_regions``); ``random``: it draws random
-    numbers, which its re-run draws again the same."""
+    again (NOTE [module re-run] in ``remat.planner.rerun_regions``)."""
 
     name: str
     first: int
     last: int
     save: frozenset[int] = frozenset()
     rerun: str = ""
-    random: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "save", frozenset(self.save))

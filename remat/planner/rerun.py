@@ -5,9 +5,10 @@ While the plan runs, each such module's ``forward`` is wrapped: at the call the 
 forward's op count at the region's first op), the executor's dispatch mode steps aside, the call
 runs bare under saved-tensor hooks that keep a handle per saved tensor (its shape, dtype and
 version, not the tensor), and the count moves past the region. In backward, the first handle
-unpacked runs the module again on the call's inputs, under the forward's random-number state and
-autocast settings, keeping each tensor autograd saves until the last one comes back (then it
-stops); each unpack takes its own::
+unpacked runs the module again on the call's inputs, under the forward's random-number state,
+autocast settings and allowed attention kernels, once every tensor the call read is checked
+unwritten, keeping each tensor autograd saves until the last one comes back (then it stops); each
+unpack takes its own::
 
     forward:  runner (checks ops) | module(x) bare, pack: tensor -> handle i | runner ...
     backward: unpack(handle i) -> module(x') again, pack'(j) stores j ... stop after the last
@@ -22,13 +23,16 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.backends.cuda as backends
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from remat import aten
-from remat._errors import RecomputationError, message
+from remat._errors import RecomputationError, RematTypeError, message
 from remat.manual import autocast
 from remat.manual.checkpoint import SaveInputs
 from remat.manual.checks import TensorMeta
@@ -44,18 +48,35 @@ class _Frame:
     """One call of a module region: what running it again needs, and the handles it gave out."""
 
     def __init__(
-        self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], random: bool
+        self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ):
         self.forward = forward
         flat = [*args, *kwargs.values()]
         self.slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        read = [*(t for t in tree_leaves(flat) if isinstance(t, torch.Tensor)), *module.parameters()]
+        read += module.buffers()
+        read += [t for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+        if any(t.is_inference() for t in read):
+            raise RematTypeError(
+                message(
+                    "plan",
+                    "a module run again cannot keep an inference tensor it reads",
+                    f"{type(module).__name__} given or holding a tensor made under torch.inference_mode",
+                    "make it outside inference mode, or plan without rerun_modules",
+                )
+            )
+        # what the call reads must be as it was when it runs again (the tape checks the same)
+        self.read = [(weakref.ref(t), t._version, TensorMeta.of(t)) for t in read]
         self.grad = [flat[i].requires_grad for i in self.slots]
         self.holder = SaveInputs.apply(torch.empty((0,), requires_grad=True), *(flat[i] for i in self.slots))
         for i in self.slots:  # held by the holder's node only
             flat[i] = None
         self.structure = (len(args), list(kwargs), flat)
-        self.rng = aten.capture_all() if random else None
+        # every call keeps the generators' state, whatever the trace drew: a module may draw where
+        # it did not when traced (dropout whose rate rose from 0)
+        self.rng = aten.capture_all()
         self.autocast = autocast.capture_autocast()
+        self.attention = tuple(getattr(backends, f"{k}_sdp_enabled")() for k in _ATTENTION)
         self.metas: list[TensorMeta] = []
         self.versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self.running = True
@@ -68,6 +89,14 @@ class _Frame:
         return self, len(self.metas) - 1
 
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        for ref, version, meta in self.read:
+            t = ref()
+            if t is not None and t._version != version:
+                raise _error(
+                    "a tensor a module region read was modified in place before the module ran again",
+                    f"{meta} at version {t._version}, read at version {version}",
+                    "modify it after backward, or clone it before the module reads it",
+                )
         nargs, keys, flat = self.structure
         flat = list(flat)
         saved = self.holder.grad_fn.saved_tensors  # type: ignore[union-attr]
@@ -126,8 +155,9 @@ class _Frame:
         args, kwargs = self.inputs()
         try:
             with (
-                aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
+                aten.replayed(self.rng),
                 autocast.autocast_replayed(self.autocast),
+                _attention(self.attention),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack, _never),
             ):
@@ -141,6 +171,23 @@ class _Frame:
                 "make the module take the same path in forward and backward",
             )
         return made
+
+
+# the scaled-dot-product attention kernels allowed (``torch.nn.attention.sdpa_kernel`` sets them)
+_ATTENTION = ("flash", "mem_efficient", "math", "cudnn")
+
+
+@contextlib.contextmanager
+def _attention(allowed: tuple[bool, ...]) -> Iterator[None]:
+    """The attention kernels the forward was allowed, while the module runs again."""
+    outer = tuple(getattr(backends, f"{k}_sdp_enabled")() for k in _ATTENTION)
+    try:
+        for k, on in zip(_ATTENTION, allowed, strict=True):
+            getattr(backends, f"enable_{k}_sdp")(on)
+        yield
+    finally:
+        for k, on in zip(_ATTENTION, outer, strict=True):
+            getattr(backends, f"enable_{k}_sdp")(on)
 
 
 def _forget(frame: weakref.ref[_Frame], task: int) -> None:
@@ -164,11 +211,11 @@ def _error(rule: str, given: str, todo: str) -> RecomputationError:
 
 
 def run_again(
-    forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], random: bool
+    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Run one call of a module region: ``forward(*args, **kwargs)`` keeping a handle for each
     tensor autograd saves, to be made again in backward (see the module doc)."""
-    frame = _Frame(forward, args, kwargs, random)
+    frame = _Frame(module, forward, args, kwargs)
     try:
         with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
             return forward(*args, **kwargs)

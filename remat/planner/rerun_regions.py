@@ -12,8 +12,12 @@ qualifies when
   dispatch mode sees);
 - its forward ops are exactly the ops of one call of one module: every op of the region is the
   module's or a submodule's, no op elsewhere is, and the capture counted one call of it
-  (``Trace.calls``; a module called twice in a row, as ALBERT calls its shared layer, does not
-  qualify);
+  (``Trace.calls``; a module called twice in a row, as ALBERT calls its shared layer, or whose
+  child is called again outside its call, does not qualify);
+- the capture knows every tensor the call was given (``Trace.call_inputs``: tensors and plain
+  values only, not an object that may hold tensors, such as a cache) and saw it draw no random
+  number from a generator given to an op (a module's own ``torch.Generator``, which the call run
+  again would draw from anew: the default generators' states are kept at every call);
 - no op of it writes a storage made before it (batch norm's running statistics, an in-place op
   on its input), which the call run again would see written, or write twice.
 
@@ -23,12 +27,14 @@ own outputs (a layer norm's statistics, an activation's result at the end of a b
 after the last op that a backward op of the module reads; the tape leaves those to autograd); its
 re-run runs every op of the region before the op where the call's last save came (``Rerun.stop``),
 each value living as long as the forward kept it (Python holds values as the code does, until the
-re-run stops) and the targets until backward lets them go; it holds the call's inputs until the
-last backward op that reads what it packed (``Trace.call_inputs``; objects it was given that hold
-tensors, such as a cache, hold them too, unseen); a region drawing random numbers keeps the
-generator's state from its forward and saves the state around its re-run. Its ops are not checked
-one by one in forward (the ops after it are, and the re-run checks each tensor it makes again
-against the forward's: shape and dtype).
+re-run stops) and the targets until backward lets them go; it holds the call's inputs, and the
+generators' states, until the last backward op that reads what it packed, and saves the states
+around its re-run. Its ops are not checked one by one in forward (the ops after it are; a forward
+pre-hook that runs ops is refused); running again, it checks that every tensor the call read (its
+arguments, the module's parameters, buffers and tensor attributes) is at the version it read, and
+each tensor it makes again against the forward's shape and dtype. Values it does not check: a
+module whose Python state changes what it computes between its calls breaks the contract, as it
+does ``torch.utils.checkpoint``'s.
 """
 
 from __future__ import annotations
@@ -91,4 +97,4 @@ def rerun_of(trace: Trace, ops: Sequence[int], save: frozenset[int]) -> Rerun | 
         default=first,
     )
     inputs = frozenset(root[t] for t in given if not tensors[root[t]].constant)
-    return Rerun(module, stop, any(trace.ops[i].random for i in ops), inputs)
+    return Rerun(module, stop, inputs)

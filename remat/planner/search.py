@@ -112,8 +112,8 @@ class Step:
         members = tuple(self.forward[p].index for p in range(first, last + 1))
         keep_ops = frozenset(self.forward[p].index for p in keep)
         again = rerun_of(self.trace, members, keep_ops) if self.rerun_modules else None
-        module, random = (again.module, again.random) if again else ("", False)  # NOTE [module re-run]
-        return Region(name, first, last, keep, module, random), RegionOps(members, keep_ops, again)
+        module = again.module if again else ""  # NOTE [module re-run]
+        return Region(name, first, last, keep, module), RegionOps(members, keep_ops, again)
 
     def blocks(self) -> list[list[int]]:
         """The model's forward ops in runs of one block each (``stage_key``), as trace indices."""

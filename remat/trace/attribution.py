@@ -94,6 +94,13 @@ class Attribution:
         name = self.names.get(module)
         if name is not None and module not in self.roots:  # by a path its root resolves
             self.calls[name] = self.calls.get(name, 0) + 1
+            # a submodule called from outside its parent's call makes the parent's ops one more
+            # run of its own (``block(x)`` then ``block.inner(h)``): counted as a call of the parent
+            parts = name.split(".")
+            for k in range(1, len(parts)):
+                parent = ".".join(parts[:k])
+                if parent not in self.modules and parent in self.calls:
+                    self.calls[parent] += 1
         if name is None:
             if self.modules:
                 name = f"{self.modules[-1]}.{type(module).__name__}"

@@ -45,6 +45,7 @@ of 100 bytes takes 512, which matters on models of many small tensors.
 from __future__ import annotations
 
 import contextlib
+import enum
 import statistics
 import time
 import weakref
@@ -92,6 +93,12 @@ class _OpRecord:
     device_cost: float | None  # on CUDA: the kernels' time on the device (NOTE [CUDA op time])
 
 
+# What a module call may be given for the planner to know what running it again holds: tensors,
+# and values that hold none
+_VALUES = (type(None), bool, int, float, complex, str, bytes, enum.Enum)
+_PLAIN = (torch.Tensor, *_VALUES, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 class Recorder(TorchDispatchMode):
     """Records ops and storage deaths; see NOTE [trace identity]."""
 
@@ -110,6 +117,7 @@ class Recorder(TorchDispatchMode):
         self.op_module: list[str] = []  # per tensor id: module path of the op that made it
         self.attribution = Attribution(self.called)
         self.call_inputs: dict[str, tuple[int, ...]] = {}  # per named module: its first call's
+        self.own_generator: set[str] = set()  # modules that drew from a generator passed to an op
         self.finalizers: list[weakref.finalize] = []
         self.device: str | None = None
         self.fake = False
@@ -195,6 +203,9 @@ class Recorder(TorchDispatchMode):
             if (h := self.handle(t)) is not None
         ]
         random = facts.random
+        if random and any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
+            # a generator of the program's own, which a module run again would draw from anew
+            self.own_generator.update(self.attribution.modules)
         pure = facts.pure  # safe to run again (NOTE [hidden writes] in ``remat.aten.schema``)
         out, seconds, on_device = self._run(func, args, kwargs, leaves, repeat=pure)
         scratch = self._scratch(func, args, kwargs, leaves) if pure and seconds > 0 else 0
@@ -315,7 +326,10 @@ class Recorder(TorchDispatchMode):
         name = self.attribution.names.get(module)
         if name is None or module in self.attribution.roots or name in self.call_inputs:
             return
-        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and self._known(t)]
+        leaves = tree_leaves((args, kwargs))
+        if not all(isinstance(x, _PLAIN) for x in leaves):  # an object may hold tensors unseen
+            return
+        given = [t for t in leaves if isinstance(t, torch.Tensor) and self._known(t)]
         self.call_inputs[name] = tuple(sorted({h for t in given if (h := self.handle(t)) is not None}))
 
     def _known(self, t: torch.Tensor) -> bool:
@@ -376,5 +390,5 @@ class Recorder(TorchDispatchMode):
             source,
             tuple(self.saved_at),
             tuple(self.attribution.calls.items()),
-            tuple(self.call_inputs.items()),
+            tuple((k, v) for k, v in self.call_inputs.items() if k not in self.own_generator),
         )

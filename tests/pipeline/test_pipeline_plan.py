@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -283,3 +284,31 @@ def test_uniform_modes_checkpoint_each_block_of_a_module_list() -> None:
         assert sp.plan is not None
         assert [r.name for r in sp.plan.regions] == ["inp", "layers.0", "layers.1", "layers.2"]
         assert sp.saved_bytes < sp.plain_saved_bytes
+
+
+def test_a_ranks_receive_buffers_are_sized_by_the_stage_that_sends() -> None:
+    """NOTE [receive buffers]: stage 1 receives stage 0's wide output (2048 columns) and sends
+    back a narrow one; its rank's need, as the refusal names it, is the plan's own timeline's
+    (planning once stood stage 1's costs in for stage 0's and sized the buffers by its output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 2048),
+        nn.Linear(2048, 256),
+        nn.Tanh(),
+        nn.Linear(256, 256),
+        nn.Tanh(),
+        nn.Linear(256, 4),
+    )
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    options: dict[str, Any] = dict(
+        n_stages=2,
+        n_microbatches=4,
+        schedule="1f1b",
+        boundaries=[1],
+        loss_fn=nn.functional.mse_loss,
+        target=y,
+        op_costs="model",
+    )
+    need = pp.plan(model, x, budget_per_rank="1GB", **options).timeline().peak_bytes
+    with pytest.raises(RematValueError, match=f"rank 1 needs {need[1]} bytes"):
+        pp.plan(model, x, budget_per_rank=need[1] - 1, **options)

@@ -5,6 +5,7 @@ the errors."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import io
@@ -237,3 +238,109 @@ def test_the_capture_leaves_no_hook_behind() -> None:
     trace_step(model, (torch.randn(4, 16),), repeats=1)
     assert not any(m._forward_hooks or m._forward_hooks_with_kwargs for m in model.modules())
     assert not nn.modules.module._global_forward_hooks_with_kwargs
+
+
+class _Drawing(nn.Module):
+    """Dropout drawn from a generator of its own, given to the op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        return (h * torch.rand(h.shape, generator=self.generator).gt(0.5)).sin().sum(dim=1, keepdim=True)
+
+
+class _Holder:
+    """An object that holds a tensor, which no trace sees."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Holding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, holder: _Holder | None = None) -> torch.Tensor:
+        return self.inner(x).sin()
+
+
+class _Around(nn.Module):
+    """Calls ``block`` with an object argument, then its child straight after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Holding()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x, holder=_Holder(x * 2)) if self.training else self.block(x)
+        return self.head(self.block.inner(h)).sum()
+
+
+def test_modules_whose_call_running_again_the_trace_cannot_account_for_do_not_qualify() -> None:
+    """A module drawing from a generator passed to an op (not replayed), one given an object that
+    may hold tensors (not in the prediction), one whose child is called again outside its call
+    (its ops are then two runs)."""
+    torch.manual_seed(0)
+    drawing = _Outer(_Drawing())
+    trace = trace_step(drawing, (torch.randn(4, 8),), repeats=1)
+    step = Step(trace, rerun_modules=True)
+    assert dict(trace.calls)["block"] == 1 and "block" not in dict(trace.call_inputs)
+    made = step.region("block", _ops_of(step, "block"))
+    assert made is not None and made[0].rerun == ""
+    around = _Around().train()
+    trace = trace_step(around, (torch.randn(4, 8),), repeats=1)
+    assert dict(trace.calls)["block"] == 2  # its own call and its child's after it
+    assert "block" not in dict(trace.call_inputs)  # given an object
+    assert rerun_of(trace, _ops_of(Step(trace), "block"), frozenset()) is None
+
+
+class _Scaled(nn.Module):
+    """Reads a tensor it holds as a plain attribute."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inner(x) * self.scale.exp()).sin().sum(dim=1, keepdim=True)
+
+
+def test_a_tensor_the_module_read_written_before_it_runs_again_is_refused() -> None:
+    torch.manual_seed(0)
+    scale = torch.zeros(8)
+    model, x = _Outer(_Scaled(scale)), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    with plan.apply(model):
+        loss = model(x)
+    scale.add_(0.5)  # an update after the forward read it (an EMA, say)
+    with pytest.raises(RecomputationError, match="modified in place before the module ran again"):
+        loss.backward()
+
+
+def test_a_copy_made_while_the_plan_runs_computes_with_its_own_weights() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Scaled(torch.zeros(8))), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    with plan.apply(model):
+        copied = copy.deepcopy(model)
+        nn.init.zeros_(copied.block.inner.weight)
+        nn.init.zeros_(copied.block.inner.bias)
+        assert torch.equal(copied.block(x), torch.zeros(4, 1))
+    assert "forward" not in vars(model.block)
+
+
+def test_a_forward_pre_hook_running_ops_is_refused() -> None:
+    """Its ops are the module's in the trace, but run before the forward the plan wraps."""
+    torch.manual_seed(0)
+    model, x = _Outer(_Scaled(torch.zeros(8))), torch.randn(4, 8)
+    model.block.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    plan = _rerun_plan(model, x)
+    with pytest.raises(RecomputationError, match="ran ops of its call before its forward"), plan.apply(model):
+        model(x)
