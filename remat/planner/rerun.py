@@ -90,13 +90,13 @@ class _Frame:
 
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         for ref, version, meta in self.read:
-            t = ref()
-            if t is not None and t._version != version:
-                raise _error(
-                    "a tensor a module region read was modified in place before the module ran again",
-                    f"{meta} at version {t._version}, read at version {version}",
-                    "modify it after backward, or clone it before the module reads it",
-                )
+            _unwritten(
+                ref,
+                version,
+                f"{meta}, read",
+                "a tensor a module region read was modified in place before the module ran again",
+                "modify it after backward, or clone it before the module reads it",
+            )
         nargs, keys, flat = self.structure
         flat = list(flat)
         saved = self.holder.grad_fn.saved_tensors  # type: ignore[union-attr]
@@ -112,13 +112,13 @@ class _Frame:
                 "run backward after the forward",
             )
         ref, version = self.versions[index]
-        source = ref()
-        if source is not None and source._version != version:
-            raise _error(
-                "a tensor saved for backward was modified in place after it was saved",
-                f"{self.metas[index]} at version {source._version}, saved at {version}",
-                "clone it before modifying it, or use the out-of-place op",
-            )
+        _unwritten(
+            ref,
+            version,
+            f"{self.metas[index]}, saved",
+            "a tensor saved for backward was modified in place after it was saved",
+            "clone it before modifying it, or use the out-of-place op",
+        )
         task = torch._C._current_graph_task_id()
         with self.lock:
             made = self.made.get(task)
@@ -204,6 +204,13 @@ def _never(packed: object) -> torch.Tensor:  # pragma: no cover - the re-run's g
 def _unpack(packed: tuple[_Frame, int]) -> torch.Tensor:
     frame, index = packed
     return frame.unpack(index)
+
+
+def _unwritten(ref: weakref.ref[torch.Tensor], version: int, what: str, rule: str, todo: str) -> None:
+    """Raise ``rule`` if the tensor ``ref`` names (when alive) is no longer at ``version``."""
+    t = ref()
+    if t is not None and t._version != version:
+        raise _error(rule, f"{what} at version {version}, now at {t._version}", todo)
 
 
 def _error(rule: str, given: str, todo: str) -> RecomputationError:
