@@ -344,3 +344,76 @@ def test_a_forward_pre_hook_running_ops_is_refused() -> None:
     plan = _rerun_plan(model, x)
     with pytest.raises(RecomputationError, match="ran ops of its call before its forward"), plan.apply(model):
         model(x)
+
+
+class _Rising(nn.Module):
+    """Dropout at rate 0 when traced (no random number drawn), raised before training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.inner(x)).sin().sum(dim=1, keepdim=True)
+
+
+def test_a_module_drawing_where_its_trace_did_not_draws_the_same_numbers_again() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Rising()), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    model.block.drop.p = 0.5
+    planned = twin(model)
+    ran = train(planned, lambda _: {"x": x}, steps=2, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: {"x": x}, steps=2), ran)
+
+
+def test_a_failed_apply_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Growing()), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    other = nn.Sequential(nn.Linear(8, 1))
+    with pytest.raises(RematTypeError), plan.apply(other):
+        pass
+    assert not other._forward_pre_hooks and not other._forward_hooks
+    assert all("forward" not in vars(m) for m in other.modules())
+    assert other(x).shape == (4, 1)
+
+
+def test_an_inference_tensor_given_to_a_module_run_again_is_refused() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Scaled(torch.zeros(8))), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
+    with torch.inference_mode():
+        frozen = torch.randn(4, 8)
+    with pytest.raises(RematTypeError, match="cannot keep an inference tensor"), plan.apply(model):
+        model(frozen)
+
+
+class _Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 4, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(8, 8).sum(dim=1, keepdim=True)
+
+
+def test_the_attention_kernels_the_forward_was_allowed_are_those_of_the_run_again() -> None:
+    """``sdpa_kernel`` around the forward only: backward outside it runs the module again with the
+    forward's kernel, so the gradients are the plain model's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model, x = _Outer(_Attending()), torch.randn(8, 8)
+    plan = _rerun_plan(model, x)
+    with sdpa_kernel(SDPBackend.MATH):
+        model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel(SDPBackend.MATH), plan.apply(model):
+        loss = model(x)
+    loss.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected, strict=True))
