@@ -128,6 +128,16 @@ def block_key(model: nn.Module) -> Callable[[str], str]:
     return key
 
 
+def _check_flag(rerun_modules: object) -> None:
+    if not isinstance(rerun_modules, bool):
+        raise fail(
+            "rerun_modules must be True or False",
+            f"got {rerun_modules!r}",
+            "pass rerun_modules=True to run whole-module regions again, or leave it out",
+            RematTypeError,
+        )
+
+
 def plan_trace(
     trace: Trace,
     budget: int | float | str,
@@ -159,6 +169,7 @@ def plan_trace(
     [executor cost]); by default those measured on the trace's device once per process
     (``remat.planner.executor_cost``). Pass fixed figures for a pick that depends on the trace
     alone, ``ExecutorCost()`` to leave the executor out."""
+    _check_flag(rerun_modules)
     three_way = OffloadProblem in get(solver).problems
     host = offload_arguments(solver, three_way, link, host_budget)
     if not three_way:
@@ -311,6 +322,7 @@ def plan(
         )
     parse_budget(budget, api="plan")
     get(solver)
+    _check_flag(rerun_modules)
     trace = trace_step(model, example_inputs, loss_fn, repeats)
     return plan_trace(
         trace,

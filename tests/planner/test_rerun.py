@@ -417,3 +417,14 @@ def test_the_attention_kernels_the_forward_was_allowed_are_those_of_the_run_agai
         loss = model(x)
     loss.backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected, strict=True))
+
+
+def test_rerun_modules_must_be_a_flag() -> None:
+    torch.manual_seed(0)
+    model, x = _Outer(_Growing()), torch.randn(4, 8)
+    rule = r"remat.plan: rerun_modules must be True or False \(got 'yes'\)"
+    with pytest.raises(RematTypeError, match=rule):
+        remat.plan(model, (x,), 0.9, rerun_modules="yes")  # type: ignore[arg-type]
+    trace = trace_step(model, (x,), repeats=1)
+    with pytest.raises(RematTypeError, match="rerun_modules must be True or False"):
+        plan_trace(trace, 0.9, rerun_modules=1)  # type: ignore[arg-type]
