@@ -57,7 +57,7 @@ class StepFacts:
     """What every step reads of the trace: each tensor's storage (``root``), each op's cost, the
     storages autograd saved, each storage's forward readers and maker, each op's region."""
 
-    root: list[int]
+    root: Sequence[int]
     cost: list[float]
     saved_roots: set[int]
     readers: dict[int, list[int]]
@@ -85,7 +85,7 @@ class RegionPlans:
 
 def step_facts(trace: Trace, regions: Sequence[RegionOps]) -> StepFacts:
     tensors = trace.tensors
-    root = [trace.root(t.id) for t in tensors]
+    root = trace.roots  # cached on the trace: every prediction of a step reads the same
     use_measured = trace.total_cost > 0
     cost = [op.cost if use_measured else op.est_cost for op in trace.ops]
     readers: dict[int, list[int]] = {}
