@@ -83,16 +83,13 @@ def rerun_of(trace: Trace, ops: Sequence[int], save: frozenset[int]) -> Rerun | 
     }
     if any(root[t] not in made for i in ops for t in writes(trace.ops[i])):
         return None
-    # the saves its hooks see: inside the call, and its last op's of its own outputs
-
-    def own(r: int) -> bool:
-        return read_back(trace, r, module)[0]
-
+    # the last save its hooks see: inside the call, or its last op's of its own outputs
     stop = max(
         (
             p
             for t, p in trace.saved_at
-            if first < p <= last or (p == last + 1 and root[t] in made and own(root[t]))
+            if first < p <= last
+            or (p == last + 1 and root[t] in made and read_back(trace, root[t], module)[0])
         ),
         default=first,
     )
