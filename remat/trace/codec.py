@@ -5,7 +5,7 @@ that every error names the line at fault. The layout (docs/trace-format.md has t
 description): a header line, then one line per tensor in id order, then one line per event in
 program order::
 
-    {"format": "remat-trace", "version": 1, "name": "gpt2", "device": "cpu", "source": "capture", ...}
+    {"format": "remat-trace", "version": 2, "name": "gpt2", "device": "cpu", "source": "capture", ...}
     {"tensor": 0, "nbytes": 4096, "constant": true, "shape": [32, 32], "dtype": "float32"}
     {"tensor": 1, "nbytes": 0, "alias_of": 0, "shape": [32, 32], "dtype": "float32"}
     {"op": 0, "name": "aten.t.default", "inputs": [0], "outputs": [1], "phase": "forward"}
@@ -33,7 +33,8 @@ from remat.trace.validator import Checker, Invalid, checked
 __all__ = ["FORMAT", "VERSION", "load", "save"]
 
 FORMAT = "remat-trace"
-VERSION = 1
+VERSION = 2
+_READS = {1: frozenset(), 2: frozenset({"calls", "call_inputs"})}  # version -> optional header fields it adds
 
 _TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved", "saved_at"}
 _OP_FIELDS = {
@@ -50,8 +51,7 @@ _OP_FIELDS = {
     "scratch",
     "state",
 }
-_OPTIONAL_HEADER = {"calls", "call_inputs"}  # what the capture adds about the model's module calls
-_HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"} | _OPTIONAL_HEADER
+_HEADER_FIELDS = {"format", "version", "name", "device", "source", "tensors", "events"}
 _PHASES = {p.value: p for p in Phase}
 
 
@@ -276,12 +276,13 @@ def _header(record: dict[str, Any]) -> dict[str, Any]:
         raise Invalid(
             f'line 1 must be the header, with "format": "{FORMAT}"', f"format {record.get('format')!r}"
         )
-    if record.get("version") != VERSION:
+    version = record.get("version")
+    if type(version) is not int or version not in _READS:
         raise Invalid(
-            f"unsupported format version (this remat reads version {VERSION})",
-            f"version {record.get('version')!r}",
+            f"unsupported format version (this remat reads versions {', '.join(map(str, _READS))})",
+            f"version {version!r}",
         )
-    _fields(record, _HEADER_FIELDS, "header")
+    _fields(record, _HEADER_FIELDS | _READS[version], f"version {version} header")
     for key in ("name", "device", "source"):
         _typed(record, key, str, "header")
     for key in ("tensors", "events"):

@@ -18,7 +18,7 @@ from remat.trace import Op, Phase, Release, TensorInfo, Trace, capture, load, sa
 DTR_LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
 
 GOOD = [
-    '{"format":"remat-trace","version":1,"name":"t","device":"cpu","source":"test","tensors":3,"events":4}',
+    '{"format":"remat-trace","version":2,"name":"t","device":"cpu","source":"test","tensors":3,"events":4}',
     '{"tensor":0,"nbytes":16,"constant":true,"shape":[4],"dtype":"float32"}',
     '{"tensor":1,"nbytes":32,"shape":[8],"dtype":"float32","saved":true}',
     '{"tensor":2,"nbytes":0,"alias_of":1,"shape":[2,4],"dtype":"float32"}',
@@ -74,9 +74,12 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
         device="cuda",
         source="test",
         saved_at=((2, 2), (0, 0), (2, 1)),
+        calls=(("a", 1), ("a.b", 2)),
+        call_inputs=(("a", (0, 1)),),
     )
     assert trace.saved_at == ((0, 0), (2, 1), (2, 2))  # kept sorted
     save(trace, tmp_path / "t.jsonl")
+    assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["version"] == 2
     assert load(tmp_path / "t.jsonl") == trace
 
 
@@ -91,9 +94,14 @@ MALFORMED = {
     "not an object": (_replace(3, "[1, 2]"), 3, "each line must be one JSON object"),
     "wrong format": (_replace(1, '{"format":"other","version":1}'), 1, "must be the header"),
     "bad version": (
-        _replace(1, GOOD[0].replace('"version":1', '"version":2')),
+        _replace(1, GOOD[0].replace('"version":2', '"version":3')),
         1,
         "unsupported format version",
+    ),
+    "calls in a version 1 header": (
+        _replace(1, GOOD[0].replace('"version":2', '"version":1').replace('"events"', '"calls":{},"events"')),
+        1,
+        "unknown field in a version 1 header",
     ),
     "duplicate id": (_replace(3, '{"tensor":0,"nbytes":32}'), 3, "tensor ids must be unique"),
     "id out of order": (_replace(3, '{"tensor":5,"nbytes":32}'), 3, r"tensor ids must be 0, 1, 2"),
@@ -205,6 +213,11 @@ def test_validate_and_save_name_the_event_at_fault(tmp_path: Path) -> None:
         validate(dataclasses.replace(good, saved_at=((1, 9),)))
     with pytest.raises(remat.RematValueError, match=r"saved_at must be a list of op counts .*line 3"):
         load(_write(tmp_path, _replace(3, '{"tensor":1,"nbytes":32,"saved":true,"saved_at":[-1]}')))
+
+
+def test_version_1_files_still_read(tmp_path: Path) -> None:
+    old = _replace(1, GOOD[0].replace('"version":2', '"version":1'))
+    assert load(_write(tmp_path, old)) == load(_write(tmp_path, GOOD))
 
 
 def test_written_lines_are_one_json_object_each(tmp_path: Path) -> None:
