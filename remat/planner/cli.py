@@ -69,6 +69,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
     parser.add_argument(
+        "--rerun-modules",
+        action="store_true",
+        help="run a region that is one module call again as that module (remat.plan's rerun_modules)",
+    )
+    parser.add_argument(
         "--link", type=_link, help="offload too, over a link of this rate each way ('25GB/s')"
     )
     parser.add_argument(
@@ -142,7 +147,12 @@ def run(args: argparse.Namespace) -> int:
         trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
         plan = plan_trace(
-            trace, args.budget, solver=args.solver, link=args.link, host_budget=args.host_budget
+            trace,
+            args.budget,
+            solver=args.solver,
+            link=args.link,
+            host_budget=args.host_budget,
+            rerun_modules=args.rerun_modules,
         )
         plan.explain()
         if args.save:
@@ -195,7 +205,7 @@ def sweep(
         task = bar.add_task("finding every solver's plans", total=len(args.solvers))
         for solver in args.solvers:
             bar.update(task, description=f"finding every solver's plans: {solver}")
-            found[solver] = frontier(trace, solver)
+            found[solver] = frontier(trace, solver, rerun_modules=args.rerun_modules)
             bar.advance(task)
     plain = _measure(model, inputs, loss_fn, None)
     base = next(iter(found.values())).baseline
@@ -205,7 +215,7 @@ def sweep(
     series = list(found.items())
     host = None if args.host_budget is None else parse_bytes(args.host_budget, "plan")
     if args.link is not None:  # offload's plans beside recomputation's, on the auto candidates
-        auto = found.get("auto") or frontier(trace, "auto")
+        auto = found.get("auto") or frontier(trace, "auto", rerun_modules=args.rerun_modules)
         series.append(("auto+offload", offload_frontier(auto, args.link, host)))
     for solver, plans in series:
         for budget in budgets:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from plans import trace_with_fixed_costs
@@ -23,6 +25,33 @@ def test_plan_explains_and_saves(
     assert "transformer.h.0" in out and "recomputed" in out
     plan = Plan.load(path)
     assert plan.solver == "chain" and plan.regions
+
+
+def test_rerun_modules_flag_reaches_the_planner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--rerun-modules`` plans as ``remat.plan(..., rerun_modules=True)`` (which plan wins depends
+    on the executor's calibrated cost, so the test follows the flag, not one plan)."""
+    import remat.planner.api as api
+
+    trace_with_fixed_costs(monkeypatch)
+    asked: list[bool] = []
+    planned = api.plan_trace
+
+    def spy(*args: Any, **kwargs: Any) -> Plan:
+        asked.append(kwargs["rerun_modules"])
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(api, "plan_trace", spy)
+    args = ["plan", "--model", "gpt2", "--batch", "4", "--seq", "16", "--budget", "0.6"]
+    assert main([*args, "--save", str(tmp_path / "a.json")]) == 0
+    assert main([*args, "--rerun-modules", "--save", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    assert asked == [False, True]
+    assert not any(r.rerun for r in Plan.load(tmp_path / "a.json").regions)
+    for region in Plan.load(tmp_path / "b.json").regions:  # an MLP region that keeps nothing runs again
+        if re.fullmatch(r"transformer\.h\.\d+\.mlp", region.name) and not region.save:
+            assert region.rerun == region.name
 
 
 def test_pareto_spans_the_feasible_range_and_measures(tmp_path: Path) -> None:
