@@ -29,7 +29,7 @@ from remat.aten.schema import (
     writes_hidden,
     written_tensors,
 )
-from remat.aten.tensors import Geometry, describe, dtype_name, geometry, sharing, storage_of
+from remat.aten.tensors import Geometry, describe, dtype_name, geometry, sharing, storage_of, version_witness
 
 __all__ = [
     "METADATA_PACKETS",
@@ -51,6 +51,7 @@ __all__ = [
     "source_of",
     "state_nbytes",
     "storage_of",
+    "version_witness",
     "writes_hidden",
     "written_tensors",
 ]

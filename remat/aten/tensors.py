@@ -26,6 +26,15 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def version_witness(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter and none of its memory: it tells whether ``t`` was
+    written in place since, also once ``t`` is gone. Made outside any dispatch mode."""
+    witness = t.detach()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(witness):
+        witness.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    return witness
+
+
 def sharing(out: torch.Tensor, args: Sequence[Any]) -> int:
     """The position of the tensor in ``args`` whose storage ``out`` shares, or -1: a result a
     schema promises new may be a view all the same (``_unsafe_view``)."""

@@ -15,6 +15,16 @@ during the forward are dropped from the cache when the forward ends; the others 
 aliases made then, outside the mode, because only those share the output's version counter (an
 alias made inside a dispatch mode, below autograd, gets a counter of its own).
 
+NOTE [aliases of saved outputs] An op that returns its input's storage without saying so in its
+schema (``aten._unsafe_view``: what a 3-D ``nn.Linear`` or a 4-D ``@`` returns after its ``mm``) makes a
+tensor with a version counter of its own, and that tensor is what the program holds and writes
+(``y = proj(x); y += x``). So every op output made in the region on a saved output's storage is
+kept beside it with its version, and a write to any of them is a write to the saved output. During
+the forward they are held (with the saved output, whose memory they share); when the forward ends
+each is replaced by a witness (``remat.aten.version_witness``: its version counter without its
+memory), so that a write the program makes and then drops the tensor is still seen, and an
+offloaded output's device memory is not held.
+
 An output the policy decides OFFLOAD is kept the same way, but when the forward ends its tensors
 move to host memory (``remat.host.Offloader.out``) and the cache holds parcels; the recomputation
 brings them back (``Offloader.back``) where it would have handed back a saved output. Outputs under
@@ -54,6 +64,9 @@ class SaveCache:
         self.offloader = offloader
         self.entries: dict[int, tuple[str, Any, tuple[int, ...]]] = {}
         self.offloaded: set[int] = set()  # positions whose outputs go to host memory at ``seal``
+        self.storages: dict[int, int] = {}  # storage of a saved output -> its position
+        # NOTE [aliases of saved outputs]: the tensors themselves until ``seal``, their witnesses after
+        self.aliases: dict[int, list[tuple[torch.Tensor, int]]] = {}
 
     def decision(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
         if not _cacheable(func):
@@ -72,8 +85,19 @@ class SaveCache:
     def keep(self, position: int, func: Any, out: Any, decision: Decision) -> None:
         """Hold ``out`` itself until ``seal``: an alias made here would not see later writes."""
         self.entries[position] = (str(func), out, _versions(out))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.storages.setdefault(o.untyped_storage()._cdata, position)
         if decision is Decision.OFFLOAD:
             self.offloaded.add(position)
+
+    def alias(self, out: Any) -> None:
+        """Keep the outputs of an op of the region that lie on a saved output's storage."""
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.layout == torch.strided and not o.is_inference():
+                position = self.storages.get(o.untyped_storage()._cdata)
+                if position is not None:
+                    self.aliases.setdefault(position, []).append((o, o._version))
 
     def current(self, position: int) -> tuple[str, Any] | None:
         """The saved output at ``position``, unless it was written in place since it was saved."""
@@ -83,6 +107,8 @@ class SaveCache:
         name, saved, versions = entry
         # NOTE [written saved outputs]: a version that moved means the value is no longer the op's
         # output; running the op again gives it exactly.
+        if any(a._version != v for a, v in self.aliases.get(position, ())):
+            return None
         if isinstance(saved, Moved):
             assert self.offloader is not None
             return None if _moved_written(saved, versions) else (name, _brought_back(saved, self.offloader))
@@ -100,6 +126,12 @@ class SaveCache:
                 elif position not in self.offloaded:
                     name, out, versions = self.entries[position]
                     self.entries[position] = (name, _detached(out), versions)
+            self.storages.clear()
+            self.aliases = {
+                p: [(aten.version_witness(a), v) for a, v in kept]
+                for p, kept in self.aliases.items()
+                if p in self.entries
+            }
             moving = sorted((p for p in self.offloaded if p in self.entries), reverse=True)
             if moving:
                 offloader = self.offloader = self.offloader or Offloader()
@@ -167,6 +199,8 @@ class Recording(TorchDispatchMode):
         out = func(*args, **kwargs)
         if aten.facts(func).metadata:  # no position: some tensors dispatch these, some do not
             return out
+        if self.cache.storages:
+            self.cache.alias(out)
         decision = self.cache.decision(func, args, kwargs, out)
         if decision is not Decision.RECOMPUTE:
             self.cache.keep(self.position, func, out, decision)

@@ -1,4 +1,6 @@
-"""In-place writes to an output a selective policy saves: the plain function's gradients, every time."""
+"""In-place writes to an output a selective policy saves: the plain function's gradients, every time,
+also where the program writes it through an alias the saved op's schema does not announce (a 3-D
+``x @ w`` is ``mm`` then ``_unsafe_view``: NOTE [aliases of saved outputs])."""
 
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ POLICIES: dict[str, dict[str, Any]] = {
         "context_fn": functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
     },
     "context_fn_policy_fn": {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_mm)},
+    "OffloadComputeIntensive": {"policy": remat.OffloadComputeIntensive()},
 }
+SHAPES = {"2-D": (5, 4), "3-D": (2, 5, 4)}  # x @ w: mm; mm and _unsafe_view
 
 
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(shape: tuple[int, ...] = SHAPES["2-D"]) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return torch.randn(5, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    return torch.randn(*shape, requires_grad=True), torch.randn(4, 6, requires_grad=True)
 
 
 def _written_inside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -41,9 +45,10 @@ def _written_inside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.tanh() * h
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_saved_output_written_inside_the_function(kind: str) -> None:
-    x, w = _inputs()
+def test_saved_output_written_inside_the_function(kind: str, shape: str) -> None:
+    x, w = _inputs(SHAPES[shape])
     expected = torch.autograd.grad(_written_inside(x, w).sum(), (x, w))
     out = remat.checkpoint(_written_inside, x, w, **POLICIES[kind])
     for _ in range(2):  # the same gradients from one backward to the next
@@ -57,9 +62,10 @@ def _returns_saved(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
     return h, h.exp()  # exp saves its output, not h: the caller may write h
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_saved_output_written_after_the_function(kind: str) -> None:
-    x, w = _inputs()
+def test_saved_output_written_after_the_function(kind: str, shape: str) -> None:
+    x, w = _inputs(SHAPES[shape])
 
     def loss(h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         h.add_(1)
@@ -97,8 +103,9 @@ def test_unwritten_saved_outputs_are_not_recomputed() -> None:
 @pytest.mark.parametrize(
     "policy", [remat.SaveOps(frozenset({"aten.mm"})), remat.SaveComputeIntensive()], ids=str
 )
-def test_saved_output_written_inside_a_scope(policy: remat.Policy) -> None:
-    x, w = _inputs()
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_saved_output_written_inside_a_scope(policy: remat.Policy, shape: str) -> None:
+    x, w = _inputs(SHAPES[shape])
     expected = torch.autograd.grad(_written_inside(x, w).sum(), (x, w))
     with remat.scope(policy=policy):
         out = _written_inside(x, w)
