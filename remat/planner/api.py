@@ -46,6 +46,7 @@ from remat.planner.search import (
 )
 from remat.planner.solvers import get
 from remat.trace import capture
+from remat.trace.let_go import with_let_go
 from remat.trace.types import Trace
 
 __all__ = ["BudgetTooSmall", "LossFn", "block_key", "plan", "plan_at", "plan_trace", "trace_step"]
@@ -92,16 +93,20 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     they were (the step's batch-norm updates and dropout draws are undone). On CUDA an untimed
     step runs first: a kernel's first launch loads its module and the allocator is cold, which
     made the ops that run once in the capture (batch norm, in-place ReLU, dropout) cost 0.5 ms
-    each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.recorder``)."""
+    each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.recorder``). The forward then runs
+    once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
+    NOTE [let go] in ``remat.trace.let_go``)."""
     if any(p.is_cuda for p in model.parameters()):
         with untouched([model]):
             model.zero_grad(set_to_none=True)
             _call(model, inputs, loss_fn).backward()
     with untouched([model]):
         model.zero_grad(set_to_none=True)
-        return capture(
+        trace = capture(
             lambda: _call(model, inputs, loss_fn).backward(), name=type(model).__name__, repeats=repeats
         )
+    with untouched([model]):  # the same forward again, from the same state (NOTE [let go])
+        return with_let_go(trace, lambda: _call(model, inputs, loss_fn))
 
 
 def block_key(model: nn.Module) -> Callable[[str], str]:

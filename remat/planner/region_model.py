@@ -150,7 +150,7 @@ def region_targets(
             held_by_autograd.add(r)
     targets: list[set[int]] = [set() for _ in regions]
     drop_after: dict[int, list[int]] = {}
-    readers = facts.readers
+    readers, let_go = facts.readers, dict(trace.let_go)
     for r in facts.saved_roots:
         made_in = facts.region_made(r)
         if made_in is None or r in kept[made_in]:
@@ -166,8 +166,9 @@ def region_targets(
                 continue
             dropped_early = all(facts.region_of.get(i) == g for i in readers.get(r, ()))
         targets[g].add(r)
-        if dropped_early:
-            drop_after.setdefault(max([facts.maker[r], *readers.get(r, ())]), []).append(r)
+        if dropped_early:  # after its last reader, or as late as the program held it (NOTE [let go])
+            gone = max([facts.maker[r], *readers.get(r, ()), let_go.get(r, -1)])
+            drop_after.setdefault(gone, []).append(r)
     return targets, packed, drop_after
 
 

@@ -34,7 +34,8 @@ __all__ = ["FORMAT", "VERSION", "load", "save"]
 
 FORMAT = "remat-trace"
 VERSION = 2
-_READS = {1: frozenset(), 2: frozenset({"calls", "call_inputs"})}  # version -> optional header fields it adds
+# version -> the optional header fields it adds
+_READS = {1: frozenset(), 2: frozenset({"calls", "call_inputs", "let_go"})}
 
 _TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved", "saved_at"}
 _OP_FIELDS = {
@@ -72,6 +73,8 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
             header["calls"] = dict(trace.calls)
         if trace.call_inputs:
             header["call_inputs"] = {name: list(ids) for name, ids in trace.call_inputs}
+        if trace.let_go:
+            header["let_go"] = [list(pair) for pair in trace.let_go]
         f.write(_dumps(header))
         at: dict[int, list[int]] = {}
         for tid, position in trace.saved_at:
@@ -159,6 +162,7 @@ def _read(path: Path) -> Trace:
                     )
             calls = _calls(header.get("calls", {}))
             call_inputs = _call_inputs(header.get("call_inputs", {}), len(tensors))
+            let_go = _let_go(header.get("let_go", []), len(tensors), sum(isinstance(e, Op) for e in events))
     except Invalid as err:
         raise RematValueError(
             message(
@@ -182,6 +186,7 @@ def _read(path: Path) -> Trace:
         saved_at=tuple(saved_at),
         calls=calls,
         call_inputs=call_inputs,
+        let_go=let_go,
     )
 
 
@@ -208,6 +213,23 @@ def _call_inputs(value: object, n_tensors: int) -> tuple[tuple[str, tuple[int, .
     ):
         raise Invalid("call_inputs must map module paths to lists of tensor ids", f"{value!r}"[:200])
     return tuple((k, tuple(ids)) for k, ids in value.items())
+
+
+def _let_go(value: object, n_tensors: int, n_ops: int) -> tuple[tuple[int, int], ...]:
+    if not (
+        isinstance(value, list)
+        and all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and _is_count(pair[0])
+            and pair[0] < n_tensors
+            and _is_count(pair[1])
+            and pair[1] < n_ops
+            for pair in value
+        )
+    ):
+        raise Invalid("let_go must list [tensor id, op index] pairs", f"{value!r}"[:200])
+    return tuple((t, op) for t, op in value)
 
 
 def _positions(record: dict[str, Any], tid: int) -> list[int]:

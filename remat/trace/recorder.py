@@ -100,7 +100,10 @@ _PLAIN = (torch.Tensor, *_VALUES, torch.dtype, torch.device, torch.layout, torch
 
 
 class Recorder(TorchDispatchMode):
-    """Records ops and storage deaths; see NOTE [trace identity]."""
+    """Records ops and storage deaths; see NOTE [trace identity]. Not ``hold_saved``: autograd keeps
+    nothing it saves (``remat.trace.let_go``), and no backward may run."""
+
+    hold_saved = True
 
     def __init__(self, repeats: int, progress: Callable[[int], None] | None, scratch: bool = True) -> None:
         super().__init__()
@@ -312,13 +315,13 @@ class Recorder(TorchDispatchMode):
 
     # -- saved tensors, hooks, the trace ------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """Saved-tensor hook: note that autograd saved ``t`` now, and keep ``t`` itself."""
+    def pack(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Saved-tensor hook: note that autograd saved ``t`` now; keep it unless not ``hold_saved``."""
         h = self.handle(t)
         if h is not None:
             self.saved.add(h)
             self.saved_at.append((h, self.n_ops))
-        return t
+        return t if self.hold_saved else None
 
     def called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Forward hook: note the tensors a named module's first call was given (what running the

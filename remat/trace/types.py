@@ -37,7 +37,9 @@ class Trace:
     ``position`` being the number of ops that had run (the save came after op ``position - 1`` and
     before op ``position``: autograd saves an op's inputs before it runs and its outputs after),
     sorted. ``calls`` counts the forward calls of each module path, where the capture counted them
-    (empty: not known), and ``call_inputs`` names the tensors each one's first call was given."""
+    (empty: not known), and ``call_inputs`` names the tensors each one's first call was given.
+    ``let_go``: per saved storage (root) the capture could follow, the forward op after which the
+    program itself held no tensor on it, autograd's saves aside (``remat.trace.let_go``)."""
 
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]
@@ -48,11 +50,13 @@ class Trace:
     saved_at: tuple[tuple[int, int], ...] = ()
     calls: tuple[tuple[str, int], ...] = ()
     call_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    let_go: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "saved_at", tuple(sorted(self.saved_at)))
         object.__setattr__(self, "calls", tuple(sorted(self.calls)))
         object.__setattr__(self, "call_inputs", tuple(sorted((k, tuple(v)) for k, v in self.call_inputs)))
+        object.__setattr__(self, "let_go", tuple(sorted(self.let_go)))
 
     @functools.cached_property
     def ops(self) -> tuple[Op, ...]:

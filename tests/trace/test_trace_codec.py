@@ -76,6 +76,7 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
         saved_at=((2, 2), (0, 0), (2, 1)),
         calls=(("a", 1), ("a.b", 2)),
         call_inputs=(("a", (0, 1)),),
+        let_go=((2, 1),),
     )
     assert trace.saved_at == ((0, 0), (2, 1), (2, 2))  # kept sorted
     save(trace, tmp_path / "t.jsonl")
@@ -97,6 +98,11 @@ MALFORMED = {
         _replace(1, GOOD[0].replace('"version":2', '"version":3')),
         1,
         "unsupported format version",
+    ),
+    "let_go out of range": (
+        _replace(1, GOOD[0].replace('"events"', '"let_go":[[1,9]],"events"')),
+        None,  # checked once the ops are counted
+        "let_go must list",
     ),
     "calls in a version 1 header": (
         _replace(1, GOOD[0].replace('"version":2', '"version":1').replace('"events"', '"calls":{},"events"')),
