@@ -6,7 +6,11 @@ hands those outputs back instead of running the op again, so expensive ops (matm
 not recomputed while cheap pointwise ones are. The ops are matched by position and name; a
 different op at a saved position means the recomputation took another path than the forward,
 which is an error. Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
-position: some tensors send them through dispatch and some do not.
+position: some tensors send them through dispatch and some do not. Nor do casts (``aten._to_copy``):
+autocast caches the cast of a leaf that requires grad for as long as its context lasts, so the
+forward and the recomputation may cast a different number of times (the recomputation's inputs
+are such leaves, a weight cast before the region is cached in the forward only); a cast is never
+kept, and runs wherever it comes.
 
 A saved output may be written in place later in the region (``h = x @ w; h.mul_(2)``), or after
 it. Its version counter then differs from the one recorded with it: the recomputation runs that op
@@ -44,6 +48,8 @@ from remat import aten
 from remat._errors import RecomputationError, message
 from remat.host.offloader import Offloader, Parcel
 from remat.policy import Decision, OpContext, Policy
+
+_CAST = torch.ops.aten._to_copy.default
 
 
 def _out_bytes(out: Any) -> int:
@@ -197,7 +203,7 @@ class Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if aten.facts(func).metadata:  # no position: some tensors dispatch these, some do not
+        if aten.facts(func).metadata or func is _CAST:  # no position (see the module's docstring)
             return out
         if self.cache.storages:
             self.cache.alias(out)
@@ -222,7 +228,7 @@ class Replaying(TorchDispatchMode):
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if aten.facts(func).metadata:
+        if aten.facts(func).metadata or func is _CAST:
             return func(*args, **(kwargs or {}))
         entry = self.cache.current(self.position)
         self.position += 1
