@@ -172,6 +172,21 @@ class AccountingBackend:
             metas = _METAS[key] = meta_results(func, args, kwargs, fresh_returns)
         return metas  # type: ignore[return-value]
 
+    def learned(
+        self, func: Any, key: tuple[Any, ...], returns: tuple[bool, ...], out: Any, sizes: tuple[int, ...]
+    ) -> None:
+        """An op run before it was placed made results of ``sizes`` bytes, kept for the next call of
+        its signature ``key``. Where its meta kernel refused it (``_grouped_mm`` in float32, which its
+        meta kernel does not take) and its results' sizes do not depend on the data, their geometry
+        stands in for its meta results from then on, so that the core places them before it runs
+        (NOTE [room first]); a size that turns out otherwise is caught when it runs."""
+        scratch.learn_results(key, sizes)
+        if key not in _METAS or _METAS[key] is not None or torch.Tag.dynamic_output_shape in func.tags:
+            return
+        leaves = [value for _, value in result_leaves(returns, out)]
+        if all(returns) and all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in leaves):
+            _METAS[key] = [meta(t) for t in leaves]
+
     def placeable(self, func: Any, sized: bool = False) -> bool:
         """Whether ``func``'s meta results may be trusted for its real ones (their sizes aside,
         when ``sized``)."""

@@ -38,8 +38,8 @@ sizes (``AccountingBackend.plan``), the core evicts and places them, and the bac
 generator states a random op's recipe keeps are taken then too, just before it runs (their size is
 known beforehand: ``remat.aten.state_nbytes``). An op whose results cannot be sized that way (no
 meta kernel, sizes that depend on the data, results on another device, the ops in ``NO_META``) runs
-first and is placed after: its outputs are beyond the pool's count until the core has evicted for
-them, which the region's reserve must cover.
+first and is placed after (beyond the pool's count until the core evicts for them: the reserve's to
+cover); where a meta kernel refused the arguments, that run's results stand in for it (``learned``).
 
 NOTE [same decisions] Each op is handed to the core as the simulator hands a trace op: ``call``
 with the outputs' sizes and the op's recorded cost. The clock of the core moves by recorded costs,
@@ -255,7 +255,8 @@ class Engine:
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
-                op_scratch.learn_results(key, tuple(tensors_info[h].nbytes for h in fresh))
+                made = tuple(tensors_info[h].nbytes for h in fresh)
+                backend.learned(func, key, schema.fresh_returns, out, made)
         else:  # the backend runs it once the core has placed the outputs
             rng, generators, out, seconds = None, (), None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
