@@ -33,6 +33,7 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
     """``failure`` (:class:`~remat.core.driver.Thrashed` or
     :class:`~remat.core.pool.OutOfMemory`) of ``engine``'s region as the error the user gets."""
     budget = format_bytes(region.budget)
+    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
     if isinstance(failure, Thrashed):
         meter = engine.backend.meter
         return RematValueError(
@@ -42,7 +43,7 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
                 f"thrash_limit={region.thrash_limit}",
                 f"budget {budget}; {meter.recompute_ops} recomputations costing "
                 f"{meter.recompute_cost * 1e3:.1f} ms for {meter.base_cost * 1e3:.1f} ms of first runs, "
-                f"stopped at op {engine.ops} ({engine.current})",
+                f"stopped at {op}" + ("" if engine.current else ", handing back what the program holds"),
                 "raise the budget, or thrash_limit if this overhead is acceptable",
             )
         )
@@ -60,7 +61,6 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
                 f"pass a budget of at least {least} bytes",
             )
         )
-    op = f"op {engine.ops} ({engine.current})" if engine.current else "the end of the region"
     other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"
     return RematValueError(
         message(

@@ -256,3 +256,18 @@ def test_a_torch_that_cannot_swap_storages_is_refused_with_what_to_do(
         match=r"remat\.dynamic: evicting a tensor needs torch\.UntypedStorage\._swap_data_ptr_.*torch 2\.13",
     ):
         remat.dynamic("1MB")
+
+
+def test_a_thrash_while_handing_back_says_so() -> None:
+    """At the region's end no op runs: the error names the moment, not an empty op name."""
+    from types import SimpleNamespace
+
+    from remat.core.driver import Thrashed
+    from remat.dynamic.failures import explain
+
+    meter = SimpleNamespace(recompute_ops=7, recompute_cost=3e-3, base_cost=1e-3)
+    engine = SimpleNamespace(backend=SimpleNamespace(meter=meter), ops=224, current="")
+    region = SimpleNamespace(budget=4096, policy=SimpleNamespace(name="dtr"), thrash_limit=3.0)
+    error = explain(Thrashed(), engine, region)  # type: ignore[arg-type]
+    assert "stopped at the end of the region, handing back what the program holds" in str(error)
+    assert "()" not in str(error)
