@@ -193,13 +193,34 @@ def frontier(
     """The candidates of ``solver`` for the step ``trace`` captured (see the module doc);
     ``options`` go to the solver (``segments`` for ``sqrt`` gives its one plan). Every candidate is
     predicted with ``executor_cost`` (NOTE [executor cost]; by default the figures measured on the
-    trace's device, once per process); ``rerun_modules``: see ``remat.plan``."""
+    trace's device, once per process); ``rerun_modules``: see ``remat.plan``. With it the
+    candidates are found twice, with whole-module regions run again and with every region on the
+    tape, and the front is taken of both: running a module again holds what its call holds, which
+    can be more than the tape's replay holds, so asking for it must not raise the floor."""
     executor = measured(trace.device) if executor_cost is None else executor_cost
-    step = Step(trace, block_key, executor, rerun_modules)
+    steps = [
+        Step(trace, block_key, executor, again) for again in ((False, True) if rerun_modules else (False,))
+    ]
     get(solver)
     start = time.perf_counter()
-    baseline = predicted(step, []).peak_bytes
+    baseline = predicted(steps[0], []).peak_bytes
     chain = chain_from_trace(trace, key=block_key)
+    tried = [c for step in steps for c in _candidates(step, solver, chain, baseline, options)]
+    return Frontier(
+        solver,
+        steps[-1],
+        chain,
+        baseline,
+        tuple(pareto(untied(tried))),
+        time.perf_counter() - start,
+    )
+
+
+def _candidates(
+    step: Step, solver: str, chain: Chain, baseline: int, options: dict[str, Any]
+) -> list[Candidate]:
+    """``solver``'s candidates on ``step``, whose chain of blocks is ``chain``."""
+    trace = step.trace
     fine = chain_from_trace(trace, key=finer_key(step.key))
     chains = [chain] + ([fine] if len(chain) < len(fine) <= _FINE_STAGES else [])
     tried: list[Candidate] = []
@@ -224,7 +245,7 @@ def frontier(
     else:
         dag = dag_from_trace(trace, max_nodes=None)
         tried += milp_rungs(step, solver, dag, baseline, options)
-    return Frontier(solver, step, chain, baseline, tuple(pareto(untied(tried))), time.perf_counter() - start)
+    return tried
 
 
 def milp_rungs(

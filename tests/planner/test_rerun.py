@@ -428,3 +428,35 @@ def test_rerun_modules_must_be_a_flag() -> None:
     trace = trace_step(model, (x,), repeats=1)
     with pytest.raises(RematTypeError, match="rerun_modules must be True or False"):
         plan_trace(trace, 0.9, rerun_modules=1)  # type: ignore[arg-type]
+
+
+def test_asking_for_modules_run_again_never_raises_the_floor() -> None:
+    """A module run again holds what its call holds, which on DeBERTa (whose attention returns its
+    probabilities to the encoder's loop) is more than the tape's replay: the tape's plans stay
+    candidates, so the smallest feasible peak is no higher with ``rerun_modules``."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    from remat.planner.api import BudgetTooSmall
+
+    torch.manual_seed(0)
+    config = DebertaV2Config(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        vocab_size=96,
+        max_position_embeddings=64,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"],
+    )
+    model = DebertaV2ForMaskedLM(config).train()
+    ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(19))
+    trace = fixed_costs(trace_step(model, {"input_ids": ids, "labels": ids}, repeats=1))
+    floors = {}
+    for rerun in (False, True):
+        with pytest.raises(BudgetTooSmall) as info:
+            plan_trace(trace, 1, block_key=block_key(model), rerun_modules=rerun)
+        floors[rerun] = info.value.minimum_bytes
+    assert floors[True] <= floors[False]
