@@ -110,6 +110,11 @@ class Runtime(Residency):
             self._due_marks()
         storage_of, graph = self._storage_of, self.graph
         inputs = tuple(dict.fromkeys(map(storage_of.__getitem__, op.inputs)))
+        sizes, constants = graph.nbytes, graph.constant
+        held = op.scratch + op.state + sum(info.nbytes for info in outputs if info.alias_of is None)
+        held += sum(sizes[s] for s in inputs if not constants[s])
+        if held + self._constant_bytes > self.pool.capacity:  # what no policy can run: say so now
+            raise OutOfMemory(held, self._constant_bytes, self.pool.capacity, False)
         frame = Frame()
         self._frames.append(frame)
         try:
@@ -136,7 +141,6 @@ class Runtime(Residency):
                         break
             allocated = self._run(frame, record, recompute=False, keep=record.outputs)
             need = self._constant_bytes + allocated + op.scratch
-            sizes, constants = graph.nbytes, graph.constant
             for s in inputs:
                 if not constants[s]:
                     need += sizes[s]

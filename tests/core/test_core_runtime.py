@@ -243,7 +243,7 @@ def test_scratch_is_held_beside_the_op_while_it_runs() -> None:
     assert runtime.pool.used == 30  # gone once the op returned
     with pytest.raises(OutOfMemory) as caught:  # a is b's input and x a constant: nothing to evict
         run(_with(p.trace("scratch"), 1, scratch=40), capacity=60)
-    assert caught.value.request == 40
+    assert (caught.value.request, caught.value.pinned) == (60, 10)  # a, b and the scratch; x
 
 
 def test_state_is_kept_like_a_constant_from_its_op_on() -> None:
