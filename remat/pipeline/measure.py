@@ -76,16 +76,10 @@ def measure(
     if op_costs == "model":
         events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
         trace = replace(trace, events=events)
-    with torch.set_grad_enabled(last):
-        live = module(inputs)
-    out = live.detach()
+    saved, out = _held(module, inputs, target, loss_fn, last)
     sizes = [t.numel() * t.element_size() for t in (inputs, out)]
     shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
     plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
-    # NOTE [the output counted once] the pipeline model holds every micro-batch's output beside
-    # its saved bytes (torch's stage keeps it); a loss that saves its input (mse_loss) makes the
-    # last stage's output one of the step's saved tensors too, so it leaves the saved bytes
-    saved = plain.saved_bytes - (sizes[1] if last and _loss_saves(live, target, loss_fn) else 0)
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
     base = StagePlan(
@@ -96,15 +90,32 @@ def measure(
     return base, trace, out
 
 
-def _loss_saves(output: torch.Tensor, target: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> bool:
-    """Whether ``loss_fn(output, target)`` saves ``output``'s storage for its backward."""
-    storage = output.untyped_storage().data_ptr()
-    seen: list[bool] = []
+def _held(
+    module: nn.Module,
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    last: bool,
+) -> tuple[int, torch.Tensor]:
+    """The bytes one micro-batch's step (the loss's included) saves for its backward beside the
+    stage's output, and the output (detached). NOTE [the output counted once] the pipeline model
+    holds every micro-batch's output beside what it saves (torch's stage keeps the output until
+    the backward), so a saved output (a stage ending in a ReLU, a loss that saves its input such as
+    ``mse_loss``) is left out here; what only the loss saves (cross entropy's log-probabilities,
+    the size of the logits) is in. Parameters, buffers, the input (the stage's receive buffer) and
+    the target are held anyway."""
+    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), inputs, target)}
+    seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        seen.append(t.untyped_storage().data_ptr() == storage)
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held:
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(output, target)
-    return any(seen)
+        out = module(inputs)
+        if last:
+            loss_fn(out, target)
+    seen.pop(out.untyped_storage().data_ptr(), None)
+    return sum(seen.values()), out.detach()

@@ -70,3 +70,22 @@ def test_the_last_stage_holds_its_output_once_where_the_loss_saves_it() -> None:
         assert base.output_bytes == out.numel() * out.element_size()
         assert memory.current_bytes == base.saved_bytes + base.output_bytes
         del graph, out
+
+
+def test_what_the_loss_or_the_stage_saves_is_counted_once() -> None:
+    """Cross entropy saves its log-probabilities (the size of the logits), not its input: held
+    until the micro-batch's backward beside the output. A stage ending in a ReLU saves its own
+    output, which torch's stage holds anyway: counted once."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(ROWS, 32), torch.randint(0, 256, (ROWS,))
+    head = nn.Sequential(*mlp_chain(2, 32, 128), nn.Linear(32, 256))
+    relu_end = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
+    cases = [(pp.build("gpipe", 1, M), 0, head), (pp.build("gpipe", 2, M), 0, relu_end)]
+    for order, stage, module in cases:
+        base, _, _ = measure(order, stage, module, x, labels, nn.functional.cross_entropy, "model")
+        last = stage == order.n_stages - 1
+        with track(allocator=True) as memory:
+            out = module(x)
+            graph = nn.functional.cross_entropy(out, labels).grad_fn if last else None
+        assert memory.current_bytes == base.saved_bytes + base.output_bytes
+        del graph, out
