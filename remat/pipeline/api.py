@@ -37,7 +37,7 @@ from remat._units import format_bytes, parse_bytes
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.split import BALANCES, balance, profile
+from remat.pipeline.split import BALANCES, balance, chained, profile, untied
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, walk
 from remat.planner.api import block_key, plan_at
@@ -78,6 +78,7 @@ def _cut(
             )
         return stages, ()
     children = list(model.children())
+    chained(children, example)
     if boundaries is not None:
         cuts = (0, *boundaries, len(children))
         if len(cuts) != p + 1 or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False)):
@@ -341,6 +342,7 @@ def plan(
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
     with one_thread():
         modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
+        untied(modules)
         with untouched(modules):
             chosen, needs = _plan_stages(
                 modules, order, example_microbatch, target, loss_fn, budget, checkpoint, op_costs

@@ -1,4 +1,5 @@
-"""Cutting a chain of modules into pipeline stages, balanced by time or by memory.
+"""Cutting a chain of modules into pipeline stages, balanced by time or by memory; what a chain
+must be to be cut (each child passes one tensor to the next, no parameter shared by two stages).
 
 Why a partition of our own rather than torchgpipe's ``balance_by_time``: under 1F1B a stage does
 not hold one micro-batch but as many as the schedule keeps in flight there (P - s on stage s), so
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 
-__all__ = ["BALANCES", "ChildCost", "balance", "profile"]
+__all__ = ["BALANCES", "ChildCost", "balance", "chained", "profile", "untied"]
 
 BALANCES: tuple[str, ...] = ("time", "memory")
 
@@ -109,3 +110,48 @@ def balance(
     for s in range(parts, 0, -1):
         bounds.append(cut[s][bounds[-1]])
     return tuple(reversed(bounds))
+
+
+def _refused(rule: str, given: str, todo: str, kind: type[Exception] = RematValueError) -> Exception:
+    return kind(message("pipeline.plan", rule, given, todo))
+
+
+def chained(children: Sequence[nn.Module], example: torch.Tensor) -> None:
+    """Refuse a model whose children do not pass one tensor each to the next (run once without
+    gradients, the buffers and the RNG restored): torch's stages send one tensor."""
+    x: object = example
+    with torch.no_grad(), untouched(children):
+        for k, child in enumerate(children):
+            try:
+                x = child(x)
+            except Exception as error:
+                raise _refused(
+                    "each child of the model takes the tensor the one before it returns",
+                    f"child {k} ({type(child).__name__}) failed on it: {type(error).__name__}: {error}"[:300],
+                    "pass a model whose children chain (nn.Sequential of blocks), or the stages",
+                    RematTypeError,
+                ) from error
+            if not isinstance(x, torch.Tensor):
+                raise _refused(
+                    "each child of the model returns one tensor, the next child's input",
+                    f"child {k} ({type(child).__name__}) returned a {type(x).__name__}",
+                    "wrap the child so that it returns its tensor (as remat.pipeline.zoo_chain does)",
+                    RematTypeError,
+                )
+
+
+def untied(stages: Sequence[nn.Module]) -> None:
+    """Refuse stages that share a parameter: torch's pipelining gives each stage its own, and
+    nothing would sum a shared weight's gradients across stages (tied embeddings split from their
+    head trained on part of their gradient, with no error)."""
+    owner: dict[int, tuple[int, str]] = {}
+    for s, stage in enumerate(stages):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            first, where = owner.setdefault(id(param), (s, name))
+            if first != s:
+                raise _refused(
+                    "stages must not share a parameter (nothing sums its gradients across stages)",
+                    f"{where} of stage {first} is {name} of stage {s}",
+                    "untie it (give one stage a copy), or keep the modules sharing it in one stage "
+                    "with boundaries=",
+                )

@@ -4,8 +4,10 @@ each a child that takes one tensor and returns one.
 Why wrappers rather than the zoo's model itself: ``GPT2LMHeadModel`` runs its blocks inside its
 own forward, where it also makes the position ids and the causal mask, and the pipeline cuts a
 model at its children, each passing one tensor to the next (``remat.pipeline.chain``). The
-wrappers share the zoo model's parameters; a block run alone masks causally (its attention is
-causal when given no mask), so the chain computes what the model computes::
+wrappers share the zoo model's parameters, but for the head's weight, which is tied to the token
+embedding in the zoo's model and is a copy of it here (stages on different ranks cannot share a
+parameter: ``remat.pipeline.plan`` refuses it); a block run alone masks causally (its attention is
+causal when given no mask), so the chain computes what the model computes, untied::
 
     tokens -> Embeddings(wte, wpe, drop) -> Block(h.0) -> ... -> Block(h.n-1) -> Head(ln_f, lm_head) -> logits
 """
@@ -76,6 +78,8 @@ def gpt2_chain(
     model: Any = workload.model
     tokens = workload.inputs[0]
     body = model.transformer
+    # the head gets a copy of the embedding it is tied to: stages own their parameters
+    model.lm_head.weight = nn.Parameter(body.wte.weight.detach().clone())
     children = [Embeddings(body.wte, body.wpe, body.drop), *(Block(b) for b in body.h)]
     chain = nn.Sequential(*children, Head(body.ln_f, model.lm_head))
     return chain, tokens, tokens.roll(-1, 1)

@@ -312,3 +312,47 @@ def test_a_ranks_receive_buffers_are_sized_by_the_stage_that_sends() -> None:
     need = pp.plan(model, x, budget_per_rank="1GB", **options).timeline().peak_bytes
     with pytest.raises(RematValueError, match=f"rank 1 needs {need[1]} bytes"):
         pp.plan(model, x, budget_per_rank=need[1] - 1, **options)
+
+
+def test_a_parameter_shared_by_two_stages_is_refused() -> None:
+    """Tied weights split across stages would each get part of their gradient, with no error."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(16, 16), nn.Linear(16, 16)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(16, 16), last)
+    x = torch.randn(8, 16)
+    options = {"n_stages": 2, "n_microbatches": 2, "budget_per_rank": "1GB", "target": x}
+    with pytest.raises(
+        RematValueError,
+        match=r"stages must not share a parameter .*\(0\.weight of stage 0 is 1\.weight of stage 1\)",
+    ):
+        pp.plan(model, x, loss_fn=nn.functional.mse_loss, boundaries=[2], **options)
+    plan = pp.plan(model, x, loss_fn=nn.functional.mse_loss, **{**options, "n_stages": 1})
+    assert len(plan.stage_plans) == 1  # one stage may share what it likes
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+def test_a_child_that_does_not_return_one_tensor_is_refused() -> None:
+    model, x = nn.Sequential(nn.Linear(16, 16), _Pair(), nn.Linear(16, 16)), torch.randn(8, 16)
+    options = {"n_stages": 2, "n_microbatches": 2, "budget_per_rank": "1GB", "target": x}
+    with pytest.raises(
+        RematTypeError,
+        match=r"each child of the model returns one tensor.*\(child 1 \(_Pair\) returned a tuple\)",
+    ):
+        pp.plan(model, x, loss_fn=nn.functional.mse_loss, **options)
+    with pytest.raises(RematTypeError, match=r"each child of the model takes the tensor the one before it"):
+        pp.plan(
+            nn.Sequential(nn.Linear(16, 16), nn.Linear(8, 8)), x, loss_fn=nn.functional.mse_loss, **options
+        )
+
+
+def test_the_zoo_gpt2_chain_owns_its_head() -> None:
+    from remat.pipeline.zoo_chain import gpt2_chain
+
+    chain, _, _ = gpt2_chain(2, 16)
+    assert chain[-1].lm_head.weight is not chain[0].wte.weight
+    assert torch.equal(chain[-1].lm_head.weight, chain[0].wte.weight)
