@@ -5,7 +5,9 @@ updates its buffers as a side effect: batch norm's running mean and variance and
 ``num_batches_tracked`` would move twice per step (an open PyTorch bug). While a recomputation
 runs, every module that starts a forward has its buffers swapped for private copies; the copies
 take the update and are dropped afterwards, and the real buffers are put back untouched (their
-version counters included, so tensors autograd saved from them stay valid).
+version counters included, so tensors autograd saved from them stay valid). A module whose
+``forward`` the recomputation calls itself (``remat.checkpoint(module)`` wraps the bound method, so
+no ``__call__`` and no pre-hook runs for it) is named as a root and swapped at once.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 @contextlib.contextmanager
-def buffers_shielded() -> Iterator[None]:
-    """Within the block, buffer updates by any module's forward go to throwaway copies."""
+def buffers_shielded(roots: tuple[nn.Module, ...] = ()) -> Iterator[None]:
+    """Within the block, buffer updates by any module's forward, and by ``roots``, go to throwaway
+    copies."""
     swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
     seen: set[int] = set()
 
@@ -39,6 +42,8 @@ def buffers_shielded() -> Iterator[None]:
 
     handle = nn.modules.module.register_module_forward_pre_hook(swap)
     try:
+        for root in roots:
+            swap(root, ())
         yield
     finally:
         handle.remove()

@@ -191,7 +191,7 @@ class _Frame:
             with (
                 aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
                 autocast.autocast_replayed(self.autocast),
-                buffers_shielded(),
+                buffers_shielded(_owner(self.fn)),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
             ):
@@ -290,6 +290,13 @@ def _validate(fn: object) -> None:
                 "pass a function or an nn.Module, then its arguments",
             )
         )
+
+
+def _owner(fn: Callable[..., Any]) -> tuple[nn.Module, ...]:
+    """The module whose bound ``forward`` ``fn`` is (the module form), whose buffers no pre-hook
+    shields when the recomputation calls it (``remat.manual.buffers``)."""
+    owner = getattr(fn, "__self__", None)
+    return (owner,) if isinstance(owner, nn.Module) else ()
 
 
 def _wrap(fn: F, s: Settings) -> F:
