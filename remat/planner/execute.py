@@ -94,6 +94,7 @@ class _Runner(Unguarded):
         self.starts = {r.first: r for r in regions}
         self.position = 0
         self.active = False
+        self.aside = False  # this forward runs in inference mode, outside the plan
         self.open: Region | None = None
         self.tape: Tape | None = None
         self.region: TapedRegion | None = None
@@ -119,7 +120,8 @@ class _Runner(Unguarded):
     # -- the forward -------------------------------------------------------------------------------
 
     def begin(self, module: nn.Module, args: Any) -> None:
-        if not self.active:
+        self.aside = torch.is_inference_mode_enabled()  # nothing saved: the model runs as it is
+        if not self.active and not self.aside:
             self.stop()
             self.position = 0
             self.active = True
@@ -142,7 +144,7 @@ class _Runner(Unguarded):
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
         self.leave()
-        if self.position != len(self.ops):
+        if self.position != len(self.ops) and not self.aside:
             nxt = self.position
             raise RecomputationError(
                 message(
