@@ -42,7 +42,7 @@ from remat import aten
 from remat._errors import RecomputationError, RematRuntimeError, RematTypeError, message
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
-from remat.manual.buffers import buffers_shielded
+from remat.manual.buffers import Buffers
 from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
 from remat.manual.keywords import Settings
 from remat.manual.selective import Recording, Replaying, SaveCache
@@ -108,6 +108,7 @@ class _Frame:
             flat[i] = None
         self.rng = aten.capture_all() if preserve_rng else None
         self.autocast = autocast.capture_autocast()
+        self.buffers = Buffers(_owner(fn))  # NOTE [buffers as the forward saw them]
         self.cache = (
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )
@@ -191,7 +192,7 @@ class _Frame:
             with (
                 aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
                 autocast.autocast_replayed(self.autocast),
-                buffers_shielded(_owner(self.fn)),
+                self.buffers.shielded(),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
             ):
@@ -265,16 +266,13 @@ def run(
         return fn(*args, **kwargs)
     frame = _Frame(fn, args, kwargs, policy, check, preserve_rng, offloader)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+        with contextlib.ExitStack() as forward:
+            forward.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack))
+            forward.enter_context(frame.buffers.noting())
             if frame.provenance is not None:
-                with frame.provenance.tracking(fn):
-                    if frame.cache is not None:
-                        with Recording(frame.cache):
-                            return fn(*args, **kwargs)
-                    return fn(*args, **kwargs)
+                forward.enter_context(frame.provenance.tracking(fn))
             if frame.cache is not None:
-                with Recording(frame.cache):
-                    return fn(*args, **kwargs)
+                forward.enter_context(Recording(frame.cache))
             return fn(*args, **kwargs)
     finally:
         frame.live = None  # NOTE [backward inside the forward]

@@ -1,6 +1,7 @@
-"""``remat.checkpoint(module)`` wraps the module's bound ``forward``: its recomputation calls it with
-no ``Module.__call__``, so the module's own buffers must be shielded by name, not by the pre-hook
-that shields its children (batch norm's statistics moved twice per step otherwise)."""
+"""Buffers under ``remat.checkpoint``: the module form wraps the module's bound ``forward``, which
+its recomputation calls with no ``Module.__call__``, so the module's own buffers are shielded by
+name (batch norm's statistics moved twice per step otherwise); and a recomputation reads buffers
+as the forward found them (NOTE [buffers as the forward saw them])."""
 
 from __future__ import annotations
 
@@ -45,6 +46,37 @@ def test_a_checkpointed_module_updates_its_buffers_once(form: str) -> None:
     wrapped = copy.deepcopy(plain)
     _step(plain, "plain", x)
     _step(wrapped, form, x)
+    for (name, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+class _Centred(nn.Module):
+    """Subtracts a running mean it reads and then updates in training, an exponential moving
+    average: what it computes depends on the buffer as the forward found it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = (x - self.mean).tanh()  # tanh saves its output: recomputed from the buffer
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return out
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_recomputation_reads_buffers_as_the_forward_found_them(check: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _Centred(8), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        plain(x).square().sum().backward()
+        remat.checkpoint(wrapped, x, check=check).square().sum().backward()
     for (name, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
