@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from remat._errors import RematValueError, message
+from remat.trace.fields import count, fields, ids, is_count, number, typed
 from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
 from remat.trace.validator import Checker, Invalid, checked
 
@@ -35,7 +36,7 @@ __all__ = ["FORMAT", "VERSION", "load", "save"]
 FORMAT = "remat-trace"
 VERSION = 2
 # version -> the optional header fields it adds
-_READS = {1: frozenset(), 2: frozenset({"calls", "call_inputs", "let_go"})}
+_READS = {1: frozenset({"calls", "call_inputs"}), 2: frozenset({"calls", "call_inputs", "let_go"})}
 
 _TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved", "saved_at"}
 _OP_FIELDS = {
@@ -198,7 +199,7 @@ def _dumps(record: dict[str, Any]) -> str:
 
 
 def _calls(value: object) -> tuple[tuple[str, int], ...]:
-    if not (isinstance(value, dict) and all(isinstance(k, str) and _is_count(n) for k, n in value.items())):
+    if not (isinstance(value, dict) and all(isinstance(k, str) and is_count(n) for k, n in value.items())):
         raise Invalid("calls must map module paths to call counts", f"calls {value!r}"[:200])
     return tuple(value.items())
 
@@ -207,7 +208,7 @@ def _call_inputs(value: object, n_tensors: int) -> tuple[tuple[str, tuple[int, .
     if not (
         isinstance(value, dict)
         and all(
-            isinstance(k, str) and isinstance(ids, list) and all(_is_count(i) and i < n_tensors for i in ids)
+            isinstance(k, str) and isinstance(ids, list) and all(is_count(i) and i < n_tensors for i in ids)
             for k, ids in value.items()
         )
     ):
@@ -221,9 +222,9 @@ def _let_go(value: object, n_tensors: int, n_ops: int) -> tuple[tuple[int, int],
         and all(
             isinstance(pair, list)
             and len(pair) == 2
-            and _is_count(pair[0])
+            and is_count(pair[0])
             and pair[0] < n_tensors
-            and _is_count(pair[1])
+            and is_count(pair[1])
             and pair[1] < n_ops
             for pair in value
         )
@@ -234,7 +235,7 @@ def _let_go(value: object, n_tensors: int, n_ops: int) -> tuple[tuple[int, int],
 
 def _positions(record: dict[str, Any], tid: int) -> list[int]:
     positions = record.get("saved_at", [])
-    if not (isinstance(positions, list) and all(_is_count(p) for p in positions)):
+    if not (isinstance(positions, list) and all(is_count(p) for p in positions)):
         raise Invalid("saved_at must be a list of op counts", f"tensor {tid} has saved_at {positions!r}")
     return positions
 
@@ -304,113 +305,66 @@ def _header(record: dict[str, Any]) -> dict[str, Any]:
             f"unsupported format version (this remat reads versions {', '.join(map(str, _READS))})",
             f"version {version!r}",
         )
-    _fields(record, _HEADER_FIELDS | _READS[version], f"version {version} header")
+    fields(record, _HEADER_FIELDS | _READS[version], f"version {version} header")
     for key in ("name", "device", "source"):
-        _typed(record, key, str, "header")
+        typed(record, key, str, "header")
     for key in ("tensors", "events"):
-        _count(record, key, "header")
+        count(record, key, "header")
     return record
 
 
 def _tensor(record: dict[str, Any]) -> TensorInfo:
-    _fields(record, _TENSOR_FIELDS, "tensor line")
-    tid = _count(record, "tensor", "tensor line")
+    fields(record, _TENSOR_FIELDS, "tensor line")
+    tid = count(record, "tensor", "tensor line")
     what = f"tensor {tid}"
     shape = record.get("shape")
-    if shape is not None and not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
+    if shape is not None and not (isinstance(shape, list) and all(is_count(s) for s in shape)):
         raise Invalid("shape must be a list of non-negative integers", f"{what} has shape {shape!r}")
     alias_of = record.get("alias_of")
-    if alias_of is not None and not _is_count(alias_of):
+    if alias_of is not None and not is_count(alias_of):
         raise Invalid("alias_of must be a tensor id", f"{what} has alias_of {alias_of!r}")
     dtype = record.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise Invalid("dtype must be a string", f"{what} has dtype {dtype!r}")
     return TensorInfo(
         id=tid,
-        nbytes=_typed(record, "nbytes", int, what),
+        nbytes=typed(record, "nbytes", int, what),
         alias_of=alias_of,
-        constant=_typed(record, "constant", bool, what, False),
+        constant=typed(record, "constant", bool, what, False),
         shape=tuple(shape) if shape is not None else None,
         dtype=dtype,
     )
 
 
 def _op(record: dict[str, Any]) -> Op:
-    _fields(record, _OP_FIELDS, "op line")
-    index = _count(record, "op", "op line")
+    fields(record, _OP_FIELDS, "op line")
+    index = count(record, "op", "op line")
     what = f"op {index}"
     phase = record.get("phase", Phase.UNKNOWN.value)
     if phase not in _PHASES:
         raise Invalid(f"phase must be one of {', '.join(_PHASES)}", f"{what} has phase {phase!r}")
     return Op(
         index=index,
-        name=_typed(record, "name", str, what),
-        inputs=_ids(record, "inputs", what),
-        outputs=_ids(record, "outputs", what),
-        mutates=_ids(record, "mutates", what, required=False),
-        cost=_number(record, "cost", what),
-        est_cost=_number(record, "est_cost", what),
+        name=typed(record, "name", str, what),
+        inputs=ids(record, "inputs", what),
+        outputs=ids(record, "outputs", what),
+        mutates=ids(record, "mutates", what, required=False),
+        cost=number(record, "cost", what),
+        est_cost=number(record, "est_cost", what),
         phase=_PHASES[phase],
-        module=_typed(record, "module", str, what, ""),
-        random=_typed(record, "random", bool, what, False),
-        scratch=_typed(record, "scratch", int, what, 0),
-        state=_typed(record, "state", int, what, 0),
+        module=typed(record, "module", str, what, ""),
+        random=typed(record, "random", bool, what, False),
+        scratch=typed(record, "scratch", int, what, 0),
+        state=typed(record, "state", int, what, 0),
     )
 
 
 def _release(record: dict[str, Any]) -> Release:
-    _fields(record, {"release"}, "release line")
+    fields(record, {"release"}, "release line")
     tensor = record["release"]
-    if not _is_count(tensor):
+    if not is_count(tensor):
         raise Invalid("a release names one tensor id", f"release {tensor!r}")
     return Release(tensor)
-
-
-def _fields(record: dict[str, Any], allowed: set[str], what: str) -> None:
-    unknown = sorted(set(record) - allowed)
-    if unknown:
-        raise Invalid(f"unknown field in a {what}", f"{', '.join(map(repr, unknown))}")
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _count(record: dict[str, Any], key: str, what: str) -> int:
-    value = record.get(key)
-    if not _is_count(value):
-        raise Invalid(f'"{key}" must be a non-negative integer', f"{what} has {key} {value!r}")
-    return int(value)  # type: ignore[arg-type]
-
-
-_MISSING = object()
-
-
-def _typed(record: dict[str, Any], key: str, kind: type, what: str, default: Any = _MISSING) -> Any:
-    if key not in record:
-        if default is _MISSING:
-            raise Invalid(f'"{key}" is required', f"{what} has no {key}")
-        return default
-    value = record[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Invalid(f'"{key}" must be of type {kind.__name__}', f"{what} has {key} {value!r}")
-    return value
-
-
-def _number(record: dict[str, Any], key: str, what: str) -> float:
-    value = record.get(key, 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Invalid(f'"{key}" must be a number of seconds', f"{what} has {key} {value!r}")
-    return float(value)
-
-
-def _ids(record: dict[str, Any], key: str, what: str, required: bool = True) -> tuple[int, ...]:
-    if key not in record and not required:
-        return ()
-    value = record.get(key)
-    if not isinstance(value, list) or not all(_is_count(v) for v in value):
-        raise Invalid(f'"{key}" must be a list of tensor ids', f"{what} has {key} {value!r}")
-    return tuple(value)
 
 
 def _open(path: Path, mode: Literal["r", "w"]) -> IO[str]:

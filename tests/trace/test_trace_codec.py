@@ -104,8 +104,10 @@ MALFORMED = {
         None,  # checked once the ops are counted
         "let_go must list",
     ),
-    "calls in a version 1 header": (
-        _replace(1, GOOD[0].replace('"version":2', '"version":1').replace('"events"', '"calls":{},"events"')),
+    "let_go in a version 1 header": (
+        _replace(
+            1, GOOD[0].replace('"version":2', '"version":1').replace('"events"', '"let_go":[],"events"')
+        ),
         1,
         "unknown field in a version 1 header",
     ),
@@ -224,6 +226,9 @@ def test_validate_and_save_name_the_event_at_fault(tmp_path: Path) -> None:
 def test_version_1_files_still_read(tmp_path: Path) -> None:
     old = _replace(1, GOOD[0].replace('"version":2', '"version":1'))
     assert load(_write(tmp_path, old)) == load(_write(tmp_path, GOOD))
+    calls = '"calls":{"m":1},"call_inputs":{"m":[0]},'
+    later = _replace(1, GOOD[0].replace('"version":2,', f'"version":1,{calls}'))
+    assert load(_write(tmp_path, later)).calls == (("m", 1),)  # version 1 files of later captures
 
 
 def test_written_lines_are_one_json_object_each(tmp_path: Path) -> None:
