@@ -14,10 +14,13 @@ NOTE [buffers as the forward saw them] By the time of the recomputation the forw
 updated its buffers, so a private copy of the buffer as it is now is not what the forward read: a
 module whose output depends on a buffer it updates (an exponential moving average used in
 training) would compute otherwise, and the values check (``check="values"``) would see batch
-norm's running statistics differ from those autograd saved. So in the forward each training-mode
-module's buffers are copied before it runs, the copy kept only where the module then wrote the
-buffer (its version moved, or its values: batch norm's kernel writes the running statistics it is
-passed without moving their version), and the recomputation's private copies start from those.
+norm's running statistics differ from those autograd saved. So in the forward each module's
+buffers of up to ``COPY_LIMIT`` bytes are copied before it runs, and a copy is kept where
+the module then wrote the buffer: its version moved, the module holds another tensor under the
+name (``self.avg = 0.9 * self.avg + ...``), or it is batch norm's running statistics, which its
+kernel writes without moving their version (NOTE [hidden writes] in ``remat.aten.schema``). The
+recomputation's private copies start from those. A larger buffer is not copied (a causal mask, a
+position table: read, not written); one written in the forward is recomputed from its new value.
 """
 
 from __future__ import annotations
@@ -30,7 +33,20 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Buffers"]
+__all__ = ["COPY_LIMIT", "Buffers"]
+
+COPY_LIMIT = 1 << 20  # bytes: the largest buffer copied before a forward (NOTE [buffers as ...])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _hidden(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward writes buffer ``name`` without moving its version: batch norm's
+    running statistics in training, which ``native_batch_norm`` writes (NOTE [hidden writes])."""
+    norm = isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+    return norm and module.training and name in ("running_mean", "running_var")
 
 
 class Buffers:
@@ -41,7 +57,9 @@ class Buffers:
     def __init__(self, roots: tuple[nn.Module, ...] = ()) -> None:
         self.roots = roots
         self.before: dict[tuple[int, str], torch.Tensor] = {}  # (id(module), name) -> value before
-        self._pending: dict[int, list[tuple[str, torch.Tensor, int, torch.Tensor]]] = {}
+        self.seen: set[int] = set()  # modules whose buffers the forward noted
+        self.written: set[tuple[int, str]] = set()  # what they wrote: the buffers to shield
+        self._pending: dict[int, list[tuple[str, torch.Tensor, int, torch.Tensor | None]]] = {}
 
     @contextlib.contextmanager
     def noting(self) -> Iterator[None]:
@@ -60,25 +78,28 @@ class Buffers:
             self._pending.clear()
 
     def _note(self, module: nn.Module) -> None:
-        if not module.training or not module._buffers or id(module) in self._pending:
+        if not module._buffers or id(module) in self._pending:
             return
+        self.seen.add(id(module))
         with _disable_current_modes():  # our copies are not the program's ops
             self._pending[id(module)] = [
-                (name, buf, buf._version, buf.detach().clone())
+                (name, buf, buf._version, buf.detach().clone() if _nbytes(buf) <= COPY_LIMIT else None)
                 for name, buf in module._buffers.items()
                 if buf is not None and (id(module), name) not in self.before
             ]
 
     def _keep(self, module: nn.Module) -> None:
-        with _disable_current_modes():  # a kernel may write a buffer it was passed unannounced
-            for name, buf, version, copy in self._pending.pop(id(module), ()):
-                if buf._version != version or not torch.equal(buf, copy):
+        for name, buf, version, copy in self._pending.pop(id(module), ()):
+            if module._buffers.get(name) is not buf or buf._version != version or _hidden(module, name):
+                self.written.add((id(module), name))
+                if copy is not None:
                     self.before[(id(module), name)] = copy
 
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
         """Within the block, buffer updates by any module's forward, and by the roots, go to
-        throwaway copies, which start from the values the region's forward read."""
+        throwaway copies, which start from the values the region's forward read; of a module the
+        forward noted, only the buffers it wrote are copied (a mask it reads stays as it is)."""
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
         seen: set[int] = set()
 
@@ -90,9 +111,10 @@ class Buffers:
             # runs to the forward's by position, so they must not reach its dispatch mode.
             with _disable_current_modes():
                 for name, buf in module._buffers.items():
-                    if buf is not None:
+                    key = (id(module), name)
+                    if buf is not None and (id(module) not in self.seen or key in self.written):
                         swapped.append((module, name, buf))
-                        module._buffers[name] = self.before.get((id(module), name), buf).detach().clone()
+                        module._buffers[name] = self.before.get(key, buf).detach().clone()
 
         handle = nn.modules.module.register_module_forward_pre_hook(swap)
         try:

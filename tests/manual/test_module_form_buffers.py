@@ -81,3 +81,57 @@ def test_recomputation_reads_buffers_as_the_forward_found_them(check: str) -> No
         assert torch.equal(a, b), name
     for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+class _Reassigned(_Centred):
+    """The same running mean, updated by assigning a new tensor to the buffer's name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = (x - self.mean).tanh()
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return out
+
+
+def test_a_buffer_assigned_anew_is_read_as_the_forward_found_it() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _Reassigned(8), nn.Linear(8, 8))
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        plain(x).square().sum().backward()
+        remat.checkpoint(wrapped, x).square().sum().backward()
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("device", ["meta", "fake"])
+def test_batch_norm_under_checkpoint_on_tensors_without_data(device: str) -> None:
+    """No buffer's values are read to see whether it was written: meta and fake tensors run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() if device == "fake" else torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        x = torch.randn(16, 8)
+        remat.checkpoint(model, x).sum().backward()
+        assert model[0].weight.grad is not None and model[0].weight.grad.shape == (8, 8)
+
+
+class _Masked(nn.Module):
+    """Reads a 4 MiB buffer it never writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.ones(1024, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.mask[:8, :8]).tanh()
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_buffer_the_forward_only_reads_is_not_copied(training: bool) -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), _Masked()).train(training), torch.randn(16, 8)
+    with remat.memory.track(allocator=True) as step:
+        remat.checkpoint(model, x).sum().backward()
+    assert step.peak_bytes < 2**20  # neither the forward nor the recomputation copies the mask
