@@ -85,7 +85,8 @@ def measure(
     base = StagePlan(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         saved, plain.predicted_peak_bytes, saved, plain.predicted_peak_bytes,
-        sizes[1], grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0), shapes[0], shapes[1],
+        out.untyped_storage().nbytes(), grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0),
+        shapes[0], shapes[1],
     )  # fmt: skip
     return base, trace, out
 
@@ -102,8 +103,9 @@ def _held(
     holds every micro-batch's output beside what it saves (torch's stage keeps the output until
     the backward), so a saved output (a stage ending in a ReLU, a loss that saves its input such as
     ``mse_loss``) is left out here; what only the loss saves (cross entropy's log-probabilities,
-    the size of the logits) is in. Parameters, buffers, the input (the stage's receive buffer) and
-    the target are held anyway."""
+    the size of the logits) is in. The output counts its whole storage (a slice of a saved tensor
+    keeps all of it). Parameters, buffers, the input (the stage's receive buffer) and the target
+    are held anyway."""
     held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), inputs, target)}
     seen: dict[int, int] = {}
 

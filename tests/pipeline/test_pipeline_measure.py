@@ -72,15 +72,22 @@ def test_the_last_stage_holds_its_output_once_where_the_loss_saves_it() -> None:
         del graph, out
 
 
+class _Half(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :32]
+
+
 def test_what_the_loss_or_the_stage_saves_is_counted_once() -> None:
     """Cross entropy saves its log-probabilities (the size of the logits), not its input: held
     until the micro-batch's backward beside the output. A stage ending in a ReLU saves its own
-    output, which torch's stage holds anyway: counted once."""
+    output, which torch's stage holds anyway: counted once; a slice of it holds all of it."""
     torch.manual_seed(0)
     x, labels = torch.randn(ROWS, 32), torch.randint(0, 256, (ROWS,))
     head = nn.Sequential(*mlp_chain(2, 32, 128), nn.Linear(32, 256))
     relu_end = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
-    cases = [(pp.build("gpipe", 1, M), 0, head), (pp.build("gpipe", 2, M), 0, relu_end)]
+    sliced = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), _Half())  # sends a slice of a saved tensor
+    two = pp.build("gpipe", 2, M)
+    cases = [(pp.build("gpipe", 1, M), 0, head), (two, 0, relu_end), (two, 0, sliced)]
     for order, stage, module in cases:
         base, _, _ = measure(order, stage, module, x, labels, nn.functional.cross_entropy, "model")
         last = stage == order.n_stages - 1
