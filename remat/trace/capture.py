@@ -16,7 +16,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._state import untouched
 from remat.trace import cost
+from remat.trace.let_go import with_let_go
 from remat.trace.recorder import Recorder
 from remat.trace.types import Trace
 
@@ -92,10 +94,10 @@ def capture(
                     "call capture(model, inputs, loss_fn) or capture(step) with a callable",
                 )
             )
-        run, fake_mode = _model_step(step, inputs, loss_fn, optimizer)
-        name = name or type(step).__name__
+        run, forward, fake_mode = _model_step(step, inputs, loss_fn, optimizer)
+        name, models = name or type(step).__name__, [step]
     elif callable(step):
-        run, fake_mode = step, None
+        run, forward, fake_mode, models = step, None, None, []
     else:
         raise RematTypeError(
             message(
@@ -110,7 +112,11 @@ def capture(
         recorder.attribution.name_modules(step)
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), recorder.hooks():
         run()
-    return cost.estimate(recorder.trace(name), device)
+    trace = cost.estimate(recorder.trace(name), device)
+    if forward is not None:  # the forward once more, leaving no trace on the model (NOTE [let go])
+        with fake_mode if fake_mode is not None else contextlib.nullcontext(), untouched(models):
+            trace = with_let_go(trace, forward)
+    return trace
 
 
 def _model_step(
@@ -118,24 +124,23 @@ def _model_step(
     inputs: torch.Tensor | Sequence[Any] | Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
-) -> tuple[Callable[[], object], Any]:
+) -> tuple[Callable[[], object], Callable[[], object], Any]:
     from torch._guards import detect_fake_mode
 
     leaves = [*model.parameters(), *model.buffers(), *tree_leaves(inputs)]
     fake_mode = detect_fake_mode([t for t in leaves if isinstance(t, torch.Tensor)])
 
-    def run() -> None:
+    def forward() -> torch.Tensor:
         if isinstance(inputs, torch.Tensor):
-            out = model(inputs)
-        elif isinstance(inputs, Mapping):
-            out = model(**inputs)
-        else:
-            out = model(*inputs)
-        loss_fn(out).backward()
+            return loss_fn(model(inputs))
+        return loss_fn(model(**inputs) if isinstance(inputs, Mapping) else model(*inputs))
+
+    def run() -> None:
+        forward().backward()
         if optimizer is not None:
             optimizer.step()
 
     model.zero_grad(set_to_none=True)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-    return run, fake_mode
+    return run, forward, fake_mode

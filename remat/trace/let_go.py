@@ -17,6 +17,7 @@ last op: the loss function's caller keeps only the loss.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 from remat.trace.recorder import Recorder
@@ -34,7 +35,13 @@ def with_let_go(trace: Trace, forward: Callable[[], object]) -> Trace:
     try:
         with probe.hooks():
             forward()  # its result, the loss, is dropped at once: it is released while recording
-    except Exception:  # a forward that runs a backward of its own cannot run saving nothing
+    except Exception as error:  # a forward that runs a backward of its own cannot run saving nothing
+        warnings.warn(
+            f"remat: the forward could not run again saving nothing ({type(error).__name__}: {error}); "
+            "plans of this step take a tensor autograd saved to go after its last reader",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return trace
     again = probe.trace("let go")
     # the step's ops before its backward are the forward's, then what ``backward()`` makes first

@@ -38,8 +38,9 @@ class Trace:
     before op ``position``: autograd saves an op's inputs before it runs and its outputs after),
     sorted. ``calls`` counts the forward calls of each module path, where the capture counted them
     (empty: not known), and ``call_inputs`` names the tensors each one's first call was given.
-    ``let_go``: per saved storage (root) the capture could follow, the forward op after which the
-    program itself held no tensor on it, autograd's saves aside (``remat.trace.let_go``)."""
+    ``let_go``: per saved storage (root), the forward op after which the program itself held no
+    tensor on it, autograd's saves aside (``remat.trace.let_go``), where the capture ran the forward
+    again (of a model; a step function's capture has none)."""
 
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]

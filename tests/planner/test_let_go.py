@@ -116,3 +116,23 @@ class _Alternating(nn.Module):
 def test_a_forward_that_takes_another_path_gives_nothing() -> None:
     trace = trace_step(_Alternating(), (torch.randn(4, 8),), repeats=1)
     assert trace.saved_roots and trace.let_go == ()
+
+
+def test_a_model_captured_with_its_optimizer_gets_it_too(traced: Traced) -> None:
+    """``remat.trace.capture(model, ...)`` (``remat trace``) runs the forward once more as well,
+    leaving the model and the generator as its one training step left them."""
+    from remat.trace import capture
+
+    model, x, trace = traced
+    plain, captured_model = copy.deepcopy(model), copy.deepcopy(model)
+    start = torch.get_rng_state()
+    plain(x).backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    after = torch.get_rng_state()
+    torch.set_rng_state(start)
+    optimizer = torch.optim.SGD(captured_model.parameters(), lr=0.1)
+    captured = capture(captured_model, (x,), lambda out: out, optimizer=optimizer)
+    assert dict(captured.let_go) == dict(trace.let_go)
+    assert torch.equal(torch.get_rng_state(), after)
+    for a, b in zip(plain.parameters(), captured_model.parameters(), strict=True):
+        assert torch.equal(a, b)

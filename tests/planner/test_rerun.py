@@ -215,7 +215,8 @@ class _OwnGradient(nn.Module):
 def test_backward_inside_a_module_run_again_is_refused() -> None:
     torch.manual_seed(0)
     model, x = _Outer(_OwnGradient()), torch.randn(4, 8, requires_grad=True)
-    plan = _rerun_plan(model, x)
+    with pytest.warns(RuntimeWarning, match="could not run again saving nothing"):  # NOTE [let go]
+        plan = _rerun_plan(model, x)
     with pytest.raises(RecomputationError, match="whose call is still running"), plan.apply(model):
         model(x)
 
