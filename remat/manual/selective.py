@@ -6,11 +6,11 @@ hands those outputs back instead of running the op again, so expensive ops (matm
 not recomputed while cheap pointwise ones are. The ops are matched by position and name; a
 different op at a saved position means the recomputation took another path than the forward,
 which is an error. Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
-position: some tensors send them through dispatch and some do not. Nor do casts (``aten._to_copy``):
-autocast caches the cast of a leaf that requires grad for as long as its context lasts, so the
-forward and the recomputation may cast a different number of times (the recomputation's inputs
-are such leaves, a weight cast before the region is cached in the forward only); a cast is never
-kept, and runs wherever it comes.
+position: some tensors send them through dispatch and some do not. Nor do casts (``aten._to_copy``)
+under autocast: autocast caches the cast of a leaf that requires grad for as long as its context
+lasts, so the forward and the recomputation may cast a different number of times (the
+recomputation's inputs are such leaves, a weight cast before the region is cached in the forward
+only); there a cast is never kept, whatever the policy says of it, and runs wherever it comes.
 
 A saved output may be written in place later in the region (``h = x @ w; h.mul_(2)``), or after
 it. Its version counter then differs from the one recorded with it: the recomputation runs that op
@@ -50,6 +50,12 @@ from remat.host.offloader import Offloader, Parcel
 from remat.policy import Decision, OpContext, Policy
 
 _CAST = torch.ops.aten._to_copy.default
+_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _unpositioned(func: Any, autocast: bool) -> bool:
+    """Whether ``func`` takes no position: a query of metadata, or a cast under ``autocast``."""
+    return aten.facts(func).metadata or (func is _CAST and autocast)
 
 
 def _out_bytes(out: Any) -> int:
@@ -73,6 +79,7 @@ class SaveCache:
         self.storages: dict[int, int] = {}  # storage of a saved output -> its position
         # NOTE [aliases of saved outputs]: the tensors themselves until ``seal``, their witnesses after
         self.aliases: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self.autocast = False  # the forward ran under autocast (read outside the modes: ``Recording``)
 
     def decision(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
         if not _cacheable(func):
@@ -199,11 +206,12 @@ class Recording(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.position = 0
+        cache.autocast = _AUTOCAST()  # below autocast's dispatch key it reads as off
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if aten.facts(func).metadata or func is _CAST:  # no position (see the module's docstring)
+        if _unpositioned(func, self.cache.autocast):  # see the module's docstring
             return out
         if self.cache.storages:
             self.cache.alias(out)
@@ -228,7 +236,7 @@ class Replaying(TorchDispatchMode):
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if aten.facts(func).metadata or func is _CAST:
+        if _unpositioned(func, self.cache.autocast):
             return func(*args, **(kwargs or {}))
         entry = self.cache.current(self.position)
         self.position += 1

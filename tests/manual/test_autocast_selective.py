@@ -54,3 +54,21 @@ def test_a_saving_policy_under_autocast_gives_the_plain_gradients(
     got = _grads(lambda h: remat.checkpoint(f, h, **POLICIES[kind]), x, weights)
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
+
+
+def test_without_autocast_a_policy_may_keep_a_cast() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ran.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 8, requires_grad=True)
+    out = remat.checkpoint(lambda t: t.double().exp(), x, policy=remat.SaveOps(frozenset({"aten._to_copy"})))
+    with Count():
+        out.sum().backward()
+    assert "aten.exp.default" in ran and "aten._to_copy.default" in ran  # recomputed exp; the grad's cast
+    assert ran.count("aten._to_copy.default") == 1  # the forward's cast was kept, not run again
