@@ -153,8 +153,9 @@ def _as_plan(found: Frontier, candidate: Candidate) -> Plan:
     return replace(one, notes=f"{candidate.solver}: {candidate.notes}")
 
 
-def _with_plan(base: StagePlan, plan: Plan, plain_held: int) -> StagePlan:
-    """``base`` (nothing planned) running ``plan`` on its micro-batches."""
+def _with_plan(base: StagePlan, plan: Plan, plain: Plan) -> StagePlan:
+    """``base`` (nothing planned) running ``plan`` on its micro-batches; ``plain``: the stage's plan
+    that recomputes nothing, from which the base's figures differ as the pipeline counts them."""
     return replace(
         base,
         plan=plan,
@@ -162,8 +163,8 @@ def _with_plan(base: StagePlan, plan: Plan, plain_held: int) -> StagePlan:
         # what a micro-batch in flight holds: the plain step's saved bytes (as the pipeline model
         # counts them) less what the plan frees by the forward's end, or plus what its regions hold
         # (their inputs, generator states)
-        saved_bytes=base.plain_saved_bytes + plan.predicted_held_bytes - plain_held,
-        peak_bytes=plan.predicted_peak_bytes,
+        saved_bytes=base.plain_saved_bytes + plan.predicted_held_bytes - plain.predicted_held_bytes,
+        peak_bytes=base.plain_peak_bytes + plan.predicted_peak_bytes - plain.predicted_peak_bytes,
     )
 
 
@@ -184,7 +185,7 @@ def _choose(
     if checkpoint == "never" or (checkpoint == "planned" and lowest <= budget):
         return (base if lowest <= budget else None), lowest
     found = frontier(trace, "auto", block_key(module))
-    plain_held = plan_at(found, found.baseline).predicted_held_bytes
+    plain = plan_at(found, found.baseline)
     if checkpoint != "planned":
         uniform = _per_block(found, module)
         if not uniform.regions:
@@ -194,7 +195,7 @@ def _choose(
                 "pass stages made of child modules (an nn.Sequential, or blocks in an nn.ModuleList),"
                 " or checkpoint='planned'",
             )
-        sp = replace(_with_plan(base, _as_plan(found, uniform), plain_held),
+        sp = replace(_with_plan(base, _as_plan(found, uniform), plain),
                      except_last=checkpoint == "except_last")  # fmt: skip
         need = _rank_peak(order, sp, others)
         return (sp if need <= budget else None), need
@@ -204,7 +205,7 @@ def _choose(
     # peak named in a refusal does not depend on the budget.
     fits = []
     for candidate in _candidates(found, module):
-        sp = _with_plan(base, _as_plan(found, candidate), plain_held)
+        sp = _with_plan(base, _as_plan(found, candidate), plain)
         need = _rank_peak(order, sp, others)
         lowest = min(lowest, need)
         if need <= budget:

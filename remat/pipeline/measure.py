@@ -76,16 +76,20 @@ def measure(
     if op_costs == "model":
         events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
         trace = replace(trace, events=events)
-    saved, out = _held(module, inputs, target, loss_fn, last)
+    saved, out, out_saved = _held(module, inputs, target, loss_fn, last)
     sizes = [t.numel() * t.element_size() for t in (inputs, out)]
     shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
     plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
+    # NOTE [the output until its backward] the traced step lets go of an output nothing saved once
+    # the loss is computed; torch's stage holds it until the micro-batch's backward
+    held_out = out.untyped_storage().nbytes()
+    peak = plain.predicted_peak_bytes + (0 if out_saved else held_out)
     base = StagePlan(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
-        saved, plain.predicted_peak_bytes, saved, plain.predicted_peak_bytes,
-        out.untyped_storage().nbytes(), grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0),
+        saved, peak, saved, peak,
+        held_out, grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0),
         shapes[0], shapes[1],
     )  # fmt: skip
     return base, trace, out
@@ -97,15 +101,16 @@ def _held(
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     last: bool,
-) -> tuple[int, torch.Tensor]:
+) -> tuple[int, torch.Tensor, bool]:
     """The bytes one micro-batch's step (the loss's included) saves for its backward beside the
-    stage's output, and the output (detached). NOTE [the output counted once] the pipeline model
-    holds every micro-batch's output beside what it saves (torch's stage keeps the output until
-    the backward), so a saved output (a stage ending in a ReLU, a loss that saves its input such as
-    ``mse_loss``) is left out here; what only the loss saves (cross entropy's log-probabilities,
-    the size of the logits) is in. The output counts its whole storage (a slice of a saved tensor
-    keeps all of it). Parameters, buffers, the input (the stage's receive buffer) and the target
-    are held anyway."""
+    stage's output, the output (detached), and whether the step saved the output.
+
+    NOTE [the output counted once] the pipeline model holds every micro-batch's output beside what
+    it saves (torch's stage keeps the output until the backward), so a saved output (a stage ending
+    in a ReLU, a loss that saves its input such as ``mse_loss``) is left out here; what only the
+    loss saves (cross entropy's log-probabilities, the size of the logits) is in. The output counts
+    its whole storage (a slice of a saved tensor keeps all of it). Parameters, buffers, the input
+    (the stage's receive buffer) and the target are held anyway."""
     held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), inputs, target)}
     seen: dict[int, int] = {}
 
@@ -119,5 +124,5 @@ def _held(
         out = module(inputs)
         if last:
             loss_fn(out, target)
-    seen.pop(out.untyped_storage().data_ptr(), None)
-    return sum(seen.values()), out.detach()
+    out_saved = seen.pop(out.untyped_storage().data_ptr(), None) is not None
+    return sum(seen.values()), out.detach(), out_saved

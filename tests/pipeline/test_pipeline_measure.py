@@ -96,3 +96,18 @@ def test_what_the_loss_or_the_stage_saves_is_counted_once() -> None:
             graph = nn.functional.cross_entropy(out, labels).grad_fn if last else None
         assert memory.current_bytes == base.saved_bytes + base.output_bytes
         del graph, out
+
+
+def test_a_micro_batchs_backward_holds_its_output() -> None:
+    """The traced step lets go of the logits once cross entropy has its log-probabilities; torch's
+    stage holds them until the micro-batch's backward (NOTE [the output until its backward])."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(ROWS, 32), torch.randint(0, 256, (ROWS,))
+    head = nn.Sequential(*mlp_chain(2, 32, 128), nn.Linear(32, 256))
+    base, _, _ = measure(pp.build("gpipe", 1, M), 0, head, x, labels, nn.functional.cross_entropy, "model")
+    head.zero_grad(set_to_none=True)
+    with track(allocator=True) as memory:
+        out = head(x)  # held through the backward, as the stage holds it
+        nn.functional.cross_entropy(out, labels).backward()
+    assert memory.peak_bytes <= base.peak_bytes
+    assert base.peak_bytes - memory.peak_bytes < out.untyped_storage().nbytes()
