@@ -133,14 +133,11 @@ def block_key(model: nn.Module) -> Callable[[str], str]:
     return key
 
 
-def _check_flag(rerun_modules: object) -> None:
-    if not isinstance(rerun_modules, bool):
-        raise fail(
-            "rerun_modules must be True or False",
-            f"got {rerun_modules!r}",
-            "pass rerun_modules=True to run whole-module regions again, or leave it out",
-            RematTypeError,
-        )
+def _check_flags(**flags: object) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            rule, todo = f"{name} must be True or False", f"pass {name}=True, or leave it out"
+            raise fail(rule, f"got {value!r}", todo, RematTypeError)
 
 
 def plan_trace(
@@ -153,6 +150,7 @@ def plan_trace(
     host_budget: int | str | None = None,
     executor_cost: ExecutorCost | None = None,
     rerun_modules: bool = False,
+    within_blocks: bool = False,
     **options: Any,
 ) -> Plan:
     """The plan for a captured step (see ``plan``); ``options`` go to the solver. Each solver's
@@ -174,16 +172,15 @@ def plan_trace(
     [executor cost]); by default those measured on the trace's device once per process
     (``remat.planner.executor_cost``). Pass fixed figures for a pick that depends on the trace
     alone, ``ExecutorCost()`` to leave the executor out."""
-    _check_flag(rerun_modules)
+    _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
     three_way = OffloadProblem in get(solver).problems
     host = offload_arguments(solver, three_way, link, host_budget)
+    flags = {"rerun_modules": rerun_modules, "within_blocks": within_blocks}
     if not three_way:
-        found = frontier(
-            trace, solver, block_key, executor_cost=executor_cost, rerun_modules=rerun_modules, **options
-        )
+        found = frontier(trace, solver, block_key, executor_cost=executor_cost, **flags, **options)
         return plan_at(found, budget, link=link, host_budget=host)
     # a three-way solver adds its moves to recomputation's plans too (``offload_search``)
-    found = frontier(trace, "auto", block_key, executor_cost=executor_cost, rerun_modules=rerun_modules)
+    found = frontier(trace, "auto", block_key, executor_cost=executor_cost, **flags)
     return plan_at(found, budget, link=link, host_budget=host, options=options, solver=solver)
 
 
@@ -272,6 +269,7 @@ def plan(
     host_budget: int | str | None = None,
     executor_cost: ExecutorCost | None = None,
     rerun_modules: bool = False,
+    within_blocks: bool = False,
     **options: Any,
 ) -> Plan:
     """Plan the recomputation of one training step of ``model`` under ``budget``.
@@ -327,7 +325,7 @@ def plan(
         )
     parse_budget(budget, api="plan")
     get(solver)
-    _check_flag(rerun_modules)
+    _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
     trace = trace_step(model, example_inputs, loss_fn, repeats)
     return plan_trace(
         trace,
@@ -338,5 +336,6 @@ def plan(
         host_budget=host_budget,
         executor_cost=executor_cost,
         rerun_modules=rerun_modules,
+        within_blocks=within_blocks,
         **options,
     )

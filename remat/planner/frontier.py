@@ -24,7 +24,7 @@ their own peak, lowest first (``remat.planner.room``, NOTE [room under the peak]
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,7 @@ def frontier(
     *,
     executor_cost: ExecutorCost | None = None,
     rerun_modules: bool = False,
+    within_blocks: bool = False,
     **options: Any,
 ) -> Frontier:
     """The candidates of ``solver`` for the step ``trace`` captured (see the module doc);
@@ -196,7 +197,8 @@ def frontier(
     trace's device, once per process); ``rerun_modules``: see ``remat.plan``. With it the
     candidates are found twice, with whole-module regions run again and with every region on the
     tape, and the front is taken of both: running a module again holds what its call holds, which
-    can be more than the tape's replay holds, so asking for it must not raise the floor."""
+    can be more than the tape's replay holds, so asking for it must not raise the floor.
+    ``within_blocks``: only the candidates none of whose regions spans two blocks."""
     executor = measured(trace.device) if executor_cost is None else executor_cost
     steps = [
         Step(trace, block_key, executor, again) for again in ((False, True) if rerun_modules else (False,))
@@ -206,6 +208,8 @@ def frontier(
     baseline = predicted(steps[0], []).peak_bytes
     chain = chain_from_trace(trace, key=block_key)
     tried = [c for step in steps for c in _candidates(step, solver, chain, baseline, options)]
+    if within_blocks:
+        tried = [c for c in tried if all(_one_block(steps[0], ops.ops) for _, ops in c.regions)]
     return Frontier(
         solver,
         steps[-1],
@@ -214,6 +218,11 @@ def frontier(
         tuple(pareto(untied(tried))),
         time.perf_counter() - start,
     )
+
+
+def _one_block(step: Step, ops: Sequence[int]) -> bool:
+    """Whether the trace ops ``ops`` all belong to one block of ``step``."""
+    return len({step.key(step.trace.ops[i].module) for i in ops}) <= 1
 
 
 def _candidates(

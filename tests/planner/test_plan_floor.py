@@ -23,6 +23,7 @@ from remat.planner import BudgetTooSmall, plan_trace, trace_step
 from remat.planner.api import block_key
 from remat.planner.lowering import chain_from_trace
 from remat.planner.region_model import RegionOps
+from remat.planner.regions import Region
 from remat.planner.room import filled
 from remat.planner.search import Candidate, Step, predicted, simple
 
@@ -265,3 +266,30 @@ def test_on_llama_the_plain_checkpointing_plans_measure_what_they_predict() -> N
         measured = _peak(model, batch, plan)
         assert measured <= candidate.pred.peak_bytes + SCALARS, candidate.notes
         assert candidate.pred.peak_bytes <= measured * 1.01, candidate.notes
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_plans_within_blocks_keep_every_region_in_one_layer(name: str) -> None:
+    """``within_blocks=True`` (FSDP2 sharded per layer): no region spans two blocks, yet a plan
+    reaches per-layer checkpointing's peak and measures what it predicts."""
+    model, batch, trace, checkpointed, floor = _family(name)
+    key = block_key(model)
+
+    def blocks(region: Region) -> set[str]:  # a region's name: its first and last op's modules
+        return {key(m) for m in region.name.split("..")}
+
+    free = [plan_trace(trace, floor + (checkpointed - floor) * k // 4, block_key=key) for k in range(5)]
+    assert any(len(blocks(r)) > 1 for p in free for r in p.regions)  # unconstrained plans do span
+    for budget in (checkpointed, checkpointed + (trace.peak_bytes - checkpointed) // 2):
+        plan = plan_trace(trace, budget, block_key=key, within_blocks=True)
+        assert plan.regions and all(len(blocks(r)) == 1 for r in plan.regions)
+        measured = _peak(model, batch, plan)
+        assert measured <= plan.budget_bytes + SCALARS
+        assert abs(measured - plan.predicted_peak_bytes) <= SCALARS
+
+
+def test_within_blocks_must_be_a_bool() -> None:
+    _, _, trace, _, _ = _family("gpt2")
+    rule = r"remat\.plan: within_blocks must be True or False \(got 1\)"
+    with pytest.raises(remat.RematTypeError, match=rule):
+        plan_trace(trace, 1.0, within_blocks=1)  # type: ignore[arg-type]
