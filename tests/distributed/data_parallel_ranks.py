@@ -223,7 +223,10 @@ def _plan(case: Case) -> remat.Plan:
         events = tuple(
             dataclasses.replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events
         )
-        plan = plan_trace(dataclasses.replace(trace, events=events), 0.7, block_key=block_key(model))
+        # within one block each region: FSDP2 shards per block (NOTE [regions across units])
+        plan = plan_trace(
+            dataclasses.replace(trace, events=events), 0.7, block_key=block_key(model), within_blocks=True
+        )
     return broadcast_plan(plan)
 
 
