@@ -14,13 +14,18 @@ NOTE [buffers as the forward saw them] By the time of the recomputation the forw
 updated its buffers, so a private copy of the buffer as it is now is not what the forward read: a
 module whose output depends on a buffer it updates (an exponential moving average used in
 training) would compute otherwise, and the values check (``check="values"``) would see batch
-norm's running statistics differ from those autograd saved. So in the forward each module's
-buffers of up to ``COPY_LIMIT`` bytes are copied before it runs, and a copy is kept where
-the module then wrote the buffer: its version moved, the module holds another tensor under the
-name (``self.avg = 0.9 * self.avg + ...``), or it is batch norm's running statistics, which its
-kernel writes without moving their version (NOTE [hidden writes] in ``remat.aten.schema``). The
-recomputation's private copies start from those. A larger buffer is not copied (a causal mask, a
-position table: read, not written); one written in the forward is recomputed from its new value.
+norm's running statistics differ from those autograd saved. So where the region is a module (or
+its bound ``forward``), the buffers of up to ``COPY_LIMIT`` bytes of it and of every module below
+it are copied before the forward, and a copy is kept where the forward then wrote the buffer: its
+version moved, the module holds another tensor under the name (``self.avg = 0.9 * self.avg +
+...``), or it is batch norm's running statistics, which its kernel writes without moving their
+version (NOTE [hidden writes] in ``remat.aten.schema``). The recomputation's private copies start
+from those, and a buffer the forward did not write is not copied at all (a causal mask). A larger
+buffer is not copied; one written in the forward is recomputed from its new value, as is any
+buffer of a module the region reaches otherwise (a function's closure), and a module the region
+calls twice reads, when recomputed, its buffers as they were before the first call. No module hook is added
+in the forward: ``torch.compile`` guards on the global hooks, and a new one at every call would
+compile the function again each time.
 """
 
 from __future__ import annotations
@@ -38,10 +43,6 @@ __all__ = ["COPY_LIMIT", "Buffers"]
 COPY_LIMIT = 1 << 20  # bytes: the largest buffer copied before a forward (NOTE [buffers as ...])
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _hidden(module: nn.Module, name: str) -> bool:
     """Whether ``module``'s forward writes buffer ``name`` without moving its version: batch norm's
     running statistics in training, which ``native_batch_norm`` writes (NOTE [hidden writes])."""
@@ -51,45 +52,28 @@ def _hidden(module: nn.Module, name: str) -> bool:
 
 class Buffers:
     """The buffers of one region: those its forward wrote, as they were before (``noting``), and
-    the shield of its recomputation (``shielded``). ``roots``: modules whose forward the region
+    the shield of its recomputation (``shielded``). ``modules``: the modules of the region known
+    before it runs (a module and those below it); ``roots``: modules whose forward the region
     calls without ``__call__``."""
 
-    def __init__(self, roots: tuple[nn.Module, ...] = ()) -> None:
-        self.roots = roots
+    def __init__(self, modules: tuple[nn.Module, ...] = (), roots: tuple[nn.Module, ...] = ()) -> None:
+        self.modules, self.roots = modules, roots
         self.before: dict[tuple[int, str], torch.Tensor] = {}  # (id(module), name) -> value before
-        self.seen: set[int] = set()  # modules whose buffers the forward noted
-        self.written: set[tuple[int, str]] = set()  # what they wrote: the buffers to shield
-        self._pending: dict[int, list[tuple[str, torch.Tensor, int, torch.Tensor | None]]] = {}
+        self.written: set[tuple[int, str]] = set()  # what the forward wrote: the buffers to shield
+        self.seen = {id(m) for m in modules if m._buffers}  # modules whose writes are known
 
     @contextlib.contextmanager
     def noting(self) -> Iterator[None]:
         """Around the region's forward (NOTE [buffers as the forward saw them])."""
-        pre = nn.modules.module.register_module_forward_pre_hook(lambda m, _args: self._note(m))
-        post = nn.modules.module.register_module_forward_hook(lambda m, _args, _out: self._keep(m))
-        try:
-            for root in self.roots:
-                self._note(root)
-            yield
-            for root in self.roots:
-                self._keep(root)
-        finally:
-            pre.remove()
-            post.remove()
-            self._pending.clear()
-
-    def _note(self, module: nn.Module) -> None:
-        if not module._buffers or id(module) in self._pending:
-            return
-        self.seen.add(id(module))
         with _disable_current_modes():  # our copies are not the program's ops
-            self._pending[id(module)] = [
-                (name, buf, buf._version, buf.detach().clone() if _nbytes(buf) <= COPY_LIMIT else None)
-                for name, buf in module._buffers.items()
-                if buf is not None and (id(module), name) not in self.before
+            noted = [
+                (m, name, buf, buf._version, buf.detach().clone() if buf.nbytes <= COPY_LIMIT else None)
+                for m in self.modules
+                for name, buf in m._buffers.items()
+                if buf is not None
             ]
-
-    def _keep(self, module: nn.Module) -> None:
-        for name, buf, version, copy in self._pending.pop(id(module), ()):
+        yield
+        for module, name, buf, version, copy in noted:
             if module._buffers.get(name) is not buf or buf._version != version or _hidden(module, name):
                 self.written.add((id(module), name))
                 if copy is not None:
@@ -98,15 +82,15 @@ class Buffers:
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
         """Within the block, buffer updates by any module's forward, and by the roots, go to
-        throwaway copies, which start from the values the region's forward read; of a module the
-        forward noted, only the buffers it wrote are copied (a mask it reads stays as it is)."""
+        throwaway copies, which start from the values the region's forward read; of a module whose
+        writes the forward noted, only the buffers it wrote are copied."""
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-        seen: set[int] = set()
+        done: set[int] = set()
 
         def swap(module: nn.Module, _args: Any) -> None:
-            if id(module) in seen or not module._buffers:
+            if id(module) in done or not module._buffers:
                 return
-            seen.add(id(module))
+            done.add(id(module))
             # The copies are not the program's ops: a selective recomputation matches the ops it
             # runs to the forward's by position, so they must not reach its dispatch mode.
             with _disable_current_modes():

@@ -108,7 +108,7 @@ class _Frame:
             flat[i] = None
         self.rng = aten.capture_all() if preserve_rng else None
         self.autocast = autocast.capture_autocast()
-        self.buffers = Buffers(_owner(fn))  # NOTE [buffers as the forward saw them]
+        self.buffers = Buffers(*_modules_of(fn))  # NOTE [buffers as the forward saw them]
         self.cache = (
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )
@@ -290,11 +290,14 @@ def _validate(fn: object) -> None:
         )
 
 
-def _owner(fn: Callable[..., Any]) -> tuple[nn.Module, ...]:
-    """The module whose bound ``forward`` ``fn`` is (the module form), whose buffers no pre-hook
-    shields when the recomputation calls it (``remat.manual.buffers``)."""
+def _modules_of(fn: Callable[..., Any]) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+    """The modules a region running ``fn`` is known to run (a module or a module's bound method,
+    and the modules below it), and the one whose forward its recomputation calls itself, which no
+    pre-hook shields (``remat.manual.buffers``)."""
     owner = getattr(fn, "__self__", None)
-    return (owner,) if isinstance(owner, nn.Module) else ()
+    if isinstance(owner, nn.Module):
+        return tuple(owner.modules()), (owner,)
+    return (tuple(fn.modules()), ()) if isinstance(fn, nn.Module) else ((), ())
 
 
 def _wrap(fn: F, s: Settings) -> F:

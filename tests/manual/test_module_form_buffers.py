@@ -135,3 +135,16 @@ def test_a_buffer_the_forward_only_reads_is_not_copied(training: bool) -> None:
     with remat.memory.track(allocator=True) as step:
         remat.checkpoint(model, x).sum().backward()
     assert step.peak_bytes < 2**20  # neither the forward nor the recomputation copies the mask
+
+
+def test_a_compiled_block_is_compiled_once() -> None:
+    """No module hook is added in the forward (``torch.compile`` guards on the global hooks)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = torch.compile(nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU()), backend="eager")
+    x = torch.randn(8, 16, requires_grad=True)
+    for _ in range(3):
+        remat.checkpoint(block, x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
