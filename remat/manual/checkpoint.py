@@ -291,10 +291,12 @@ def _validate(fn: object) -> None:
 
 
 def _modules_of(fn: Callable[..., Any]) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
-    """The modules a region running ``fn`` is known to run (a module or a module's bound method,
-    and the modules below it), and the one whose forward its recomputation calls itself, which no
-    pre-hook shields (``remat.manual.buffers``)."""
+    """The modules a region running ``fn`` is known to run (a module, a module's bound method or a
+    partial of a method and its module, and the modules below it), and the one whose forward its
+    recomputation calls itself, which no pre-hook shields (``remat.manual.buffers``)."""
     owner = getattr(fn, "__self__", None)
+    if isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], nn.Module):
+        owner = fn.args[0]  # ``partial(Layer.forward, layer, ...)``: transformers' layers
     if isinstance(owner, nn.Module):
         return tuple(owner.modules()), (owner,)
     return (tuple(fn.modules()), ()) if isinstance(fn, nn.Module) else ((), ())

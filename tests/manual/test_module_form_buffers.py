@@ -148,3 +148,21 @@ def test_a_compiled_block_is_compiled_once() -> None:
     for _ in range(3):
         remat.checkpoint(block, x).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_partial_of_a_layers_forward_knows_its_module() -> None:
+    """``transformers``' layers checkpoint ``partial(Layer.forward, layer, **kwargs)``: the layer and
+    its children are the region's modules, read as the forward found them."""
+    import functools
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _Centred(8), nn.BatchNorm1d(8))
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(16, 8)
+    plain(x).square().sum().backward()
+    run = functools.partial(nn.Sequential.forward, wrapped)
+    remat.checkpoint(run, x, check="values").square().sum().backward()
+    for (name, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
