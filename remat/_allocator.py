@@ -183,17 +183,22 @@ def account(timeline: bool = False) -> Iterator[Account]:
 def scratch_of(run: Any, device: torch.device) -> int | None:
     """Bytes ``run()`` allocates beyond what it still holds when it returns, at its peak: the
     buffers a kernel frees before returning. None when it cannot be measured now."""
+    return measured(run, device)[1]
+
+
+def measured(run: Any, device: torch.device) -> tuple[Any, int | None]:
+    """``run()``'s result, and its scratch as :func:`scratch_of` measures it (None when it cannot
+    be measured now: ``run()`` ran all the same): for an op that cannot run twice (a random draw, a
+    mutation), measured on its one run."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         out = run()
         after = torch.cuda.memory_allocated(device)
         peak = torch.cuda.max_memory_allocated(device)
-        del out
-        return max(0, peak - after)
+        return out, max(0, peak - after)
     if device.type != "cpu" or not available():
-        return None
+        return run(), None
     with account() as acc:
         out = run()
-    del out
-    return max(0, acc.peak_bytes - acc.current_bytes)
+    return out, max(0, acc.peak_bytes - acc.current_bytes)

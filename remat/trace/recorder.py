@@ -32,9 +32,8 @@ its host time includes any wait of its own for the device). The trace takes the 
 where their sum is the larger (a device-bound step), else the host's. Measured on an H100 (torch
 2.11) with a plain timer on warm models: GPT-2 small at batch 8 x 512 ran in 93.2 ms against 90.7
 ms of device time and 71.6 of host; ResNet-50 at 32 x 224 in 26.0 ms against 20.6 and 28.5; GPT-2
-at 2 x 128 in 45.6 ms against 12.0 and 42.3. Timing each op from a synchronize to a synchronize
-instead, as before, adds a synchronization's latency and the launch to every op: it put the first
-of those steps at 151 ms.
+at 2 x 128 in 45.6 ms against 12.0 and 42.3; timing each op from a synchronize to a synchronize
+(a synchronization's latency and the launch added to every op) put the first at 151 ms.
 
 NOTE [CUDA block size]
 The CUDA caching allocator hands out blocks in multiples of 512 bytes and counts the blocks
@@ -60,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat import aten
-from remat._allocator import scratch_of
+from remat._allocator import measured, scratch_of
 from remat.aten.scratch import known, learn, signature
 from remat.trace.attribution import Attribution, phases
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
@@ -210,8 +209,15 @@ class Recorder(TorchDispatchMode):
             # a generator of the program's own, which a module run again would draw from anew
             self.own_generator.update(self.attribution.modules)
         pure = facts.pure  # safe to run again (NOTE [hidden writes] in ``remat.aten.schema``)
-        out, seconds, on_device = self._run(func, args, kwargs, leaves, repeat=pure)
-        scratch = self._scratch(func, args, kwargs, leaves) if pure and seconds > 0 else 0
+        unmeasured = self.scratch and leaves and not (leaves[0].is_meta or is_fake(leaves[0]))
+        if pure or not unmeasured or known(signature(func, args, kwargs)) is not None:
+            out, seconds, on_device = self._run(func, args, kwargs, leaves, repeat=pure)
+            scratch = self._scratch(func, args, kwargs, leaves) if seconds > 0 else 0
+        else:  # NOTE [scratch of a single run]
+            (out, seconds, on_device), nbytes = measured(
+                lambda: self._run(func, args, kwargs, leaves, repeat=False), leaves[0].device
+            )
+            scratch = 0 if nbytes is None or not seconds else learn(signature(func, args, kwargs), nbytes)
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
         returns = tuple(
@@ -299,18 +305,19 @@ class Recorder(TorchDispatchMode):
         self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: list[torch.Tensor]
     ) -> int:
         """The bytes the op's kernel allocates and frees while it runs (``Op.scratch``), measured on
-        one more run of the op (pure ops only) under the allocator's account
-        (``remat._allocator``), once per signature: the op, its tensors' geometry and its other
-        arguments."""
+        one more run of a pure op under the allocator's account (``remat._allocator``), once per
+        signature: the op, its tensors' geometry and its other arguments. NOTE [scratch of a single
+        run]: an op that cannot run again (a random draw such as attention with dropout, a mutation)
+        is measured on its one run, its time then including the profiler's notes of its allocations."""
         if not self.scratch or not leaves:
             return 0
         key = signature(func, args, kwargs)
         nbytes = known(key)
         if nbytes is None:
-            measured = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
-            if measured is None:
+            once = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
+            if once is None:
                 return 0
-            nbytes = learn(key, measured)
+            nbytes = learn(key, once)
         return nbytes
 
     # -- saved tensors, hooks, the trace ------------------------------------------------------------
@@ -367,21 +374,9 @@ class Recorder(TorchDispatchMode):
             if isinstance(e, Release):
                 events.append(e)
                 continue
-            events.append(
-                Op(
-                    index,
-                    e.name,
-                    e.inputs,
-                    e.outputs,
-                    e.mutates,
-                    e.device_cost if device_bound and e.device_cost is not None else e.cost,
-                    0.0,
-                    resolved[index],
-                    e.module,
-                    e.random,
-                    e.scratch,
-                )
-            )
+            cost = e.device_cost if device_bound and e.device_cost is not None else e.cost
+            fields = (e.name, e.inputs, e.outputs, e.mutates, cost, 0.0, resolved[index], e.module)
+            events.append(Op(index, *fields, e.random, e.scratch))
             index += 1
         source = "capture-fake" if self.fake else "capture"
         return Trace(

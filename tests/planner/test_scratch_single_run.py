@@ -1,0 +1,41 @@
+"""An op that cannot run twice has its kernel's scratch measured on its one run (NOTE [scratch of a
+single run] in ``remat.trace.recorder``): CPU attention (``_scaled_dot_product_flash_attention_for_cpu``,
+which takes a dropout probability and so counts as random) allocates buffers it frees before it
+returns; a step whose peak is that op was predicted 27% under the allocator's peak before."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.planner import plan_trace, trace_step
+
+ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+class _FrozenAttention(nn.Module):
+    """Attention over the input itself, then a small trained head: the attention's forward, its
+    output beside its kernel's buffers, is the step's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = x.view(4, 128, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return (F.scaled_dot_product_attention(q, k, v).sum(-1) * self.w[0]).sum()
+
+
+def test_a_random_ops_scratch_is_in_the_trace_and_the_prediction_meets_the_allocator() -> None:
+    torch.manual_seed(0)
+    model, x = _FrozenAttention(), torch.randn(4, 128, 96)
+    trace = trace_step(model, (x,), repeats=1)
+    (attention,) = [op for op in trace.ops if op.name == ATTENTION]
+    assert attention.random and attention.scratch > 0
+    plan = plan_trace(trace, 10**9)
+    model.zero_grad(set_to_none=True)
+    with remat.memory.track(timeline=False, allocator=True) as tracked, plan.apply(model):
+        model(x).backward()
+    assert tracked.peak_bytes == plan.predicted_peak_bytes
