@@ -21,6 +21,7 @@ from remat.aten.generators import (
     state_nbytes,
 )
 from remat.aten.schema import (
+    GRAD_MODE_PACKETS,
     METADATA_PACKETS,
     SKIPPED_NAMESPACES,
     UNSAID_VIEWS,
@@ -29,9 +30,20 @@ from remat.aten.schema import (
     writes_hidden,
     written_tensors,
 )
-from remat.aten.tensors import Geometry, describe, dtype_name, geometry, sharing, storage_of, version_witness
+from remat.aten.tensors import (
+    Geometry,
+    describe,
+    dtype_name,
+    geometry,
+    overlaps,
+    same_counter,
+    sharing,
+    storage_of,
+    version_witness,
+)
 
 __all__ = [
+    "GRAD_MODE_PACKETS",
     "METADATA_PACKETS",
     "SKIPPED_NAMESPACES",
     "UNSAID_VIEWS",
@@ -52,6 +64,8 @@ __all__ = [
     "state_nbytes",
     "storage_of",
     "version_witness",
+    "same_counter",
+    "overlaps",
     "writes_hidden",
     "written_tensors",
 ]

@@ -41,9 +41,16 @@ METADATA_PACKETS = frozenset(
 ``sizes_strides_policy``, fake tensors): they read no data, and a mode that counts ops must not
 count them, or its counts differ between runs of the same code on different tensors."""
 
-UNSAID_VIEWS = frozenset({"aten._unsafe_view"})
+UNSAID_VIEWS = frozenset(
+    {"aten._unsafe_view", "aten.unsafe_split", "aten.unsafe_split_with_sizes", "aten.unsafe_chunk"}
+)
 """Packets whose schema promises a new tensor but whose result may share an argument's storage
 (NOTE [aliasing] in ``remat.manual.tape``)."""
+
+GRAD_MODE_PACKETS = frozenset({"aten.mkldnn_rnn_layer", "aten._cudnn_rnn", "aten.miopen_rnn"})
+"""Packets whose results depend on whether grad mode is on: the recurrent kernels return the
+workspace their backward reads only then. A replay runs them with grad mode on (over detached
+arguments, so that no graph is built)."""
 
 # NOTE [hidden writes]: packet -> (written positions, the bool argument that gates the writes)
 _HIDDEN_WRITES: dict[str, tuple[tuple[int, ...], int]] = {

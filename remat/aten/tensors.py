@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -28,11 +30,71 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 def version_witness(t: torch.Tensor) -> torch.Tensor:
     """A tensor that shares ``t``'s version counter and none of its memory: it tells whether ``t`` was
-    written in place since, also once ``t`` is gone. Made outside any dispatch mode."""
-    witness = t.detach()
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(witness):
-        witness.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    written in place since, also once ``t`` is gone. Made below any dispatch mode."""
+    with torch._C._DisableTorchDispatch():
+        witness = t.detach()
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(witness):
+            witness.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
     return witness
+
+
+def same_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a version counter: views do, the results of ``unsafe_split`` and
+    ``unsafe_chunk`` on one storage do not (each may be written unseen by the others). Told by
+    moving ``a``'s counter and moving it back."""
+    version = a._version
+    if b._version != version:
+        return False
+    torch._C._autograd._unsafe_set_version_counter((a,), (version + 1,))
+    try:
+        return b._version == version + 1
+    finally:
+        torch._C._autograd._unsafe_set_version_counter((a,), (version,))
+
+
+def overlaps(a: Geometry, b: Geometry, limit: int = 1 << 16) -> bool:
+    """Whether two tensors of one storage, given by their :func:`geometry`, may share a byte: the
+    rows of ``unsafe_chunk``'s results interleave without touching. Exact where each has at most
+    ``limit`` runs of contiguous elements, else True where their extents meet."""
+    runs_a, runs_b = _runs(a, limit), _runs(b, limit)
+    if runs_a is None or runs_b is None:
+        (start_a, end_a), (start_b, end_b) = _extent(a), _extent(b)
+        return start_a < end_b and start_b < end_a
+    (starts_a, length_a), (starts_b, length_b) = runs_a, runs_b
+    if starts_a.size == 0 or starts_b.size == 0:
+        return False
+    starts_a = np.sort(starts_a)
+    ends_b = starts_b + length_b
+    # the last run of ``a`` starting before each run of ``b`` ends: it meets it if it ends after
+    # that run starts (``a``'s runs have one length: the last one starting before has the last end)
+    last = np.searchsorted(starts_a, ends_b, side="left") - 1
+    hit = last >= 0
+    return bool(np.any(starts_a[last[hit]] + length_a > starts_b[hit]))
+
+
+def _extent(g: Geometry) -> tuple[int, int]:
+    offset, shape, stride, dtype = g
+    if 0 in shape:
+        return offset * dtype.itemsize, offset * dtype.itemsize
+    last = sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    return offset * dtype.itemsize, (offset + last + 1) * dtype.itemsize
+
+
+def _runs(g: Geometry, limit: int) -> tuple[np.ndarray, int] | None:
+    """The byte offsets where ``g``'s runs of contiguous elements start, and their length in bytes;
+    None where there are more than ``limit`` runs."""
+    offset, shape, stride, dtype = g
+    dims = [(n, s) for n, s in zip(shape, stride, strict=True) if n != 1]
+    if any(n == 0 for n, _ in dims):
+        return np.zeros(0, dtype=np.int64), 0
+    inner = next((i for i, (_, s) in enumerate(dims) if s == 1), None)
+    length = dims.pop(inner)[0] if inner is not None else 1
+    if math.prod(n for n, _ in dims) > limit:
+        return None
+    starts = np.array([offset], dtype=np.int64)
+    for n, s in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
+    return starts * dtype.itemsize, length * dtype.itemsize
 
 
 def sharing(out: torch.Tensor, args: Sequence[Any]) -> int:

@@ -39,7 +39,7 @@ import torch
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
-from remat.aten import describe
+from remat.aten import describe, same_counter, version_witness
 from remat.host.link import Link
 from remat.host.pool import HostPool
 
@@ -190,7 +190,9 @@ class Offloader:
         self._cargos: dict[int, weakref.ref[Cargo]] = {}
         self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         # (device, storage address) -> (storage, its cargo, the version when it moved)
-        self._same: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[Cargo], int]] = {}
+        # storage -> its latest copy: the storage, the cargo, and the version and counter (a witness,
+        # ``remat.aten.version_witness``) of the tensor copied
+        self._same: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[Cargo], int, torch.Tensor]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = OffloadStats()
 
@@ -230,10 +232,12 @@ class Offloader:
         key = (t.device, storage.data_ptr())
         with self._lock:
             known = self._same.get(key)
-            if known is not None:
-                storage_ref, cargo_ref, version = known
+            if known is not None:  # the same content only if written by nothing since, views and
+                # all: the results of ``unsafe_chunk`` on one storage each have a counter of their own
+                storage_ref, cargo_ref, version, witness = known
                 cargo = cargo_ref()
-                if cargo is not None and storage_ref() is storage and t._version == version:
+                same = cargo is not None and storage_ref() is storage and t._version == version
+                if same and cargo is not None and same_counter(witness, t):
                     cargo.uses += 1
                     return Parcel(t, cargo)
             nbytes = storage.nbytes()
@@ -243,7 +247,7 @@ class Offloader:
             self._next += 1
             self._live.append(cargo.index)
             self._cargos[cargo.index] = weakref.ref(cargo)
-            self._same[key] = (weakref.ref(storage), weakref.ref(cargo), t._version)
+            self._same[key] = (weakref.ref(storage), weakref.ref(cargo), t._version, version_witness(t))
             weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
         raw = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)

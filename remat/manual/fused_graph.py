@@ -37,7 +37,7 @@ def _written_arg(node: Node, w: Write) -> Any:
 def _fusable(step: Step, owned: set[int]) -> bool:
     """Whether the step can join a run whose own (non-input) storages are ``owned``."""
     node = step.node
-    if node.rng is not None:
+    if node.rng is not None or aten.facts(node.func).packet in aten.GRAD_MODE_PACKETS:
         return False
     for w in node.writes:
         if w.clone or w.blank is not None:

@@ -46,7 +46,10 @@ def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
         written.append(holder[slot])
     if node.rng is not None:
         aten.restore(node.rng)
-    out = node.func(*args, **kwargs)
+    if aten.facts(node.func).packet in aten.GRAD_MODE_PACKETS:
+        out = _with_grad_mode(node.func, args, kwargs)
+    else:
+        out = node.func(*args, **kwargs)
     outs = node.outs
     if isinstance(outs, int):
         if outs >= 0:
@@ -57,6 +60,19 @@ def run_step(node: Node, env: dict[int, torch.Tensor]) -> None:
                 env[vid] = o
     for w, t in zip(node.writes, written, strict=True):
         env[w.vid] = t
+
+
+def _with_grad_mode(func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """``func`` run as the forward ran it, with grad mode on (``aten.GRAD_MODE_PACKETS``), over
+    detached arguments: it builds no graph."""
+
+    def bare(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return a.detach()
+        return [bare(b) for b in a] if isinstance(a, list) else a
+
+    with torch.enable_grad():
+        return func(*[bare(a) for a in args], **{k: bare(v) for k, v in kwargs.items()})
 
 
 def eager_steps(cut: Slice, env: dict[int, torch.Tensor]) -> None:

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from remat import aten
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.aten import describe
 from remat.host.offloader import Offloader, Parcel
@@ -66,6 +67,7 @@ class _Handle(NamedTuple):
     declared: int | None
     shape: torch.Size
     dtype: torch.dtype
+    place: aten.Geometry  # where it sits in its storage
 
 
 class TapedRegion:
@@ -77,6 +79,7 @@ class TapedRegion:
         self.execute = execute
         self.plan: Slice | None = None
         self.declared: dict[int, int] = {}  # the tape's final declared writers, checked at unpack
+        self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # and where each wrote
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
         self.writers_needed: set[int] = set()
         # graph task -> value id -> (recomputed tensor, unpacks left)
@@ -108,14 +111,14 @@ class TapedRegion:
                 raise stale_view_error(t)
             self.writers_needed.add(writer)
         self.handles[vid] = self.handles.get(vid, 0) + 1
-        return _Handle(vid, group, writer, tape.declared.get(group), t.shape, t.dtype)
+        return _Handle(vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t))
 
     def finish(self) -> None:
         """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
         tape, self.tape = self.tape, None
         if tape is not None and self.handles:
             self.plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
-            self.declared = tape.declared
+            self.declared, self.spans = tape.declared, tape.spans
         if tape is not None:
             self.offloader = tape.offloader
             # NOTE [moved once, read twice]: per backward, each offloaded value is read by the
@@ -124,6 +127,12 @@ class TapedRegion:
             for vid, parcel in tape.moved.items():
                 reads = self.moved_packs.get(vid, 0) + (vid in replayed)
                 parcel.cargo.uses = max(parcel.cargo.uses + reads - 1, 1)  # ``out`` counted one
+
+    def _written_since(self, packed: _Handle) -> bool:
+        """Whether a declared write after ``packed`` was saved touched the bytes it reads."""
+        since = -1 if packed.declared is None else packed.declared
+        spans = self.spans.get(packed.group, ())
+        return any(node > since and aten.overlaps(place, packed.place) for node, place in spans)
 
     def unpack(self, packed: _Kept | _Handle | Parcel) -> torch.Tensor:
         if isinstance(packed, Parcel):
@@ -142,7 +151,7 @@ class TapedRegion:
         # the kernel updates them, a write the schema does not declare; the plain backward reads
         # them without a version check, and batch norm's backward in training does not use them.
         # Only a declared write after the save changes what backward may read.
-        if self.declared.get(packed.group) != packed.declared:
+        if self.declared.get(packed.group) != packed.declared and self._written_since(packed):
             raise RecomputationError(
                 message(
                     "scope",

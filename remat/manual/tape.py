@@ -19,9 +19,11 @@ NOTE [aliasing]
     Values that share storage form a *group*: a view joins the group of the tensor it views (per
     the op schema, or found on its storage: ``aten.UNSAID_VIEWS``), anything else starts its own.
     An in-place op writes the whole group, so every later op that reads a member of the group
-    replays after it (``Node.after``). A write to an external is replayed into a clone of a
-    snapshot taken just before the write, so replay never touches parameters or batch-norm running
-    statistics, and earlier reads replay against the value they saw. Writes into an internal view
+    replays after it (``Node.after``); a saved member is stale where a later write touched its
+    bytes (``Tape.spans``: ``unsafe_chunk``'s results share a storage, not bytes). A write to an
+    external is replayed into a clone of a snapshot taken just before the write, so replay never
+    touches parameters or batch-norm running statistics, and earlier reads replay against the value
+    they saw. Writes into an internal view
     of an external cannot be replayed that way and are refused, as are reads of such a view after
     its external was written.
 """
@@ -139,6 +141,7 @@ class Tape:
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # value id -> (tensor, version)
         self.writers: dict[int, int] = {}  # group -> last node that wrote it (-1: refused)
         self.declared: dict[int, int] = {}  # group -> last node that wrote it as its schema says
+        self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # group -> each declared write's place
         self._saved_in_group: dict[int, list[int]] = {}
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
 
@@ -226,6 +229,7 @@ class Tape:
         self.writers[group] = node
         if not hidden:
             self.declared[group] = node
+            self.spans.setdefault(group, []).append((node, aten.geometry(t)))
         return Write(key, index, self._bind(t, node, group), False)
 
     def _output(
@@ -276,9 +280,7 @@ class Tape:
 
         out = func(*args, **kwargs)
 
-        writes = (
-            tuple([self._commit_write(*w, w[1] in _keys(info, args)) for w in written]) if written else ()
-        )
+        writes = tuple([self._commit_write(*w, w[1] in _keys(info, args)) for w in written])
         fresh: list[tuple[int, torch.Tensor]] = []
         outs: int | tuple[int, ...]
         shared = args if info.packet in aten.UNSAID_VIEWS else ()  # what a result may view unsaid
