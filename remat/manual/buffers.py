@@ -31,6 +31,7 @@ compile the function again each time.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +49,23 @@ def _hidden(module: nn.Module, name: str) -> bool:
     running statistics in training, which ``native_batch_norm`` writes (NOTE [hidden writes])."""
     norm = isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
     return norm and module.training and name in ("running_mean", "running_var")
+
+
+def region_modules(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+    """The modules a region running ``fn`` is known to run (a module, a module's bound method, a
+    partial of a method and its module, or of a function and a list of modules: a segment of
+    ``checkpoint_sequential``; and the modules below them), and those whose forward its recomputation
+    calls itself, which no pre-hook shields."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(fn, functools.partial) and fn.args:
+        first = fn.args[0]
+        if isinstance(first, nn.Module):
+            owner = first  # ``partial(Layer.forward, layer, ...)``: transformers' layers
+        elif isinstance(first, (list, tuple)) and first and all(isinstance(m, nn.Module) for m in first):
+            return tuple(m for layer in first for m in layer.modules()), ()
+    if isinstance(owner, nn.Module):
+        return tuple(owner.modules()), (owner,)
+    return (tuple(fn.modules()), ()) if isinstance(fn, nn.Module) else ((), ())
 
 
 class Buffers:

@@ -13,13 +13,14 @@ recomputed tensors. Differences from torch's version, each a bug report there:
 - ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them, on the
   device (SAVE) or in host memory (OFFLOAD, see ``remat.manual.selective``);
 - ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names
-  the op and module that diverged; shapes and dtypes are always checked.
+  the op and module that diverged; shapes and dtypes are always checked;
+- the recomputation stops early only after an op's kernel has run (RReLU as a last op).
 
 Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient
 penalty, MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is
 unchanged. A saved tensor written in place after it was saved is refused, as autograd refuses it.
 The recomputation runs once per backward pass (per autograd graph task), however many saved
-tensors are unpacked, and stops as soon as the last saved tensor has been produced again::
+tensors are unpacked, and stops once the op making the last saved tensor again has run::
 
     forward:   x ──fn (pack: tensor -> handle i)──> y          frame keeps: inputs, RNG, autocast
     backward:  node.unpack(handle i) ─> frame.recompute() ─> fn(x') under the same state,
@@ -29,6 +30,7 @@ tensors are unpacked, and stops as soon as the last saved tensor has been produc
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
 from collections.abc import Callable
@@ -42,10 +44,11 @@ from remat import aten
 from remat._errors import RecomputationError, RematRuntimeError, RematTypeError, message
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
-from remat.manual.buffers import Buffers
+from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
 from remat.manual.keywords import Settings
 from remat.manual.selective import Recording, Replaying, SaveCache
+from remat.manual.traced import under_compile
 from remat.policy import Policy, RecomputeAll
 
 __all__ = ["SaveInputs", "checkpoint", "run"]
@@ -108,7 +111,7 @@ class _Frame:
             flat[i] = None
         self.rng = aten.capture_all() if preserve_rng else None
         self.autocast = autocast.capture_autocast()
-        self.buffers = Buffers(*_modules_of(fn))  # NOTE [buffers as the forward saw them]
+        self.buffers = Buffers(*region_modules(fn))  # NOTE [buffers as the forward saw them]
         self.cache = (
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )
@@ -176,10 +179,15 @@ class _Frame:
             counter[0] += 1
             if i >= total:
                 raise _StopRecomputation
+            # NOTE [early stop]: stop at the last save once the op saving it has run, as a result of
+            # it (its node the newest) says. An argument is saved before its op's kernel runs, which
+            # may still write what was saved (RReLU's noise): from there the function runs on.
+            node = t.grad_fn
+            ran = node is not None and node._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1
             with _disable_current_modes():  # our own ops are not the program's
                 self.verify(i, t)
                 kept = store[i] = t.detach()
-            if i == total - 1:
+            if i == total - 1 and ran:
                 raise _StopRecomputation
             return kept
 
@@ -264,6 +272,9 @@ def run(
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():  # NOTE [under torch.compile]
+        again = functools.partial(run, fn, args, kwargs, policy, check, preserve_rng, offloader)
+        return under_compile(fn, args, kwargs, policy, preserve_rng, again)
     frame = _Frame(fn, args, kwargs, policy, check, preserve_rng, offloader)
     try:
         with contextlib.ExitStack() as forward:
@@ -290,28 +301,26 @@ def _validate(fn: object) -> None:
         )
 
 
-def _modules_of(fn: Callable[..., Any]) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
-    """The modules a region running ``fn`` is known to run (a module, a module's bound method or a
-    partial of a method and its module, and the modules below it), and the one whose forward its
-    recomputation calls itself, which no pre-hook shields (``remat.manual.buffers``)."""
-    owner = getattr(fn, "__self__", None)
-    if isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], nn.Module):
-        owner = fn.args[0]  # ``partial(Layer.forward, layer, ...)``: transformers' layers
-    if isinstance(owner, nn.Module):
-        return tuple(owner.modules()), (owner,)
-    return (tuple(fn.modules()), ()) if isinstance(fn, nn.Module) else ((), ())
+class _Checkpointed:
+    """A module's ``forward`` run as a checkpointed region (the module form). An object, not a
+    closure: a copy of the module (``copy.deepcopy``, an EMA's ``AveragedModel``) gets a forward of
+    its own, bound to the copy, where a closure would run the original's weights."""
+
+    def __init__(self, forward: Callable[..., Any], settings: Settings) -> None:
+        self.forward, self.settings = forward, settings
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        s = self.settings
+        return run(self.forward, args, kwargs, s.policy, s.check, s.preserve_rng, s.offloader)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Checkpointed:
+        return _Checkpointed(copy.deepcopy(self.forward, memo), self.settings)
 
 
 def _wrap(fn: F, s: Settings) -> F:
     if isinstance(fn, nn.Module):
-        module = fn
-        forward = module.forward
-
-        @functools.wraps(forward)
-        def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            return run(forward, args, kwargs, s.policy, s.check, s.preserve_rng, s.offloader)
-
-        module.forward = checkpointed_forward  # type: ignore[method-assign]
+        fn.forward = _Checkpointed(fn.forward, s)  # type: ignore[method-assign]
         return fn
 
     @functools.wraps(fn)
@@ -376,14 +385,7 @@ def checkpoint(
     torch_kwargs, kwargs = keywords.split(kwargs)
     if fn is None:
         if args or kwargs:
-            raise RematTypeError(
-                message(
-                    "checkpoint",
-                    "fn must be callable",
-                    "got None",
-                    "pass a function or an nn.Module, then its arguments",
-                )
-            )
+            _validate(fn)  # raises: None is no function
         s = keywords.settings("checkpoint", torch_kwargs, policy, check, offloader)
 
         def decorate(f: F) -> F:

@@ -12,8 +12,8 @@ use_reentrant          None or False: accepted (remat is non-reentrant); True: a
 preserve_rng_state     False: the recomputation runs on the generators as they are (no replay)
 determinism_check      "default": shapes and dtypes checked; "none": no check
 debug                  True: the value check (``check="values"``), which names the op and module
-early_stop             accepted: remat always stops once the last saved tensor is made again, and
-                       stopping changes no result
+early_stop             accepted: remat stops once the op making the last saved tensor again has
+                       run, which changes no result
 context_fn             ``partial(create_selective_checkpoint_contexts, ops_or_policy_fn)``: a
                        remat policy (``SaveOps`` or ``PolicyFunction``; ``MUST_CPU_OFFLOAD``
                        offloads); anything else an error
@@ -213,7 +213,7 @@ def settings(
 @contextlib.contextmanager
 def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
     """``torch.utils.checkpoint.set_checkpoint_early_stop``'s counterpart. remat's recomputation
-    always stops once the last saved tensor is made again, which changes no result, so both values
-    are accepted and behave the same."""
+    stops once the op making the last saved tensor again has run, which changes no result, so both
+    values are accepted and behave the same."""
     _flag("set_checkpoint_early_stop", "enable", enable, (False, True))
     yield

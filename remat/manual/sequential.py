@@ -10,6 +10,7 @@ The last segment is not checkpointed: backward needs its activations at once. Th
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -106,6 +107,7 @@ def checkpoint_sequential(
         )
     bounds = segment_bounds(len(layers), segments)
     for start, stop in bounds[:-1]:
-        x = run(_run_segment, (layers[start:stop], x), {}, s.policy, s.check, s.preserve_rng, s.offloader)
+        segment = functools.partial(_run_segment, layers[start:stop])  # its modules' buffers shielded
+        x = run(segment, (x,), {}, s.policy, s.check, s.preserve_rng, s.offloader)
     start, stop = bounds[-1]
     return _run_segment(layers[start:stop], x)

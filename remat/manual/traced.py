@@ -1,0 +1,42 @@
+"""``remat.checkpoint`` met by ``torch.compile``: what Dynamo traces in place of the checkpointed call.
+
+NOTE [under torch.compile] remat's recomputation rests on saved-tensor hooks and runs the function
+again eagerly in backward; in a graph Dynamo traces, the compiled forward saves other tensors than
+that eager run makes again, and matching them by position handed autograd the wrong ones (silently
+wrong gradients). A call met while compiling becomes instead what torch compiles itself:
+``torch.utils.checkpoint`` (its higher-order op: the partitioner recomputes the region, saves its
+random ops' results, and updates buffers once) when nothing is to be kept, else the remat call run
+eagerly outside the graph (a graph break), exact but not compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from remat.policy import Policy, RecomputeAll
+
+
+def under_compile(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policy: Policy | None,
+    preserve_rng: bool,
+    eager: Callable[[], Any],
+) -> Any:
+    """The call ``fn(*args, **kwargs)`` checkpointed while Dynamo traces it; ``eager()`` runs remat's
+    own form of it."""
+    if policy is None or isinstance(policy, RecomputeAll):
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **kwargs
+        )
+    return _outside_the_graph(eager)
+
+
+@torch.compiler.disable
+def _outside_the_graph(eager: Callable[[], Any]) -> Any:
+    return eager()

@@ -1,0 +1,110 @@
+"""``remat.checkpoint`` where the program is not a plain forward: a last op whose kernel writes what
+autograd saved, copies of a module in the module form, segments of ``checkpoint_sequential`` over
+modules with buffers, and ``torch.compile`` around a checkpointed call. Each compared bit for bit
+with the plain program."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+import remat
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def test_a_last_op_that_writes_what_it_saved_runs_whole_in_the_recomputation() -> None:
+    """RReLU saves its noise before its kernel fills it: a recomputation stopped at the last save
+    (as torch's early stop does) handed backward unwritten memory (NOTE [early stop])."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.RReLU())
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    block(x).pow(2).sum().backward()
+    expected = (x.grad.clone(), _grads(block))  # type: ignore[union-attr]
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    remat.checkpoint(block, x).pow(2).sum().backward()
+    assert torch.equal(x.grad, expected[0])  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(_grads(block), expected[1], strict=True))
+
+
+def test_a_copy_of_a_module_in_the_module_form_runs_its_own_weights() -> None:
+    torch.manual_seed(0)
+    layer = remat.checkpoint(nn.Linear(4, 3))
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.add_(1.0)
+    x = torch.randn(2, 4)
+    twin(x).sum().backward()
+    assert twin.weight.grad is not None and layer.weight.grad is None
+    assert torch.equal(twin(x), x @ twin.weight.t() + twin.bias)
+    average = AveragedModel(layer)  # an EMA copies the module it averages
+    with torch.no_grad():
+        average.module.weight.mul_(0.5)
+    assert torch.equal(average(x), x @ average.module.weight.t() + average.module.bias)
+
+
+class _Normalizer(nn.Module):
+    """Reads a moving average it then updates, by assigning a new tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.average
+        self.average = 0.5 * self.average + 0.5 * x.mean(0).detach()
+        return y
+
+
+def _layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(8, 8), _Normalizer(), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)]
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_sequential_segments_read_buffers_as_their_forward_found_them(check: str) -> None:
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(*_layers())
+    plain(x).sum().backward()
+    chain = nn.Sequential(*_layers())
+    remat.checkpoint_sequential(chain, 2, x, check=check).sum().backward()  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
+    for a, b in zip(chain.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _block(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ x.t()).sum(-1) * torch.tanh(x).exp()[:, 0]
+
+
+@pytest.mark.parametrize("policy", [None, remat.SaveComputeIntensive()])
+def test_a_checkpoint_inside_a_compiled_function_gives_the_eager_gradients(
+    policy: remat.Policy | None,
+) -> None:
+    """The compiled forward saves other tensors than an eager run makes again (NOTE [under
+    torch.compile]): the call compiles as torch's own checkpoint, or runs outside the graph."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 6, requires_grad=True)
+    _block(x).pow(2).sum().backward()
+    expected = x.grad.clone()  # type: ignore[union-attr]
+    torch._dynamo.reset()
+    for wrap in (lambda x: remat.checkpoint(_block, x, policy=policy), lambda x: _block(x)):
+        x.grad = None
+        torch.compile(wrap, backend="aot_eager")(x).pow(2).sum().backward()
+        assert torch.equal(x.grad, expected)  # type: ignore[arg-type]
+    x.grad = None
+    reference = torch.compile(
+        lambda x: torch_checkpoint.checkpoint(_block, x, use_reentrant=False), backend="aot_eager"
+    )
+    reference(x).pow(2).sum().backward()
+    assert torch.equal(x.grad, expected)  # type: ignore[arg-type]
