@@ -396,6 +396,5 @@ class Recorder(Unguarded):
 
 
 def _keys(info: OpFacts, args: tuple[Any, ...]) -> set[int | str]:
-    """Where ``info``'s hidden writes sit in a call with positional ``args`` (as ``_written`` keys
-    them)."""
+    """Where ``info``'s hidden writes sit in a call of positional ``args`` (keyed as ``_written``)."""
     return {pos if pos < len(args) else name for pos, name in info.hidden_writes}
