@@ -39,7 +39,11 @@ def signature_of(name: str, leaves: Iterable[Any]) -> tuple[Any, ...]:
         name,
         torch.get_num_threads(),
         *[
-            (t.device, t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else repr(t)
+            (t.device, t.dtype, t.shape, t.stride())
+            if isinstance(t, torch.Tensor)
+            else ("generator", t.device)  # its repr is its address: a new one each step
+            if type(t) is torch.Generator
+            else repr(t)
             for t in leaves
         ],
     )

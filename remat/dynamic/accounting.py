@@ -26,6 +26,7 @@ from remat.core.graph import NO_REUSE, Record
 from remat.core.pool import Pool
 from remat.dynamic.backends import register
 from remat.dynamic.homes import Homes, aligned
+from remat.dynamic.op_bytes import resized
 from remat.dynamic.recipe import Recipe, result_leaves
 from remat.host.pool import HostPool
 
@@ -213,6 +214,10 @@ class AccountingBackend:
                 if graph.nbytes[new] > 0 and pool.holds(new):
                     pending.saved[handle] = self.copy_of(homes.get(old))
         out, seconds = scratch.timed(lambda: func(*args, **kwargs), pending.learn)
+        for new, handle in zip(record.outputs[n:], pending.written, strict=True):
+            real = homes.storage_of_handle(handle)
+            if real is not None and aligned(real.nbytes()) != graph.nbytes[new]:  # ``resize_``, ``out=``
+                raise resized(func, graph.nbytes[new], real.nbytes())
         assert pending.recipe is not None
         leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
         device, on_cpu = self.device, self.on_cpu

@@ -98,6 +98,7 @@ class Engine:
         self.peak_real_bytes = 0
         self.ops = 0
         self.unmeasured = 0  # ops run with their kernel's scratch unknown, counted as 0 (NOTE [held back])
+        self.unsized = (0, "")  # the most an op made before it was placed (NOTE [room first]), and its op
         self.estimated = estimated
         self.base_seconds = 0.0  # first runs of the ops, measured
         self.marks = (0, 0)  # evictions and recomputations when the program's last op was done
@@ -136,8 +137,7 @@ class Engine:
         return handle
 
     def handle(self, t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        handle = self.handles.get(storage._cdata)
+        handle = self.handles.get(t.untyped_storage()._cdata)
         return self.constant(t) if handle is None else handle
 
     def new_handle(self, t: torch.Tensor, nbytes: int) -> int:
@@ -238,8 +238,7 @@ class Engine:
         drawn = drawn or default is not None
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
-            """The generator states the recipe keeps (``rng``: a device's default one), taken just
-            before the op runs (NOTE [room first])."""
+            """The generator states the recipe keeps, taken just before the op runs (NOTE [room first])."""
             rng = aten.capture((default,)) if default is not None else None
             return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
 
@@ -254,9 +253,10 @@ class Engine:
             rng, generators = states()
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
+            made = tuple(tensors_info[h].nbytes for h in fresh)
             if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
-                made = tuple(tensors_info[h].nbytes for h in fresh)
                 backend.learned(func, key, schema.fresh_returns, out, made)
+            self.unsized = max(self.unsized, (sum(made) + (op_scratch.known(key) or 0), schema.name))
         else:  # the backend runs it once the core has placed the outputs
             rng, generators, out, seconds = None, (), None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
@@ -309,8 +309,8 @@ class Engine:
         return out
 
     def _outputs_here(self, named: list[torch.device], reads_here: bool) -> bool:
-        """Whether the op's results are on the region's device, as far as its arguments tell (meta
-        results do not say): a device argument (``named``) names it, else its tensors or the default."""
+        """Whether the op's results are on the region's device, as its device argument (``named``),
+        else its tensors or the default device tell (meta results do not)."""
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
 
@@ -376,8 +376,7 @@ _OPS: dict[int, tuple[Any, OpFacts, bool]] = {}
 every op otherwise; the entry holds the overload, so its ``id`` is never another's."""
 
 
-def _plain(failure: BaseException) -> Exception:
-    """An engine's ``explain`` until its region sets one: the failure as it is."""
+def _plain(failure: BaseException) -> Exception:  # an engine's ``explain`` until its region sets one
     return RuntimeError(str(failure))
 
 

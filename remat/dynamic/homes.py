@@ -75,8 +75,8 @@ def ghost(like: torch.UntypedStorage) -> torch.UntypedStorage:
     NOTE [ghosts] An evicted program storage keeps its size: making a view checks the storage's
     bounds (``t()``, ``view`` ... run on evicted tensors without restoring them), while every op
     that reads data goes through the region first and finds the storage restored. Code that reads
-    memory behind PyTorch's back (``numpy()``, ``data_ptr()``) must not touch a tensor made in the
-    region before the region ends."""
+    memory behind PyTorch's back (``tolist()``, ``numpy()``, ``data_ptr()``) must not touch a tensor
+    made in the region before the region ends."""
     return at(0, like.device, like.nbytes())
 
 
@@ -125,6 +125,10 @@ class Homes:
         """The program storage of ``handle`` holds core ``storage`` now (its content is in place)."""
         ref = self.program.get(handle)  # ``storage_of_handle``, inlined: every new storage comes here
         real = None if ref is None else ref()
+        if real is not None and real.nbytes() == 0:  # an empty one stays resident once the program
+            # drops it (``Residency._dead``), for recomputations that read it: one of our own
+            self.private[storage] = torch.UntypedStorage(0, device=real.device)
+            return
         self.held_by[storage] = handle
         self._count(storage, real.nbytes() if real is not None else 0)
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from remat import _allocator, aten
+from remat._errors import RematValueError, message
 from remat.dynamic.homes import aligned
 
 
@@ -71,4 +72,30 @@ def warn_unmeasured(ops: int, device: torch.device) -> None:
         f"scratch unknown, counted as nothing, so the allocator's count may pass the budget by it "
         f"beyond the reserve: {why}",
         stacklevel=3,
+    )
+
+
+def warn_unsized(made: tuple[int, str], reserve: int) -> None:
+    """Say that an op ran before its results could be sized (NOTE [room first] in
+    ``remat.dynamic.engine``) and made more, with its scratch, than the reserve that covers it."""
+    nbytes, op = made
+    if nbytes > reserve:
+        warnings.warn(
+            f"remat.dynamic: {op} ran before its results could be sized (their size depends on the data, "
+            f"or no meta kernel tells it) and made {nbytes} bytes with its scratch, more than the reserve "
+            f"of {reserve} bytes that covers such ops, so the allocator's count may have passed the budget "
+            "by the difference; raise reserve=",
+            stacklevel=3,
+        )
+
+
+def resized(func: Any, counted: int, now: int) -> RematValueError:
+    """The error for an op that resized a storage the pool counts (``resize_``, ``out=``)."""
+    return RematValueError(
+        message(
+            "dynamic",
+            "an op changed the size of a tensor's storage in place, which the budget cannot follow",
+            f"{func} took a storage of {counted} bytes to {now}",
+            "make the tensor at its final size (not resize_, nor an out= tensor of another size)",
+        )
     )

@@ -44,7 +44,7 @@ from remat.dynamic.accounting import AccountingBackend
 from remat.dynamic.engine import Engine, Interceptor
 from remat.dynamic.failures import explain
 from remat.dynamic.keep import API, arrived, members
-from remat.dynamic.op_bytes import warn_unmeasured
+from remat.dynamic.op_bytes import warn_unmeasured, warn_unsized
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
 from remat.dynamic.wanted import watch
@@ -215,6 +215,8 @@ class Dynamic:
                     self._undo(engine, explained)
                     raise explained from None
                 self._stats = self._make_stats(engine)
+                if self.budget != _UNLIMITED:
+                    warn_unsized(engine.unsized, self.reserve)
                 self.arriving = self._stats.arrived_bytes  # NOTE [arriving constants] in ``keep``
                 if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
                     budget = max(1, int(self.ratio * self._stats.peak_bytes))

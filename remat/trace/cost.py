@@ -93,7 +93,10 @@ def op_flops(op: Op, tensors: Sequence[TensorInfo]) -> float:
     outs = [tensors[t].shape for t in op.outputs]
     if any(s is None for s in shapes) or any(s is None for s in outs):
         return 0.0
-    return float(rule(op.packet, shapes, outs))  # type: ignore[arg-type]
+    try:  # the rules read the op's arguments by position: an op seen otherwise is priced by bytes
+        return float(rule(op.packet, shapes, outs))  # type: ignore[arg-type]
+    except (IndexError, ValueError, ZeroDivisionError):  # (storages read twice listed once, ``out=``)
+        return 0.0
 
 
 def op_bytes(op: Op, tensors: Sequence[TensorInfo]) -> int:

@@ -1,0 +1,113 @@
+"""remat.dynamic on programs off the common path: empty tensors read by recomputed ops (batch norm in
+eval mode returns empty statistics), the cost model on ops whose tensors share a storage or that
+write into ``out=``, generators as op arguments, storages resized in place, and results sized by
+the data."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat import RematValueError
+from remat.aten import scratch
+
+
+class _EvalNet(nn.Module):
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.c1, self.bn1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.c2, self.bn2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn0(self.stem(x)))
+        h = h + torch.relu(self.bn1(self.c1(h)))
+        h = h + torch.relu(self.bn2(self.c2(h)))
+        return F.cross_entropy(self.head(h.mean((2, 3))), y)
+
+
+@pytest.mark.filterwarnings("ignore:remat.dynamic.*meta kernel sized its result")  # eval's empty statistics
+@pytest.mark.parametrize("policy", ["dtr", "dte"])
+def test_empty_tensors_read_by_recomputed_ops_stay_at_hand(policy: str) -> None:
+    """In eval mode batch norm returns empty statistics that its backward reads; the program drops
+    them before that backward is recomputed (it crashed there)."""
+    torch.manual_seed(0)
+    init = _EvalNet().eval()
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+    plain = copy.deepcopy(init)
+    plain(x, y).backward()
+    model = copy.deepcopy(init)
+    free = remat.dynamic(None, policy, keep=model, cost="model")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with free:
+            model(x, y).backward()
+    model = copy.deepcopy(init)
+    region = remat.dynamic(int(0.9 * free.stats.peak_bytes), policy, keep=model, cost="model")
+    with region:
+        model(x, y).backward()
+    assert region.stats.recomputations > 0
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+
+
+def test_the_cost_model_prices_attention_on_one_storage_and_out_matmuls() -> None:
+    """q, k and v views of one projection are one storage to the runtime; ``mm(out=)`` makes no new
+    storage: the FLOP rules, which read arguments by position, fell over both (the step is priced
+    by bytes there)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 48, requires_grad=True)
+    x = torch.randn(2, 8, 16)
+
+    def step() -> torch.Tensor:
+        q, k, v = (x @ w).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = torch.empty(16, 16)
+        torch.mm(x.view(16, 16), x.view(16, 16).t(), out=out)
+        return F.scaled_dot_product_attention(q, k, v).sum() + out.sum()
+
+    step().backward()
+    expected = w.grad.clone()  # type: ignore[union-attr]
+    w.grad = None
+    with remat.dynamic(None, "dtr", keep=(w,), cost="model"):
+        step().backward()
+    assert torch.equal(w.grad, expected)  # type: ignore[arg-type]
+
+
+def test_a_generator_argument_keys_the_scratch_by_its_device() -> None:
+    """Its repr is its address: a new generator each step never found the scratch learned."""
+    t = torch.ones(4)
+    keys = {
+        scratch.signature_of("aten.multinomial.default", [t, 2, False, torch.Generator()]) for _ in range(3)
+    }
+    assert len(keys) == 1
+
+
+def test_a_storage_resized_in_place_is_refused() -> None:
+    x = torch.randn(64, 64)
+    refused = pytest.raises(RematValueError, match=r"changed the size of a tensor's storage in place")
+    with refused, remat.dynamic(10**7, "dtr", cost="model"):
+        buffer = torch.tanh(x).clone()
+        buffer.resize_(256, 64)
+
+
+def test_results_sized_by_the_data_beyond_the_reserve_are_told() -> None:
+    """``nonzero`` runs before its result can be sized: the reserve covers it, or a warning says the
+    allocator's count may have passed the budget."""
+    x = torch.randn(256, 64)
+
+    def step() -> torch.Tensor:
+        return torch.nonzero(torch.tanh(x) > -2).float().mean()
+
+    free = remat.dynamic(None, "dtr", cost="model")
+    with free:
+        step()
+    told = pytest.warns(UserWarning, match=r"aten\.nonzero\.default ran before its results could be sized")
+    with told, remat.dynamic(10 * free.stats.peak_bytes, "dtr", cost="model", reserve=1024):
+        step()
