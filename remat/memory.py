@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import _allocator, aten
 from remat._allocator import AllocatorSample
-from remat._errors import RematRuntimeError, RematValueError, message
+from remat._errors import RematRuntimeError, RematTypeError, RematValueError, message
 from remat._tracker import MemorySample, MemoryTracker
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.viz.memory import plot
@@ -153,6 +153,11 @@ def track(
     the runs of a ``replay="compiled"`` region cannot compile; one warning says so, and that
     ``allocator=True`` is the way to measure them.
     """
+    for name, flag in (("allocator", allocator), ("timeline", timeline)):
+        if not isinstance(flag, bool) and (flag is not None or name == "allocator"):
+            raise RematTypeError(
+                message("memory.track", f"{name} must be True or False", repr(flag), f"pass {name}=True")
+            )
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -9,9 +9,11 @@ so they are hashable, comparable and print as what they are.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from remat._errors import RematTypeError, message
 from remat._units import parse_bytes
 
 
@@ -48,6 +50,40 @@ class Policy(Protocol):
     def decide(self, ctx: OpContext) -> Decision: ...
 
 
+def checked(api: str, policy: object) -> Policy | None:
+    """``policy`` if it is None or a policy object, else a clear error (a policy class where an
+    instance was meant, an object with no ``decide``)."""
+    if policy is None or (isinstance(policy, Policy) and not isinstance(policy, type)):
+        return policy
+    given = f"the class {policy.__name__}" if isinstance(policy, type) else type(policy).__name__
+    raise RematTypeError(
+        message(
+            api,
+            "policy must have a decide(ctx) -> Decision method: a policy object, not its class",
+            given,
+            "pass an instance, such as SaveComputeIntensive() (with the parentheses), or None",
+        )
+    )
+
+
+def _op_names(policy: str, ops: object) -> frozenset[str]:
+    """``ops`` as a set of op names ("aten.mm", "aten.mm.default"): one string is no set of them."""
+    if (
+        isinstance(ops, str)
+        or not isinstance(ops, Iterable)
+        or not all(isinstance(o, str) and "." in o for o in ops)
+    ):
+        raise RematTypeError(
+            message(
+                policy,
+                "ops must be a collection of op names such as 'aten.mm' or 'aten.mm.default'",
+                repr(ops)[:200],
+                f"write {policy}({{'aten.mm', 'aten.addmm'}})",
+            )
+        )
+    return frozenset(ops)
+
+
 @dataclass(frozen=True)
 class RecomputeAll:
     """Keep nothing of the region but its inputs (Chen et al.; the default)."""
@@ -64,7 +100,7 @@ class SaveOps:
     ops: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ops", frozenset(self.ops))
+        object.__setattr__(self, "ops", _op_names("SaveOps", self.ops))
 
     def decide(self, ctx: OpContext) -> Decision:
         return Decision.SAVE if ctx.op in self.ops or ctx.packet in self.ops else Decision.RECOMPUTE
@@ -111,7 +147,7 @@ class OffloadOps:
     ops: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ops", frozenset(self.ops))
+        object.__setattr__(self, "ops", _op_names("OffloadOps", self.ops))
 
     def decide(self, ctx: OpContext) -> Decision:
         return Decision.OFFLOAD if ctx.op in self.ops or ctx.packet in self.ops else Decision.RECOMPUTE

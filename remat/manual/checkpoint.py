@@ -45,7 +45,7 @@ from remat._errors import RecomputationError, RematRuntimeError, RematTypeError,
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
-from remat.manual.checks import Check, Provenance, TensorMeta, fingerprint, same_fingerprint
+from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
 from remat.manual.keywords import Settings
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import under_compile
@@ -121,7 +121,7 @@ class _Frame:
         # gradient penalty, MAML's inner step); until it returns, saved tensors stay at hand for
         # that. The recomputation keeps its own graph's tensors the same way.
         self.live: list[torch.Tensor] | None = []
-        self.prints: list[torch.Tensor] = []
+        self.prints: list[torch.Tensor | None] = []
         self.origins: list[str] = []
         self.provenance = Provenance() if check == "values" else None
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
@@ -145,8 +145,6 @@ class _Frame:
         if self.live is not None:
             self.live.append(t)
         if self.provenance is not None:
-            with _disable_current_modes():  # our own ops are not the program's
-                self.prints.append(fingerprint(t))
             self.origins.append(self.provenance.describe(t))
         return _Handle(self, len(self.metas) - 1)
 
@@ -211,6 +209,9 @@ class _Frame:
                     self.fn(*args, **kwargs)
         except _StopRecomputation:
             pass
+        if self.prints:  # once the ops have run: an op may write what it saved after the save
+            with _disable_current_modes():
+                compare_values(self.prints, self.origins, store)
         if counter[0] < total:
             raise RecomputationError(
                 message(
@@ -231,16 +232,6 @@ class _Frame:
                     f"saved tensor #{i}: forward {self.metas[i]}, recomputed {meta}",
                     "the checkpointed function must compute the same shapes in forward and backward "
                     "(no state that changes between calls)",
-                )
-            )
-        if self.provenance is not None and not same_fingerprint(self.prints[i], fingerprint(t)):
-            raise RecomputationError(
-                message(
-                    "checkpoint",
-                    "a recomputed tensor has other values than the forward's",
-                    f"saved tensor #{i} made by {self.origins[i]}",
-                    "the code is not deterministic or reads state that changed since the forward; "
-                    "fix it or exclude it from the checkpointed region",
                 )
             )
 
@@ -286,6 +277,9 @@ def run(
                 forward.enter_context(Recording(frame.cache))
             return fn(*args, **kwargs)
     finally:
+        if frame.provenance is not None and frame.live is not None:  # the values the function left
+            with _disable_current_modes():
+                frame.prints = [frame.provenance.checkable(t) for t in frame.live]
         frame.live = None  # NOTE [backward inside the forward]
 
 

@@ -19,6 +19,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat._errors import RecomputationError, message
+from remat.aten import GRAD_MODE_PACKETS
+
 Check = Literal["none", "shapes", "values"]
 """How a recomputation is checked against the forward: not at all, shapes and dtypes (free), or
 values too (a fingerprint per saved tensor; a mismatch names the op and the module)."""
@@ -52,6 +55,25 @@ def same_fingerprint(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-6, atol=1e-9, equal_nan=True))
 
 
+def compare_values(
+    prints: list[torch.Tensor | None], origins: list[str], store: dict[int, torch.Tensor]
+) -> None:
+    """Raise where a recomputed saved tensor (``store``: index -> tensor) has other values than the
+    forward left in it (``prints``, None where its values may differ between runs)."""
+    for i, t in sorted(store.items()):
+        forward = prints[i]
+        if forward is not None and not same_fingerprint(forward, fingerprint(t)):
+            raise RecomputationError(
+                message(
+                    "checkpoint",
+                    "a recomputed tensor has other values than the forward's",
+                    f"saved tensor #{i} made by {origins[i]}",
+                    "the code is not deterministic or reads state that changed since the forward; "
+                    "fix it or exclude it from the checkpointed region",
+                )
+            )
+
+
 class Provenance(TorchDispatchMode):
     """Remembers, for each tensor made inside it, the ATen op and the module path that made it."""
 
@@ -67,6 +89,12 @@ class Provenance(TorchDispatchMode):
             if isinstance(o, torch.Tensor):
                 self.origin[o] = (str(func), where)
         return out
+
+    def checkable(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s :func:`fingerprint`, or None where its values differ between runs: the workspace
+        of a recurrent kernel (``remat.aten.GRAD_MODE_PACKETS``), memory it need not write."""
+        op = self.origin.get(t, ("",))[0]
+        return None if op.rsplit(".", 1)[0] in GRAD_MODE_PACKETS else fingerprint(t)
 
     def describe(self, t: torch.Tensor) -> str:
         op, module = self.origin.get(t, ("an input of the region", "<outside>"))

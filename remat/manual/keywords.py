@@ -33,7 +33,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from remat._errors import RematTypeError, RematValueError, message
 from remat.host.offloader import Offloader
 from remat.manual.checks import Check
-from remat.policy import Decision, OpContext, Policy, SaveOps
+from remat.policy import Decision, OpContext, Policy, SaveOps, checked
 
 __all__ = ["TORCH_KEYWORDS", "PolicyFunction", "Settings", "set_checkpoint_early_stop", "settings", "split"]
 
@@ -141,15 +141,7 @@ def settings(
     offloader: Offloader | None = None,
 ) -> Settings:
     """Read torch's keywords (see the module's table) together with remat's ``policy``/``check``."""
-    if policy is not None and not hasattr(policy, "decide"):
-        raise RematTypeError(
-            message(
-                api,
-                "policy must have a decide(ctx) method",
-                f"got {policy!r}",
-                "use a policy of remat.policy (RecomputeAll, SaveOps, SaveComputeIntensive)",
-            )
-        )
+    policy = checked(api, policy)
     if check not in ("none", "shapes", "values"):
         raise RematValueError(
             message(

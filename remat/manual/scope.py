@@ -45,7 +45,7 @@ from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error
-from remat.policy import Policy, RecomputeAll
+from remat.policy import Policy, RecomputeAll, checked
 
 __all__ = ["scope"]
 
@@ -257,15 +257,7 @@ def scope(
     inference mode the block runs as is. Usable as a decorator too.
     """
     execute = executor("scope", replay)
-    if policy is not None and not isinstance(policy, Policy):
-        raise RematTypeError(
-            message(
-                "scope",
-                "policy must have a decide(ctx) -> Decision method",
-                f"{type(policy).__name__}",
-                "pass a remat.policy object such as SaveComputeIntensive(), or None",
-            )
-        )
+    policy = checked("scope", policy)
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _recording():
         yield
         return

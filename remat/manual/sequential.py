@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
@@ -95,13 +96,16 @@ def checkpoint_sequential(
     s = keywords.settings(
         "checkpoint_sequential", {**ours, "use_reentrant": use_reentrant}, policy, check, offloader
     )
-    layers = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
+    iterable = isinstance(modules, Iterable) and not isinstance(modules, torch.Tensor)
+    layers = (
+        list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules) if iterable else []
+    )
     if not layers or not all(callable(m) for m in layers):
         raise RematTypeError(
             message(
                 "checkpoint_sequential",
                 "modules must be a non-empty sequence of callables",
-                f"got {len(layers)} items",
+                f"got {len(layers)} items" if iterable else f"got a {type(modules).__name__}",
                 "pass an nn.Sequential or a list of modules",
             )
         )

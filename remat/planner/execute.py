@@ -120,7 +120,8 @@ class _Runner(Unguarded):
     # -- the forward -------------------------------------------------------------------------------
 
     def begin(self, module: nn.Module, args: Any) -> None:
-        self.aside = torch.is_inference_mode_enabled()  # nothing saved: the model runs as it is
+        # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is
+        self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
         if not self.active and not self.aside:
             self.stop()
             self.position = 0
@@ -182,7 +183,12 @@ class _Runner(Unguarded):
             )
             rule = "the model's forward diverged from the traced step"
         return RecomputationError(
-            message("plan", rule, given, "plan again with inputs that take this path (control flow, shapes)")
+            message(
+                "plan",
+                rule,
+                given,
+                "plan again with inputs that take this path (control flow, shapes, train or eval mode)",
+            )
         )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

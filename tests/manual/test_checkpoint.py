@@ -343,3 +343,26 @@ def test_checkpoint_sequential_on_real_blocks(name: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
     for (n, a), b in zip(model.state_dict().items(), wrapped.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_bad_policies_sequences_and_flags_are_clear_errors() -> None:
+    x = torch.ones(2, 2, requires_grad=True)
+    with pytest.raises(remat.RematTypeError, match=r"remat\.checkpoint: policy .* not its class \(the class"):
+        remat.checkpoint(torch.sin, x, policy=remat.SaveComputeIntensive)  # type: ignore[arg-type]
+    refused = pytest.raises(remat.RematTypeError, match=r"remat\.scope: policy .* not its class")
+    with refused, remat.scope(policy=remat.RecomputeAll):  # type: ignore[arg-type]
+        pass
+    with pytest.raises(remat.RematTypeError, match=r"remat\.SaveOps: ops must be a collection of op names"):
+        remat.SaveOps("aten.addmm")  # type: ignore[arg-type]
+    with pytest.raises(remat.RematTypeError, match=r"remat\.OffloadOps: ops must be a collection"):
+        remat.OffloadOps(3)  # type: ignore[arg-type]
+    assert remat.SaveOps(["aten.mm"]).ops == frozenset({"aten.mm"})  # type: ignore[arg-type]
+    with pytest.raises(
+        remat.RematTypeError, match=r"remat\.checkpoint_sequential: modules .* \(got a Linear\)"
+    ):
+        remat.checkpoint_sequential(nn.Linear(2, 2), 1, x)  # type: ignore[arg-type]
+    refused = pytest.raises(
+        remat.RematTypeError, match=r"remat\.memory\.track: allocator must be True or False"
+    )
+    with refused, remat.memory.track(allocator="yes"):  # type: ignore[arg-type]
+        pass

@@ -20,9 +20,11 @@ def _grads(module: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
 
 
-def test_a_last_op_that_writes_what_it_saved_runs_whole_in_the_recomputation() -> None:
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_a_last_op_that_writes_what_it_saved_runs_whole_in_the_recomputation(check: str) -> None:
     """RReLU saves its noise before its kernel fills it: a recomputation stopped at the last save
-    (as torch's early stop does) handed backward unwritten memory (NOTE [early stop])."""
+    (as torch's early stop does) handed backward unwritten memory (NOTE [early stop]); the value
+    check compares what the ops left, not what the save saw."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.RReLU())
     x = torch.randn(4, 8, requires_grad=True)
@@ -32,7 +34,7 @@ def test_a_last_op_that_writes_what_it_saved_runs_whole_in_the_recomputation() -
     x.grad = None
     block.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    remat.checkpoint(block, x).pow(2).sum().backward()
+    remat.checkpoint(block, x, check=check).pow(2).sum().backward()  # type: ignore[arg-type]
     assert torch.equal(x.grad, expected[0])  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(_grads(block), expected[1], strict=True))
 

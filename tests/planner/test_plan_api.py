@@ -393,16 +393,18 @@ def test_ties_between_plans_go_by_a_fixed_solver_order() -> None:
     assert untied([_candidate("chain", 1.25, 120), chain]) == [chain]  # same solver: the lower peak
 
 
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
 @pytest.mark.parametrize("rerun", [False, True], ids=["tape", "rerun"])
-def test_a_plan_steps_aside_in_inference_mode(rerun: bool) -> None:
-    """In inference mode nothing is saved, and composite ops (``linear``) reach a dispatch mode
-    whole: the model runs as it is, and the next training step under the plan is unaffected."""
+def test_a_plan_steps_aside_in_inference_mode(rerun: bool, mode: Any) -> None:
+    """In inference mode or under no_grad (a validation pass) nothing is saved, and composite ops
+    (``linear``) reach a dispatch mode whole in inference mode: the model runs as it is, and the
+    next training step under the plan is unaffected."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)]
     model, x = nn.Sequential(*blocks, nn.Linear(64, 1)), torch.randn(256, 64)
     plan = remat.plan(model, (x,), 0.6, loss_fn=lambda m, x: m(x).square().mean(), rerun_modules=rerun)
     assert plan.regions
-    with torch.inference_mode(), plan.apply(model):
+    with mode(), plan.apply(model):
         out = model(x)
     assert torch.equal(out, model(x))
     with plan.apply(model):
