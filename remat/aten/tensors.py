@@ -45,11 +45,9 @@ def same_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
     version = a._version
     if b._version != version:
         return False
-    torch._C._autograd._unsafe_set_version_counter((a,), (version + 1,))
-    try:
+    with torch.autograd._unsafe_preserve_version_counter(a):
+        torch.autograd.graph.increment_version(a)
         return b._version == version + 1
-    finally:
-        torch._C._autograd._unsafe_set_version_counter((a,), (version,))
 
 
 def overlaps(a: Geometry, b: Geometry, limit: int = 1 << 16) -> bool:

@@ -56,6 +56,9 @@ __all__ = ["SaveInputs", "checkpoint", "run"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+_NEXT_NODE = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's number
+
+
 class _StopRecomputation(Exception):
     """Raised inside the recomputation once every saved tensor has been produced again."""
 
@@ -181,7 +184,7 @@ class _Frame:
             # it (its node the newest) says. An argument is saved before its op's kernel runs, which
             # may still write what was saved (RReLU's noise): from there the function runs on.
             node = t.grad_fn
-            ran = node is not None and node._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1
+            ran = node is not None and _NEXT_NODE is not None and node._sequence_nr() == _NEXT_NODE() - 1
             with _disable_current_modes():  # our own ops are not the program's
                 self.verify(i, t)
                 kept = store[i] = t.detach()
