@@ -37,7 +37,7 @@ from remat._units import format_bytes, parse_bytes
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.split import BALANCES, balance, chained, profile, untied
+from remat.pipeline.split import BALANCES, balance, chained, children_of, profile, untied
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, walk
 from remat.planner.api import block_key, plan_at
@@ -77,8 +77,8 @@ def _cut(
                 "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
             )
         return stages, ()
-    children = list(model.children())
-    chained(children, example)
+    children = children_of(model)
+    chained(children, example, model)
     if boundaries is not None:
         cuts = (0, *boundaries, len(children))
         if len(cuts) != p + 1 or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False)):
@@ -349,9 +349,23 @@ def plan(
                 modules, order, example_microbatch, target, loss_fn, budget, checkpoint, op_costs
             )
     if any(sp is None for sp in chosen):
-        each = ", ".join(
-            f"rank {order.rank_of(s)} needs {n} bytes ({format_bytes(n)})" for s, n in enumerate(needs)
-        )
+        most: dict[int, int] = {}  # per rank, the most one of its stages needs
+        for s, n in enumerate(needs):
+            most[order.rank_of(s)] = max(most.get(order.rank_of(s), 0), n)
+        if checkpoint != "planned" and order.n_stages > order.n_ranks:  # one plan per stage: walk it
+            with one_thread(), untouched(modules):
+                every, _ = _plan_stages(
+                    modules, order, example_microbatch, target, loss_fn, 2**62, checkpoint, op_costs
+                )
+            m = order.n_microbatches
+            most = dict(
+                enumerate(
+                    walk(
+                        order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in every if sp)
+                    ).peak_bytes
+                )
+            )
+        each = ", ".join(f"rank {r} needs {n} bytes ({format_bytes(n)})" for r, n in sorted(most.items()))
         planned = checkpoint == "planned"
         raise _fail(
             "budget_per_rank below what some rank needs under any plan"

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematValueError, message
+from remat.aten import describe, dtype_name
 from remat.pipeline.stage_plan import StagePlan
 
 __all__ = ["PlannedStage", "pipeline_stages", "torch_schedule", "torch_stage"]
@@ -52,11 +53,30 @@ class PlannedStage(nn.Module):
     def forward(self, *args: Any) -> Any:
         microbatch = self.forwards % self.n_microbatches
         self.forwards += 1
+        shape, dtype = self.stage_plan.inputs
+        if (
+            args
+            and isinstance(x := args[0], torch.Tensor)
+            and (tuple(x.shape), dtype_name(x.dtype)) != (shape, dtype)
+        ):
+            raise RematValueError(
+                message(
+                    "pipeline",
+                    "each micro-batch has the shape and dtype the plan was made for",
+                    f"stage {self.stage_plan.stage}: {describe(x.dtype, x.shape)}, planned {dtype}{[*shape]}",
+                    "pass a batch that splits into n_microbatches micro-batches of that shape, or plan again",
+                )
+            )
         plan = self.stage_plan.plan
         if plan is None or not self.stage_plan.recomputes(microbatch, self.n_microbatches):
-            return self.body(*args)
+            return _sendable(self.body(*args))
         with plan.apply(self.body):
-            return self.body(*args)
+            return _sendable(self.body(*args))
+
+
+def _sendable(out: Any) -> Any:
+    """The stage's output as torch sends it: one contiguous tensor (a transpose or a slice is copied)."""
+    return out.contiguous() if isinstance(out, torch.Tensor) else out
 
 
 def _nothing_left() -> Callable[[], None]:

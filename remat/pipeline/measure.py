@@ -62,9 +62,13 @@ def measure(
     restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
     last = stage == order.n_stages - 1
     inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
+    outputs: list[torch.Tensor] = []
 
     def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return loss_fn(m(x), target) if last else m(x).sum()
+        # NOTE [the output until its backward] torch's stage holds the output until the micro-batch's
+        # backward has run: so does the traced step, whether autograd saved the output or not
+        outputs.append(out := m(x))
+        return loss_fn(out, target) if last else out.sum()
 
     if op_costs == "measured":
         # NOTE [an untimed trace first] an op's first run in a process, and the capture's first sight
@@ -72,20 +76,20 @@ def measure(
         # or write, such as dropout and batch norm) would carry that into the first plan's choice:
         # the step is traced once untimed first
         trace_step(module, (x.detach().requires_grad_(inputs.requires_grad),), step_loss, repeats=1)
+        outputs.clear()
     trace = trace_step(module, (inputs,), step_loss, repeats=3 if op_costs == "measured" else 1)
+    outputs.clear()
     if op_costs == "model":
         events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
         trace = replace(trace, events=events)
-    saved, out, out_saved = _held(module, inputs, target, loss_fn, last)
+    saved, out = _held(module, inputs, target, loss_fn, last)
     sizes = [t.numel() * t.element_size() for t in (inputs, out)]
     shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
     plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
-    # NOTE [the output until its backward] the traced step lets go of an output nothing saved once
-    # the loss is computed; torch's stage holds it until the micro-batch's backward
     held_out = out.untyped_storage().nbytes()
-    peak = plain.predicted_peak_bytes + (0 if out_saved else held_out)
+    peak = plain.predicted_peak_bytes
     base = StagePlan(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         saved, peak, saved, peak,
@@ -101,9 +105,9 @@ def _held(
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     last: bool,
-) -> tuple[int, torch.Tensor, bool]:
+) -> tuple[int, torch.Tensor]:
     """The bytes one micro-batch's step (the loss's included) saves for its backward beside the
-    stage's output, the output (detached), and whether the step saved the output.
+    stage's output, and the output (detached).
 
     NOTE [the output counted once] the pipeline model holds every micro-batch's output beside what
     it saves (torch's stage keeps the output until the backward), so a saved output (a stage ending
@@ -124,5 +128,5 @@ def _held(
         out = module(inputs)
         if last:
             loss_fn(out, target)
-    out_saved = seen.pop(out.untyped_storage().data_ptr(), None) is not None
-    return sum(seen.values()), out.detach(), out_saved
+    seen.pop(out.untyped_storage().data_ptr(), None)
+    return sum(seen.values()), out.detach()

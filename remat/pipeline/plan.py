@@ -27,6 +27,7 @@ from remat._errors import RematTypeError, RematValueError, message
 from remat._files import read_json
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
+from remat.pipeline.split import children_of
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, Timeline, walk
 from remat.planner.plan import Plan
@@ -113,8 +114,7 @@ class PipelinePlan:
             )
         if isinstance(self.model, tuple):
             return self.model
-        children = list(self.model.children())
-        b = self.boundaries
+        children, b = children_of(self.model), self.boundaries
         return tuple(nn.Sequential(*children[b[s] : b[s + 1]]) for s in range(len(b) - 1))
 
     def stages(
@@ -216,10 +216,15 @@ class PipelinePlan:
                 # /2 plans, written before the per-action cost was stored, had op times only
                 ActionCost(**body.get("action_cost", {})),
             )
-        except (KeyError, TypeError, ZeroDivisionError) as err:
+        except (KeyError, TypeError, ZeroDivisionError, IndexError, ValueError) as err:
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None
+        if len(plan.stage_plans) != plan.order.n_stages:
+            given = f"{len(plan.stage_plans)} stage plans for {plan.order.n_stages} stages"
+            raise RematValueError(
+                message("pipeline.load", "the plan file is incomplete or damaged", given, "save it again")
+            )
         if (bad := plan.action_cost.bad()) is not None:
             raise RematValueError(
                 message(
@@ -242,9 +247,19 @@ class PipelinePlan:
                     "pass the list of stage modules",
                 )
             )
-        if isinstance(model, nn.Module):
-            return replace(self, model=model)
-        return replace(self, model=tuple(model))
+        one = isinstance(model, nn.Module)
+        given = len(children_of(model)) if isinstance(model, nn.Module) else len(list(model))
+        expected, what = (self.boundaries[-1], "children") if one else (self.order.n_stages, "stages")
+        if given != expected:
+            raise RematValueError(
+                message(
+                    "pipeline.PipelinePlan",
+                    "the model is not the one planned",
+                    f"{given} {what} for a plan of {expected}",
+                    "pass the model the plan was made for, or plan again",
+                )
+            )
+        return replace(self, model=model if isinstance(model, nn.Module) else tuple(model))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON to ``path``."""

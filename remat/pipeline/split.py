@@ -25,7 +25,7 @@ from torch import nn
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 
-__all__ = ["BALANCES", "ChildCost", "balance", "chained", "profile", "untied"]
+__all__ = ["BALANCES", "ChildCost", "balance", "chained", "children_of", "profile", "untied"]
 
 BALANCES: tuple[str, ...] = ("time", "memory")
 
@@ -116,9 +116,15 @@ def _refused(rule: str, given: str, todo: str, kind: type[Exception] = RematValu
     return kind(message("pipeline.plan", rule, given, todo))
 
 
-def chained(children: Sequence[nn.Module], example: torch.Tensor) -> None:
-    """Refuse a model whose children do not pass one tensor each to the next (run once without
-    gradients, the buffers and the RNG restored): torch's stages send one tensor."""
+def children_of(model: nn.Module) -> list[nn.Module]:
+    """The model's children in order, one registered twice listed twice (``children()`` lists it once)."""
+    return [m for m in model._modules.values() if m is not None]
+
+
+def chained(children: Sequence[nn.Module], example: torch.Tensor, model: nn.Module | None = None) -> None:
+    """Refuse a model whose children do not pass one tensor each to the next, or whose forward
+    computes something else than its children in order (run without gradients from the same
+    generator state, the buffers and the RNG restored): the stages run the children."""
     x: object = example
     with torch.no_grad(), untouched(children):
         for k, child in enumerate(children):
@@ -138,6 +144,17 @@ def chained(children: Sequence[nn.Module], example: torch.Tensor) -> None:
                     "wrap the child so that it returns its tensor (as remat.pipeline.zoo_chain does)",
                     RematTypeError,
                 )
+    if model is None:
+        return
+    with torch.no_grad(), untouched(children):
+        whole = model(example)
+    same = isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and whole.shape == x.shape
+    if not same or not torch.equal(whole, x):  # type: ignore[arg-type]
+        raise _refused(
+            "the model's forward runs its children in order, each once, as the stages will",
+            f"{type(model).__name__}'s forward computes another result than its {len(children)} children",
+            "pass a model whose forward is its children in order (nn.Sequential), or the stage modules",
+        )
 
 
 def untied(stages: Sequence[nn.Module]) -> None:

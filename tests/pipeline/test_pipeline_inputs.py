@@ -1,0 +1,113 @@
+"""``remat.pipeline`` given what it was not planned for, without processes: a model whose forward is
+not its children in order (a module listed twice, a skip across children), a saved plan loaded onto
+another model or damaged, micro-batches of another shape, outputs torch cannot send as they are; and
+the figures a refused budget names on ranks that run two stages."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from models import chain_example
+from torch import nn
+
+import remat
+import remat.pipeline as pp
+from remat import RematValueError
+from remat.pipeline.execute import PlannedStage, _sendable
+from remat.pipeline.timeline import walk
+
+
+def _plan(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options: object) -> pp.PipelinePlan:
+    settings = {"n_stages": 2, "n_microbatches": 2, "schedule": "1f1b", "budget_per_rank": "1GB"}
+    settings |= {"loss_fn": nn.functional.mse_loss, "target": y, "op_costs": "model", **options}
+    return pp.plan(model, x, **settings)  # type: ignore[arg-type]
+
+
+class _Skip(nn.Module):
+    """Children a, b; forward a(x) + b(a(x)): not the chain b(a(x))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h + self.b(h)
+
+
+def test_a_model_whose_forward_is_not_its_children_in_order_is_refused() -> None:
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with pytest.raises(
+        RematValueError, match=r"forward runs its children in order.*_Skip's forward computes"
+    ):
+        _plan(_Skip(), x, y)
+    shared = nn.Linear(8, 8)  # listed twice: children() would list it once, and the stages skip it
+    with pytest.raises(RematValueError, match=r"stages must not share a parameter"):
+        _plan(nn.Sequential(shared, nn.ReLU(), shared, nn.Tanh()), x, y, boundaries=[2])
+    one_stage = _plan(nn.Sequential(nn.Linear(8, 8), shared, nn.ReLU(), shared), x, y, boundaries=[1])
+    assert one_stage.boundaries == (0, 1, 4)
+
+
+def test_a_saved_plan_fits_only_the_model_it_was_made_for(tmp_path: Path) -> None:
+    model, x, y = chain_example(64)
+    plan = _plan(model, x, y, boundaries=[2])
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    bigger = nn.Sequential(*model, nn.Linear(y.shape[1], y.shape[1]))
+    with pytest.raises(
+        RematValueError, match=r"the model is not the one planned \(5 children for a plan of 4\)"
+    ):
+        pp.PipelinePlan.load(path, bigger)
+    body = json.loads(path.read_text())
+    body["stage_plans"] = body["stage_plans"][:1]
+    path.write_text(json.dumps(body))
+    with pytest.raises(RematValueError, match=r"incomplete or damaged \(1 stage plans for 2 stages\)"):
+        pp.PipelinePlan.load(path, model)
+
+
+def test_a_micro_batch_of_another_shape_is_refused_before_it_is_sent() -> None:
+    model, x, y = chain_example(64)
+    plan = _plan(model, x, y, boundaries=[2])
+    first = PlannedStage(plan.stage_modules()[0], plan.stage_plans[0], 2)
+    first(x)  # the micro-batch planned
+    with pytest.raises(RematValueError, match=r"micro-batch has the shape and dtype the plan was made for"):
+        first(x[:31])
+
+
+def test_an_output_torch_cannot_send_as_it_is_is_made_contiguous() -> None:
+    t = torch.randn(4, 6)
+    assert _sendable(t) is t
+    assert _sendable(t.t()).is_contiguous() and torch.equal(_sendable(t.t()), t.t())
+
+
+def test_a_refused_budget_names_each_ranks_peak_where_ranks_run_two_stages() -> None:
+    model, x, y = chain_example(64)
+    options = {"schedule": "interleaved-1f1b", "stages_per_rank": 2, "checkpoint": "never"}
+    plan = _plan(model, x, y, **options)
+    m = plan.order.n_microbatches
+    peaks = walk(
+        plan.order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in plan.stage_plans)
+    ).peak_bytes
+    with pytest.raises(RematValueError) as refused:
+        _plan(model, x, y, **options, budget_per_rank=min(peaks) - 1)
+    named = [int(n) for n in re.findall(r"rank \d+ needs (\d+) bytes", str(refused.value))]
+    assert named == list(peaks)
+
+
+def test_a_stage_holds_its_output_until_its_backward() -> None:
+    """torch's stage keeps the output until the micro-batch's backward has run; a ReLU saves it and
+    the traced step used to let it go midway through the backward (one output short)."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    plan = _plan(nn.Sequential(*stage, nn.Linear(256, 256)), x, y, boundaries=[4])
+    first = plan.stage_plans[0]
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
+        out = stage(x)
+        out.sum().backward()
+        del out
+    assert tracked.peak_bytes <= first.plain_peak_bytes
