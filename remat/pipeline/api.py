@@ -76,6 +76,7 @@ def _cut(
             raise _fail(
                 "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
             )
+        chained(stages, example)
         return stages, ()
     children = children_of(model)
     chained(children, example, model)

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from remat._errors import RematValueError, message
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.stage_plan import StagePlan
 from remat.planner.api import block_key, plan_trace, trace_step
@@ -62,6 +63,15 @@ def measure(
     restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
     last = stage == order.n_stages - 1
     inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
+    if not inputs.requires_grad and not any(p.requires_grad for p in module.parameters()):
+        raise RematValueError(
+            message(
+                "pipeline.plan",
+                "every stage has something to differentiate: torch's schedules run a backward on each",
+                f"stage {stage} has no parameter that requires grad, and its input none",
+                "put the frozen modules in the next stage (boundaries=), or run them before the pipeline",
+            )
+        )
     outputs: list[torch.Tensor] = []
 
     def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:

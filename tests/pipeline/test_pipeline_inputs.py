@@ -111,3 +111,17 @@ def test_a_stage_holds_its_output_until_its_backward() -> None:
         out.sum().backward()
         del out
     assert tracked.peak_bytes <= first.plain_peak_bytes
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+def test_stages_with_nothing_to_differentiate_or_no_tensor_to_send_are_refused() -> None:
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+    with pytest.raises(RematValueError, match=r"every stage has something to differentiate.*stage 0 has no"):
+        _plan(nn.Sequential(frozen, nn.Linear(8, 8)), x, y, boundaries=[1])
+    with pytest.raises(remat.RematTypeError, match=r"returns one tensor, the next child's input"):
+        _plan([_Pair(), nn.Linear(8, 8)], x, y)  # type: ignore[arg-type]
