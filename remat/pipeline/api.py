@@ -43,6 +43,7 @@ from remat.pipeline.timeline import ActionCost, walk
 from remat.planner.api import block_key, plan_at
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.plan import Plan
+from remat.planner.predict import predict
 from remat.planner.search import Candidate, chain_regions, floor, predicted
 from remat.planner.single_level import chain_segments
 from remat.trace.types import Trace
@@ -154,9 +155,10 @@ def _as_plan(found: Frontier, candidate: Candidate) -> Plan:
     return replace(one, notes=f"{candidate.solver}: {candidate.notes}")
 
 
-def _with_plan(base: StagePlan, plan: Plan, plain: Plan) -> StagePlan:
+def _with_plan(base: StagePlan, plan: Plan, plain: Plan, later: int) -> StagePlan:
     """``base`` (nothing planned) running ``plan`` on its micro-batches; ``plain``: the stage's plan
-    that recomputes nothing, from which the base's figures differ as the pipeline counts them."""
+    that recomputes nothing, from which the base's figures differ as the pipeline counts them;
+    ``later``: the plan's peak once the gradients exist (0: not known)."""
     return replace(
         base,
         plan=plan,
@@ -166,13 +168,20 @@ def _with_plan(base: StagePlan, plan: Plan, plain: Plan) -> StagePlan:
         # (their inputs, generator states)
         saved_bytes=base.plain_saved_bytes + plan.predicted_held_bytes - plain.predicted_held_bytes,
         peak_bytes=base.plain_peak_bytes + plan.predicted_peak_bytes - plain.predicted_peak_bytes,
+        later_peak_bytes=later,
     )
+
+
+def _later(later: Trace | None, candidate: Candidate) -> int:
+    """The peak of ``candidate``'s regions on the step traced with the gradients there already
+    (NOTE [later backwards] in ``remat.pipeline.measure``): its forward ops are the same."""
+    return 0 if later is None else predict(later, [ops for _, ops in candidate.regions]).peak_bytes
 
 
 def _choose(
     order: Schedule,
     base: StagePlan,
-    trace: Trace,
+    traces: tuple[Trace, Trace | None],
     module: nn.Module,
     budget: int,
     others: Sequence[StagePlan | None],
@@ -185,6 +194,7 @@ def _choose(
     lowest = _rank_peak(order, base, others)
     if checkpoint == "never" or (checkpoint == "planned" and lowest <= budget):
         return (base if lowest <= budget else None), lowest
+    trace, later = traces
     found = frontier(trace, "auto", block_key(module))
     plain = plan_at(found, found.baseline)
     if checkpoint != "planned":
@@ -196,7 +206,7 @@ def _choose(
                 "pass stages made of child modules (an nn.Sequential, or blocks in an nn.ModuleList),"
                 " or checkpoint='planned'",
             )
-        sp = replace(_with_plan(base, _as_plan(found, uniform), plain),
+        sp = replace(_with_plan(base, _as_plan(found, uniform), plain, _later(later, uniform)),
                      except_last=checkpoint == "except_last")  # fmt: skip
         need = _rank_peak(order, sp, others)
         return (sp if need <= budget else None), need
@@ -206,7 +216,7 @@ def _choose(
     # peak named in a refusal does not depend on the budget.
     fits = []
     for candidate in _candidates(found, module):
-        sp = _with_plan(base, _as_plan(found, candidate), plain)
+        sp = _with_plan(base, _as_plan(found, candidate), plain, _later(later, candidate))
         need = _rank_peak(order, sp, others)
         lowest = min(lowest, need)
         if need <= budget:
@@ -235,20 +245,20 @@ def _plan_stages(
     measured = []
     x = example.detach()
     for s, module in enumerate(modules):
-        base, trace, x = measure(order, s, module, x, target, loss_fn, op_costs)
-        measured.append((base, trace))
+        base, trace, x, later = measure(order, s, module, x, target, loss_fn, op_costs)
+        measured.append((base, (trace, later)))
     chosen: list[StagePlan | None] = [None] * order.n_stages
     needs = [0] * order.n_stages
     alike: list[StagePlan | None] = [None] * order.n_stages
     for rounds in range(1 if order.n_stages == order.n_ranks else 2):
-        for s, (base, trace) in enumerate(measured):
+        for s, (base, traces) in enumerate(measured):
             # a stage of another rank not planned yet stands in as measured: its output is what
             # this rank's receive buffers hold (NOTE [receive buffers] in ``remat.pipeline.timeline``)
             others = [
                 o if o is not None or order.rank_of(k) == order.rank_of(s) else measured[k][0]
                 for k, o in enumerate(chosen if rounds else alike)
             ]
-            sp, needs[s] = _choose(order, base, trace, modules[s], budget, others, checkpoint)
+            sp, needs[s] = _choose(order, base, traces, modules[s], budget, others, checkpoint)
             chosen[s] = sp if sp is not None or not rounds else chosen[s]
     if all(sp is not None for sp in chosen):
         # a stage that found no plan beside the others kept its first one: check the whole rank

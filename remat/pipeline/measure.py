@@ -17,10 +17,14 @@ import torch
 from torch import nn
 
 from remat._errors import RematValueError, message
+from remat._state import untouched
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.stage_plan import StagePlan
 from remat.planner.api import block_key, plan_trace, trace_step
+from remat.planner.predict import predict
+from remat.trace.capture import capture
 from remat.trace.events import Phase
+from remat.trace.let_go import with_let_go
 from remat.trace.types import Op, Trace
 
 __all__ = ["measure", "one_thread"]
@@ -55,7 +59,7 @@ def measure(
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     op_costs: str = "measured",
-) -> tuple[StagePlan, Trace, torch.Tensor]:
+) -> tuple[StagePlan, Trace, torch.Tensor, Trace | None]:
     """Stage ``stage`` of ``order`` run as it is (``module`` may checkpoint inside) on the
     micro-batch ``x`` it receives: its ``StagePlan`` with nothing planned, costs from the traced
     step (``op_costs``: its measured op times, after one untimed trace, or the cost model's
@@ -100,13 +104,41 @@ def measure(
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
     held_out = out.untyped_storage().nbytes()
     peak = plain.predicted_peak_bytes
+    later = _later(module, x, stage, step_loss, trace)
+    outputs.clear()
+    later_peak = 0 if later is None else predict(later, ()).peak_bytes
     base = StagePlan(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         saved, peak, saved, peak,
         held_out, grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0),
-        shapes[0], shapes[1],
+        shapes[0], shapes[1], later_peak, later_peak,
     )  # fmt: skip
-    return base, trace, out
+    return base, trace, out, later
+
+
+def _later(
+    module: nn.Module,
+    x: torch.Tensor,
+    stage: int,
+    step_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    trace: Trace,
+) -> Trace | None:
+    """The stage's step traced with its parameters' gradients there already, on a fresh input.
+
+    NOTE [later backwards] the first backward of a stage makes its gradients, which then stay
+    (the pipeline model counts them apart from then on); a later micro-batch's backward adds into
+    them. Its peak is the step's with the gradients made before the capture (constants, which a
+    prediction leaves out). The forward is the same op for op, so a plan's regions (forward op
+    indices) hold on this trace too; where it is not, None (the first step's peak stands in)."""
+    inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
+    with untouched([module]):
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        later = capture(lambda: step_loss(module, inputs).backward(), name=type(module).__name__, repeats=1)
+        later = with_let_go(later, lambda: step_loss(module, inputs))
+    forward = [op.name for op in trace.ops if op.phase is Phase.FORWARD]
+    same = [op.name for op in later.ops if op.phase is Phase.FORWARD] == forward
+    return later if same and trace.ops[: len(forward)] and later.ops[: len(forward)] else None
 
 
 def _held(

@@ -44,6 +44,10 @@ class StagePlan:
     transfer_bytes: int
     inputs: tuple[tuple[int, ...], str]
     outputs: tuple[tuple[int, ...], str]
+    # the step's peak once its gradients exist, not counting them (NOTE [later backwards] in
+    # ``remat.pipeline.measure``); 0: not measured, ``peak_bytes`` stands in
+    later_peak_bytes: int = 0
+    plain_later_peak_bytes: int = 0
 
     def recomputes(self, microbatch: int, n_microbatches: int) -> bool:
         """Whether ``microbatch`` runs under the plan."""
@@ -61,6 +65,7 @@ class StagePlan:
                 self.output_bytes,
                 self.grad_bytes,
                 self.transfer_bytes,
+                self.later_peak_bytes or self.peak_bytes,
             )
         return Cost(
             self.forward_s,
@@ -71,4 +76,5 @@ class StagePlan:
             self.output_bytes,
             self.grad_bytes,
             self.transfer_bytes,
+            self.plain_later_peak_bytes or self.plain_peak_bytes,
         )

@@ -77,7 +77,8 @@ class Cost:
     included, ``recompute_s`` of it), ``saved_bytes`` held from its forward to its backward,
     ``peak_bytes``, the one-micro-batch step peak, ``output_bytes`` of the stage's output,
     ``grad_bytes`` of its parameters' gradients and ``transfer_bytes`` held by the schedule's
-    sends and receives."""
+    sends and receives; ``later_peak_bytes``, the step's peak beside gradients that exist already
+    (counted apart once the stage's first backward made them), not counting them."""
 
     forward_s: float
     backward_s: float
@@ -87,6 +88,7 @@ class Cost:
     output_bytes: int
     grad_bytes: int
     transfer_bytes: int
+    later_peak_bytes: int | None = None  # None: ``peak_bytes``
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,8 @@ def walk(
                 else:
                     compute = cost.forward_s if action.kind == "F" else cost.backward_s
                     end = start + compute + _overhead(schedule, action, per)
-                    need = others + cost.peak_bytes
+                    later = cost.later_peak_bytes if action.stage in backwarded else None
+                    need = others + (cost.peak_bytes if later is None else later)
                     recompute = cost.recompute_s if action.kind != "F" else 0.0
                 spans.append(Span(rank, action, start, end, recompute, need + buffers[rank]))
                 if action.kind == "F":

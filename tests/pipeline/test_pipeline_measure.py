@@ -63,7 +63,7 @@ def test_the_last_stage_holds_its_output_once_where_the_loss_saves_it() -> None:
     x, y = torch.randn(ROWS, 32), torch.randn(ROWS, 32)
     order = pp.build("gpipe", 1, M)
     for loss_fn in (nn.functional.mse_loss, lambda out, target: (out * target).mean()):
-        base, _, _ = measure(order, 0, stage, x, y, loss_fn, "model")
+        base, *_ = measure(order, 0, stage, x, y, loss_fn, "model")
         with track(allocator=True) as memory:
             out = stage(x)
             graph = loss_fn(out, y).grad_fn
@@ -89,7 +89,7 @@ def test_what_the_loss_or_the_stage_saves_is_counted_once() -> None:
     two = pp.build("gpipe", 2, M)
     cases = [(pp.build("gpipe", 1, M), 0, head), (two, 0, relu_end), (two, 0, sliced)]
     for order, stage, module in cases:
-        base, _, _ = measure(order, stage, module, x, labels, nn.functional.cross_entropy, "model")
+        base, *_ = measure(order, stage, module, x, labels, nn.functional.cross_entropy, "model")
         last = stage == order.n_stages - 1
         with track(allocator=True) as memory:
             out = module(x)
@@ -104,10 +104,28 @@ def test_a_micro_batchs_backward_holds_its_output() -> None:
     torch.manual_seed(0)
     x, labels = torch.randn(ROWS, 32), torch.randint(0, 256, (ROWS,))
     head = nn.Sequential(*mlp_chain(2, 32, 128), nn.Linear(32, 256))
-    base, _, _ = measure(pp.build("gpipe", 1, M), 0, head, x, labels, nn.functional.cross_entropy, "model")
+    base, *_ = measure(pp.build("gpipe", 1, M), 0, head, x, labels, nn.functional.cross_entropy, "model")
     head.zero_grad(set_to_none=True)
     with track(allocator=True) as memory:
         out = head(x)  # held through the backward, as the stage holds it
         nn.functional.cross_entropy(out, labels).backward()
     assert memory.peak_bytes <= base.peak_bytes
     assert base.peak_bytes - memory.peak_bytes < out.untyped_storage().nbytes()
+
+
+def test_a_later_backward_adds_into_gradients_that_exist() -> None:
+    """After a stage's first backward its gradients stay, counted apart by the pipeline model; a
+    later micro-batch's step peaks without them (NOTE [later backwards]): counting them in the
+    step's peak too put ranks 20-28% over what they measured."""
+    torch.manual_seed(0)
+    stage = mlp_chain(2, 32, 128)
+    x, y = torch.randn(ROWS, 32), torch.randn(ROWS, 32)
+    base, *_ = measure(pp.build("1f1b", 2, M), 0, stage, x, y, nn.functional.mse_loss, "model")
+    assert 0 < base.later_peak_bytes < base.peak_bytes
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)
+    with track(allocator=True) as memory:
+        out = stage(x)  # held through the backward, as the stage holds it
+        out.sum().backward()
+        del out
+    assert memory.peak_bytes <= base.later_peak_bytes <= memory.peak_bytes * 1.05
