@@ -228,7 +228,7 @@ def _tape_holds(
                 if i != first:
                     packed.update(root[t] for t in trace.ops[i].inputs if root[t] in facts.saved_roots)
         modules = {trace.ops[i].module for i in region.ops}
-        death = max(
+        packs_until = max(
             (
                 _released(r, modules, last_read_in, last_saved_read.get(r, end))
                 for r in packed
@@ -236,8 +236,7 @@ def _tape_holds(
             ),
             default=last,
         )
-        if not plans.planned[g]:
-            death = last
+        death = packs_until if plans.planned[g] else last
         seen: set[int] = set()
         readers = {i: {root[t] for t in trace.ops[i].inputs} for i in region.ops}
         for i in region.ops:
@@ -266,9 +265,10 @@ def _tape_holds(
         for r in plans.held_by_plan[g]:
             holds.hold_at.setdefault(last, []).append(r)
             holds.unhold_after.setdefault(death, []).append(r)
-        if region.rerun is not None:  # the generators' state its call started with
+        if region.rerun is not None:  # the generators' state its call started with, kept by its
+            # frame, which every save's handle refers to, planned or not
             holds.snapshots[first] = holds.snapshots.get(first, 0) + rng_bytes
-            holds.unsnap_after[death] = holds.unsnap_after.get(death, 0) + rng_bytes
+            holds.unsnap_after[packs_until] = holds.unsnap_after.get(packs_until, 0) + rng_bytes
     return holds
 
 

@@ -461,3 +461,22 @@ def test_asking_for_modules_run_again_never_raises_the_floor() -> None:
             plan_trace(trace, 1, block_key=block_key(model), rerun_modules=rerun)
         floors[rerun] = info.value.minimum_bytes
     assert floors[True] <= floors[False]
+
+
+def test_a_module_run_again_that_recomputes_nothing_holds_its_generator_state_as_predicted() -> None:
+    """A linear layer on the raw input saves only the input and its weight: nothing to recompute,
+    but its frame keeps the generators' state until its node's backward, which the prediction let
+    go of at the region's end (5 KiB over it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    x = torch.randn(128, 32)
+    trace = fixed_costs(trace_step(model, (x,), lambda m, x: m(x).square().mean(), repeats=1))
+    step = Step(trace, rerun_modules=True)
+    made = step.region("0", _ops_of(step, "0"))
+    assert made is not None and made[0].rerun == "0" and not made[1].save
+    plan = dataclasses.replace(plan_trace(trace, 1.0), regions=(made[0],))
+    predicted = remat.planner.search.predicted(step, [made]).peak_bytes
+    model.zero_grad(set_to_none=True)
+    with remat.memory.track(timeline=False, allocator=True) as tracked, plan.apply(model):
+        model(x).square().mean().backward()
+    assert predicted - SCALARS <= tracked.peak_bytes <= predicted + SCALARS
