@@ -39,3 +39,14 @@ def ratio_range(spec: str, api: str = "sim.cli") -> list[float]:
             message(api, "ratios must lie in (0, 1]", f"got {spec!r}", "pass fractions of the peak")
         )
     return ratios
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value

@@ -20,6 +20,10 @@ def read_json(path: str | os.PathLike[str], api: str, writer: str) -> Any:
         raise RematValueError(
             message(api, "no such file", str(path), f"pass the path {writer} wrote")
         ) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+        raise RematValueError(
+            message(api, "cannot read this file", f"{path}: {err}", f"pass the path {writer} wrote")
+        ) from None
     except json.JSONDecodeError as err:
         raise RematValueError(
             message(api, "the plan file is not JSON", f"{path}: {err}", f"load a file {writer} wrote")

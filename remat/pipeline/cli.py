@@ -22,6 +22,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from remat._arguments import positive
 from remat._errors import RematError
 from remat._units import parse_bytes
 
@@ -43,24 +44,24 @@ def register(subparsers: Any) -> None:
         choices=MODELS,
         help="the built-in chain of MLP blocks, or the zoo's tiny GPT-2",
     )
-    parser.add_argument("--blocks", type=_positive, default=8, help="blocks in the chain (default 8)")
-    parser.add_argument("--width", type=_positive, default=64, help="block width (default 64)")
-    parser.add_argument("--hidden", type=_positive, default=256, help="hidden width (default 256)")
+    parser.add_argument("--blocks", type=positive, default=8, help="blocks in the chain (default 8)")
+    parser.add_argument("--width", type=positive, default=64, help="block width (default 64)")
+    parser.add_argument("--hidden", type=positive, default=256, help="hidden width (default 256)")
     parser.add_argument(
         "--batch",
-        type=_positive,
+        type=positive,
         default=256,
         help="rows (mlp) or sequences (gpt2) per micro-batch (default 256)",
     )
-    parser.add_argument("--seq", type=_positive, default=64, help="tokens per sequence (gpt2; default 64)")
-    parser.add_argument("--stages", type=_positive, required=True, help="ranks (processes)")
+    parser.add_argument("--seq", type=positive, default=64, help="tokens per sequence (gpt2; default 64)")
+    parser.add_argument("--stages", type=positive, required=True, help="ranks (processes)")
     parser.add_argument(
         "--stages-per-rank",
-        type=_positive,
+        type=positive,
         default=1,
         help="stages on each rank (interleaved-1f1b; default 1; zbv always runs two, in a V)",
     )
-    parser.add_argument("--microbatches", type=_positive, required=True, help="micro-batches per step")
+    parser.add_argument("--microbatches", type=positive, required=True, help="micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="schedule (default 1f1b)")
     parser.add_argument("--budget", required=True, type=_budget, help="bytes per rank ('3MB')")
     parser.add_argument("--balance", default="memory", choices=("memory", "time"), help="how to cut")
@@ -80,16 +81,6 @@ def _budget(text: str) -> int:
         return parse_bytes(text, "pipeline")
     except RematError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

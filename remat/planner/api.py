@@ -173,6 +173,13 @@ def plan_trace(
     (``remat.planner.executor_cost``). Pass fixed figures for a pick that depends on the trace
     alone, ``ExecutorCost()`` to leave the executor out."""
     _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
+    if block_key is not None and not callable(block_key):
+        raise fail("block_key maps a module path to its block", repr(block_key), "pass a function, or None")
+    if executor_cost is not None and not isinstance(executor_cost, ExecutorCost):
+        given = type(executor_cost).__name__
+        raise fail(
+            "executor_cost must be an ExecutorCost", given, "pass remat.planner's ExecutorCost, or None"
+        )
     three_way = OffloadProblem in get(solver).problems
     host = offload_arguments(solver, three_way, link, host_budget)
     flags = {"rerun_modules": rerun_modules, "within_blocks": within_blocks}

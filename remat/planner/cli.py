@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from remat._arguments import names_in
+from remat._arguments import names_in, positive
 from remat._errors import RematError, message
 from remat._units import parse_budget, parse_bytes
 from remat.planner.solvers import names
@@ -94,7 +94,7 @@ def register(subparsers: Any) -> None:
         type=_solvers,
         help="comma-separated solvers",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timing rounds per plan (default 3)")
+    parser.add_argument("--repeats", type=positive, default=3, help="timing rounds per plan (default 3)")
     parser.add_argument("--out", metavar="FILE.png", help="with --pareto: plot the curve")
     parser.add_argument("--json", metavar="FILE", help="with --pareto: write every point as JSON")
     parser.set_defaults(func=run)

@@ -51,6 +51,7 @@ from remat.planner.search import (
 )
 from remat.planner.single_level import chain_segments, model_peak
 from remat.planner.solvers import chain_dp, get
+from remat.planner.solvers.registry import check_options
 from remat.planner.solvers.sqrt import split
 from remat.planner.types import Chain, Problem, Solution
 from remat.trace.types import Trace
@@ -147,6 +148,7 @@ def ladder(step: Step, solver: str, problem: Problem, options: dict[str, Any]) -
     top = model_peak(problem)
     solutions: list[Solution] = []
     if solver == "chain" and isinstance(problem, Chain):
+        check_options(solver, chain_dp.plans, options)
         budget = top
         for _ in range(_TABLES):
             found = chain_dp.plans(problem, budget, **options)
@@ -230,6 +232,8 @@ def _candidates(
 ) -> list[Candidate]:
     """``solver``'s candidates on ``step``, whose chain of blocks is ``chain``."""
     trace = step.trace
+    if solver not in ("auto", "chain"):  # before the solves, which refuse a budget alike
+        check_options(solver, get(solver).function, options)
     fine = chain_from_trace(trace, key=finer_key(step.key))
     chains = [chain] + ([fine] if len(chain) < len(fine) <= _FINE_STAGES else [])
     tried: list[Candidate] = []

@@ -201,6 +201,13 @@ class Plan:
             )
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])
+            ends = [(r.first, r.last) for r in sorted(fields["regions"], key=lambda r: r.first)]
+            if any(a > b or b >= len(fields["ops"]) or a < 0 for a, b in ends) or any(
+                b >= c for (_, b), (c, _) in zip(ends, ends[1:], strict=False)
+            ):
+                raise ValueError(
+                    f"regions must be disjoint spans of the {len(fields['ops'])} forward ops: {ends}"
+                )
             fields["link"] = Link(**fields["link"]) if fields.get("link") else None
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as err:

@@ -52,6 +52,15 @@ def simulate(
     cost model's estimates, and the result says so (``SimResult.costs``). ``link``: swap victims
     to the host over this link where the copy hides behind compute (Capuchin); the overhead then
     counts the stalls for reloads beside the recomputations."""
+    if not isinstance(trace, Trace):
+        raise RematTypeError(
+            message(
+                _API,
+                "trace must be a Trace",
+                type(trace).__name__,
+                "pass remat.trace.load(path) or a capture",
+            )
+        )
     chosen = _policy(policy, layout)
     _link(link)
     limit = _thrash_limit(thrash_limit)

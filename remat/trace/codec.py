@@ -60,6 +60,15 @@ _PHASES = {p.value: p for p in Phase}
 def save(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` to ``path`` (gzip-compressed if the name ends in ``.gz``), after validating it."""
     checked(trace, "trace.save", trace.name or "trace")
+    if Path(path).is_dir() or not Path(path).parent.is_dir():
+        raise RematValueError(
+            message(
+                "trace.save",
+                "the path names a file in a folder that exists",
+                str(path),
+                "pass a file path such as step.jsonl",
+            )
+        )
     with _open(Path(path), "w") as f:
         header = {
             "format": FORMAT,

@@ -410,3 +410,38 @@ def test_a_plan_steps_aside_in_inference_mode(rerun: bool, mode: Any) -> None:
     with plan.apply(model):
         model(x).square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_solver_options_files_and_keys_that_cannot_work_are_clear_errors(tmp_path: Any) -> None:
+    trace, _, _ = _traced("gpt2")
+    for solver, options, error, rule in [
+        ("chain", {"time_limit": 5}, RematTypeError, r"unknown option for solver 'chain' \(got time_limit\)"),
+        ("auto", {"bogus": 1}, RematTypeError, r"unknown option for solver 'chain'"),
+        (
+            "chain",
+            {"slots": 0},
+            RematValueError,
+            r"option slots of solver 'chain' must be a int of at least 1",
+        ),
+        ("milp", {"time_limit": "x"}, RematValueError, r"option time_limit of solver 'milp' must be a float"),
+        ("milp", {"time_limit": -1.0}, RematValueError, r"option time_limit"),
+        ("milp", {"max_nodes": 2.5}, RematValueError, r"option max_nodes"),
+        ("sqrt", {"segments": 2.5}, RematValueError, r"segments must be a whole number|no plan"),
+    ]:
+        with pytest.raises(error, match=rule):
+            plan_trace(trace, 1.0, solver=solver, **options)
+    with pytest.raises(RematValueError, match=r"block_key maps a module path"):
+        plan_trace(trace, 1.0, block_key="x")  # type: ignore[arg-type]
+    with pytest.raises(RematValueError, match=r"executor_cost must be an ExecutorCost"):
+        plan_trace(trace, 1.0, executor_cost="x")  # type: ignore[arg-type]
+    with pytest.raises(RematValueError, match=r"remat\.plan\.load: cannot read this file"):
+        Plan.load(tmp_path)
+    with pytest.raises(RematValueError, match=r"remat\.trace\.save: the path names a file"):
+        remat.trace.save(trace, tmp_path)
+    with pytest.raises(RematTypeError, match=r"remat\.sim\.simulate: trace must be a Trace"):
+        remat.sim.simulate("x", 0.5)  # type: ignore[arg-type]
+    plan = plan_trace(trace, 0.8)
+    body = plan.to_json()
+    body["regions"] = [{**body["regions"][0], "first": 5, "last": 2}]
+    with pytest.raises(RematValueError, match=r"regions must be disjoint spans"):
+        Plan.from_json(body)

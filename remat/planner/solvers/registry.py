@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._units import parse_bytes
 from remat.planner.offload_model import OffloadProblem
 from remat.planner.types import Chain, Dag, Problem, Solution
 
-__all__ = ["Solver", "get", "names", "register"]
+__all__ = ["Solver", "check_options", "get", "names", "register"]
 
 SolveFunction = Callable[..., Solution]
 
@@ -48,19 +50,7 @@ class Solver:
                     f"use {others}",
                 )
             )
-        params = inspect.signature(self.function).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            known = [p for p, v in params.items() if v.kind is v.KEYWORD_ONLY]
-            unknown = sorted(set(options) - set(known))
-            if unknown:
-                raise RematTypeError(
-                    message(
-                        "plan",
-                        f"unknown option for solver {self.name!r}",
-                        f"got {', '.join(unknown)}",
-                        f"use {', '.join(known) or 'no options'}",
-                    )
-                )
+        check_options(self.name, self.function, options)
         start = time.perf_counter()
         result = self.function(problem, budget, **options)
         if result.predicted_peak_bytes > budget:
@@ -73,6 +63,48 @@ class Solver:
                 )
             )
         return dataclasses.replace(result, solve_seconds=time.perf_counter() - start)
+
+
+def check_options(solver: str, function: Callable[..., Any], options: dict[str, object]) -> None:
+    """Refuse an option ``function`` (a solver's) does not take, or a value unlike its default's:
+    an int option takes a whole number of at least 1, a float one a number of at least 0 (inf: no
+    limit), a bool one a bool."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    known = [p for p, v in params.items() if v.kind is v.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise RematTypeError(
+            message(
+                "plan",
+                f"unknown option for solver {solver!r}",
+                f"got {', '.join(unknown)}",
+                f"use {', '.join(known) or 'no options'}",
+            )
+        )
+    for name, value in options.items():
+        default = params[name].default
+        if isinstance(default, bool):
+            bad = not isinstance(value, bool)
+        elif isinstance(default, int):
+            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+        elif isinstance(default, float):
+            real = isinstance(value, (int, float)) and not isinstance(value, bool)
+            bad = not real or math.isnan(value) or value < 0  # type: ignore[arg-type,operator]
+        else:
+            continue
+        if bad:
+            least = "of at least 0" if isinstance(default, float) else "of at least 1"
+            kind = "True or False" if isinstance(default, bool) else f"a {type(default).__name__} {least}"
+            raise RematValueError(
+                message(
+                    "plan",
+                    f"option {name} of solver {solver!r} must be {kind}",
+                    repr(value),
+                    f"e.g. {default!r}",
+                )
+            )
 
 
 _SOLVERS: dict[str, Solver] = {}

@@ -34,6 +34,10 @@ def solve(problem: Problem, budget_bytes: int, *, segments: int | None = None) -
     """Chen's plan for ``problem`` with ``segments`` segments (default round(sqrt(n))); a
     RematValueError when its peak does not fit ``budget_bytes``."""
     require(problem, budget_bytes)
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+        raise RematValueError(
+            message("plan", "segments must be a whole number of at least 1", repr(segments), "e.g. 4")
+        )
     schedule: Schedule
     if isinstance(problem, Chain):
         parts, kind = split(len(problem), segments), "stages"
