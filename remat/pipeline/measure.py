@@ -136,9 +136,10 @@ def _later(
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         later = capture(lambda: step_loss(module, inputs).backward(), name=type(module).__name__, repeats=1)
         later = with_let_go(later, lambda: step_loss(module, inputs))
-    forward = [op.name for op in trace.ops if op.phase is Phase.FORWARD]
-    same = [op.name for op in later.ops if op.phase is Phase.FORWARD] == forward
-    return later if same and trace.ops[: len(forward)] and later.ops[: len(forward)] else None
+    forward = [(op.index, op.name) for op in trace.ops if op.phase is Phase.FORWARD]
+    return (
+        later if [(op.index, op.name) for op in later.ops if op.phase is Phase.FORWARD] == forward else None
+    )
 
 
 def _held(
