@@ -209,16 +209,15 @@ class Recorder(TorchDispatchMode):
             # a generator of the program's own, which a module run again would draw from anew
             self.own_generator.update(self.attribution.modules)
         pure = facts.pure  # safe to run again (NOTE [hidden writes] in ``remat.aten.schema``)
-        real = self.scratch and leaves and not (leaves[0].is_meta or is_fake(leaves[0]))
-        once = signature(func, args, kwargs) if real and not pure else None  # NOTE [scratch of a single run]
-        if once is None or known(once) is not None:
+        unmeasured = self.scratch and leaves and not (leaves[0].is_meta or is_fake(leaves[0]))
+        if pure or not unmeasured or known(signature(func, args, kwargs)) is not None:
             out, seconds, on_device = self._run(func, args, kwargs, leaves, repeat=pure)
             scratch = self._scratch(func, args, kwargs, leaves) if seconds > 0 else 0
-        else:
+        else:  # NOTE [scratch of a single run]
             (out, seconds, on_device), nbytes = measured(
                 lambda: self._run(func, args, kwargs, leaves, repeat=False), leaves[0].device
             )
-            scratch = 0 if nbytes is None or not seconds else learn(once, nbytes)
+            scratch = 0 if nbytes is None or not seconds else learn(signature(func, args, kwargs), nbytes)
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
         returns = tuple(
