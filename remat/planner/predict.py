@@ -12,7 +12,7 @@ values are blocks and nodes, this one's are the trace's storages. ``remat.plan``
 and correct, every solver's plan.
 
 ``predict`` runs in named steps: the facts of each region (``remat.planner.region_model``: what
-it keeps, drops and replays), the tapes' holds and snapshots (``_tape_holds``), then one walk over
+it keeps, drops and replays), the tapes' holds and snapshots (``remat.planner.holds``), then one walk over
 the step's events that counts the bytes alive (``_Walk``).
 
 NOTE [region model]
@@ -63,19 +63,19 @@ from dataclasses import dataclass
 
 import torch
 
-from remat import aten
 from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, ExecutorWork
 from remat.planner.execute import UNCOUNTED
+from remat.planner.holds import Holds, tape_holds
 from remat.planner.region_model import (
     RegionOps,
     RegionPlans,
     StepFacts,
     kept_values,
+    outside_writes,
     region_targets,
     replay_ops,
     replay_points,
     step_facts,
-    writes,
 )
 from remat.trace.types import Op, Phase, Trace
 
@@ -114,33 +114,9 @@ class Prediction:
         return self.executor_cost / self.base_cost if self.base_cost > 0 else 0.0
 
 
-def _blank(
-    op: Op, t: int, i: int, readers: dict[int, set[int]], saved_later: set[int], root: Sequence[int]
-) -> bool:
-    """Whether the tape lets go of its snapshot of ``t``, which op ``i`` writes, when the region
-    ends (NOTE [blank writes] in ``remat.manual.blank``): a hidden write of batch norm's that no
-    other op of the region reads, and that autograd does not save after the write while the region
-    records (the tape would replay it for that save). Where saves are not placed, never: the
-    prediction then counts the copy to the replay, as many bytes or more."""
-    r = root[t]
-    hidden = aten.writes_hidden(op.name) and t in op.inputs[-2:] and t not in op.mutates
-    return hidden and r not in saved_later and not any(r in rs for j, rs in readers.items() if j != i)
-
-
 def _where(op: Op, replaying: str = "") -> str:
     text = f"op {op.index} {op.name} in {op.module or '(top level)'}"
     return f"{text}, replaying {replaying}" if replaying else text
-
-
-@dataclass(frozen=True)
-class _Holds:
-    """What the tapes and replay plans hold, by op: storages acquired at an op and released after
-    another, and the bytes of the snapshots they take."""
-
-    hold_at: dict[int, list[int]]
-    unhold_after: dict[int, list[int]]
-    snapshots: dict[int, int]
-    unsnap_after: dict[int, int]
 
 
 def predict(
@@ -156,16 +132,17 @@ def predict(
     (NOTE [executor cost]; the default, zero, leaves the executor out)."""
     facts = step_facts(trace, regions)
     kept = kept_values(trace, regions, facts)
-    planned, packed, drop_after = region_targets(trace, regions, facts, kept)
+    written = outside_writes(trace, regions, facts)
+    planned, packed, drop_after = region_targets(trace, regions, facts, kept, written)
     replay_at = replay_points(trace, regions, facts, planned)
     replayed = {g for gs in replay_at.values() for g in gs}
     # a region whose targets backward never reads (a frozen block) is never replayed, but its
     # replay plan is made, and holds what it reads, all the same
     targets = [ts if g in replayed else set() for g, ts in enumerate(planned)]
-    need, held_by_plan = replay_ops(trace, regions, facts, kept, planned)
-    plans = RegionPlans(kept, packed, planned, targets, need, held_by_plan)
+    need, held_by_plan, snapped = replay_ops(trace, regions, facts, kept, planned, written)
+    plans = RegionPlans(kept, packed, planned, targets, need, held_by_plan, written, snapped)
     rng_bytes = _CPU_RNG_STATE_BYTES if trace.device == "cpu" else 0  # a CUDA state lives on the host
-    holds = _tape_holds(trace, regions, facts, plans, rng_bytes)
+    holds = tape_holds(trace, regions, facts, plans, rng_bytes)
     walk = _Walk(trace, regions, names, facts, plans, rng_bytes)
     for r, gone, back in moved:
         drop_after.setdefault(gone, []).append(r)
@@ -192,84 +169,6 @@ def predict(
         executor_cost=executor.seconds(work),
         work=work,
     )
-
-
-def _released(r: int, modules: set[str], last_read_in: dict[tuple[int, str], int], otherwise: int) -> int:
-    """When autograd lets go of storage ``r`` that a region with forward ops in ``modules``
-    packed: the save goes with its node, so after the last read by a backward op of those modules,
-    not by another region's node that saved the same storage (a rotary table, a mask); a storage
-    no backward op of the region reads is counted to ``otherwise``."""
-    mine = [last_read_in[r, m] for m in modules if (r, m) in last_read_in]
-    return max(mine) if mine else otherwise
-
-
-def _tape_holds(
-    trace: Trace, regions: Sequence[RegionOps], facts: StepFacts, plans: RegionPlans, rng_bytes: int
-) -> _Holds:
-    """Holds of the tapes and replay plans (NOTE [region model]), and the snapshots they take."""
-    root, tensors = facts.root, trace.tensors
-    last_saved_read: dict[int, int] = {}
-    last_read_in: dict[tuple[int, str], int] = {}  # (storage, module of the reading node) -> op
-    for op in trace.ops:
-        if op.phase is Phase.BACKWARD:
-            for t in op.inputs:
-                last_saved_read[root[t]] = op.index
-                last_read_in[root[t], op.module] = op.index
-    holds = _Holds({}, {}, {}, {})
-    end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
-    for g, region in enumerate(regions):
-        if not region.ops:
-            continue
-        first, last = region.ops[0], region.ops[-1]
-        packed = plans.packed[g]
-        if not trace.saved_at:
-            packed = plans.kept[g] | plans.targets[g]
-            for i in region.ops:
-                if i != first:
-                    packed.update(root[t] for t in trace.ops[i].inputs if root[t] in facts.saved_roots)
-        modules = {trace.ops[i].module for i in region.ops}
-        packs_until = max(
-            (
-                _released(r, modules, last_read_in, last_saved_read.get(r, end))
-                for r in packed
-                if r in facts.saved_roots
-            ),
-            default=last,
-        )
-        death = packs_until if plans.planned[g] else last
-        seen: set[int] = set()
-        readers = {i: {root[t] for t in trace.ops[i].inputs} for i in region.ops}
-        for i in region.ops:
-            op = trace.ops[i]
-            written_outside = [t for t in writes(op) if facts.region_made(root[t]) != g]
-            blank = []
-            if written_outside and trace.saved_at and aten.writes_hidden(op.name):
-                later = {root[t] for t, p in trace.saved_at if i < p <= last}  # the tape's handles
-                blank = [t for t in written_outside if _blank(op, t, i, readers, later, root)]
-            drawn = rng_bytes if op.random and region.rerun is None else 0  # a re-run: one, below
-            copied = sum(tensors[t].view_bytes for t in written_outside) + drawn
-            if copied:
-                holds.snapshots[i] = holds.snapshots.get(i, 0) + copied
-                freed = sum(tensors[t].view_bytes for t in blank)
-                after = death if i in plans.need[g] else last
-                holds.unsnap_after[after] = holds.unsnap_after.get(after, 0) + copied - freed
-                holds.unsnap_after[last] = holds.unsnap_after.get(last, 0) + freed
-            outs = [root[t] for t in op.outputs if facts.maker.get(root[t]) == i]
-            for r in [*(root[t] for t in op.inputs), *outs]:
-                if r in seen or tensors[r].constant:
-                    continue
-                if r in plans.kept[g] or facts.region_made(r) != g:
-                    seen.add(r)
-                    holds.hold_at.setdefault(i, []).append(r)
-                    holds.unhold_after.setdefault(last, []).append(r)
-        for r in plans.held_by_plan[g]:
-            holds.hold_at.setdefault(last, []).append(r)
-            holds.unhold_after.setdefault(death, []).append(r)
-        if region.rerun is not None:  # the generators' state its call started with, kept by its
-            # frame, which every save's handle refers to, planned or not
-            holds.snapshots[first] = holds.snapshots.get(first, 0) + rng_bytes
-            holds.unsnap_after[packs_until] = holds.unsnap_after.get(packs_until, 0) + rng_bytes
-    return holds
 
 
 class _Walk:
@@ -336,17 +235,29 @@ class _Walk:
                 ):
                     continue
                 if r in self.plans.targets[g]:
-                    if r in self.dropped:
-                        self.dropped.discard(r)
-                        self.made += tensors[r].nbytes if self.handles[r] > 0 else 0
-                    else:
-                        self.copies[r] = tensors[r].nbytes
-                        self.made += self.copies[r]
+                    self.remake(r, tensors[r].nbytes)
                 else:
                     transient[r] = tensors[r].nbytes
+            for t in op.mutates:  # into a clone of the snapshot (NOTE [written from outside])
+                r = root[t]
+                if self.plans.written[g].get(r) == op.index:
+                    if r in self.plans.targets[g]:
+                        self.remake(r, tensors[t].view_bytes)
+                    else:
+                        transient[r] = tensors[t].view_bytes
             self.sample(before, self.made + sum(transient.values()) + op.scratch, name)
             for r in [r for r in transient if r >= 0 and last_use.get(r, gone) <= op.index]:
                 del transient[r]
+
+    def remake(self, r: int, size: int) -> None:
+        """A replay makes target ``r`` again: back where it was dropped, else a copy of ``size``
+        bytes beside the original until the original goes."""
+        if r in self.dropped:
+            self.dropped.discard(r)
+            self.made += self.trace.tensors[r].nbytes if self.handles[r] > 0 else 0
+        else:
+            self.copies[r] = self.copies.get(r, 0) + size
+            self.made += size
 
     def release(self, r: int) -> None:
         self.handles[r] -= 1
@@ -360,7 +271,7 @@ class _Walk:
             self.made -= self.trace.tensors[r].nbytes
         self.dropped.add(r)
 
-    def run(self, replay_at: dict[int, list[int]], drop_after: dict[int, list[int]], holds: _Holds) -> None:
+    def run(self, replay_at: dict[int, list[int]], drop_after: dict[int, list[int]], holds: Holds) -> None:
         root, tensors = self.facts.root, self.trace.tensors
         for event in self.trace.events:
             if not isinstance(event, Op):

@@ -2,9 +2,20 @@
 
 Why apart from the walk over the step (``remat.planner.predict``): these are the facts of the
 plan, read off the trace once before any memory is counted, each by one step with one question:
-what each region keeps (``kept_values``), hands autograd a handle for and drops early
-(``region_targets``), where it replays (``replay_points``) and what its replay runs and what its
-plan holds (``replay_ops``). ``predict`` adds the tapes' holds and walks the events.
+what each region keeps (``kept_values``), writes of what was made before it (``outside_writes``),
+hands autograd a handle for and drops early (``region_targets``), where it replays
+(``replay_points``) and what its replay runs and what its plan holds (``replay_ops``).
+``predict`` adds the tapes' holds (``remat.planner.holds``) and walks the events.
+
+NOTE [written from outside] An op of a region that writes in place a storage made before the region
+(an in-place ReLU opening a block, over the previous block's output) makes the tape snapshot the
+old value and give the written one a value id of its own, made by that op (NOTE [aliasing] in
+``remat.manual.tape``). So what autograd saves of the storage after the write, while the region
+records, gets a handle like any value the region made: the storage is one of the region's targets,
+dropped early where no other save holds it, and the replay makes it again from the snapshot (a
+copy beside the original where it is still alive). Ops of the region that read the storage before
+its first write there read the snapshot, as the writer does; the ones after it read what the
+writer's replay makes. The snapshot, not the storage, is what the replay plan holds.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ __all__ = [
     "RegionPlans",
     "StepFacts",
     "kept_values",
+    "outside_writes",
     "region_targets",
     "replay_ops",
     "replay_points",
@@ -73,7 +85,9 @@ class StepFacts:
 class RegionPlans:
     """Per region (NOTE [region model]): what it keeps, what autograd saved while it recorded
     (``packed``), its replay plan's targets (``planned``) and those a backward op reads, which it
-    replays (``targets``), the ops its replay runs (``need``) and what its plan holds."""
+    replays (``targets``), the ops its replay runs (``need``) and what its plan holds; the first op
+    of the region writing each storage made before it (``written``, NOTE [written from outside])
+    and those whose snapshot the replay reads (``snapped``)."""
 
     kept: list[set[int]]
     packed: list[set[int]]
@@ -81,6 +95,8 @@ class RegionPlans:
     targets: list[set[int]]
     need: list[set[int]]
     held_by_plan: list[set[int]]
+    written: list[dict[int, int]]
+    snapped: list[set[int]]
 
 
 def step_facts(trace: Trace, regions: Sequence[RegionOps]) -> StepFacts:
@@ -121,11 +137,29 @@ def kept_values(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts) ->
     return kept
 
 
+def outside_writes(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts) -> list[dict[int, int]]:
+    """Per region recorded on a tape, the storages made before it that its ops write in place,
+    each with the first op that does (NOTE [written from outside])."""
+    found: list[dict[int, int]] = [{} for _ in regions]
+    for g, region in enumerate(regions):
+        for i in region.ops if region.rerun is None else ():
+            for t in writes(trace.ops[i]):
+                r = facts.root[t]
+                if facts.region_made(r) != g and not trace.tensors[r].constant:
+                    found[g].setdefault(r, i)
+    return found
+
+
 def region_targets(
-    trace: Trace, regions: Sequence[RegionOps], facts: StepFacts, kept: list[set[int]]
+    trace: Trace,
+    regions: Sequence[RegionOps],
+    facts: StepFacts,
+    kept: list[set[int]],
+    written: list[dict[int, int]],
 ) -> tuple[list[set[int]], list[set[int]], dict[int, list[int]]]:
     """Per region its targets and what autograd saved while it recorded; and by forward op, the
-    dropped targets that die after it."""
+    dropped targets that die after it. A storage the region writes from outside is a target where
+    a save comes after the write (NOTE [written from outside])."""
     # A save at position p (NOTE in ``Trace``) is in region g's tape when first < p <= last.
     window: dict[int, int] = {}
     for g, region in enumerate(regions):
@@ -135,9 +169,14 @@ def region_targets(
     ends = {region.ops[-1] + 1: g for g, region in enumerate(regions) if region.rerun and region.ops}
     packed: list[set[int]] = [set() for _ in regions]  # roots saved while the region records
     held_by_autograd: set[int] = set()  # roots some save holds as in the plain step
+    rewritten: list[set[int]] = [set() for _ in regions]  # saved after the region wrote them
     for t, p in trace.saved_at:
         r = facts.root[t]
         g = window.get(p, -1)
+        if g >= 0 and p > written[g].get(r, len(trace.ops)):  # after op p - 1, the write's or later
+            packed[g].add(r)
+            rewritten[g].add(r)
+            continue
         rerun = regions[ends[p]].rerun if p in ends else None
         if rerun is not None and facts.region_made(r) == ends[p]:
             mine, others = read_back(trace, r, rerun.module)
@@ -167,9 +206,18 @@ def region_targets(
             dropped_early = all(facts.region_of.get(i) == g for i in readers.get(r, ()))
         targets[g].add(r)
         if dropped_early:  # after its last reader, or as late as the program held it (NOTE [let go])
-            gone = max([facts.maker[r], *readers.get(r, ()), let_go.get(r, -1)])
-            drop_after.setdefault(gone, []).append(r)
+            drop_after.setdefault(_gone(facts, r, let_go), []).append(r)
+    for g, rs in enumerate(rewritten):
+        targets[g].update(rs)
+        for r in rs - held_by_autograd:
+            drop_after.setdefault(_gone(facts, r, let_go), []).append(r)
     return targets, packed, drop_after
+
+
+def _gone(facts: StepFacts, r: int, let_go: dict[int, int]) -> int:
+    """The forward op after which storage ``r`` dies where no save holds it: its last reader, or as
+    late as the program held it (NOTE [let go])."""
+    return max([facts.maker.get(r, -1), *facts.readers.get(r, ()), let_go.get(r, -1)])
 
 
 def replay_points(
@@ -183,16 +231,17 @@ def replay_points(
     modules = [{trace.ops[i].module for i in region.ops} for region in regions]
     first: dict[int, int] = {}  # region -> first backward op reading a target
     own: dict[int, int] = {}  # region -> first such op of the region's own modules
-    owner = {r: g for g, ts in enumerate(targets) for r in ts}
+    owners: dict[int, list[int]] = {}  # a storage written from outside has two (NOTE [written from outside])
+    for g, ts in enumerate(targets):
+        for r in ts:
+            owners.setdefault(r, []).append(g)
     for op in trace.ops:
         if op.phase is Phase.BACKWARD:
             for t in op.inputs:
-                g = owner.get(facts.root[t], -1)
-                if g < 0:
-                    continue
-                first.setdefault(g, op.index)
-                if op.module in modules[g]:
-                    own.setdefault(g, op.index)
+                for g in owners.get(facts.root[t], ()):
+                    first.setdefault(g, op.index)
+                    if op.module in modules[g]:
+                        own.setdefault(g, op.index)
     replay_at: dict[int, list[int]] = {}
     for g in sorted(first):
         replay_at.setdefault(own.get(g, first[g]), []).append(g)
@@ -205,21 +254,26 @@ def replay_ops(
     facts: StepFacts,
     kept: list[set[int]],
     planned: list[set[int]],
-) -> tuple[list[set[int]], list[set[int]]]:
+    written: list[dict[int, int]],
+) -> tuple[list[set[int]], list[set[int]], list[set[int]]]:
     """The ops each replay runs: those that lead to the targets, stopping at kept values and at
-    values from outside the region (a module re-run: every op before its last save); and what they
-    read of those, which the region's plan holds (a module re-run: what its call was given)."""
+    values from outside the region (a module re-run: every op before its last save); what they
+    read of those, which the region's plan holds (a module re-run: what its call was given); and
+    the storages written from outside whose snapshot they read (NOTE [written from outside])."""
     root = facts.root
     need: list[set[int]] = []
     held_by_plan: list[set[int]] = []
+    snapped: list[set[int]] = []
     for g, region in enumerate(regions):
         if region.rerun is not None:  # NOTE [module re-run]: every op before the last save
             need.append({i for i in region.ops if i < region.rerun.stop})
             held_by_plan.append(set(region.rerun.inputs) if planned[g] else set())
+            snapped.append(set())
             continue
         wanted = set(planned[g])
         ops_needed: set[int] = set()
         outside: set[int] = set()
+        snaps: set[int] = set()
         for i in reversed(region.ops):
             op = trace.ops[i]
             # NOTE [kept beside a written output] an op runs again when it makes or writes a value
@@ -233,13 +287,16 @@ def replay_ops(
                 r = root[t]
                 if trace.tensors[r].constant:
                     continue
-                if facts.region_made(r) == g and r not in kept[g]:
+                if r in written[g]:  # after the region's first write of it, the writer's value
+                    (wanted if written[g][r] < i else snaps).add(r)
+                elif facts.region_made(r) == g and r not in kept[g]:
                     wanted.add(r)
                 else:
                     outside.add(r)
         need.append(ops_needed)
         held_by_plan.append(outside if planned[g] else set())
-    return need, held_by_plan
+        snapped.append(snaps)
+    return need, held_by_plan, snapped
 
 
 def writes(op: Op) -> tuple[int, ...]:
