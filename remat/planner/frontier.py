@@ -241,6 +241,7 @@ def _candidates(
         for problem in chains:
             tried += ladder(step, "chain", problem, {"single_level": True, **options})
             tried += ladder(step, "greedy", problem, {})
+            tried += segment_counts(step, problem)  # sqrt's plans, every segment count
         tried += simple(step, chain) + floor(step, chain)
         tried += keeping_compute(step, pareto(tried))
         tried += filled_all(step, pareto(tried))

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 from models import assert_same, build, train, twin
-from plans import SCALARS, _measured_peak, _plan, _traced, trace_with_fixed_costs
+from plans import SCALARS, _measured_peak, _plan, _traced, fixed_costs, trace_with_fixed_costs
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import remat
 from remat import Plan, RecomputationError, RematTypeError, RematValueError
-from remat.planner import plan_trace, room
+from remat.planner import BudgetTooSmall, plan_trace, room, trace_step
 from remat.planner.api import block_key
 from remat.planner.lowering import chain_from_trace
 from remat.planner.predict import Prediction
@@ -445,3 +445,46 @@ def test_solver_options_files_and_keys_that_cannot_work_are_clear_errors(tmp_pat
     body["regions"] = [{**body["regions"][0], "first": 5, "last": 2}]
     with pytest.raises(RematValueError, match=r"regions must be disjoint spans"):
         Plan.from_json(body)
+
+
+class _Residual(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2, self.drop = (
+            nn.LayerNorm(w),
+            nn.Linear(w, 2 * w),
+            nn.Linear(2 * w, w),
+            nn.Dropout(0.1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class _ThreeBlocks(nn.Module):
+    def __init__(self, w: int = 48) -> None:
+        super().__init__()
+        self.inp, self.layers, self.head = (
+            nn.Linear(16, w),
+            nn.ModuleList(_Residual(w) for _ in range(3)),
+            nn.Linear(w, 4),
+        )
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), target.flatten())
+
+
+def test_auto_reaches_every_sqrt_plans_floor() -> None:
+    """``auto`` weighs Chen's plans at every segment count on both chains: its smallest plan is no
+    higher than any of sqrt's (it named a minimum 6% above one sqrt reached here)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(12)
+    x, target = torch.randn(4, 16, 16, generator=generator), torch.randint(0, 4, (4, 16), generator=generator)
+    trace = fixed_costs(trace_step(_ThreeBlocks(), (x, target), lambda m, x, t: m(x, t), repeats=1))
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1)
+    sqrt = min(c.pred.peak_bytes for c in remat.planner.frontier.frontier(trace, "sqrt").candidates)
+    assert info.value.minimum_bytes <= sqrt
