@@ -39,6 +39,14 @@ NOTE [CUDA block size]
 The CUDA caching allocator hands out blocks in multiples of 512 bytes and counts the blocks
 (``torch.cuda.memory_allocated``), so a storage on CUDA is recorded at its block's size: a tensor
 of 100 bytes takes 512, which matters on models of many small tensors.
+
+NOTE [scratch of a single run]
+What an op's kernel allocates and frees while it runs (``Op.scratch``) is measured under the
+allocator's account (``remat._allocator``) once per signature: the op, its tensors' geometry and
+its other arguments, taken before the op runs (an in-place op may change its argument's geometry).
+A pure op is measured on one more run; an op that cannot run again (a random draw such as
+attention with dropout, a mutation) on its one run, its time then including the profiler's notes of
+its allocations, and later ones of its signature take what was learned: none runs twice.
 """
 
 from __future__ import annotations
@@ -209,15 +217,21 @@ class Recorder(TorchDispatchMode):
             # a generator of the program's own, which a module run again would draw from anew
             self.own_generator.update(self.attribution.modules)
         pure = facts.pure  # safe to run again (NOTE [hidden writes] in ``remat.aten.schema``)
-        unmeasured = self.scratch and leaves and not (leaves[0].is_meta or is_fake(leaves[0]))
-        if pure or not unmeasured or known(signature(func, args, kwargs)) is not None:
+        measures = self.scratch and leaves and not (leaves[0].is_meta or is_fake(leaves[0]))
+        # the key is taken before the op runs: an in-place op may change its argument's geometry
+        key = signature(func, args, kwargs) if measures else None
+        nbytes = known(key) if key is not None else None
+        if key is None or nbytes is not None or pure:
             out, seconds, on_device = self._run(func, args, kwargs, leaves, repeat=pure)
-            scratch = self._scratch(func, args, kwargs, leaves) if seconds > 0 else 0
+            if key is not None and nbytes is None and seconds > 0:  # pure: one more run measures it
+                once = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
+                nbytes = None if once is None else learn(key, once)
+            scratch = (nbytes or 0) if seconds > 0 else 0
         else:  # NOTE [scratch of a single run]
             (out, seconds, on_device), nbytes = measured(
                 lambda: self._run(func, args, kwargs, leaves, repeat=False), leaves[0].device
             )
-            scratch = 0 if nbytes is None or not seconds else learn(signature(func, args, kwargs), nbytes)
+            scratch = 0 if nbytes is None or not seconds else learn(key, nbytes)
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
         returns = tuple(
@@ -300,25 +314,6 @@ class Recorder(TorchDispatchMode):
             return out, statistics.median(times), None
         host = statistics.median(times[2:]) if runs > 2 else times[0]
         return out, host, on_device[1] if runs > 1 else on_device[0]
-
-    def _scratch(
-        self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: list[torch.Tensor]
-    ) -> int:
-        """The bytes the op's kernel allocates and frees while it runs (``Op.scratch``), measured on
-        one more run of a pure op under the allocator's account (``remat._allocator``), once per
-        signature: the op, its tensors' geometry and its other arguments. NOTE [scratch of a single
-        run]: an op that cannot run again (a random draw such as attention with dropout, a mutation)
-        is measured on its one run, its time then including the profiler's notes of its allocations."""
-        if not self.scratch or not leaves:
-            return 0
-        key = signature(func, args, kwargs)
-        nbytes = known(key)
-        if nbytes is None:
-            once = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
-            if once is None:
-                return 0
-            nbytes = learn(key, once)
-        return nbytes
 
     # -- saved tensors, hooks, the trace ------------------------------------------------------------
 

@@ -39,3 +39,21 @@ def test_a_random_ops_scratch_is_in_the_trace_and_the_prediction_meets_the_alloc
     with remat.memory.track(timeline=False, allocator=True) as tracked, plan.apply(model):
         model(x).backward()
     assert tracked.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_an_op_that_cannot_run_twice_runs_once_where_it_changes_its_arguments_geometry() -> None:
+    """``t_`` transposes in place: on a square tensor its signature (strides included) differs
+    before and after it runs. Learned once on a transposed tensor, the next ``t_`` on a plain one
+    matches what the first left, and was then run a second time to measure its scratch under the
+    key it had after running, transposing the tensor back."""
+    made = []
+
+    def step() -> None:
+        first = torch.empty_strided((8, 8), (1, 8)).copy_(torch.arange(64.0).view(8, 8))
+        first.t_()
+        second = torch.arange(64.0).view(8, 8).clone()
+        second.t_()
+        made.append(second)
+
+    remat.trace.capture(step, repeats=1)
+    assert torch.equal(made[0], torch.arange(64.0).view(8, 8).t())
