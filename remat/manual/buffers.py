@@ -12,20 +12,21 @@ no ``__call__`` and no pre-hook runs for it) is named as a root and swapped at o
 
 NOTE [buffers as the forward saw them] By the time of the recomputation the forward has already
 updated its buffers, so a private copy of the buffer as it is now is not what the forward read: a
-module whose output depends on a buffer it updates (an exponential moving average used in
-training) would compute otherwise, and the values check (``check="values"``) would see batch
-norm's running statistics differ from those autograd saved. So where the region is a module (or
-its bound ``forward``), the buffers of up to ``COPY_LIMIT`` bytes of it and of every module below
-it are copied before the forward, and a copy is kept where the forward then wrote the buffer: its
-version moved, the module holds another tensor under the name (``self.avg = 0.9 * self.avg +
-...``), or it is batch norm's running statistics, which its kernel writes without moving their
-version (NOTE [hidden writes] in ``remat.aten.schema``). The recomputation's private copies start
-from those, and a buffer the forward did not write is not copied at all (a causal mask). A larger
-buffer is not copied; one written in the forward is recomputed from its new value, as is any
-buffer of a module the region reaches otherwise (a function's closure), and a module the region
-calls twice reads, when recomputed, its buffers as they were before the first call. No module hook is added
-in the forward: ``torch.compile`` guards on the global hooks, and a new one at every call would
-compile the function again each time.
+module whose output depends on a buffer it updates (an exponential moving average used in training)
+would compute otherwise, and the values check (``check="values"``) would see batch norm's running
+statistics differ from those autograd saved. So where the region is a module (or its bound
+``forward``), the buffers of up to ``COPY_LIMIT`` bytes of it and of every module below it are
+copied before the forward, and a copy is kept where the forward then wrote the buffer: its version
+moved, the module holds another tensor under the name (``self.avg = 0.9 * self.avg + ...``), or it
+is batch norm's running statistics, which its kernel writes without moving their version (NOTE
+[hidden writes] in ``remat.aten.schema``). The recomputation's private copies start from those, and
+a buffer the forward did not write is not copied at all (a causal mask). The same holds for the
+modules a function's closure holds (``create_custom_forward(layer)``) and a list of modules given
+to a partial. A larger buffer is not copied; one written in the forward is recomputed from its new
+value, as is any buffer of a module the region reaches otherwise (a global, an attribute of an
+argument), and a module the region calls twice reads, when recomputed, its buffers as they were
+before the first call. No module hook is added in the forward: ``torch.compile`` guards on the
+global hooks, and a new one at every call would compile the function again each time.
 """
 
 from __future__ import annotations
@@ -54,18 +55,44 @@ def _hidden(module: nn.Module, name: str) -> bool:
 def region_modules(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
     """The modules a region running ``fn`` is known to run (a module, a module's bound method, a
     partial of a method and its module, or of a function and a list of modules: a segment of
-    ``checkpoint_sequential``; and the modules below them), and those whose forward its recomputation
-    calls itself, which no pre-hook shields."""
+    ``checkpoint_sequential``; the modules or lists of modules a function's closure holds:
+    ``create_custom_forward(layer)``; and the modules below them), and those whose forward its
+    recomputation calls itself, which no pre-hook shields."""
     owner = getattr(fn, "__self__", None)
     if isinstance(fn, functools.partial) and fn.args:
         first = fn.args[0]
         if isinstance(first, nn.Module):
             owner = first  # ``partial(Layer.forward, layer, ...)``: transformers' layers
-        elif isinstance(first, (list, tuple)) and first and all(isinstance(m, nn.Module) for m in first):
-            return tuple(m for layer in first for m in layer.modules()), ()
+        elif _modules_in(first):
+            return _below(_modules_in(first)), ()
     if isinstance(owner, nn.Module):
         return tuple(owner.modules()), (owner,)
-    return (tuple(fn.modules()), ()) if isinstance(fn, nn.Module) else ((), ())
+    if isinstance(fn, nn.Module):
+        return tuple(fn.modules()), ()
+    cells = getattr(fn, "__closure__", None) or ()
+    held = [m for cell in cells for m in _modules_in(_content(cell))]
+    return (_below(held), ()) if held else ((), ())
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a free variable not bound yet
+        return None
+
+
+def _modules_in(value: Any) -> list[nn.Module]:
+    """``value`` if it is a module, its items if it is a list or tuple of modules, else none."""
+    if isinstance(value, nn.Module):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, nn.Module) for m in value):
+        return list(value)
+    return []
+
+
+def _below(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
+    """``modules`` and every module below them, each once."""
+    return tuple({id(m): m for top in modules for m in top.modules()}.values())
 
 
 class Buffers:

@@ -85,6 +85,36 @@ def test_sequential_segments_read_buffers_as_their_forward_found_them(check: str
         assert torch.equal(a, b)
 
 
+def _custom_forward(module: nn.Module | list[nn.Module]):  # type: ignore[no-untyped-def]
+    """The closure transformers once wrapped each layer in (``create_custom_forward``)."""
+
+    def custom_forward(x: torch.Tensor) -> torch.Tensor:
+        for m in module if isinstance(module, list) else [module]:
+            x = m(x)
+        return x
+
+    return custom_forward
+
+
+@pytest.mark.parametrize("held", ["module", "list"])
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_modules_a_closure_holds_are_recomputed_from_their_buffers_as_the_forward_found_them(
+    held: str, check: str
+) -> None:
+    """A function whose closure holds the modules it runs: their buffers are noted as for the
+    module form (the recomputation read the moving average its forward had already updated)."""
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(*_layers())
+    plain(x).sum().backward()
+    chain = nn.Sequential(*_layers())
+    body = list(chain[:3]) if held == "list" else chain[:3]
+    h = remat.checkpoint(_custom_forward(body), x, check=check)
+    chain[3:](h).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
+    for a, b in zip(chain.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
 def _block(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ x.t()).sum(-1) * torch.tanh(x).exp()[:, 0]
 
