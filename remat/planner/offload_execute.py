@@ -11,11 +11,10 @@ stays its own (the planner never offloads a tensor a recomputed region reads).
 
 NOTE [plan prefetch] The offloader brings tensors back ``PREFETCH`` ahead in backward order: when
 backward first unpacks a moved storage, the copies back of the ``PREFETCH`` storages moved out just
-before it start (on CUDA on the side stream, behind backward's compute; on CPU at once). So a
-storage is back by the first backward read of the ``PREFETCH`` storages moved out after it, or by
-its own; the plan's prediction counts it on the device from then, when that is earlier than the
-step its planned copy back starts in (``remat.planner.offload_search.prefetched``), so the device
-holds at most what the plan predicts.
+before it that backward has not unpacked yet start (on CUDA on the side stream, behind backward's
+compute; on CPU at once). The plan's prediction walks the same rule over the step's first unpacks
+(``remat.planner.offload_timing``, NOTE [moves on the step]), so the device holds at most what the
+plan predicts.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Why apart from ``remat.planner.search``: a three-way answer is a recomputation p
 regions, as ``search`` makes them) plus storages that leave the device and come back, and its time
 has a part no op costs: the stalls where the link is slower than the compute it hides behind. This
 module maps an ``OffloadSolution`` onto the step: its regions, and each moved storage's op after
-which it leaves (the last op of the step its copy out completes in, or of its last forward reader)
-and the op before which it is back (the first of the step where its copy in starts); it predicts
+which it leaves and the op before which it is back, as the executor moves them
+(``remat.planner.offload_timing``, NOTE [moves on the step]); it predicts
 the step with both (``predict(..., moved=...)``), adds the solver's stalls, and lowers the solver's
 budget while the step's peak is over the budget, as ``search`` does. The candidates go beside the
 recompute-only ones, so the plan picked is never predicted slower than recomputation alone.
@@ -29,7 +29,6 @@ from remat._errors import RematTypeError, RematValueError, message
 from remat._units import parse_bytes
 from remat.host.link import Link
 from remat.planner.frontier import Frontier, pareto
-from remat.planner.offload_execute import PREFETCH
 from remat.planner.offload_lowering import offload_problem
 from remat.planner.offload_model import (
     OffloadProblem,
@@ -37,6 +36,7 @@ from remat.planner.offload_model import (
     OffloadSolution,
     evaluate,
 )
+from remat.planner.offload_timing import moves_on_step
 from remat.planner.predict import predict
 from remat.planner.regions import TensorDecision
 from remat.planner.search import Candidate, Step, chain_regions, untied
@@ -113,23 +113,16 @@ def checked(
     regions = chain_regions(step, chain, chain_segments(chain, segments))
     if base is not None:
         regions = base.regions + regions
-    first_read: dict[int, int] = {}
-    for t, ops in trace.saved_reads().items():
-        if ops:
-            r = trace.root(t)
-            first_read[r] = min(first_read.get(r, ops[0]), *ops)
-    moved, reasons = [], []
+    planned, reasons = [], []
     for m in schedule.moves:
         it = problem.items[m.item]
-        gone = problem.bounds[cost.gone_step(m.item)][1]
-        back = min(problem.bounds[m.back][0], first_read.get(it.root, len(trace.ops)))
-        moved.append((it.root, gone, back))
+        planned.append((it.root, problem.bounds[cost.gone_step(m.item)][1]))
         why = (
             f"{solution.solver}: to host in {problem.step_name(m.out)}, back in "
             f"{problem.step_name(m.back)} for {problem.step_name(it.need)}"
         )
         reasons.append((it.root, why))
-    moved = prefetched(step, moved, first_read)
+    moved = moves_on_step(step, planned)  # as the executor moves them (NOTE [moves on the step])
     pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved, step.executor)
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
     notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
@@ -144,30 +137,6 @@ def checked(
         cost.host_bytes,
         cost.stall,
     )
-
-
-def prefetched(
-    step: Step, moved: list[tuple[int, int, int]], first_read: dict[int, int]
-) -> list[tuple[int, int, int]]:
-    """``moved`` (root, gone after op, back before op) with each storage back no later than the
-    executor's prefetch brings it (NOTE [plan prefetch]): at the first backward read of the
-    ``PREFETCH`` storages moved out after it."""
-    trace = step.trace
-    roots = {r for r, _, _ in moved}
-    saved_first: dict[int, int] = {}  # when autograd first saved it (the op that made it, unknown)
-    for op in step.forward:
-        for r in roots.intersection(op.outputs):
-            saved_first.setdefault(r, op.index + 1)
-    for t, position in trace.saved_at:
-        r = trace.root(t)
-        if r in roots:
-            saved_first[r] = min(saved_first.get(r, position), position)
-    order = sorted(moved, key=lambda m: (saved_first.get(m[0], 0), m[0]))
-    out = []
-    for k, (root, gone, back) in enumerate(order):
-        reads = [first_read[r] for r, _, _ in order[k + 1 : k + 1 + PREFETCH] if r in first_read]
-        out.append((root, gone, min([back, *reads])))
-    return out
 
 
 def offload_search(

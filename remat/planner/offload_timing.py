@@ -1,0 +1,93 @@
+"""When the storages a three-way plan moves leave the device and come back, as the executor
+(``remat.planner.offload_execute``, ``remat.host.offloader``) moves them: what ``predict`` is given
+as ``moved``.
+
+NOTE [moves on the step] The solver's model moves items by steps of the chain; the executor does it
+by ops, and three things differ, each of which made offload plans measure other than predicted:
+- What moves: every new output of a planned op that autograd saves goes to the host (the executor
+  notes the op's outputs, not which of them the solver chose), so layer norm's statistics go with
+  its output.
+- When a storage leaves: on CPU the copy out is made when autograd first saves it, and the device
+  storage goes when the program lets go of it (``Trace.let_go``), not at the end of the step the
+  link model finishes the copy in; on CUDA the caching allocator keeps it until the copy is done,
+  so the later of the two. (Where the capture has no ``let_go``, the solver's step is taken.)
+- When it comes back: not at the step the solver planned, but at its first unpack in backward, or
+  earlier where the prefetch brings it (NOTE [plan prefetch]): each first unpack brings back the
+  ``PREFETCH`` storages moved out before it that backward has not unpacked yet (those already on
+  their way count). The offloader orders them as autograd packed them, which the trace does not
+  keep within one op's saves (``bmm`` packs its second argument first), so the walk runs with ties
+  in both orders and takes each storage's earlier return: never later than the executor's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from remat.planner.offload_execute import PREFETCH
+from remat.planner.search import Step
+
+__all__ = ["moves_on_step"]
+
+
+def moves_on_step(step: Step, planned: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(root, gone after op, back before op)`` for each storage the executor moves, from the
+    solver's moved storages ``planned`` as ``(root, op after which the solver's step has it gone)``
+    (NOTE [moves on the step])."""
+    trace = step.trace
+    root = trace.roots
+    solver_gone = dict(planned)
+    saved = {root[t] for t in trace.saved}
+    made: dict[int, list[int]] = {}  # storage -> the new storages its op made
+    for op in step.forward:
+        fresh = [root[t] for t in op.outputs if trace.tensors[t].alias_of is None]
+        for r in fresh:
+            made.setdefault(r, fresh)
+    for r in list(solver_gone):  # the planned op's other saved outputs move with it
+        for other in made.get(r, ()):
+            if other in saved and not trace.tensors[other].constant:
+                solver_gone.setdefault(other, solver_gone[r])
+    let_go = dict(trace.let_go)
+    last_save: dict[int, int] = {}
+    saved_first: dict[int, int] = {}  # when autograd first saved it: the copy out
+    for t, position in trace.saved_at:
+        r = root[t]
+        if r in solver_gone:
+            last_save[r] = max(last_save.get(r, 0), position - 1)
+            saved_first[r] = min(saved_first.get(r, position), position)
+    for op in step.forward:  # a trace that does not place its saves: the op that made it
+        for t in op.outputs:
+            if root[t] in solver_gone:
+                saved_first.setdefault(root[t], op.index + 1)
+    first_read: dict[int, int] = {}
+    for t, ops in trace.saved_reads().items():
+        if ops and root[t] in solver_gone:
+            first_read[root[t]] = min(first_read.get(root[t], ops[0]), *ops)
+    back = _returns(sorted(solver_gone, key=lambda r: (saved_first.get(r, 0), r)), first_read)
+    flipped = _returns(sorted(solver_gone, key=lambda r: (saved_first.get(r, 0), -r)), first_read)
+    end = len(trace.ops)
+    out = []
+    for r, planned_gone in solver_gone.items():
+        program = max(let_go.get(r, planned_gone), last_save.get(r, 0))
+        gone = program if trace.device == "cpu" else max(program, planned_gone)
+        out.append((r, gone, min(back.get(r, end), flipped.get(r, end))))
+    return out
+
+
+def _returns(order: list[int], first_read: dict[int, int]) -> dict[int, int]:
+    """The op before which each storage of ``order`` (the order they moved out) is back: the
+    offloader's prefetch walked over backward's first unpacks."""
+    at = {r: k for k, r in enumerate(order)}
+    back: dict[int, int] = {}
+    unpacked: set[int] = set()
+    for op, r in sorted((op, r) for r, op in first_read.items()):
+        unpacked.add(r)
+        back.setdefault(r, op)
+        ahead = 0
+        for older in reversed(order[: at[r]] if PREFETCH else ()):
+            if older in unpacked:
+                continue
+            back.setdefault(older, op)
+            ahead += 1
+            if ahead >= PREFETCH:
+                break
+    return back
