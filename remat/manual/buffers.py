@@ -21,12 +21,14 @@ moved, the module holds another tensor under the name (``self.avg = 0.9 * self.a
 is batch norm's running statistics, which its kernel writes without moving their version (NOTE
 [hidden writes] in ``remat.aten.schema``). The recomputation's private copies start from those, and
 a buffer the forward did not write is not copied at all (a causal mask). The same holds for the
-modules a function's closure holds (``create_custom_forward(layer)``) and a list of modules given
-to a partial. A larger buffer is not copied; one written in the forward is recomputed from its new
-value, as is any buffer of a module the region reaches otherwise (a global, an attribute of an
-argument), and a module the region calls twice reads, when recomputed, its buffers as they were
-before the first call. No module hook is added in the forward: ``torch.compile`` guards on the
-global hooks, and a new one at every call would compile the function again each time.
+modules a function's closure holds (``create_custom_forward(layer)``), where their buffers come to
+``COPY_LIMIT`` bytes at most (a closure holding a whole model to run one layer is not copied), and
+a list of modules given to a partial. A larger buffer is not copied; one written in the forward is
+recomputed from its new value, as is any buffer of a module the region reaches otherwise (a global,
+an attribute of an argument), and a module the region calls twice reads, when recomputed, its
+buffers as they were before the first call. No module hook is added in the forward:
+``torch.compile`` guards on the global hooks, and a new one at every call would compile the
+function again each time.
 """
 
 from __future__ import annotations
@@ -70,8 +72,11 @@ def region_modules(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...
     if isinstance(fn, nn.Module):
         return tuple(fn.modules()), ()
     cells = getattr(fn, "__closure__", None) or ()
-    held = [m for cell in cells for m in _modules_in(_content(cell))]
-    return (_below(held), ()) if held else ((), ())
+    below = _below([m for cell in cells for m in _modules_in(_content(cell))])
+    # a closure may hold a whole model to run one of its layers (``lambda h: self.blocks[i](h)``):
+    # its modules are taken only where their buffers are small enough to copy at every call
+    size = sum(b.nbytes for m in below for b in m._buffers.values() if b is not None)
+    return (below, ()) if below and size <= COPY_LIMIT else ((), ())
 
 
 def _content(cell: Any) -> Any:

@@ -110,8 +110,7 @@ def tape_holds(
                 if r in plans.kept[g] or facts.region_made(r) != g:
                     seen.add(r)
                     holds.hold_at.setdefault(i, []).append(r)
-                    # the tape trades what it read for a snapshot when it writes it
-                    holds.unhold_after.setdefault(max(i, plans.written[g].get(r, last)), []).append(r)
+                    holds.unhold_after.setdefault(last, []).append(r)
         for r in plans.held_by_plan[g]:
             holds.hold_at.setdefault(last, []).append(r)
             holds.unhold_after.setdefault(death, []).append(r)

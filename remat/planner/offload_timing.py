@@ -15,8 +15,11 @@ by ops, and three things differ, each of which made offload plans measure other 
   earlier where the prefetch brings it (NOTE [plan prefetch]): each first unpack brings back the
   ``PREFETCH`` storages moved out before it that backward has not unpacked yet (those already on
   their way count). The offloader orders them as autograd packed them, which the trace does not
-  keep within one op's saves (``bmm`` packs its second argument first), so the walk runs with ties
-  in both orders and takes each storage's earlier return: never later than the executor's.
+  keep within one op's saves (``bmm`` packs its second argument first), so the storages first
+  saved at one position come back together, when the first of them would: never later than the
+  executor brings them. Autograd unpacks a node's saves when the node starts, a few ops before the
+  op that reads them; the walk counts them from that op, so the scratch of the node's ops before
+  it is not counted beside them.
 """
 
 from __future__ import annotations
@@ -62,32 +65,35 @@ def moves_on_step(step: Step, planned: Iterable[tuple[int, int]]) -> list[tuple[
     for t, ops in trace.saved_reads().items():
         if ops and root[t] in solver_gone:
             first_read[root[t]] = min(first_read.get(root[t], ops[0]), *ops)
-    back = _returns(sorted(solver_gone, key=lambda r: (saved_first.get(r, 0), r)), first_read)
-    flipped = _returns(sorted(solver_gone, key=lambda r: (saved_first.get(r, 0), -r)), first_read)
+    back = _returns(solver_gone, saved_first, first_read)
     end = len(trace.ops)
     out = []
     for r, planned_gone in solver_gone.items():
         program = max(let_go.get(r, planned_gone), last_save.get(r, 0))
         gone = program if trace.device == "cpu" else max(program, planned_gone)
-        out.append((r, gone, min(back.get(r, end), flipped.get(r, end))))
+        out.append((r, gone, back.get(r, end)))
     return out
 
 
-def _returns(order: list[int], first_read: dict[int, int]) -> dict[int, int]:
-    """The op before which each storage of ``order`` (the order they moved out) is back: the
-    offloader's prefetch walked over backward's first unpacks."""
-    at = {r: k for k, r in enumerate(order)}
+def _returns(moved: Iterable[int], saved_first: dict[int, int], first_read: dict[int, int]) -> dict[int, int]:
+    """The op before which each moved storage is back: the offloader's prefetch walked over
+    backward's first reads, the storages in the order they moved out; those moved out at one
+    position, whose order the trace does not keep, come back together, when the first of them
+    would (NOTE [moves on the step])."""
+    groups: dict[int, list[int]] = {}
+    for r in moved:
+        groups.setdefault(saved_first.get(r, 0), []).append(r)
+    order = [groups[k] for k in sorted(groups)]
+    at = {r: k for k, group in enumerate(order) for r in group}
     back: dict[int, int] = {}
     unpacked: set[int] = set()
     for op, r in sorted((op, r) for r, op in first_read.items()):
         unpacked.add(r)
-        back.setdefault(r, op)
         ahead = 0
-        for older in reversed(order[: at[r]] if PREFETCH else ()):
-            if older in unpacked:
-                continue
-            back.setdefault(older, op)
-            ahead += 1
-            if ahead >= PREFETCH:
+        for k in range(at[r], -1, -1):
+            if ahead >= PREFETCH and k < at[r]:
                 break
+            for s in order[k]:
+                back.setdefault(s, op)
+                ahead += k < at[r] and s not in unpacked
     return back

@@ -21,12 +21,13 @@ NOTE [region model]
   saves of its inputs and what its last op saves of its outputs go to autograd as in the plain step.
 - A value the region *keeps* is the output of one of its SAVE ops that no later op of the region
   writes in place (the tape cannot keep a value an in-place op then changes: it replays the writer).
-- Its *targets* are the storages an op of the region made, that it does not keep, and that
-  autograd saved while the tape recorded (``Trace.saved_at``: after the first op and up to the
-  last): for those the region hands autograd a handle, not the tensor. A storage only later ops
-  save, such as a block's output, is theirs to hold. (A trace that does not place its saves gets
-  an approximation: saved, not made by the region's last op, and read by an op of the region or
-  by no forward op.)
+- Its *targets* are the storages an op of the region made (or wrote in place, having been made
+  before it: NOTE [written from outside] in ``remat.planner.region_model``), that it does not keep,
+  and that autograd saved while the tape recorded (``Trace.saved_at``: after the first op and up to
+  the last): for those the region hands autograd a handle, not the tensor. A storage only later ops
+  save, such as a block's output, is theirs to hold. (A trace that does not place its saves gets an
+  approximation: saved, not made by the region's last op, and read by an op of the region or by no
+  forward op.)
 - A target that no save outside the tape holds is *dropped*: it dies after its last forward
   reader instead of when backward releases it. Other targets stay alive as in the plain step.
 - While it records, the tape holds what it keeps and the storages from outside the region that it
@@ -240,7 +241,7 @@ class _Walk:
                     transient[r] = tensors[r].nbytes
             for t in op.mutates:  # into a clone of the snapshot (NOTE [written from outside])
                 r = root[t]
-                if self.plans.written[g].get(r) == op.index:
+                if self.plans.written[g].get(t) == op.index:
                     if r in self.plans.targets[g]:
                         self.remake(r, tensors[t].view_bytes)
                     else:

@@ -138,15 +138,17 @@ def kept_values(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts) ->
 
 
 def outside_writes(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts) -> list[dict[int, int]]:
-    """Per region recorded on a tape, the storages made before it that its ops write in place,
-    each with the first op that does (NOTE [written from outside])."""
+    """Per region recorded on a tape, the storages made before it that its ops write in place (as
+    the tensor that owns the storage, not a view of it), each with the first op that does (NOTE
+    [written from outside])."""
     found: list[dict[int, int]] = [{} for _ in regions]
     for g, region in enumerate(regions):
         for i in region.ops if region.rerun is None else ():
             for t in writes(trace.ops[i]):
-                r = facts.root[t]
-                if facts.region_made(r) != g and not trace.tensors[r].constant:
-                    found[g].setdefault(r, i)
+                info = trace.tensors[t]  # a storage written whole, not through a view: the tape
+                # keeps another tensor on it as it is, which the trace would not tell apart
+                if info.alias_of is None and not info.constant and facts.region_made(t) != g:
+                    found[g].setdefault(t, i)
     return found
 
 
@@ -173,7 +175,7 @@ def region_targets(
     for t, p in trace.saved_at:
         r = facts.root[t]
         g = window.get(p, -1)
-        if g >= 0 and p > written[g].get(r, len(trace.ops)):  # after op p - 1, the write's or later
+        if g >= 0 and p > written[g].get(t, len(trace.ops)):  # after op p - 1, the write's or later
             packed[g].add(r)
             rewritten[g].add(r)
             continue
@@ -287,8 +289,8 @@ def replay_ops(
                 r = root[t]
                 if trace.tensors[r].constant:
                     continue
-                if r in written[g]:  # after the region's first write of it, the writer's value
-                    (wanted if written[g][r] < i else snaps).add(r)
+                if t in written[g]:  # after the region's first write of it, the writer's value
+                    (wanted if written[g][t] < i else snaps).add(r)
                 elif facts.region_made(r) == g and r not in kept[g]:
                     wanted.add(r)
                 else:
