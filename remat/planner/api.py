@@ -220,11 +220,16 @@ def plan_at(
         known = tried + floor(step, chain) if solver != "auto" else tried
         lowest = min(known, key=lambda c: c.pred.peak_bytes).pred
         if budget_bytes < lowest.peak_bytes:
+            own = min((c.pred.peak_bytes for c in tried), default=None)  # the solver's own plans
+            theirs = ""
+            if solver != "auto" and (own is None or own > lowest.peak_bytes):
+                reach = "finds no plan" if own is None else f"itself reaches {own} bytes at least"
+                theirs = f"; solver {solver!r} {reach} (solver='auto' reaches the minimum)"
             text = message(
                 "plan",
                 "budget below the smallest feasible peak",
                 f"budget {budget_bytes} < {lowest.peak_bytes} bytes, {format_bytes(lowest.peak_bytes)}",
-                f"the minimum is {lowest.peak_bytes} bytes (needed by {lowest.peak_at}); "
+                f"the minimum is {lowest.peak_bytes} bytes (needed by {lowest.peak_at}){theirs}; "
                 f"raise the budget or shrink the batch",
             )
             raise BudgetTooSmall(text, lowest.peak_bytes, lowest.peak_at)

@@ -488,3 +488,18 @@ def test_auto_reaches_every_sqrt_plans_floor() -> None:
         plan_trace(trace, 1)
     sqrt = min(c.pred.peak_bytes for c in remat.planner.frontier.frontier(trace, "sqrt").candidates)
     assert info.value.minimum_bytes <= sqrt
+
+
+def test_a_solvers_refusal_says_what_that_solver_reaches() -> None:
+    """A budget below the minimum names it; where the solver asked for cannot reach it (sqrt with
+    one segment recomputes nothing), the error says what that solver reaches and that auto
+    reaches the minimum, instead of leaving the user to find out at the next call."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(12)
+    x, target = torch.randn(4, 16, 16, generator=generator), torch.randint(0, 4, (4, 16), generator=generator)
+    trace = fixed_costs(trace_step(_ThreeBlocks(), (x, target), lambda m, x, t: m(x, t), repeats=1))
+    with pytest.raises(BudgetTooSmall, match=r"solver 'sqrt' itself reaches \d+ bytes at least") as info:
+        plan_trace(trace, 1, solver="sqrt", segments=1)
+    with pytest.raises(RematValueError, match="solver 'sqrt' found no plan within the budget"):
+        plan_trace(trace, info.value.minimum_bytes, solver="sqrt", segments=1)
+    assert plan_trace(trace, info.value.minimum_bytes).predicted_peak_bytes <= info.value.minimum_bytes
