@@ -104,9 +104,10 @@ def _initialized_devices() -> list[torch.device]:
     return [torch.device(accelerator.type, i) for i in range(module.device_count())]
 
 
-def capture_all() -> RngState:
-    """The states of the CPU's default generator and of every initialized accelerator device's."""
-    return capture([torch.device("cpu"), *_initialized_devices()])
+def capture_all(generators: Iterable[torch.Generator] = ()) -> RngState:
+    """The states of the CPU's default generator, of every initialized accelerator device's, and
+    of ``generators``."""
+    return capture([torch.device("cpu"), *_initialized_devices(), *generators])
 
 
 def restore(state: RngState) -> None:

@@ -47,6 +47,7 @@ from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
 from remat.manual.keywords import Settings
+from remat.manual.own_generators import own_generators
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import under_compile
 from remat.policy import Policy, RecomputeAll
@@ -112,9 +113,10 @@ class _Frame:
         self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
         for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
             flat[i] = None
-        self.rng = aten.capture_all() if preserve_rng else None
+        modules = region_modules(fn)
+        self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
+        self.rng = aten.capture_all(own_generators(fn, args, kwargs, modules[0])) if preserve_rng else None
         self.autocast = autocast.capture_autocast()
-        self.buffers = Buffers(*region_modules(fn))  # NOTE [buffers as the forward saw them]
         self.cache = (
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )

@@ -140,3 +140,39 @@ def test_a_checkpoint_inside_a_compiled_function_gives_the_eager_gradients(
     )
     reference(x).pow(2).sum().backward()
     assert torch.equal(x.grad, expected)  # type: ignore[arg-type]
+
+
+class _OwnMask(nn.Module):
+    """Masks with numbers from a generator of its own (NOTE [own generators])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        mask = torch.rand(x.shape, generator=generator or self.generator) < 0.5
+        return torch.tanh(self.lin(x) * mask)  # mul saves the mask, tanh its output
+
+
+@pytest.mark.parametrize("form", ["argument", "closure", "module"])
+def test_a_generator_of_the_programs_own_is_replayed_in_the_recomputation(form: str) -> None:
+    """The recomputation draws the forward's numbers from the program's own generator, found among
+    the arguments, in the closure or on the module, and leaves it where the forward left it (it
+    drew the next numbers: other masks, silently wrong gradients)."""
+    torch.manual_seed(0)
+    plain = _OwnMask()
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    plain(x).sum().backward()
+    if form == "argument":
+        generator = wrapped.generator
+        out = remat.checkpoint(wrapped, x, generator)
+    elif form == "closure":
+        generator = wrapped.generator
+        out = remat.checkpoint(lambda h: wrapped(h, generator), x)
+    else:
+        out = remat.checkpoint(wrapped, x)
+    out.sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(wrapped), _grads(plain), strict=True))
+    assert torch.equal(wrapped.generator.get_state(), plain.generator.get_state())

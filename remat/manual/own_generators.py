@@ -1,0 +1,48 @@
+"""The program's own generators a checkpointed call may draw from, whose states its recomputation
+must start from as the default generators' do.
+
+NOTE [own generators] A random op given ``generator=g`` draws from ``g``, not from the default
+generator of its device, so restoring the defaults' states (as ``torch.utils.checkpoint`` does)
+leaves such a recomputation drawing the next numbers of ``g``: a dropout-like mask of its own comes
+out different and the gradients are silently wrong. ``remat.checkpoint`` finds the generators the
+call can reach without running it: those among its arguments (in lists, tuples and dicts), in the
+closure of the function, in a partial's arguments, and held as attributes by the modules the call
+is known to run (``remat.manual.buffers.region_modules``). Their states are taken before the
+forward and set for the recomputation, and the program's streams given back after it. A generator
+reached otherwise (a global, an attribute of an argument that is not a module) is not found.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["own_generators"]
+
+
+def own_generators(
+    fn: Any, args: Iterable[Any], kwargs: Mapping[str, Any], modules: Iterable[nn.Module]
+) -> list[torch.Generator]:
+    """The generators ``fn(*args, **kwargs)`` can reach (NOTE [own generators]), each once."""
+    found: dict[int, torch.Generator] = {}
+    reach: list[Any] = [*args, *kwargs.values()]
+    if isinstance(fn, functools.partial):
+        reach += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            reach.append(cell.cell_contents)
+        except ValueError:  # a free variable not bound yet
+            continue
+    for module in modules:
+        reach += module.__dict__.values()
+    for value in reach:
+        items = value.values() if isinstance(value, dict) else value
+        for item in items if isinstance(value, (dict, list, tuple)) else [value]:
+            if type(item) is torch.Generator:
+                found.setdefault(id(item), item)
+    return list(found.values())
