@@ -82,9 +82,10 @@ def measure(
 
     kept = _bytes_of([*model.parameters(), *model.buffers(), *inputs])
     with torch.random.fork_rng(devices=[]):
-        _run(model, loss, seed, None)  # warm-ups: a process's first step allocates once-only state,
-        if ratios and policies:  # and the first region imports and builds what later ones reuse
-            _run(model, loss, seed, dynamic(None, policies[0], keep=(model, tuple(inputs))))
+        _warm(model, loss, seed, None)  # warm-ups: a process's first step allocates once-only state,
+        if ratios and policies:  # and the first region imports, builds what later ones reuse and
+            # learns its kernels' scratch (outside a profiler's track, which would hide it)
+            _warm(model, loss, seed, dynamic(None, policies[0], keep=(model, tuple(inputs))))
         if progress is not None:
             progress("plain")
         plain, _ = _run(model, loss, seed, None)
@@ -120,6 +121,19 @@ def draw(runs: Sequence[StepRun], path: str | os.PathLike[str] | None, title: st
         notes={r.label: f"stopped: {r.rule}" for r in runs if r.failure},
         title=title,
     )
+
+
+def _warm(
+    model: nn.Module,
+    loss: Callable[[], torch.Tensor],
+    seed: int,
+    region: contextlib.AbstractContextManager[object] | None,
+) -> None:
+    """One step, untracked."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with region if region is not None else contextlib.nullcontext():
+        loss().backward()
 
 
 def _run(
