@@ -18,8 +18,9 @@ by ops, and three things differ, each of which made offload plans measure other 
   keep within one op's saves (``bmm`` packs its second argument first), so the storages first
   saved at one position come back together, when the first of them would: never later than the
   executor brings them. Autograd unpacks a node's saves when the node starts, a few ops before the
-  op that reads them; the walk counts them from that op, so the scratch of the node's ops before
-  it is not counted beside them.
+  op that reads them; the trace does not mark where nodes start, so the walk takes the first op of
+  the run of backward ops of the reading op's module (a node's ops carry its module): no later
+  than the node's start.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 
 from remat.planner.offload_execute import PREFETCH
 from remat.planner.search import Step
+from remat.trace.types import Phase, Trace
 
 __all__ = ["moves_on_step"]
 
@@ -65,6 +67,8 @@ def moves_on_step(step: Step, planned: Iterable[tuple[int, int]]) -> list[tuple[
     for t, ops in trace.saved_reads().items():
         if ops and root[t] in solver_gone:
             first_read[root[t]] = min(first_read.get(root[t], ops[0]), *ops)
+    begins = _run_starts(trace)
+    first_read = {r: begins[op] for r, op in first_read.items()}
     back = _returns(solver_gone, saved_first, first_read)
     end = len(trace.ops)
     out = []
@@ -97,3 +101,15 @@ def _returns(moved: Iterable[int], saved_first: dict[int, int], first_read: dict
                 back.setdefault(s, op)
                 ahead += k < at[r] and s not in unpacked
     return back
+
+
+def _run_starts(trace: Trace) -> list[int]:
+    """For each op, the first op of the run of backward ops of its module it belongs to: autograd
+    unpacks a node's saves when the node starts, before its first op reads them, and the trace
+    does not mark where nodes start; a node's ops carry its module, so it starts no earlier."""
+    begins = list(range(len(trace.ops)))
+    for op in trace.ops[1:]:
+        before = trace.ops[op.index - 1]
+        if op.phase is Phase.BACKWARD and before.phase is Phase.BACKWARD and before.module == op.module:
+            begins[op.index] = begins[op.index - 1]
+    return begins
