@@ -3,9 +3,11 @@
 In forward, a dispatch mode asks the policy about each op and keeps the outputs it says to SAVE,
 with the position of the op among all ops of the region. In the recomputation the same mode
 hands those outputs back instead of running the op again, so expensive ops (matmul, attention) are
-not recomputed while cheap pointwise ones are. The ops are matched by position and name; a
-different op at a saved position means the recomputation took another path than the forward,
-which is an error. Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
+not recomputed while cheap pointwise ones are. The ops are matched per op, as torch's selective
+checkpoint matches them: the n-th call of an op in the recomputation gets what the n-th call of
+that op saved in the forward, so an op that only the forward runs (a cache a module fills on its
+first call) shifts no other op's outputs (matched by position among all ops, it handed one
+matmul's output to the next). Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
 position: some tensors send them through dispatch and some do not. Nor do casts (``aten._to_copy``)
 under autocast: autocast caches the cast of a leaf that requires grad for as long as its context
 lasts, so the forward and the recomputation may cast a different number of times (the
@@ -45,7 +47,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat import aten
-from remat._errors import RecomputationError, message
 from remat.host.offloader import Offloader, Parcel
 from remat.policy import Decision, OpContext, Policy
 
@@ -77,6 +78,7 @@ class SaveCache:
         self.entries: dict[int, tuple[str, Any, tuple[int, ...]]] = {}
         self.offloaded: set[int] = set()  # positions whose outputs go to host memory at ``seal``
         self.storages: dict[int, int] = {}  # storage of a saved output -> its position
+        self.calls: dict[tuple[str, int], int] = {}  # (op, its n-th call) -> its position
         # NOTE [aliases of saved outputs]: the tensors themselves until ``seal``, their witnesses after
         self.aliases: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.autocast = False  # the forward ran under autocast (read outside the modes: ``Recording``)
@@ -206,6 +208,7 @@ class Recording(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.position = 0
+        self.counts: dict[str, int] = {}
         cache.autocast = _AUTOCAST()  # below autocast's dispatch key it reads as off
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -216,8 +219,11 @@ class Recording(TorchDispatchMode):
         if self.cache.storages:
             self.cache.alias(out)
         decision = self.cache.decision(func, args, kwargs, out)
+        name = str(func)
+        n = self.counts[name] = self.counts.get(name, -1) + 1
         if decision is not Decision.RECOMPUTE:
             self.cache.keep(self.position, func, out, decision)
+            self.cache.calls[name, n] = self.position
         self.position += 1
         return out
 
@@ -233,23 +239,15 @@ class Replaying(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.api = api
-        self.position = 0
+        self.counts: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if _unpositioned(func, self.cache.autocast):
             return func(*args, **(kwargs or {}))
-        entry = self.cache.current(self.position)
-        self.position += 1
+        name = str(func)
+        n = self.counts[name] = self.counts.get(name, -1) + 1
+        position = self.cache.calls.get((name, n))
+        entry = None if position is None else self.cache.current(position)
         if entry is None:
             return func(*args, **(kwargs or {}))
-        name, saved = entry
-        if name != str(func):
-            raise RecomputationError(
-                message(
-                    self.api,
-                    "the recomputation ran another op where the forward saved one",
-                    f"op #{self.position - 1}: expected {name}, got {func}",
-                    "make the checkpointed code take the same path in forward and backward",
-                )
-            )
-        return _detached(saved)
+        return _detached(entry[1])
