@@ -21,21 +21,21 @@ moved, the module holds another tensor under the name (``self.avg = 0.9 * self.a
 is batch norm's running statistics, which its kernel writes without moving their version (NOTE
 [hidden writes] in ``remat.aten.schema``). The recomputation's private copies start from those, and
 a buffer the forward did not write is not copied at all (a causal mask). The same holds for the
-modules a function's closure holds (``create_custom_forward(layer)``), where their buffers come to
-``COPY_LIMIT`` bytes at most (a closure holding a whole model to run one layer is not copied), and
-a list of modules given to a partial. A larger buffer is not copied; one written in the forward is
-recomputed from its new value, as is any buffer of a module the region reaches otherwise (a global,
-an attribute of an argument), and a module the region calls twice reads, when recomputed, its
-buffers as they were before the first call. No module hook is added in the forward:
-``torch.compile`` guards on the global hooks, and a new one at every call would compile the
-function again each time.
+modules a function's closure holds (``create_custom_forward(layer)``) and the modules the call is
+given as arguments, where their buffers come to ``COPY_LIMIT`` bytes at most (a closure holding a
+whole model to run one layer is not copied), and a list of modules given to a partial. A larger
+buffer is not copied; one written in the forward is recomputed from its new value, as is any buffer
+of a module the region reaches otherwise (a global, an attribute of an argument), and a module the
+region calls twice reads, when recomputed, its buffers as they were before the first call. No
+module hook is added in the forward: ``torch.compile`` guards on the global hooks, and a new one at
+every call would compile the function again each time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,12 +54,27 @@ def _hidden(module: nn.Module, name: str) -> bool:
     return norm and module.training and name in ("running_mean", "running_var")
 
 
-def region_modules(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
-    """The modules a region running ``fn`` is known to run (a module, a module's bound method, a
-    partial of a method and its module, or of a function and a list of modules: a segment of
-    ``checkpoint_sequential``; the modules or lists of modules a function's closure holds:
-    ``create_custom_forward(layer)``; and the modules below them), and those whose forward its
-    recomputation calls itself, which no pre-hook shields."""
+def region_modules(
+    fn: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+    """The modules a region running ``fn(*args, **kwargs)`` is known to run (a module, a module's
+    bound method, a partial of a method and its module, or of a function and a list of modules: a
+    segment of ``checkpoint_sequential``; the modules or lists of modules a function's closure
+    holds, ``create_custom_forward(layer)``, or that the call is given; and the modules below them),
+    and those whose forward its recomputation calls itself, which no pre-hook shields."""
+    known, roots = _called(fn)
+    reached = [*_closure(fn), *(m for a in [*args, *(kwargs or {}).values()] for m in _modules_in(a))]
+    # a closure or an argument may hold a whole model to run one of its layers (``lambda h:
+    # self.blocks[i](h)``): their modules are taken only where their buffers are small enough to
+    # copy at every call
+    seen = {id(m) for m in known}
+    more = [m for m in _below(reached) if id(m) not in seen]
+    size = sum(b.nbytes for m in more for b in m._buffers.values() if b is not None)
+    return ((*known, *more), roots) if more and size <= COPY_LIMIT else (known, roots)
+
+
+def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+    """The modules ``fn`` itself is or is bound to (see ``region_modules``), and its roots."""
     owner = getattr(fn, "__self__", None)
     if isinstance(fn, functools.partial) and fn.args:
         first = fn.args[0]
@@ -71,12 +86,13 @@ def region_modules(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...
         return tuple(owner.modules()), (owner,)
     if isinstance(fn, nn.Module):
         return tuple(fn.modules()), ()
+    return (), ()
+
+
+def _closure(fn: Any) -> list[nn.Module]:
+    """The modules, alone or in lists, that ``fn``'s closure holds."""
     cells = getattr(fn, "__closure__", None) or ()
-    below = _below([m for cell in cells for m in _modules_in(_content(cell))])
-    # a closure may hold a whole model to run one of its layers (``lambda h: self.blocks[i](h)``):
-    # its modules are taken only where their buffers are small enough to copy at every call
-    size = sum(b.nbytes for m in below for b in m._buffers.values() if b is not None)
-    return (below, ()) if below and size <= COPY_LIMIT else ((), ())
+    return [m for cell in cells for m in _modules_in(_content(cell))]
 
 
 def _content(cell: Any) -> Any:

@@ -113,7 +113,7 @@ class _Frame:
         self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
         for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
             flat[i] = None
-        modules = region_modules(fn)
+        modules = region_modules(fn, args, kwargs)
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
         self.rng = aten.capture_all(own_generators(fn, args, kwargs, modules[0])) if preserve_rng else None
         self.autocast = autocast.capture_autocast()

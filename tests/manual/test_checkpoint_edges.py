@@ -210,3 +210,20 @@ def test_an_op_only_the_forward_runs_shifts_no_saved_output(activation: bool, po
     plain(x).pow(2).sum().backward()
     remat.checkpoint(wrapped, x, policy=policy).pow(2).sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(_grads(wrapped), _grads(plain), strict=True))
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_modules_given_as_arguments_are_recomputed_from_their_buffers_as_the_forward_found_them(
+    check: str,
+) -> None:
+    """A module passed to the function as an argument: its buffers are noted as the module form's
+    (the recomputation read the moving average its forward had already updated)."""
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(*_layers())
+    plain(x).sum().backward()
+    chain = nn.Sequential(*_layers())
+    h = remat.checkpoint(lambda body, h: body(h), chain[:3], x, check=check)
+    chain[3:](h).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
+    for a, b in zip(chain.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)
