@@ -55,13 +55,19 @@ def checked(api: str, policy: object) -> Policy | None:
     instance was meant, an object with no ``decide``)."""
     if policy is None or (isinstance(policy, Policy) and not isinstance(policy, type)):
         return policy
-    given = f"the class {policy.__name__}" if isinstance(policy, type) else type(policy).__name__
+    if isinstance(policy, type):
+        given, hint = (
+            f"the class {policy.__name__}",
+            "pass an instance, such as SaveComputeIntensive() (with the parentheses)",
+        )
+    elif callable(policy):
+        given = f"the function {getattr(policy, '__name__', type(policy).__name__)}"
+        hint = "put the function in the decide(ctx) method of a class, or pass SaveOps({...})"
+    else:
+        given, hint = type(policy).__name__, "pass a policy object such as SaveComputeIntensive()"
     raise RematTypeError(
         message(
-            api,
-            "policy must have a decide(ctx) -> Decision method: a policy object, not its class",
-            given,
-            "pass an instance, such as SaveComputeIntensive() (with the parentheses), or None",
+            api, "policy must be an object with a decide(ctx) -> Decision method", given, f"{hint}, or None"
         )
     )
 

@@ -148,7 +148,8 @@ def settings(
                 api,
                 "check must be 'none', 'shapes' or 'values'",
                 f"got {check!r}",
-                "use check='values' to compare recomputed values with the forward's",
+                "use check='values' to compare recomputed values with the forward's; remat takes the "
+                "check= keyword itself, so pass a function's own check through functools.partial",
             )
         )
     if torch_kwargs.get("use_reentrant") is True:

@@ -44,7 +44,7 @@ from remat.host.offloader import Offloader, Parcel
 from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor, eager_steps, replay
-from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error
+from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error, written_from
 from remat.policy import Policy, RecomputeAll, checked
 
 __all__ = ["scope"]
@@ -68,6 +68,7 @@ class _Handle(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     place: aten.Geometry  # where it sits in its storage
+    after: int = -1  # the node the tape records next: the op saving it, if it saves an input
 
 
 class TapedRegion:
@@ -81,6 +82,8 @@ class TapedRegion:
         self.declared: dict[int, int] = {}  # the tape's final declared writers, checked at unpack
         self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # and where each wrote
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
+        self.packed: dict[tuple[int, int], int] = {}  # (value id, ``_Handle.after``) -> handles
+        self.own: dict[tuple[int, int], int] = {}  # NOTE [saved before its own write]
         self.writers_needed: set[int] = set()
         # graph task -> value id -> (recomputed tensor, unpacks left)
         self.cache: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
@@ -111,12 +114,16 @@ class TapedRegion:
                 raise stale_view_error(t)
             self.writers_needed.add(writer)
         self.handles[vid] = self.handles.get(vid, 0) + 1
-        return _Handle(vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t))
+        self.packed[vid, len(tape.nodes)] = self.packed.get((vid, len(tape.nodes)), 0) + 1
+        return _Handle(
+            vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t), len(tape.nodes)
+        )
 
     def finish(self) -> None:
         """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
         tape, self.tape = self.tape, None
         if tape is not None and self.handles:
+            self._own_writes(tape)
             self.plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
             self.declared, self.spans = tape.declared, tape.spans
         if tape is not None:
@@ -128,9 +135,27 @@ class TapedRegion:
                 reads = self.moved_packs.get(vid, 0) + (vid in replayed)
                 parcel.cargo.uses = max(parcel.cargo.uses + reads - 1, 1)  # ``out`` counted one
 
+    def _own_writes(self, tape: Tape) -> None:
+        """NOTE [saved before its own write] Autograd saves an op's inputs before the op runs, so
+        before the tape records it: an input the op itself then writes (the noise ``rrelu`` fills)
+        was packed as the value before the write, while backward reads what the write left. Such a
+        handle stands for the value the write makes, and that write is not one after its save."""
+        for (vid, after), n in self.packed.items():
+            if after >= len(tape.nodes):
+                continue
+            node = tape.nodes[after]
+            for w in node.writes:
+                if not w.clone and written_from(node, w) == vid:
+                    self.own[vid, after] = w.vid
+                    self.handles[vid] -= n
+                    self.handles[w.vid] = self.handles.get(w.vid, 0) + n
+        self.handles = {vid: n for vid, n in self.handles.items() if n > 0}
+
     def _written_since(self, packed: _Handle) -> bool:
         """Whether a declared write after ``packed`` was saved touched the bytes it reads."""
         since = -1 if packed.declared is None else packed.declared
+        if (packed.vid, packed.after) in self.own:  # NOTE [saved before its own write]
+            since = max(since, packed.after)
         spans = self.spans.get(packed.group, ())
         return any(node > since and aten.overlaps(place, packed.place) for node, place in spans)
 
@@ -160,7 +185,7 @@ class TapedRegion:
                     "clone it before modifying it, or use the out-of-place op",
                 )
             )
-        t = self._recomputed(packed.vid)
+        t = self._recomputed(self.own.get((packed.vid, packed.after), packed.vid))
         if t.shape != packed.shape or t.dtype != packed.dtype:
             raise RecomputationError(
                 message(

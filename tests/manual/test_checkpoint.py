@@ -259,8 +259,12 @@ def test_bad_input_errors() -> None:
         remat.checkpoint(3, torch.ones(1))
     with pytest.raises(remat.RematValueError, match=r"remat\.checkpoint: check must be"):
         remat.checkpoint(torch.sin, torch.ones(1), check="bits")
-    with pytest.raises(remat.RematTypeError, match=r"remat\.checkpoint: policy must have a decide"):
+    with pytest.raises(remat.RematTypeError, match=r"remat\.checkpoint: policy must be an object with"):
         remat.checkpoint(torch.sin, torch.ones(1), policy="save-all")
+    with pytest.raises(remat.RematTypeError, match=r"\(the function <lambda>\); put the function in"):
+        remat.checkpoint(torch.sin, torch.ones(1), policy=lambda ctx: remat.Decision.SAVE)
+    with pytest.raises(remat.RematValueError, match=r"got True\).*check= keyword itself.*functools.partial"):
+        remat.checkpoint(lambda x, check: x, torch.ones(1), check=True)
     layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(
         remat.RematValueError, match=r"remat\.checkpoint_sequential: segments must lie .*3 for 2"
