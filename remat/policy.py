@@ -65,11 +65,9 @@ def checked(api: str, policy: object) -> Policy | None:
         hint = "put the function in the decide(ctx) method of a class, or pass SaveOps({...})"
     else:
         given, hint = type(policy).__name__, "pass a policy object such as SaveComputeIntensive()"
-    raise RematTypeError(
-        message(
-            api, "policy must be an object with a decide(ctx) -> Decision method", given, f"{hint}, or None"
-        )
-    )
+    rule = "policy must be an object with a decide(ctx) -> Decision method"
+    rule += ", not its class" if isinstance(policy, type) else ""
+    raise RematTypeError(message(api, rule, given, f"{hint}, or None"))
 
 
 def _op_names(policy: str, ops: object) -> frozenset[str]:
