@@ -76,6 +76,9 @@ class Makers(TorchDispatchMode):
             for i, o in enumerate(outs)
             if isinstance(o, torch.Tensor) and (i >= len(info.fresh_returns) or info.fresh_returns[i])
         ]
+        if info.packet in aten.UNSAID_VIEWS:  # a new tensor on an argument's storage (``_unsafe_view``
+            # after a 3-D linear's ``mm``): the storage keeps the decision of the op that made it
+            fresh = [o for o in fresh if aten.sharing(o, args) < 0]
         if not fresh:
             return out
         decision = Decision.OFFLOAD

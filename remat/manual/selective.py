@@ -61,7 +61,12 @@ def _unpositioned(func: Any, autocast: bool) -> bool:
 
 def _out_bytes(out: Any) -> int:
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
+    return sum(o.untyped_storage().nbytes() for o in outs if _strided(o))
+
+
+def _strided(o: Any) -> bool:
+    """Whether ``o`` is a tensor with a storage of its own (a sparse one has none)."""
+    return isinstance(o, torch.Tensor) and o.layout is torch.strided
 
 
 def _cacheable(func: Any) -> bool:
@@ -101,7 +106,7 @@ class SaveCache:
         """Hold ``out`` itself until ``seal``: an alias made here would not see later writes."""
         self.entries[position] = (str(func), out, _versions(out))
         for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor):
+            if _strided(o):
                 self.storages.setdefault(o.untyped_storage()._cdata, position)
         if decision is Decision.OFFLOAD:
             self.offloaded.add(position)

@@ -311,7 +311,7 @@ class Tape:
         ctx = OpContext(
             op=info.name,
             packet=info.packet,
-            out_bytes=sum(t.nbytes for _, t in owned),
+            out_bytes=sum(t.nbytes for _, t in owned if t.layout is torch.strided),
             random=info.random,
             overload=func,
             args=args,

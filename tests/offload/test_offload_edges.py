@@ -1,0 +1,53 @@
+"""Offload where the program is not a plain chain of fresh tensors: a result on its argument's
+storage (``_unsafe_view``), and sparse tensors under a policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.policy import Decision, OpContext
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (4, 32, 64)])
+def test_a_linear_on_a_3d_input_offloads_its_matmul(shape: tuple[int, ...]) -> None:
+    """A bias-free linear on a 3-D input runs ``mm`` then ``_unsafe_view`` on its storage: the
+    storage keeps the ``mm``'s decision (the view's, RECOMPUTE, replaced it, and nothing moved)."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(64, 256, bias=False), torch.randn(*shape)
+    with remat.offload(remat.OffloadOps({"aten.mm"})) as offloaded:
+        loss = nn.functional.gelu(lin(x)).sum()  # gelu saves the linear's output
+    loss.backward()
+    assert (offloaded.stats().moved, offloaded.stats().bytes_out) == (1, 128 * 256 * 4)
+
+
+class _OffloadAll:
+    def decide(self, ctx: OpContext) -> Decision:
+        return Decision.OFFLOAD
+
+
+def _sparse_product(w: torch.Tensor) -> torch.Tensor:
+    return torch.sparse.mm((torch.eye(8) * 2.0).to_sparse(), w * 3)
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "scope"])
+def test_sparse_tensors_under_a_policy_are_kept_or_refused_clearly(form: str) -> None:
+    """A policy that keeps a sparse result keeps it; one that offloads it gets remat's error (both
+    crashed in torch, reading the size of a storage a sparse tensor has not)."""
+
+    def run(policy: remat.Policy) -> torch.Tensor:
+        w = torch.randn(8, 8, requires_grad=True)
+        if form == "checkpoint":
+            out = remat.checkpoint(_sparse_product, w, policy=policy)
+        else:
+            with remat.scope(policy):
+                out = _sparse_product(w)
+        out.sum().backward()
+        assert w.grad is not None
+        return w.grad
+
+    assert torch.equal(run(remat.SaveComputeIntensive()), torch.full((8, 8), 6.0))
+    with pytest.raises(remat.RematValueError, match=r"cannot be moved to host memory \(a torch.sparse_coo"):
+        run(_OffloadAll())
