@@ -225,12 +225,15 @@ def plan_at(
             if solver != "auto" and (own is None or own > lowest.peak_bytes):
                 reach = "finds no plan" if own is None else f"itself reaches {own} bytes at least"
                 theirs = f"; solver {solver!r} {reach} (solver='auto' reaches the minimum)"
+            host = found.host_budget
             text = message(
                 "plan",
                 "budget below the smallest feasible peak",
-                f"budget {budget_bytes} < {lowest.peak_bytes} bytes, {format_bytes(lowest.peak_bytes)}",
+                f"budget {budget_bytes} < {lowest.peak_bytes} bytes, {format_bytes(lowest.peak_bytes)}"
+                + (f", host_budget {host} bytes" if host is not None else ""),
                 f"the minimum is {lowest.peak_bytes} bytes (needed by {lowest.peak_at}){theirs}; "
-                f"raise the budget or shrink the batch",
+                + ("raise the budget or host_budget" if host is not None else "raise the budget")
+                + " or shrink the batch",
             )
             raise BudgetTooSmall(text, lowest.peak_bytes, lowest.peak_at)
         found_text = (

@@ -123,6 +123,10 @@ def checked(
         )
         reasons.append((it.root, why))
     moved = moves_on_step(step, planned)  # as the executor moves them (NOTE [moves on the step])
+    host = sum(trace.tensors[r].nbytes for r, _, _ in moved)  # the planned op's other outputs too
+    chosen = {r for r, _ in planned}
+    with_op = f"{solution.solver}: to host in forward of its op, with the output moved; back when read"
+    reasons += [(r, with_op) for r, _, _ in moved if r not in chosen]
     pred = predict(trace, [r for _, r in regions], [r.name for r, _ in regions], moved, step.executor)
     pred = dataclasses.replace(pred, stall_cost=cost.stall)
     notes = solution.notes if base is None else f"{solution.notes}, on top of {base.solver}: {base.notes}"
@@ -134,7 +138,7 @@ def checked(
         pred,
         tuple(moved),
         tuple(reasons),
-        cost.host_bytes,
+        host,
         cost.stall,
     )
 
@@ -174,7 +178,10 @@ def offload_search(
             except RematValueError:
                 break
             assert isinstance(solution, OffloadSolution)
-            out.append(checked(step, problem, solution))
+            made = checked(step, problem, solution)
+            if not _on_host(made, problem):
+                break
+            out.append(made)
             if out[-1].pred.peak_bytes <= budget:
                 break
             target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
@@ -215,11 +222,20 @@ def on_top(
             except RematValueError:
                 break
             assert isinstance(solution, OffloadSolution)
-            out.append(checked(step, sub, solution, base))
+            made = checked(step, sub, solution, base)
+            if not _on_host(made, problem):
+                break
+            out.append(made)
             if out[-1].pred.peak_bytes <= budget:
                 break
             target -= max(out[-1].pred.peak_bytes - budget, budget // 100)
     return out
+
+
+def _on_host(candidate: OffloadCandidate, problem: OffloadProblem) -> bool:
+    """Whether what ``candidate`` moves fits the host budget, counting the outputs the executor
+    moves beside the planned ones (NOTE [moves on the step]), which the solver does not."""
+    return problem.host_budget is None or candidate.host_bytes <= problem.host_budget
 
 
 def check_host(

@@ -213,3 +213,28 @@ def test_three_way_plans_measure_their_prediction(name: str) -> None:
         seen.add(key)
         assert abs(_measured_peak(twin(model), batch(0), plan) - plan.predicted_peak_bytes) <= SCALARS
     assert seen
+
+
+def test_the_host_budget_counts_what_the_executor_moves_beside_the_planned_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The executor moves every saved output of a planned op (layer norm's statistics with its
+    output): the plan counts them as offloaded, so a host budget of exactly its offloaded bytes
+    holds as measured (the host pool took 256 bytes more than the budget)."""
+    trace, _, low = _traced("gpt2")
+    free = plan_trace(trace, low, link=FAST, solver="offload_greedy")
+    host = free.offloaded_bytes
+    plan = plan_trace(trace, low, link=FAST, solver="offload_greedy", host_budget=host)
+    made: list[remat.Offloader] = []
+
+    class Noted(remat.Offloader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(offload_execute, "Offloader", Noted)
+    model, batch, _ = build("gpt2")
+    planned = twin(model)
+    train(planned, batch, steps=1, region=lambda: plan.apply(planned))
+    assert made and made[-1].stats().host_peak_bytes <= host
+    assert made[-1].stats().bytes_out == plan.offloaded_bytes
