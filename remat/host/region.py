@@ -127,6 +127,9 @@ class OffloadRegion:
             return packed.tensor
         if packed.written():
             raise _written(describe(packed.dtype, packed.size))
+        source = packed.source()
+        if source is not None:  # the program still holds it, unchanged: a copy would sit beside it
+            return source
         return self.offloader.back(packed)
 
 
