@@ -146,7 +146,12 @@ def parse_seconds(value: object, api: str = "memory.parse_seconds") -> float:
             )
         )
     number = text[: len(text) - len(match.group(2) or "")].strip()
-    return float(number) * _SECONDS[match.group(2) or ""]
+    seconds = float(number) * _SECONDS[match.group(2) or ""]
+    if not math.isfinite(seconds):  # "1e400" parses as infinity
+        raise RematValueError(
+            message(api, "a duration must be at least 0 and finite", f"got {value!r}", 'pass e.g. "10us"')
+        )
+    return seconds
 
 
 def format_bytes(n: float) -> str:

@@ -182,7 +182,8 @@ class Offloader:
             )
         self.link = Link() if link is None else link
         self.prefetch = prefetch
-        self.min_bytes = 0 if min_bytes in (0, "0") else parse_bytes(min_bytes, "offload")
+        bare_zero = min_bytes in (0, "0") and not isinstance(min_bytes, (bool, float))  # 0 == False == 0.0
+        self.min_bytes = 0 if bare_zero else parse_bytes(min_bytes, "offload")
         self.pool = HostPool(None if host_budget is None else parse_bytes(host_budget, "offload"))
         self._lock = threading.RLock()
         self._next = 0

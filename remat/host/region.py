@@ -32,11 +32,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import aten
-from remat._errors import RecomputationError, RematTypeError, message
+from remat._errors import RecomputationError, message
 from remat.aten import describe
 from remat.host.link import Link
 from remat.host.offloader import Offloader, Parcel, unmovable
-from remat.policy import Decision, OpContext, Policy
+from remat.policy import Decision, OpContext, Policy, checked
 
 __all__ = ["offload"]
 
@@ -163,15 +163,7 @@ def offload(
     (``.stats()``), which ``remat.checkpoint`` and ``remat.scope`` also take as ``offloader=``.
     With grad disabled or in inference mode the block runs as is.
     """
-    if policy is not None and not isinstance(policy, Policy):
-        raise RematTypeError(
-            message(
-                "offload",
-                "policy must have a decide(ctx) -> Decision method",
-                f"got {type(policy).__name__}",
-                "pass a remat.policy object such as OffloadLarger('1MiB'), or None",
-            )
-        )
+    policy = checked("offload", policy)
     offloader = Offloader(link=link, prefetch=prefetch, host_budget=host_budget, min_bytes=min_bytes)
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         yield offloader

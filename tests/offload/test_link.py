@@ -23,6 +23,7 @@ def test_a_link_parses_rates_and_latency_and_charges_latency_plus_bytes_over_ban
         ({"d2h": "-1GB/s"}, r"remat\.Link: .*positive"),
         ({"latency": "soon"}, r"remat\.Link: cannot parse this duration"),
         ({"latency": -1.0}, r"remat\.Link: a duration must be at least 0"),
+        ({"latency": "1e400"}, r"remat\.Link: a duration must be at least 0 and finite \(got '1e400'\)"),
     ],
 )
 def test_a_bad_link_gets_a_clear_error(kwargs: dict[str, object], match: str) -> None:

@@ -1,5 +1,6 @@
 """Offload where the program is not a plain chain of fresh tensors: a result on its argument's
-storage (``_unsafe_view``), and sparse tensors under a policy."""
+storage (``_unsafe_view``), sparse tensors under a policy, a saved tensor the program still holds;
+and arguments that only look like numbers."""
 
 from __future__ import annotations
 
@@ -74,3 +75,15 @@ def test_a_saved_tensor_the_program_still_holds_comes_back_as_itself() -> None:
     (plain, expected), (moved, got) = step(False), step(True)
     assert torch.equal(got, expected)
     assert moved <= plain
+
+
+def test_a_policy_class_and_a_bool_or_float_size_are_clear_errors() -> None:
+    """The region form checks its policy as the others do (a class gave a bare TypeError from
+    ``decide``), and a size of False or 0.0 is no byte count (both read as 0)."""
+    refused = pytest.raises(remat.RematTypeError, match=r"remat\.offload: policy .* not its class")
+    with refused, remat.offload(policy=remat.OffloadLarger):  # type: ignore[arg-type]
+        pass
+    for size in (False, 0.0):
+        with pytest.raises(remat.RematTypeError, match=rf"remat\.offload: a byte count .*\(got {size}\)"):
+            remat.Offloader(min_bytes=size)  # type: ignore[arg-type]
+    assert remat.Offloader(min_bytes=0).min_bytes == remat.Offloader(min_bytes="0").min_bytes == 0
