@@ -7,7 +7,9 @@ peak recomputation alone reaches and the plain peak, the recompute-only plan (``
 search, ``solver="auto"``) is picked first; the three-way plan is then picked with the budget set
 to that plan's predicted peak, for each link rate. The candidates are found once per trace (and per
 link), as ``remat.plan`` finds them (NOTE [monotone plans]). Predicted figures only (this machine
-has no GPU).
+has no GPU). ``--executor none`` leaves the executor's own host time out of the predictions
+(``NO_EXECUTOR_COST``): on a GPU the host runs ahead of the device, so its Python time per op does
+not add to roofline op times as the CPU-calibrated figures (the default, ``calibrated``) would.
 
     PYTHONPATH=. .venv/bin/python benchmarks/offload/run.py --fractions 0.5 0.0
 """
@@ -27,6 +29,7 @@ import torch
 import remat
 from remat.planner import trace_step
 from remat.planner.api import block_key, plan_at
+from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost
 from remat.planner.frontier import frontier
 from remat.planner.offload_search import offload_frontier
 from remat.trace.cost import estimate
@@ -44,7 +47,13 @@ def gpu_like(trace: Trace) -> Trace:
 
 
 def run_model(
-    name: str, sizes: dict[str, int], fractions: list[float], rates: list[int], out: str, costs: list[str]
+    name: str,
+    sizes: dict[str, int],
+    fractions: list[float],
+    rates: list[int],
+    out: str,
+    costs: list[str],
+    executor: ExecutorCost | None = None,
 ) -> list[dict[str, Any]]:
     wl = remat.zoo.build(name, **sizes)
 
@@ -60,7 +69,7 @@ def run_model(
     for kind in costs:
         trace = traces[COSTS[kind]]()
         start = time.process_time()
-        alone = frontier(trace, "auto", key)
+        alone = frontier(trace, "auto", key, executor_cost=executor)
         alone_s = time.process_time() - start
         plain = alone.baseline
         low = min(c.pred.peak_bytes for c in alone.candidates)
@@ -94,6 +103,7 @@ def run_model(
                     "three_way_solve_s": both_s,
                     "three_way_candidates": len(both.candidates),
                     "step_s": sum(op.cost for op in trace.ops),
+                    "executor": "none" if executor is NO_EXECUTOR_COST else "calibrated",
                 }
                 print(
                     f"  {COSTS[kind]:13} f={f:.2f} {rate:2d} GB/s: recompute {row['recompute_overhead']:.4f} "
@@ -113,12 +123,17 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", type=int, default=list(RATES), help="link rates, GB/s")
     parser.add_argument("--costs", nargs="+", choices=sorted(COSTS), default=["cpu", "h100"], help="op times")
     parser.add_argument("--out", default="benchmarks/offload/results_{model}.json")
+    parser.add_argument(
+        "--executor", choices=["calibrated", "none"], default="calibrated", help="the executor's host time"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    executor = NO_EXECUTOR_COST if args.executor == "none" else None
     for spec in args.models:
         name, _, rest = spec.partition(":")
         sizes = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
-        run_model(name, sizes, args.fractions, args.rates, args.out.replace("{model}", name), args.costs)
+        out = args.out.replace("{model}", name)
+        run_model(name, sizes, args.fractions, args.rates, out, args.costs, executor)
 
 
 if __name__ == "__main__":
