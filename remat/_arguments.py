@@ -1,4 +1,5 @@
-"""Argument types the command line's subcommands share: lists of registered names, budget ratios."""
+"""Argument types the command line's subcommands share (lists of registered names, budget ratios),
+and the device an API is given."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import argparse
 import math
 from collections.abc import Sequence
 
-from remat._errors import message
+import torch
+
+from remat._errors import RematTypeError, RematValueError, message
 
 
 def names_in(spec: str, known: Sequence[str], api: str, what: str) -> list[str]:
@@ -50,3 +53,24 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
     return value
+
+
+def device_of(value: object, api: str) -> torch.device:
+    """``value`` (a ``torch.device`` or its name) as a device this torch can run on; ``"cuda"``
+    alone as the current CUDA device (tensors say ``cuda:0``, never ``cuda``)."""
+    if not isinstance(value, (str, torch.device)):
+        rule = "device must be a torch.device or its name"
+        raise RematTypeError(message(api, rule, repr(value), 'pass "cpu"'))
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise RematValueError(message(api, "unknown device", repr(value), 'pass "cpu" or "cuda"')) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        hint = 'pass device="cpu", or run on a GPU with a CUDA build of torch'
+        raise RematValueError(message(api, "no CUDA device here", repr(value), hint))
+    if device.type not in ("cpu", "cuda"):
+        rule = "the device must be a CPU or a CUDA device"
+        raise RematValueError(message(api, rule, repr(value), 'pass "cpu"'))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

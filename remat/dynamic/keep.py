@@ -48,9 +48,10 @@ def arrived(tensors: Sequence[TensorInfo], outside: Iterable[int], entered: int,
     return sum(tensors[h].nbytes for h in outside if h >= since)
 
 
-def _visit(item: object, found: list[object]) -> None:
+def _visit(item: object, found: list[object], state: bool = False) -> None:
     """Add what ``item`` holds to ``found`` (a function of the module, not a closure that refers to
-    itself: that would be a reference cycle on every region's entry)."""
+    itself: that would be a reference cycle on every region's entry). Numbers pass in an optimizer's
+    ``state`` only (step counts); in what the caller gives they are a mistake."""
     if isinstance(item, torch.Tensor):
         found.append(item)
         if item.is_leaf and item.grad is not None:
@@ -62,15 +63,15 @@ def _visit(item: object, found: list[object]) -> None:
         found.extend(p.grad for p in item.parameters() if p.grad is not None)
     elif isinstance(item, torch.optim.Optimizer):
         found.append(item)
-        for state in item.state.values():
-            _visit(list(state.values()), found)
+        for kept in item.state.values():
+            _visit(list(kept.values()), found, state=True)
     elif isinstance(item, Mapping):
         for value in item.values():
-            _visit(value, found)
+            _visit(value, found, state)
     elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
         for value in item:
-            _visit(value, found)
-    elif item is not None and not isinstance(item, (int, float, bool)):
+            _visit(value, found, state)
+    elif item is not None and not (state and isinstance(item, (int, float, bool))):
         raise RematTypeError(
             message(
                 API,

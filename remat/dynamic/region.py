@@ -32,6 +32,7 @@ from types import TracebackType
 
 import torch
 
+from remat._arguments import device_of
 from remat._errors import RematError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
@@ -358,9 +359,7 @@ def dynamic(
     (:mod:`remat.dynamic.undo`).
     """
     homes.require_swap(API)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:  # tensors say cuda:0, never cuda: compare with that
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = device_of(device, API)
     return Dynamic(budget, policy, backend, keep, layout, fit, thrash_limit, cost, dev, reserve, peak, swap)
 
 

@@ -111,3 +111,32 @@ def test_results_sized_by_the_data_beyond_the_reserve_are_told() -> None:
     told = pytest.warns(UserWarning, match=r"aten\.nonzero\.default ran before its results could be sized")
     with told, remat.dynamic(10 * free.stats.peak_bytes, "dtr", cost="model", reserve=1024):
         step()
+
+
+@pytest.mark.parametrize(
+    ("device", "match"),
+    [
+        ("tpu", r"remat\.dynamic: unknown device \('tpu'\)"),
+        (3.5, r"remat\.dynamic: device must be a torch\.device or its name \(3\.5\)"),
+        ("meta", r"remat\.dynamic: the device must be a CPU or a CUDA device \('meta'\)"),
+    ],
+)
+def test_a_device_it_cannot_run_on_is_a_clear_error(device: object, match: str) -> None:
+    """A bad device was a bare torch error (an AssertionError for CUDA on a CPU build)."""
+    with pytest.raises((remat.RematTypeError, remat.RematValueError), match=match):
+        remat.dynamic(None, device=device)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("keep", [5.0, {"a": 3}, [nn.Linear(2, 2), 7]])
+def test_numbers_in_keep_are_refused_outside_an_optimizers_state(keep: object) -> None:
+    """A number in what the caller keeps is a mistake (they were skipped silently); an optimizer's
+    step count in its state is not."""
+    refused = pytest.raises(remat.RematTypeError, match=r"remat\.dynamic: keep takes modules")
+    with refused, remat.dynamic(None, keep=keep):
+        pass
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    with remat.dynamic(None, keep=(model, optimizer)):
+        model(torch.ones(1, 2)).sum().backward()
