@@ -40,6 +40,19 @@ def _three_way(name: str, budget: int, link: remat.Link, host: int | None = None
     return plan_at(_offload(name, link, host), budget)
 
 
+def _noted_offloaders(monkeypatch: pytest.MonkeyPatch) -> list[remat.Offloader]:
+    """The offloaders the plan executor makes from now on, in the order it makes them."""
+    made: list[remat.Offloader] = []
+
+    class Noted(remat.Offloader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(offload_execute, "Offloader", Noted)
+    return made
+
+
 def test_plan_trace_picks_from_the_offload_frontier() -> None:
     trace, base, low = _traced("gpt2")
     budget = (low + base) // 2
@@ -135,14 +148,7 @@ def test_an_applied_three_way_plan_is_transparent_and_measures_less(
     the allocator's peak within the prediction (which counts a tensor from when the executor's
     prefetch brings it back, NOTE [plan prefetch]) and below the plain step's; also for a plan
     that recomputes and offloads."""
-    made: list[remat.Offloader] = []
-
-    class Noted(remat.Offloader):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(offload_execute, "Offloader", Noted)
+    made = _noted_offloaders(monkeypatch)
     _, _, low = _traced(name)
     plan = _below(name, low, link) if below else _three_way(name, low, link)
     assert plan.offloaded_bytes > 0
@@ -225,14 +231,7 @@ def test_the_host_budget_counts_what_the_executor_moves_beside_the_planned_outpu
     free = plan_trace(trace, low, link=FAST, solver="offload_greedy")
     host = free.offloaded_bytes
     plan = plan_trace(trace, low, link=FAST, solver="offload_greedy", host_budget=host)
-    made: list[remat.Offloader] = []
-
-    class Noted(remat.Offloader):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(offload_execute, "Offloader", Noted)
+    made = _noted_offloaders(monkeypatch)
     model, batch, _ = build("gpt2")
     planned = twin(model)
     train(planned, batch, steps=1, region=lambda: plan.apply(planned))
