@@ -1,13 +1,13 @@
 """Selective recomputation for ``remat.checkpoint``: keep the outputs a policy says to save.
 
 In forward, a dispatch mode asks the policy about each op and keeps the outputs it says to SAVE,
-with the position of the op among all ops of the region. In the recomputation the same mode
-hands those outputs back instead of running the op again, so expensive ops (matmul, attention) are
-not recomputed while cheap pointwise ones are. The ops are matched per op, as torch's selective
+with the position of the op among all ops of the region. In the recomputation the same mode hands
+those outputs back instead of running the op again, so expensive ops (matmul, attention) are not
+recomputed while cheap pointwise ones are. The ops are matched per op, as torch's selective
 checkpoint matches them: the n-th call of an op in the recomputation gets what the n-th call of
 that op saved in the forward, so an op that only the forward runs (a cache a module fills on its
-first call) shifts no other op's outputs (matched by position among all ops, it handed one
-matmul's output to the next). Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
+first call) shifts no other op's outputs (matched by position among all ops, it handed one matmul's
+output to the next). Queries of metadata (``remat.aten.METADATA_PACKETS``: sizes, strides) take no
 position: some tensors send them through dispatch and some do not. Nor do casts (``aten._to_copy``)
 under autocast: autocast caches the cast of a leaf that requires grad for as long as its context
 lasts, so the forward and the recomputation may cast a different number of times (the
@@ -224,7 +224,7 @@ class Recording(TorchDispatchMode):
         if self.cache.storages:
             self.cache.alias(out)
         decision = self.cache.decision(func, args, kwargs, out)
-        name = str(func)
+        name = aten.facts(func).name
         n = self.counts[name] = self.counts.get(name, -1) + 1
         if decision is not Decision.RECOMPUTE:
             self.cache.keep(self.position, func, out, decision)
@@ -249,7 +249,7 @@ class Replaying(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if _unpositioned(func, self.cache.autocast):
             return func(*args, **(kwargs or {}))
-        name = str(func)
+        name = aten.facts(func).name
         n = self.counts[name] = self.counts.get(name, -1) + 1
         position = self.cache.calls.get((name, n))
         entry = None if position is None else self.cache.current(position)
