@@ -48,14 +48,14 @@ NO_META = {
 ALIASING = {packet.replace(".", "::", 1) for packet in UNSAID_VIEWS}
 
 
-_METAS: dict[tuple[Any, ...], list[torch.Tensor] | None] = {}  # by op signature (see ``plan``)
+_METAS: dict[tuple[Any, ...], list[torch.Tensor | None] | None] = {}  # by op signature (``plan``)
 _UNKNOWN = object()  # a signature not in _METAS yet
 
 
 def meta_results(
     func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...]
-) -> list[torch.Tensor] | None:
-    """``func``'s results computed on meta tensors, flat; None where a meta kernel cannot tell."""
+) -> list[torch.Tensor | None] | None:
+    """``func``'s results on meta tensors, flat (None: not returned); None where no meta kernel tells."""
     kwargs = tree_map(meta, dict(kwargs))
     if not any(isinstance(x, torch.Tensor) for x in tree_leaves(args)):  # a factory
         if not any(a.name == "device" for a in func._schema.arguments):
@@ -66,7 +66,8 @@ def meta_results(
     except Exception:  # no meta kernel, or results whose size depends on the data
         return None
     leaves = [value for _, value in result_leaves(fresh_returns, metas)]
-    return leaves if all(isinstance(m, torch.Tensor) and m.is_meta for m in leaves) else None
+    sized = all(m is None or isinstance(m, torch.Tensor) and m.is_meta for m in leaves)
+    return leaves if sized and any(m is not None for m in leaves) else None
 
 
 def meta(x: Any) -> Any:
@@ -185,8 +186,9 @@ class AccountingBackend:
         if key not in _METAS or _METAS[key] is not None or torch.Tag.dynamic_output_shape in func.tags:
             return
         leaves = [value for _, value in result_leaves(returns, out)]
-        if all(returns) and all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in leaves):
-            _METAS[key] = [meta(t) for t in leaves]
+        kept = [t for t in leaves if t is not None]  # None: a result the op does not return
+        if all(returns) and all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in kept):
+            _METAS[key] = [None if t is None else meta(t) for t in leaves]
 
     def placeable(self, func: Any, sized: bool = False) -> bool:
         """Whether ``func``'s meta results may be trusted for its real ones (their sizes aside,
@@ -219,7 +221,7 @@ class AccountingBackend:
             if real is not None and aligned(real.nbytes()) != graph.nbytes[new]:  # ``resize_``, ``out=``
                 raise resized(func, graph.nbytes[new], real.nbytes())
         assert pending.recipe is not None
-        leaves = [value for _, value in result_leaves(pending.recipe.returns, out)] if n else []
+        leaves = [v for _, v in result_leaves(pending.recipe.returns, out) if v is not None] if n else []
         device, on_cpu = self.device, self.on_cpu
         for handle, leaf, storage in zip(pending.fresh, leaves, record.outputs[:n], strict=True):
             here = isinstance(leaf, torch.Tensor) and (

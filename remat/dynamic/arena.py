@@ -174,6 +174,20 @@ class ArenaBackend(AccountingBackend):
                 )
             )
 
+    def plan(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        fresh_returns: tuple[bool, ...],
+        key: tuple[Any, ...],
+        sized: bool = False,
+    ) -> list[Any] | None:
+        """As the accounting backend's, but an op with a result it does not return (a gradient its
+        ``output_mask`` leaves out) runs first: its ``out=`` overload takes every result."""
+        metas = super().plan(func, args, kwargs, fresh_returns, key, sized)
+        return None if metas is not None and any(m is None for m in metas) else metas
+
     def ahead(
         self,
         func: Any,
@@ -188,7 +202,7 @@ class ArenaBackend(AccountingBackend):
         sizes = op_scratch.results(key)
         if sizes is None and any(fresh_returns):
             metas = meta_results(func, args, kwargs, fresh_returns)
-            sizes = tuple(m.untyped_storage().nbytes() for m in metas or ())
+            sizes = tuple(m.untyped_storage().nbytes() for m in metas or () if m is not None)
         copies = sum(real.nbytes() for real in saved.values())
         nbytes = sum(aligned(n) for n in sizes or ()) + aligned(op_scratch.known(key) or 0) + copies
         self.beside(nbytes, str(func))

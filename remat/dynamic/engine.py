@@ -223,6 +223,8 @@ class Engine:
         metas = None  # NOTE [room first]
         if (positions and not named) or self._outputs_here(named, bool(positions)):
             metas = backend.plan(func, args, kwargs, schema.fresh_returns, key, sized=sizes is not None)
+        positions_out = [i for i, m in enumerate(metas or ()) if m is not None]  # a None: no result
+        metas = [metas[i] for i in positions_out] if metas is not None else None
         if metas is not None and sizes is not None and len(sizes) != len(metas):
             metas = None
         saved: dict[int, torch.UntypedStorage] = {}
@@ -254,14 +256,13 @@ class Engine:
             out, seconds = op_scratch.timed(lambda: func(*args, **kwargs), learn)
             fresh, positions_out = self._fresh(schema, out)
             made = tuple(tensors_info[h].nbytes for h in fresh)
-            if len(fresh) == len(result_leaves(schema.fresh_returns, out)):
+            if len(fresh) == sum(v is not None for _, v in result_leaves(schema.fresh_returns, out)):
                 backend.learned(func, key, schema.fresh_returns, out, made)
             self.unsized = max(self.unsized, (sum(made) + (op_scratch.known(key) or 0), schema.name))
         else:  # the backend runs it once the core has placed the outputs
             rng, generators, out, seconds = None, (), None, 0.0
             nbytes = sizes or tuple(m.untyped_storage().nbytes() for m in metas)
             fresh = [self.new_handle(m, n) for m, n in zip(metas, nbytes, strict=True)]
-            positions_out = list(range(len(metas)))
         op = Op(
             self.ops,
             schema.name,

@@ -6,6 +6,7 @@ the data."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -140,3 +141,23 @@ def test_numbers_in_keep_are_refused_outside_an_optimizers_state(keep: object) -
     optimizer.step()
     with remat.dynamic(None, keep=(model, optimizer)):
         model(torch.ones(1, 2)).sum().backward()
+
+
+def test_an_op_with_a_result_it_does_not_return_is_placed_before_it_runs() -> None:
+    """A convolution's backward whose input needs no gradient returns None for it: its other
+    results are still sized by its meta kernel and placed before it runs (the op ran unplaced on
+    every step, beside the budget, and warned of it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    x = torch.randn(4, 3, 16, 16)  # needs no gradient
+    twin = copy.deepcopy(model)
+    model(x).square().sum().backward()
+    with remat.dynamic(None, keep=twin):  # the kernels' scratch, learned
+        twin(x).square().sum().backward()
+    twin.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # no reserve: any op run before it is placed warns
+        warnings.filterwarnings("error", message=".*could be sized")
+        with remat.dynamic("1GB", keep=twin, reserve=0):
+            twin(x).square().sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
