@@ -99,7 +99,22 @@ def enable(
                 "pass one of them",
             )
         )
-    given = dict(activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {})
+    given = activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {}
+    if not isinstance(given, dict):
+        name = "activation" if activation_checkpointing_kwargs is not None else "gradient"
+        rule = f"{name}_checkpointing_kwargs must be a dict of torch's checkpoint keywords"
+        raise RematTypeError(message(api, rule, f"got {given!r}"[:200], 'pass {"use_reentrant": False}'))
+    if not isinstance(offload, bool):
+        rule, todo = (
+            "offload must be True or False",
+            "pass offload=True to hold each layer's inputs on the host",
+        )
+        raise RematTypeError(message(api, rule, f"got {offload!r}", todo))
+    if form == "scope" and check == "values":
+        rule = "check applies to the function form, which runs each layer's forward again"
+        raise RematValueError(
+            message(api, rule, f"got check={check!r} with form='scope'", 'pass form="checkpoint"')
+        )
     torch_kwargs, unknown = keywords.split(given)
     if unknown or (form == "scope" and set(torch_kwargs) - {"use_reentrant", "context_fn"}):
         others = sorted(unknown) or sorted(set(torch_kwargs) - {"use_reentrant", "context_fn"})

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["COPY_LIMIT", "Buffers"]
+__all__ = ["COPY_LIMIT", "Buffers", "reached"]
 
 COPY_LIMIT = 1 << 20  # bytes: the largest buffer copied before a forward (NOTE [buffers as ...])
 
@@ -71,6 +71,16 @@ def region_modules(
     more = [m for m in _below(reached) if id(m) not in seen]
     size = sum(b.nbytes for m in more for b in m._buffers.values() if b is not None)
     return ((*known, *more), roots) if more and size <= COPY_LIMIT else (known, roots)
+
+
+def reached(fn: Any, values: Sequence[Any] = ()) -> tuple[nn.Module, ...]:
+    """The modules ``fn`` is or is bound to, those its closure holds or its code names as globals
+    (a lambda written at a script's top level), and those among ``values``, with every module
+    below them (a loss function's head, for ``remat.plan``'s capture). A superset at worst: a
+    global that only shares a name with an attribute the code reads is taken too."""
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    named = [m for n in (code.co_names if code is not None else ()) for m in _modules_in(names.get(n))]
+    return _below([*_called(fn)[0], *_closure(fn), *named, *(m for v in values for m in _modules_in(v))])
 
 
 def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:

@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._state import untouched
+from remat._state import Leaves, untouched
 from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
+from remat.manual.buffers import reached
 from remat.planner.cost_model import ExecutorCost
+from remat.planner.execute import first_result
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.lowering import stage_key
 from remat.planner.offload_lowering import offload_problem
@@ -89,23 +91,35 @@ def _call(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None) -> torch.Ten
 
 def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
     """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's
-    buffers, gradients and the RNG as
-    they were (the step's batch-norm updates and dropout draws are undone). On CUDA an untimed
+    buffers, gradients and the RNG as they were (the step's batch-norm updates and dropout draws
+    are undone), and so the gradients of every other leaf the backward reaches (an input's, a
+    loss head's) and the buffers of the modules ``loss_fn`` holds or is given. On CUDA an untimed
     step runs first: a kernel's first launch loads its module and the allocator is cold, which
     made the ops that run once in the capture (batch norm, in-place ReLU, dropout) cost 0.5 ms
     each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.recorder``). The forward then runs
     once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
     NOTE [let go] in ``remat.trace.let_go``)."""
+    given = (
+        list(inputs.values())
+        if isinstance(inputs, Mapping)
+        else [inputs]
+        if isinstance(inputs, torch.Tensor)
+        else list(inputs)
+    )
+    modules = [model, *(reached(loss_fn, given) if loss_fn is not None else ())]
+    leaves = Leaves()  # an input's gradient, a loss head's weights': put back too
     if any(p.is_cuda for p in model.parameters()):
-        with untouched([model]):
+        with untouched(modules, leaves):
             model.zero_grad(set_to_none=True)
-            _call(model, inputs, loss_fn).backward()
-    with untouched([model]):
+            leaves.note(_call(model, inputs, loss_fn)).backward()
+    with untouched(modules, leaves):
         model.zero_grad(set_to_none=True)
         trace = capture(
-            lambda: _call(model, inputs, loss_fn).backward(), name=type(model).__name__, repeats=repeats
+            lambda: leaves.note(_call(model, inputs, loss_fn)).backward(),
+            name=type(model).__name__,
+            repeats=repeats,
         )
-    with untouched([model]):  # the same forward again, from the same state (NOTE [let go])
+    with untouched(modules):  # the same forward again, from the same state (NOTE [let go])
         return with_let_go(trace, lambda: _call(model, inputs, loss_fn))
 
 
@@ -264,6 +278,7 @@ def plan_at(
         tensors=mark(step, tensors, chosen) if isinstance(chosen, OffloadCandidate) else tensors,
         ops=tuple(op.name for op in step.forward),
         modules=tuple(op.module for op in step.forward),
+        shapes=tuple(first_result(step.trace, op) for op in step.forward),
         notes=notes,
         predicted_held_bytes=chosen.pred.held_bytes,
         link=link,

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._pytree import tree_leaves
 
 from remat import aten
 from remat._dispatch import Unguarded
@@ -53,8 +54,9 @@ from remat.manual.tape import Tape
 from remat.planner.regions import Region
 from remat.planner.rerun import run_again
 from remat.policy import Decision, OpContext, RecomputeAll
+from remat.trace.types import Op, Trace
 
-__all__ = ["UNCOUNTED", "apply"]
+__all__ = ["UNCOUNTED", "apply", "first_result"]
 
 # Not ops of the program (as in the trace capture): profiler markers and metadata queries.
 # NOTE [uncounted ops] Autograd itself issues ``detach`` when it saves an op's output with no
@@ -90,6 +92,7 @@ class _Runner(Unguarded):
         super().__init__()
         self.ops = ops
         self.modules = modules
+        self.shapes: Sequence[str] = ()  # per op, its first result's dtype and shape (``_checked``)
         self.execute = execute
         self.starts = {r.first: r for r in regions}
         self.position = 0
@@ -205,17 +208,35 @@ class _Runner(Unguarded):
             raise self._diverged(i, func)
         if self.open is None and i in self.starts and torch.is_grad_enabled():
             self._start(self.starts[i])
-        if self.tape is not None:
-            assert self.open is not None
-            self.tape.policy = _KEEP if i in self.open.save else _RECOMPUTE
-            out = self.tape.record(func, args, kwargs)
-            if i == self.open.last:
-                # NOTE [region end] stop before autograd saves this op's outputs, and before the
-                # next op's autograd saves its inputs (that happens before the op reaches this
-                # mode): what only later ops save is theirs to keep, as the plan predicts
-                self.stop()
+        if self.tape is None:
+            return self._checked(i, func, info, func(*args, **kwargs))
+        assert self.open is not None
+        self.tape.policy = _KEEP if i in self.open.save else _RECOMPUTE
+        out = self.tape.record(func, args, kwargs)
+        if i == self.open.last:
+            # NOTE [region end] stop before autograd saves this op's outputs, and before the
+            # next op's autograd saves its inputs (that happens before the op reaches this
+            # mode): what only later ops save is theirs to keep, as the plan predicts
+            self.stop()
+        return self._checked(i, func, info, out)
+
+    def _checked(self, i: int, func: Any, info: aten.OpFacts, out: Any) -> Any:
+        """``out``, where op ``i``'s first result has the dtype and shape the plan was made for
+        (the memory it predicts is theirs): another batch size, width or dtype is refused."""
+        want = self.shapes[i] if self.shapes else ""
+        got = _first(out, info.written_returns) if want else None
+        if got is None or (made := aten.describe(got.dtype, got.shape)) == want:
             return out
-        return func(*args, **kwargs)
+        self.stop()
+        self.active = False
+        raise RecomputationError(
+            message(
+                "plan",
+                "each op makes the dtype and shape of the traced step (the plan's memory is theirs)",
+                f"op #{i} {func} in {self._running_module()} made {made}, planned {want}",
+                "plan again for this batch size, model and dtype",
+            )
+        )
 
 
 @contextlib.contextmanager
@@ -226,6 +247,7 @@ def apply(
     model: nn.Module,
     replay: ReplayMode = "eager",
     make_runner: Callable[..., _Runner] = _Runner,
+    shapes: Sequence[str] = (),
 ) -> Iterator[None]:
     """See ``Plan.apply``: run ``model``'s forward with ``regions`` recomputed, checking that it runs
     ``ops`` (issued by ``modules``, one per op) in order; ``make_runner`` makes the dispatch mode
@@ -238,6 +260,7 @@ def apply(
             )
         )
     runner = make_runner(regions, ops, modules, model, execute)
+    runner.shapes = shapes
     again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
     wrapped = []
@@ -253,6 +276,25 @@ def apply(
                 del module.forward
             else:
                 module.forward = before
+
+
+def _first(out: Any, written: Sequence[bool]) -> torch.Tensor | None:
+    """An op's first result tensor that is not a written argument handed back (the trace's first
+    output of the op: ``remat.trace.recorder``)."""
+    results = [out] if len(written) == 1 else list(out or ())
+    for is_write, result in zip(written, results, strict=False):
+        if not is_write:
+            for t in tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    return t
+    return None
+
+
+def first_result(trace: Trace, op: Op) -> str:
+    """``op``'s first result as ``_Runner._checked`` names it (``float32[8, 64]``), from the trace;
+    empty where the trace does not know it."""
+    t = trace.tensors[op.outputs[0]] if op.outputs else None
+    return f"{t.dtype}{list(t.shape)}" if t is not None and t.shape is not None and t.dtype else ""
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module:

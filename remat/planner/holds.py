@@ -73,6 +73,9 @@ def tape_holds(
             for i in region.ops:
                 if i != first:
                     packed.update(root[t] for t in trace.ops[i].inputs if root[t] in facts.saved_roots)
+        if region.rerun is not None and trace.saved_at:  # its hooks see its first op's input saves
+            ins = {root[t] for t in trace.ops[first].inputs}
+            packed = packed | {r for t, p in trace.saved_at if p == first and (r := root[t]) in ins}
         modules = {trace.ops[i].module for i in region.ops}
         packs_until = max(
             (

@@ -103,6 +103,7 @@ def apply_offload(
     replay: ReplayMode,
     positions: frozenset[int],
     link: Link | None,
+    shapes: Sequence[str] = (),
 ) -> Iterator[None]:
     """``remat.planner.execute.apply`` with the saved outputs of the forward ops at ``positions``
     offloaded over ``link``."""
@@ -111,6 +112,6 @@ def apply_offload(
     make = functools.partial(_OffloadRunner, positions=positions, makers=makers, hooks=hooks)
     with (
         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack),
-        apply(regions, ops, modules, model, replay, make),
+        apply(regions, ops, modules, model, replay, make, shapes),
     ):
         yield

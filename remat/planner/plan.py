@@ -53,7 +53,9 @@ class Plan:
     when its forward ends, for backward (a pipeline stage holds it per micro-batch in flight).
     ``predicted_executor_overhead`` is the executor's own part of ``predicted_overhead`` (its
     per-op check, tapes, replays and offload bookkeeping ÷ the plain step's compute, NOTE
-    [executor cost] in ``remat.planner.cost_model``)."""
+    [executor cost] in ``remat.planner.cost_model``). ``shapes`` is, per forward op, its first
+    result as the trace saw it (``float32[8, 64]``, or empty where unknown): the executor checks
+    each op against it, since a plan predicts the memory of the shapes it was made for."""
 
     name: str
     solver: str
@@ -73,6 +75,7 @@ class Plan:
     link: Link | None = None
     predicted_stall: float = 0.0
     predicted_executor_overhead: float = 0.0
+    shapes: tuple[str, ...] = ()
 
     # -- reading it ---------------------------------------------------------------------------
 
@@ -156,8 +159,10 @@ class Plan:
         host memory and come back when backward needs them (``remat.planner.offload_execute``)."""
         moved = frozenset(t.op for t in self.tensors if t.action is Decision.OFFLOAD)
         if moved:
-            return apply_offload(self.regions, self.ops, self.modules, model, replay, moved, self.link)
-        return apply(self.regions, self.ops, self.modules, model, replay)
+            return apply_offload(
+                self.regions, self.ops, self.modules, model, replay, moved, self.link, self.shapes
+            )
+        return apply(self.regions, self.ops, self.modules, model, replay, shapes=self.shapes)
 
     # -- storing it ---------------------------------------------------------------------------
 
@@ -172,6 +177,7 @@ class Plan:
         body["tensors"] = [{**asdict(t), "action": t.action.value} for t in self.tensors]
         body["ops"] = list(self.ops)
         body["modules"] = list(self.modules)
+        body["shapes"] = list(self.shapes)
         if self.gap is not None and not math.isfinite(self.gap):
             body["gap"] = None
         return {"format": FORMAT, **body}
@@ -191,7 +197,7 @@ class Plan:
                     r["name"],
                     int(r["first"]),
                     int(r["last"]),
-                    frozenset(r["save"]),
+                    _positions(r["save"], int(r["first"]), int(r["last"])),
                     str(r.get("rerun", "")),
                 )
                 for r in fields["regions"]
@@ -201,6 +207,11 @@ class Plan:
             )
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])
+            fields["shapes"] = tuple(str(x) for x in fields.get("shapes", ()))
+            if len(fields["shapes"]) not in (0, len(fields["ops"])) or len(fields["modules"]) != len(
+                fields["ops"]
+            ):
+                raise ValueError("ops, modules and shapes must name the same forward ops")
             ends = [(r.first, r.last) for r in sorted(fields["regions"], key=lambda r: r.first)]
             if any(a > b or b >= len(fields["ops"]) or a < 0 for a, b in ends) or any(
                 b >= c for (_, b), (c, _) in zip(ends, ends[1:], strict=False)
@@ -224,3 +235,10 @@ class Plan:
         """The plan ``save`` wrote to ``path``."""
         body = read_json(path, "plan.load", "plan.save")
         return cls.from_json(body)
+
+
+def _positions(save: Any, first: int, last: int) -> frozenset[int]:
+    """A region's kept op positions from a plan file: whole numbers within the region."""
+    if not isinstance(save, list) or any(type(i) is not int or not first <= i <= last for i in save):
+        raise ValueError(f"a region's save must list op positions from {first} to {last}: {save!r}"[:200])
+    return frozenset(save)

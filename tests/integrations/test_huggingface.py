@@ -137,6 +137,18 @@ def test_enable_checkpointing_kwargs_errors() -> None:
         remat.RematValueError, match=r"older name of activation_checkpointing_kwargs \(got both\)"
     ):
         huggingface.enable(model, gradient_checkpointing_kwargs={}, activation_checkpointing_kwargs={})
+    with pytest.raises(
+        remat.RematTypeError, match=r"activation_checkpointing_kwargs must be a dict .*got 'use_r"
+    ):
+        huggingface.enable(model, activation_checkpointing_kwargs="use_reentrant")  # type: ignore[arg-type]
+    with pytest.raises(remat.RematTypeError, match=r"gradient_checkpointing_kwargs must be a dict .*got 1\)"):
+        huggingface.enable(model, gradient_checkpointing_kwargs=1)  # type: ignore[arg-type]
+    with pytest.raises(remat.RematTypeError, match=r"enable: offload must be True or False \(got 'no'\)"):
+        huggingface.enable(model, offload="no")  # type: ignore[arg-type]
+    with pytest.raises(
+        remat.RematValueError, match=r"check applies to the function form, .*check=.values. with form=.scope."
+    ):
+        huggingface.enable(model, form="scope", check="values")
 
 
 class _Counted(torch.autograd.graph.saved_tensors_hooks):

@@ -181,3 +181,27 @@ def test_a_constant_released_unread_after_the_first_made_tensor() -> None:
     result = simulate(trace, 10 * mib, "dtr", layout=False)
     assert result.outcome is Outcome.OK and result.peak_bytes >= 6 * mib  # both constants and a's output
     assert simulate(trace, 6 * mib - 1, "dtr", layout=False).outcome is Outcome.OOM
+
+
+def test_a_digest_is_the_same_in_every_process() -> None:
+    """A constant's value was hashed with a string, which Python salts per process: two runs of
+    the same simulation wrote different digests to ``remat sim --json``."""
+    import subprocess
+    import sys
+
+    path = str(LOGS / "lstm-128.log")
+    code = "from remat.sim import simulate; from remat.trace import load; "
+    code += f"print(simulate(load({path!r}), 10**12, 'lru', layout=False).digest)"
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1 and simulate(log("lstm-128"), 10**12, "lru", layout=False).digest == int(
+        digests.pop()
+    )

@@ -1,0 +1,147 @@
+"""What a plan promises beyond its regions: it runs only on the shapes and dtypes it was made for
+(its memory is theirs), planning leaves every tensor of the user's as it was (not only the
+model's), a module run again holds the generators' state as long as its first op's saves, and a
+damaged plan file is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import remat
+from remat import Plan, RecomputationError, RematValueError
+from remat.planner import plan_trace, trace_step
+from remat.planner.api import block_key
+from remat.planner.search import Step, predicted
+
+
+def _mlp(width: int = 64, hidden: int = 256) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(4)]
+    )
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+@pytest.mark.parametrize(
+    "change", ["batch", "width", "dtype"], ids=["another batch size", "another width", "another dtype"]
+)
+def test_a_plan_refuses_shapes_it_was_not_made_for(change: str) -> None:
+    """A plan made for a 256-row batch ran silently on 512 rows, a wider model or float64, and
+    passed its budget by up to 1.6x: each op's first result is now checked against the trace."""
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.6, loss_fn=_loss)
+    assert plan.regions and len(plan.shapes) == len(plan.ops)
+    other, y = model, x
+    if change == "batch":
+        y = torch.randn(512, 64)
+    elif change == "width":
+        other, y = _mlp(hidden=512), x
+    else:
+        other, y = _mlp().double(), x.double()
+    with (
+        pytest.raises(
+            RecomputationError, match=r"remat\.plan: each op makes the dtype and shape .* planned float32\["
+        ),
+        plan.apply(other),
+    ):
+        _loss(other, y)
+    with plan.apply(model):  # the runner is left clean: the plan still runs what it was made for
+        _loss(model, x).backward()
+
+
+def test_planning_leaves_an_inputs_gradient_and_a_loss_heads_state_as_they_were() -> None:
+    """The capture's backward accumulated into an input's ``.grad`` and into a loss head's weights,
+    and the head's batch norm counted two more batches; only the model's own state was put back."""
+    model = _mlp()
+    torch.manual_seed(1)
+    head = nn.Sequential(nn.Linear(64, 10), nn.BatchNorm1d(10))
+    x, y = torch.randn(256, 64, requires_grad=True), torch.randint(0, 10, (256,))
+    mean = head[1].running_mean.clone()
+
+    def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(m(x)), y)
+
+    remat.plan(model, (x, y), 0.6, loss_fn=loss)
+    assert x.grad is None and head[0].weight.grad is None
+    assert torch.equal(head[1].running_mean, mean) and int(head[1].num_batches_tracked) == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+_HEAD = nn.BatchNorm1d(64)
+
+
+def _global_head_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _HEAD(m(x)).square().mean()
+
+
+def test_planning_puts_back_a_module_the_loss_reaches_as_a_global() -> None:
+    before = int(_HEAD.num_batches_tracked)
+    remat.plan(_mlp(), (torch.randn(256, 64),), 0.6, loss_fn=_global_head_loss)
+    assert int(_HEAD.num_batches_tracked) == before
+
+
+class _Embedded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 32)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
+        )
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_a_module_run_again_holds_the_generators_state_while_its_first_ops_saves_live() -> None:
+    """An embedding run again as a region of its own: its hooks also pack the indices its first op
+    saves, which live until the embedding's backward, and with them the generators' state its
+    frame keeps (5,056 bytes on CPU); the prediction let that state go after the forward op and
+    the step measured 5,056 bytes over it."""
+    model = _Embedded()
+    ids, target = torch.randint(0, 100, (8, 32)), torch.randint(0, 100, (8, 32))
+
+    def loss(m: nn.Module, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(ids).flatten(0, 1), target.flatten())
+
+    trace = trace_step(model, (ids, target), loss)
+    step = Step(trace, block_key(model), rerun_modules=True)
+    region, ops = step.region("emb", [op.index for op in step.forward if op.module == "emb"])
+    assert region.rerun == "emb"
+    whole = plan_trace(trace, 1.0, block_key=block_key(model))
+    plan = dataclasses.replace(
+        whole, regions=(region,), predicted_peak_bytes=predicted(step, [(region, ops)]).peak_bytes
+    )
+    with remat.memory.track(allocator=True) as tracked:
+        with plan.apply(model):
+            out = loss(model, ids, target)
+        out.backward()
+    assert tracked.peak_bytes == plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("save", ['"12"', "[1000000]", "[1.5]"])
+def test_a_plan_file_with_kept_positions_outside_their_region_is_refused(save: str, tmp_path: Path) -> None:
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.6, loss_fn=_loss)
+    body = plan.to_json()
+    body["regions"][0]["save"] = json.loads(save)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(body))
+    with pytest.raises(
+        RematValueError, match=r"remat\.plan\.load: the plan file is incomplete or damaged .*save"
+    ):
+        Plan.load(path)
