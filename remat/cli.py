@@ -6,8 +6,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from remat._errors import RematError
+from remat._errors import RematError, RematValueError, message
 
 # Each module here defines ``register(subparsers)``; its subcommands set ``func`` on their parser.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _outputs(parser, args)
         result = args.func(args)
     except (RematError, OSError) as error:
         if args.debug:
@@ -42,6 +44,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(detail.splitlines()[0] if detail else type(error).__name__, file=sys.stderr)
         return 2
     return int(result or 0)
+
+
+_OUTPUTS = ("--out", "--json", "--save", "--plot")
+
+
+def _outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The files a command writes, checked before it works: each in a folder that exists, and each
+    picture (a ``FILE.png`` metavar) in a format matplotlib writes."""
+    chosen = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for action in chosen[args.command]._actions:
+        path = getattr(args, action.dest, None)
+        if not isinstance(path, str) or not set(action.option_strings) & set(_OUTPUTS):
+            continue
+        flag = action.option_strings[0]
+        if Path(path).is_dir() or not Path(path).resolve().parent.is_dir():
+            rule = f"{flag} names a file in a folder that exists"
+            raise RematValueError(
+                message(args.command, rule, path, "make the folder first, or pass another path")
+            )
+        if str(action.metavar or "").upper().endswith(".PNG"):
+            from matplotlib.figure import Figure
+
+            kinds = Figure().canvas.get_supported_filetypes()
+            if Path(path).suffix.lstrip(".").lower() not in kinds:
+                rule = f"{flag} is a picture, in a format matplotlib writes"
+                raise RematValueError(
+                    message(
+                        args.command, rule, path, f"end the name in .png (or .{', .'.join(sorted(kinds))})"
+                    )
+                )
 
 
 if __name__ == "__main__":

@@ -5,12 +5,15 @@ user writes them."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 import remat
 from remat import cli
 from remat._units import parse_budget, parse_bytes
+
+LOG = Path(__file__).resolve().parents[1] / "data" / "dtr" / "lstm-128.log"
 
 
 def test_a_bad_budget_is_refused_before_the_model_is_traced(
@@ -36,6 +39,67 @@ def test_remat_errors_print_one_line_and_exit_2(capsys: pytest.CaptureFixture[st
     assert err.count("\n") == 1 and err.startswith("remat.trace.load: no such file")
     with pytest.raises(remat.RematError, match="no such file"):
         cli.main(["--debug", "trace", "info", "/no/such/trace.jsonl"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (
+            ["plan", "--model", "gpt2", "--save", "/no/such/folder/p.json"],
+            r"remat\.plan: --save names a file in a",
+        ),
+        (
+            ["trace", "--model", "gpt2", "--tiny", "--out", "/no/such/folder/t.jsonl"],
+            r"remat\.trace: --out names",
+        ),
+        (
+            ["memory", "--model", "gpt2", "--budget", "0.9", "--out", "m.txt"],
+            r"remat\.memory: --out is a picture",
+        ),
+        (["sim", str(LOG), "--plot", "o.txt"], r"remat\.sim: --plot is a picture, .*\.png"),
+    ],
+)
+def test_the_files_a_command_writes_are_checked_before_it_works(
+    argv: list[str], pattern: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = []
+    monkeypatch.setattr(remat.zoo, "build", lambda *a, **k: built.append(a))
+    assert cli.main(argv) == 2 and not built
+    assert re.match(pattern, capsys.readouterr().err)
+
+
+def test_a_file_that_is_not_text_is_refused_as_a_trace(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    for name, body in (
+        ("binary.jsonl", gzip.compress(b'{"format": 1}')),
+        ("text.jsonl.gz", b'{"format": 1}\n'),
+    ):
+        path = Path(str(tmp_path)) / name
+        path.write_bytes(body)
+        assert cli.main(["trace", "info", str(path)]) == 2
+        assert capsys.readouterr().err.startswith(
+            "remat.trace.load: a trace is text (JSON lines), gzip-compressed"
+        )
+
+
+def test_a_trace_whose_tensors_own_more_than_a_pool_holds_is_refused(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A size edited to 10**30 loaded, and the simulator crashed in its pool."""
+    from remat.sim.synthetic import training_step
+    from remat.trace import save
+
+    path = Path(str(tmp_path)) / "huge.jsonl"
+    save(training_step(3), path)
+    lines = path.read_text().splitlines()
+    k = next(i for i, line in enumerate(lines) if '"nbytes"' in line)
+    lines[k] = re.sub(r'"nbytes": *\d+', '"nbytes":' + str(10**30), lines[k])
+    path.write_text("\n".join(lines) + "\n")
+    assert cli.main(["sim", str(path), "--ratios", "0.5"]) == 2
+    assert "the tensors own at most 2**60 bytes in all" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

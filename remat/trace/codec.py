@@ -100,8 +100,19 @@ def load(path: str | os.PathLike[str]) -> Trace:
     p = Path(path)
     if not p.is_file():
         raise RematValueError(message("trace.load", "no such file", str(p), "pass the path of a trace file"))
-    with _open(p, "r") as f:
-        first = f.readline()
+    try:
+        with _open(p, "r") as f:
+            first = f.readline()
+    except (OSError, UnicodeDecodeError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        rule = "a trace is text (JSON lines), gzip-compressed where its name ends in .gz"
+        raise RematValueError(
+            message(
+                "trace.load",
+                rule,
+                f"{p}: {err}"[:300],
+                "pass a file written by remat.trace.save or a DTR log",
+            )
+        ) from None
     header: object = None
     with contextlib.suppress(json.JSONDecodeError):
         header = json.loads(first)

@@ -15,7 +15,9 @@ import math
 from remat._errors import RematValueError, message
 from remat.trace.types import Event, Release, TensorInfo, Trace
 
-__all__ = ["Checker", "Invalid", "checked", "validate"]
+__all__ = ["TOTAL_LIMIT", "Checker", "Invalid", "checked", "validate"]
+
+TOTAL_LIMIT = 1 << 60  # bytes, all tensors of a step together (an exabyte; a pool holds 2**62)
 
 
 class Invalid(Exception):
@@ -42,6 +44,7 @@ class Checker:
         self.roots: list[int] = []
         self.handles: list[int] = []  # per root: live handles of its storage
         self.ops = 0
+        self.total = 0  # bytes the tensors own
 
     def tensor(self, t: TensorInfo, where: str) -> None:
         n = len(self.tensors)
@@ -53,6 +56,11 @@ class Checker:
             raise Invalid("tensor ids must be 0, 1, 2, ... in order", f"tensor {t.id} where {n} was expected")
         if t.nbytes < 0:
             raise Invalid("nbytes must not be negative", f"tensor {t.id} has nbytes {t.nbytes}")
+        self.total += t.nbytes
+        if self.total > TOTAL_LIMIT:  # past what an address pool can hold: a damaged size
+            raise Invalid(
+                "the tensors own at most 2**60 bytes in all", f"tensor {t.id} has nbytes {t.nbytes}"
+            )
         root = t.id
         if t.alias_of is not None:
             if not 0 <= t.alias_of < t.id:
