@@ -195,9 +195,9 @@ class Plan:
             fields["regions"] = tuple(
                 Region(
                     r["name"],
-                    int(r["first"]),
-                    int(r["last"]),
-                    _positions(r["save"], int(r["first"]), int(r["last"])),
+                    _whole(r["first"]),
+                    _whole(r["last"]),
+                    _positions(r["save"], _whole(r["first"]), _whole(r["last"])),
                     str(r.get("rerun", "")),
                 )
                 for r in fields["regions"]
@@ -219,6 +219,11 @@ class Plan:
                 raise ValueError(
                     f"regions must be disjoint spans of the {len(fields['ops'])} forward ops: {ends}"
                 )
+            if any(not 0 <= t.op < len(fields["ops"]) for t in fields["tensors"]):
+                raise ValueError(
+                    f"a tensor's op must be a position among the {len(fields['ops'])} forward ops"
+                )
+            _scalars(fields)
             fields["link"] = Link(**fields["link"]) if fields.get("link") else None
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as err:
@@ -242,3 +247,32 @@ def _positions(save: Any, first: int, last: int) -> frozenset[int]:
     if not isinstance(save, list) or any(type(i) is not int or not first <= i <= last for i in save):
         raise ValueError(f"a region's save must list op positions from {first} to {last}: {save!r}"[:200])
     return frozenset(save)
+
+
+_COUNTS = ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_held_bytes")
+_NUMBERS = ("predicted_overhead", "solve_seconds", "predicted_stall", "predicted_executor_overhead")
+_TEXTS = ("name", "solver", "peak_at", "notes")
+
+
+def _whole(value: Any) -> int:
+    if type(value) is not int:
+        raise ValueError(f"an op position must be a whole number: {value!r}"[:200])
+    return value
+
+
+def _scalars(fields: dict[str, Any]) -> None:
+    """The plan file's figures and names of the types ``Plan`` holds (an edited file may not)."""
+    for key in _COUNTS:
+        if key in fields and (type(fields[key]) is not int or fields[key] < 0):
+            raise ValueError(f"{key} must be a byte count: {fields[key]!r}"[:200])
+    for key in (*_NUMBERS, "gap"):
+        value = fields.get(key)
+        if (
+            (key != "gap" or value is not None)
+            and key in fields
+            and (type(value) not in (int, float) or value < 0)
+        ):
+            raise ValueError(f"{key} must be a number, at least 0: {value!r}"[:200])
+    for key in _TEXTS:
+        if key in fields and not isinstance(fields[key], str):
+            raise ValueError(f"{key} must be text: {fields[key]!r}"[:200])

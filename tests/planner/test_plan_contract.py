@@ -145,3 +145,33 @@ def test_a_plan_file_with_kept_positions_outside_their_region_is_refused(save: s
         RematValueError, match=r"remat\.plan\.load: the plan file is incomplete or damaged .*save"
     ):
         Plan.load(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("budget_bytes", "abc", "budget_bytes must be a byte count"),
+        ("predicted_peak_bytes", -5, "predicted_peak_bytes must be a byte count"),
+        ("gap", "x", "gap must be a number"),
+        ("notes", 3, "notes must be text"),
+    ],
+)
+def test_a_plan_file_with_a_figure_of_another_type_is_refused(
+    key: str, value: object, rule: str, tmp_path: Path
+) -> None:
+    """Such files loaded, and ``str(plan)`` crashed on them later."""
+    plan = remat.plan(_mlp(), (torch.randn(256, 64),), 0.6, loss_fn=_loss)
+    body = {**plan.to_json(), key: value}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(body))
+    with pytest.raises(
+        RematValueError, match=rf"remat\.plan\.load: the plan file is incomplete or damaged \({rule}"
+    ):
+        Plan.load(path)
+    assert str(Plan.load(_saved(plan, tmp_path))) == str(plan)  # the plan as written loads
+
+
+def _saved(plan: Plan, folder: Path) -> Path:
+    path = folder / "good.json"
+    plan.save(path)
+    return path
