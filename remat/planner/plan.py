@@ -267,11 +267,9 @@ def _scalars(fields: dict[str, Any]) -> None:
             raise ValueError(f"{key} must be a byte count: {fields[key]!r}"[:200])
     for key in (*_NUMBERS, "gap"):
         value = fields.get(key)
-        if (
-            (key != "gap" or value is not None)
-            and key in fields
-            and (type(value) not in (int, float) or value < 0)
-        ):
+        if key not in fields or (key == "gap" and value is None):
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{key} must be a number, at least 0: {value!r}"[:200])
     for key in _TEXTS:
         if key in fields and not isinstance(fields[key], str):
