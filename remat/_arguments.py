@@ -22,6 +22,9 @@ def names_in(spec: str, known: Sequence[str], api: str, what: str) -> list[str]:
     return chosen
 
 
+_MOST_RATIOS = 1000
+
+
 def ratio_range(spec: str, api: str = "sim.cli") -> list[float]:
     """``"0.2:0.9:0.1"`` -> [0.2, 0.3, ..., 0.9] (both ends included); ``"0.3,0.5"`` -> [0.3, 0.5]."""
     try:
@@ -30,6 +33,15 @@ def ratio_range(spec: str, api: str = "sim.cli") -> list[float]:
             if step <= 0 or stop < start:
                 raise ValueError
             count = math.floor((stop - start) / step + 1e-9) + 1
+            if count > _MOST_RATIOS:  # each ratio is a simulation of every trace and policy
+                raise argparse.ArgumentTypeError(
+                    message(
+                        api,
+                        f"a range gives at most {_MOST_RATIOS} ratios",
+                        f"got {count} from {spec!r}",
+                        "raise STEP",
+                    )
+                )
             ratios = [round(start + i * step, 10) for i in range(count)]
         else:
             ratios = [float(x) for x in spec.split(",")]

@@ -70,12 +70,20 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
         raise RematValueError(
             message(api, "cannot parse this byte size", f"got {value!r}", "pass a finite size such as '2GB'")
         )
+    if not unit and number != math.floor(number):  # "0.5", "1.5": a ratio, or a typo, not bytes
+        raise RematValueError(
+            message(
+                api,
+                "a byte count with no unit is a whole number",
+                f"got {value!r}",
+                'pass bytes such as "4MB" (a ratio such as 0.5 is taken where a budget may be a fraction)',
+            )
+        )
     size = math.floor(number)
     if size <= 0:
-        hint = "pass a size of at least 1 byte"
-        if 0 < float(match.group(1)) <= 1 and not unit:
-            hint = "a budget ratio is a number in (0, 1] such as 0.5, where a budget is asked for"
-        raise RematValueError(message(api, "a byte count must be positive", f"got {value!r}", hint))
+        raise RematValueError(
+            message(api, "a byte count must be positive", f"got {value!r}", "pass a size of at least 1 byte")
+        )
     return size
 
 

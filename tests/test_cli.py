@@ -127,9 +127,14 @@ def test_bad_budget_strings_say_what_is_wrong(text: str, pattern: str) -> None:
         parse_budget(text, "plan")
 
 
-def test_a_ratio_where_bytes_are_asked_for_says_so() -> None:
-    with pytest.raises(remat.RematValueError, match=r"positive \(got '0\.5'\); a budget ratio is a number"):
-        parse_bytes("0.5", "memory.parse_bytes")
+@pytest.mark.parametrize("text", ["0.5", "1.5"])
+def test_a_ratio_where_bytes_are_asked_for_says_so(text: str) -> None:
+    """``1.5`` was floored to one byte, and ``0.5`` refused with a hint to pass 0.5."""
+    with pytest.raises(
+        remat.RematValueError, match=rf"no unit is a whole number \(got '{text}'\); pass bytes such as"
+    ):
+        parse_bytes(text, "memory.parse_bytes")
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes("1e3") == 1000
 
 
 def test_capture_shows_its_progress(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,3 +144,14 @@ def test_capture_shows_its_progress(tmp_path: object, capsys: pytest.CaptureFixt
     assert re.search(
         r"captured gpt2 \(tiny\) on fake tensors: ops .* (\d+)/\1 elapsed \d:\d\d:\d\d left", err
     ), err
+
+
+def test_small_argument_slips_are_refused(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder given as a trace said "no such file"; ``--top -1`` was taken; a ratio range of
+    seven million steps was expanded before anything ran."""
+    assert cli.main(["trace", "info", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("remat.trace.load: a trace is a file, not a folder")
+    for argv in (["trace", "info", str(LOG), "--top", "-1"], ["sim", str(LOG), "--ratios", "0.2:0.9:1e-7"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+    assert "a range gives at most 1000 ratios (got 7000001" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from remat._arguments import positive
-from remat._errors import RematError
+from remat._errors import RematError, RematValueError, message
 from remat._units import parse_bytes
 
 MODELS = ("mlp", "gpt2")
@@ -44,16 +44,16 @@ def register(subparsers: Any) -> None:
         choices=MODELS,
         help="the built-in chain of MLP blocks, or the zoo's tiny GPT-2",
     )
-    parser.add_argument("--blocks", type=positive, default=8, help="blocks in the chain (default 8)")
-    parser.add_argument("--width", type=positive, default=64, help="block width (default 64)")
-    parser.add_argument("--hidden", type=positive, default=256, help="hidden width (default 256)")
+    parser.add_argument("--blocks", type=positive, help="mlp: blocks in the chain (default 8)")
+    parser.add_argument("--width", type=positive, help="mlp: block width (default 64)")
+    parser.add_argument("--hidden", type=positive, help="mlp: hidden width (default 256)")
     parser.add_argument(
         "--batch",
         type=positive,
         default=256,
         help="rows (mlp) or sequences (gpt2) per micro-batch (default 256)",
     )
-    parser.add_argument("--seq", type=positive, default=64, help="tokens per sequence (gpt2; default 64)")
+    parser.add_argument("--seq", type=positive, help="gpt2: tokens per sequence (default 64)")
     parser.add_argument("--stages", type=positive, required=True, help="ranks (processes)")
     parser.add_argument(
         "--stages-per-rank",
@@ -92,14 +92,19 @@ def run(args: argparse.Namespace) -> int:
     from remat.pipeline.picture import draw
     from remat.pipeline.zoo_chain import gpt2_chain, token_loss
 
+    other = ("blocks", "width", "hidden") if args.model == "gpt2" else ("seq",)
+    if stray := [f"--{k}" for k in other if getattr(args, k) is not None]:
+        rule = f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to --model {args.model}"
+        raise RematValueError(message("pipeline", rule, f"got {' '.join(stray)}", "leave it out"))
     torch.manual_seed(0)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     if args.model == "gpt2":
-        model, x, y = gpt2_chain(args.batch, args.seq)
+        model, x, y = gpt2_chain(args.batch, args.seq or 64)
         loss_fn = token_loss
     else:
-        model = mlp_chain(args.blocks, args.width, args.hidden)
-        x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+        width = args.width or 64
+        model = mlp_chain(args.blocks or 8, width, args.hidden or 256)
+        x, y = torch.randn(args.batch, width), torch.randn(args.batch, width)
         loss_fn = nn.functional.mse_loss
     planned = plan(
         model,

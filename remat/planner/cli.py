@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from remat._arguments import names_in, positive
-from remat._errors import RematError, message
+from remat._errors import RematError, RematValueError, message
 from remat._units import parse_budget, parse_bytes
 from remat.planner.solvers import names
 
@@ -132,6 +132,19 @@ def _solvers(text: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import remat
     from remat.planner.api import plan_trace, trace_step
+
+    stray = (
+        ["--save"]
+        if args.pareto and args.save
+        else []
+        if args.pareto
+        else [f for f in ("--out", "--json") if getattr(args, f[2:])]
+    )
+    if stray:
+        rule = "--out and --json go with --pareto, --save without it"
+        raise RematValueError(
+            message("plan", rule, f"got {' '.join(stray)}", "leave it out, or add --pareto")
+        )
 
     sizes = {k: getattr(args, k) for k in ("batch", "seq", "image") if getattr(args, k) is not None}
     if not args.full:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from remat._arguments import positive
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
 
@@ -47,7 +48,7 @@ def register(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="trace_command", metavar="{info,models}")
     info = commands.add_parser("info", help="summarize a trace file (ours or a DTR log)")
     info.add_argument("file", help="trace file")
-    info.add_argument("--top", type=int, default=10, help="largest tensors to list (default 10)")
+    info.add_argument("--top", type=positive, default=10, help="largest tensors to list (default 10)")
     info.set_defaults(func=_info)
     models = commands.add_parser("models", help="list the zoo's models")
     models.set_defaults(func=_models)

@@ -99,7 +99,8 @@ def load(path: str | os.PathLike[str]) -> Trace:
     """Read a trace file written by ``save``, or a DTR op log; both are validated."""
     p = Path(path)
     if not p.is_file():
-        raise RematValueError(message("trace.load", "no such file", str(p), "pass the path of a trace file"))
+        rule = "a trace is a file, not a folder" if p.is_dir() else "no such file"
+        raise RematValueError(message("trace.load", rule, str(p), "pass the path of a trace file"))
     try:
         with _open(p, "r") as f:
             first = f.readline()

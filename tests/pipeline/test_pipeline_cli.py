@@ -52,3 +52,15 @@ def test_plans_gpt2_blocks_and_torchgpipes_modes(capsys: pytest.CaptureFixture[s
     assert "PipelinePlan(1f1b, 2 stages x 2 micro-batches" in text and "nothing" not in text
     assert main([*args, "--seq", "8", "--budget", "1GB"]) == 0
     assert "nothing" in capsys.readouterr().out  # a budget this large needs no recomputation
+
+
+@pytest.mark.parametrize(
+    ("model", "flag", "value"), [("gpt2", "--blocks", "3"), ("gpt2", "--width", "7"), ("mlp", "--seq", "16")]
+)
+def test_a_size_of_the_other_model_is_refused(
+    model: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were ignored: the plan was of another size than asked, with exit code 0."""
+    args = ["--model", model, flag, value, "--stages", "2", "--microbatches", "2", "--budget", "1MB"]
+    assert main(["pipeline", *args]) == 2
+    assert capsys.readouterr().err.startswith(f"remat.pipeline: {flag} does not apply to --model {model}")

@@ -84,3 +84,16 @@ def test_points_must_be_at_least_two(capsys: pytest.CaptureFixture[str]) -> None
         main(["plan", "--model", "gpt2", "--pareto", "--points", "1"])
     assert exit_info.value.code == 2
     assert "remat.plan: --points must be a whole number of at least 2 (got '1')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args", [["--out", "never.png"], ["--json", "never.json"], ["--pareto", "--save", "never.json"]]
+)
+def test_an_output_the_command_would_not_write_is_refused(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` and ``--json`` without ``--pareto`` exited 0 and wrote nothing."""
+    assert main(["plan", "--model", "gpt2", *args]) == 2
+    assert capsys.readouterr().err.startswith(
+        "remat.plan: --out and --json go with --pareto, --save without it"
+    )
