@@ -220,8 +220,16 @@ class PipelinePlan:
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None
-        if len(plan.stage_plans) != plan.order.n_stages:
-            given = f"{len(plan.stage_plans)} stage plans for {plan.order.n_stages} stages"
+        cuts = plan.boundaries
+        if (
+            len(plan.stage_plans) != plan.order.n_stages
+            or plan.budget_bytes <= 0
+            or cuts != tuple(sorted(cuts))
+        ):
+            given = (
+                f"{len(plan.stage_plans)} stage plans for {plan.order.n_stages} stages, "
+                f"budget_bytes {plan.budget_bytes}, boundaries {list(cuts)}"
+            )
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", given, "save it again")
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,11 @@ def test_save_load_round_trip_and_stages_need_the_model(plain, example, tmp_path
     assert [len(m) for m in pp.PipelinePlan.load(tmp_path / "p.json", model).stage_modules()] == [2, 2]
     with pytest.raises(RematValueError, match=r"remat\.pipeline\.load: no such file"):
         pp.PipelinePlan.load(tmp_path / "missing.json")
+    body = plain.to_json()
+    for key, value in (("budget_bytes", -3), ("boundaries", [4, 2, 0])):  # both loaded before
+        (tmp_path / "edited.json").write_text(json.dumps({**body, key: value}))
+        with pytest.raises(RematValueError, match=rf"load: the plan file is incomplete or damaged .*{key}"):
+            pp.PipelinePlan.load(tmp_path / "edited.json")
 
 
 def test_str_and_explain_show_each_rank(example, plain) -> None:
