@@ -21,11 +21,12 @@ moved, the module holds another tensor under the name (``self.avg = 0.9 * self.a
 is batch norm's running statistics, which its kernel writes without moving their version (NOTE
 [hidden writes] in ``remat.aten.schema``). The recomputation's private copies start from those, and
 a buffer the forward did not write is not copied at all (a causal mask). The same holds for the
-modules a function's closure holds (``create_custom_forward(layer)``) and the modules the call is
-given as arguments, where their buffers come to ``COPY_LIMIT`` bytes at most (a closure holding a
-whole model to run one layer is not copied), and a list of modules given to a partial. A larger
-buffer is not copied; one written in the forward is recomputed from its new value, as is any buffer
-of a module the region reaches otherwise (a global, an attribute of an argument), and a module the
+modules a function's closure holds (``create_custom_forward(layer)``) or its code names as
+globals, and the modules the call is given as arguments, where their buffers come to ``COPY_LIMIT``
+bytes at most (a closure holding a whole model to run one layer is not copied), and a list of
+modules given to a partial. A larger buffer is not copied; one written in the forward is recomputed
+from its new value, as is any buffer of a module the region reaches otherwise (a global of another
+function it calls, an attribute of an argument), and a module the
 region calls twice reads, when recomputed, its buffers as they were before the first call. No
 module hook is added in the forward: ``torch.compile`` guards on the global hooks, and a new one at
 every call would compile the function again each time.
@@ -75,12 +76,9 @@ def region_modules(
 
 def reached(fn: Any, values: Sequence[Any] = ()) -> tuple[nn.Module, ...]:
     """The modules ``fn`` is or is bound to, those its closure holds or its code names as globals
-    (a lambda written at a script's top level), and those among ``values``, with every module
-    below them (a loss function's head, for ``remat.plan``'s capture). A superset at worst: a
-    global that only shares a name with an attribute the code reads is taken too."""
-    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    named = [m for n in (code.co_names if code is not None else ()) for m in _modules_in(names.get(n))]
-    return _below([*_called(fn)[0], *_closure(fn), *named, *(m for v in values for m in _modules_in(v))])
+    (``_closure``), and those among ``values``, with every module below them (a loss function's
+    head, for ``remat.plan``'s capture)."""
+    return _below([*_called(fn)[0], *_closure(fn), *(m for v in values for m in _modules_in(v))])
 
 
 def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
@@ -100,9 +98,13 @@ def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
 
 
 def _closure(fn: Any) -> list[nn.Module]:
-    """The modules, alone or in lists, that ``fn``'s closure holds."""
+    """The modules, alone or in lists, that ``fn``'s closure holds or its code names as globals (a
+    function written at a script's top level); a superset at worst, since a global that only shares
+    its name with an attribute the code reads is taken too."""
     cells = getattr(fn, "__closure__", None) or ()
-    return [m for cell in cells for m in _modules_in(_content(cell))]
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    named = [m for n in (code.co_names if code is not None else ()) for m in _modules_in(names.get(n))]
+    return [*(m for cell in cells for m in _modules_in(_content(cell))), *named]
 
 
 def _content(cell: Any) -> Any:

@@ -115,6 +115,37 @@ def test_modules_a_closure_holds_are_recomputed_from_their_buffers_as_the_forwar
         assert torch.equal(a, b)
 
 
+_GLOBAL_BODY = nn.Sequential(*_layers()[:3])
+
+
+def _global_forward(x: torch.Tensor) -> torch.Tensor:
+    """A function written at a script's top level, running a module it names as a global."""
+    return _GLOBAL_BODY(x)
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_modules_a_function_names_as_globals_are_recomputed_from_their_buffers_as_the_forward_found_them(
+    check: str,
+) -> None:
+    """The recomputation read the moving average its forward had already updated: gradients off,
+    and ``check="values"`` failed."""
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(*_layers())
+    plain(x).sum().backward()
+    rest = nn.Sequential(*_layers()[3:])
+    before = copy.deepcopy(_GLOBAL_BODY.state_dict())
+    try:
+        h = remat.checkpoint(_global_forward, x, check=check)
+        rest(h).sum().backward()
+        chain = nn.Sequential(*_GLOBAL_BODY, *rest)
+        assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
+        for a, b in zip(chain.buffers(), plain.buffers(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        _GLOBAL_BODY.load_state_dict(before)
+        _GLOBAL_BODY.zero_grad(set_to_none=True)
+
+
 def _block(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ x.t()).sum(-1) * torch.tanh(x).exp()[:, 0]
 
