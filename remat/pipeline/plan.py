@@ -221,15 +221,14 @@ class PipelinePlan:
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None
         cuts = plan.boundaries
-        if (
-            len(plan.stage_plans) != plan.order.n_stages
-            or plan.budget_bytes <= 0
-            or cuts != tuple(sorted(cuts))
-        ):
-            given = (
-                f"{len(plan.stage_plans)} stage plans for {plan.order.n_stages} stages, "
-                f"budget_bytes {plan.budget_bytes}, boundaries {list(cuts)}"
-            )
+        wrong = [
+            f"{len(plan.stage_plans)} stage plans for {plan.order.n_stages} stages"
+            if len(plan.stage_plans) != plan.order.n_stages
+            else "",
+            f"budget_bytes {plan.budget_bytes}" if plan.budget_bytes <= 0 else "",
+            f"boundaries {list(cuts)} out of order" if cuts != tuple(sorted(cuts)) else "",
+        ]
+        if given := ", ".join(w for w in wrong if w):
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", given, "save it again")
             )
