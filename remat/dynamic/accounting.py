@@ -33,8 +33,7 @@ from remat.host.pool import HostPool
 # Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
 # ``_unsafe_view``, whose schema promises a new tensor but which returns a view of its input; CUDA's
 # fused attention kernels, whose dropout seed and offset come back as CPU tensors where the meta
-# kernels put them on the device; and every op whose real results turned out to differ from its
-# meta ones (added as they are found).
+# kernels put them on the device; every op whose real results differed from its meta ones.
 NO_META = {
     "aten::mkldnn_rnn_layer",
     "aten::_unsafe_view",
@@ -48,7 +47,7 @@ NO_META = {
 ALIASING = {packet.replace(".", "::", 1) for packet in UNSAID_VIEWS}
 
 _METAS: dict[tuple[Any, ...], list[torch.Tensor | None] | None] = {}  # by op signature (``plan``)
-_UNKNOWN = object()  # a signature not in _METAS yet
+_UNKNOWN: Any = object()  # a signature not in _METAS yet
 
 
 def meta_results(
@@ -117,6 +116,7 @@ class AccountingBackend:
 
     name = "accounting"
     places = False  # the pool's addresses are a model: PyTorch's allocator places the tensors
+    unreturned = True  # an op with a result it does not return may be placed before it runs
 
     @classmethod
     def create(cls, device: torch.device, thrash_limit: float, pool: Pool, reserve: int) -> AccountingBackend:
@@ -159,11 +159,11 @@ class AccountingBackend:
         key: tuple[Any, ...],
         sized: bool = False,
     ) -> list[Any] | None:
-        """The meta results of an op the backend runs in :meth:`materialize` once the core has
-        placed them (NOTE [room first]); None: the engine runs the op first. ``key``: the op's
-        signature (``remat.aten.scratch``), under which its meta results are kept for the next call
-        (a meta kernel written in Python can cost more than the op). ``sized``: the sizes of its
-        results are known from an earlier run, whatever its meta kernel says."""
+        """The meta results of an op the backend runs in :meth:`materialize` once the core has placed
+        them (NOTE [room first]); None: the engine runs the op first (see also ``unreturned``).
+        ``key``: the op's signature (``remat.aten.scratch``), under which its meta results are kept
+        for the next call (a meta kernel in Python can cost more than the op). ``sized``: its
+        results' sizes are known from an earlier run, whatever its meta kernel says."""
         if not any(fresh_returns):
             return []
         if not all(fresh_returns) or not self.placeable(func, sized):
@@ -171,7 +171,7 @@ class AccountingBackend:
         metas = _METAS.get(key, _UNKNOWN)
         if metas is _UNKNOWN:
             metas = _METAS[key] = meta_results(func, args, kwargs, fresh_returns)
-        return metas  # type: ignore[return-value]
+        return None if metas and not self.unreturned and any(m is None for m in metas) else metas
 
     def learned(
         self, func: Any, key: tuple[Any, ...], returns: tuple[bool, ...], out: Any, sizes: tuple[int, ...]

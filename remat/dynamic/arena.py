@@ -74,6 +74,9 @@ class ArenaBackend(AccountingBackend):
 
     name = "arena"
     places = True
+    # an op with a result it does not return (a gradient its ``output_mask`` leaves out) runs
+    # first: its ``out=`` overload takes every result
+    unreturned = False
 
     @classmethod
     def create(cls, device: torch.device, thrash_limit: float, pool: Pool, reserve: int) -> ArenaBackend:
@@ -173,20 +176,6 @@ class ArenaBackend(AccountingBackend):
                     "mid-step in keep, or use backend='accounting'",
                 )
             )
-
-    def plan(
-        self,
-        func: Any,
-        args: Any,
-        kwargs: Any,
-        fresh_returns: tuple[bool, ...],
-        key: tuple[Any, ...],
-        sized: bool = False,
-    ) -> list[Any] | None:
-        """As the accounting backend's, but an op with a result it does not return (a gradient its
-        ``output_mask`` leaves out) runs first: its ``out=`` overload takes every result."""
-        metas = super().plan(func, args, kwargs, fresh_returns, key, sized)
-        return None if metas is not None and any(m is None for m in metas) else metas
 
     def ahead(
         self,
