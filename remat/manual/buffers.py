@@ -22,14 +22,15 @@ is batch norm's running statistics, which its kernel writes without moving their
 [hidden writes] in ``remat.aten.schema``). The recomputation's private copies start from those, and
 a buffer the forward did not write is not copied at all (a causal mask). The same holds for the
 modules a function's closure holds (``create_custom_forward(layer)``) or its code names as
-globals, and the modules the call is given as arguments, where their buffers come to ``COPY_LIMIT``
-bytes at most (a closure holding a whole model to run one layer is not copied), and a list of
-modules given to a partial. A larger buffer is not copied; one written in the forward is recomputed
-from its new value, as is any buffer of a module the region reaches otherwise (a global of another
-function it calls, an attribute of an argument), and a module the
-region calls twice reads, when recomputed, its buffers as they were before the first call. No
-module hook is added in the forward: ``torch.compile`` guards on the global hooks, and a new one at
-every call would compile the function again each time.
+globals, those of the functions it reaches that way (``remat.manual.reach``), and the modules
+the call is given as arguments, where their buffers come to ``COPY_LIMIT`` bytes at most (a
+closure holding a whole model to run one layer is not copied), and a list of modules given to a
+partial. A larger buffer is not copied; one written in the forward is recomputed from its new
+value, as is any buffer of a module the region reaches otherwise (an attribute of an argument, a
+method of an object it holds), and a module the region calls twice reads, when recomputed, its
+buffers as they were before the first call. No module hook is added in the forward:
+``torch.compile`` guards on the global hooks, and a new one at every call would compile the
+function again each time.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
+
+from remat.manual.reach import held
 
 __all__ = ["COPY_LIMIT", "Buffers", "reached"]
 
@@ -98,20 +101,9 @@ def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
 
 
 def _closure(fn: Any) -> list[nn.Module]:
-    """The modules, alone or in lists, that ``fn``'s closure holds or its code names as globals (a
-    function written at a script's top level); a superset at worst, since a global that only shares
-    its name with an attribute the code reads is taken too."""
-    cells = getattr(fn, "__closure__", None) or ()
-    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    named = [m for n in (code.co_names if code is not None else ()) for m in _modules_in(names.get(n))]
-    return [*(m for cell in cells for m in _modules_in(_content(cell))), *named]
-
-
-def _content(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # a free variable not bound yet
-        return None
+    """The modules, alone or in lists, that ``fn`` reaches without running (``remat.manual.reach``:
+    its closure, the globals its code names, and those of the functions it names)."""
+    return [m for value in held(fn) for m in _modules_in(value)]
 
 
 def _modules_in(value: Any) -> list[nn.Module]:

@@ -6,10 +6,11 @@ generator of its device, so restoring the defaults' states (as ``torch.utils.che
 leaves such a recomputation drawing the next numbers of ``g``: a dropout-like mask of its own comes
 out different and the gradients are silently wrong. ``remat.checkpoint`` finds the generators the
 call can reach without running it: those among its arguments (in lists, tuples and dicts), in the
-closure of the function, in a partial's arguments, and held as attributes by the modules the call
+closure of the function or named as globals by its code or by the functions it reaches that way
+(``remat.manual.reach``), in a partial's arguments, and held as attributes by the modules the call
 is known to run (``remat.manual.buffers.region_modules``). Their states are taken before the
 forward and set for the recomputation, and the program's streams given back after it. A generator
-reached otherwise (a global, an attribute of an argument that is not a module) is not found.
+reached otherwise (an attribute of an argument that is not a module) is not found.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from remat.manual.reach import held
 
 __all__ = ["own_generators"]
 
@@ -33,11 +36,7 @@ def own_generators(
     if isinstance(fn, functools.partial):
         reach += [*fn.args, *fn.keywords.values()]
         fn = fn.func
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            reach.append(cell.cell_contents)
-        except ValueError:  # a free variable not bound yet
-            continue
+    reach += held(fn)
     for module in modules:
         reach += module.__dict__.values()
     for value in reach:

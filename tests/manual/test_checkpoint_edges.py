@@ -6,6 +6,7 @@ with the plain program."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -123,19 +124,31 @@ def _global_forward(x: torch.Tensor) -> torch.Tensor:
     return _GLOBAL_BODY(x)
 
 
+def _calling_forward(x: torch.Tensor) -> torch.Tensor:
+    """A function that reaches the global module through another function it calls."""
+    return _global_forward(x)
+
+
+def _comprehension_forward(x: torch.Tensor) -> torch.Tensor:
+    """The global module named inside a comprehension (a code object of its own)."""
+    return [_GLOBAL_BODY(h) for h in [x]][0]
+
+
+@pytest.mark.parametrize("fn", [_global_forward, _calling_forward, _comprehension_forward])
 @pytest.mark.parametrize("check", ["shapes", "values"])
 def test_modules_a_function_names_as_globals_are_recomputed_from_their_buffers_as_the_forward_found_them(
-    check: str,
+    check: str, fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> None:
     """The recomputation read the moving average its forward had already updated: gradients off,
-    and ``check="values"`` failed."""
+    and ``check="values"`` failed; also where the module is a global of a function the region
+    calls."""
     x = torch.randn(4, 8)
     plain = nn.Sequential(*_layers())
     plain(x).sum().backward()
     rest = nn.Sequential(*_layers()[3:])
     before = copy.deepcopy(_GLOBAL_BODY.state_dict())
     try:
-        h = remat.checkpoint(_global_forward, x, check=check)
+        h = remat.checkpoint(fn, x, check=check)
         rest(h).sum().backward()
         chain = nn.Sequential(*_GLOBAL_BODY, *rest)
         assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
@@ -186,17 +199,37 @@ class _OwnMask(nn.Module):
         return torch.tanh(self.lin(x) * mask)  # mul saves the mask, tanh its output
 
 
-@pytest.mark.parametrize("form", ["argument", "closure", "module"])
+_GLOBAL_GENERATOR = torch.Generator()
+
+
+def _masked_by_global(mask: _OwnMask, x: torch.Tensor) -> torch.Tensor:
+    return mask(x, _GLOBAL_GENERATOR)
+
+
+def _calling_masked_by_global(mask: _OwnMask, x: torch.Tensor) -> torch.Tensor:
+    return _masked_by_global(mask, x)
+
+
+@pytest.mark.parametrize("form", ["argument", "closure", "module", "global", "global of a callee"])
 def test_a_generator_of_the_programs_own_is_replayed_in_the_recomputation(form: str) -> None:
     """The recomputation draws the forward's numbers from the program's own generator, found among
-    the arguments, in the closure or on the module, and leaves it where the forward left it (it
-    drew the next numbers: other masks, silently wrong gradients)."""
+    the arguments, in the closure, on the module, or as a global of the function or of a function
+    it calls, and leaves it where the forward left it (it drew the next numbers: other masks,
+    silently wrong gradients)."""
     torch.manual_seed(0)
     plain = _OwnMask()
     wrapped = copy.deepcopy(plain)
     x = torch.randn(4, 8)
+    if form.startswith("global"):
+        plain.generator = _GLOBAL_GENERATOR.manual_seed(5)
     plain(x).sum().backward()
-    if form == "argument":
+    expected = plain.generator.get_state()
+    drawn_from = wrapped.generator
+    if form.startswith("global"):
+        drawn_from = _GLOBAL_GENERATOR.manual_seed(5)  # the module holds a generator it does not use
+        fn = _masked_by_global if form == "global" else _calling_masked_by_global
+        out = remat.checkpoint(fn, wrapped, x)
+    elif form == "argument":
         generator = wrapped.generator
         out = remat.checkpoint(wrapped, x, generator)
     elif form == "closure":
@@ -206,7 +239,7 @@ def test_a_generator_of_the_programs_own_is_replayed_in_the_recomputation(form: 
         out = remat.checkpoint(wrapped, x)
     out.sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(_grads(wrapped), _grads(plain), strict=True))
-    assert torch.equal(wrapped.generator.get_state(), plain.generator.get_state())
+    assert torch.equal(drawn_from.get_state(), expected)
 
 
 class _LazyScale(nn.Module):

@@ -1,0 +1,51 @@
+"""What a function can reach without running it: the values its closure holds and its code names
+as globals, and those of the functions it reaches that way, to ``FOLLOW_DEPTH`` calls deep
+(``step`` calling ``body`` which runs a model written at a script's top level).
+
+Read by the buffer shield (``remat.manual.buffers``: the modules a region runs) and by the search
+for the program's own generators (``remat.manual.own_generators``). A superset at worst: a global
+that only shares its name with an attribute the code reads is taken too. Not reached: attributes
+of the values found (a generator an object holds) and functions called through an object.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+__all__ = ["FOLLOW_DEPTH", "held"]
+
+FOLLOW_DEPTH = 3  # calls followed from a region's function to the functions it names
+
+
+def held(fn: Any) -> list[Any]:
+    """The values ``fn`` (a function or a bound method) holds in its closure or names as globals,
+    and those of the functions among them, to ``FOLLOW_DEPTH`` calls deep."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(fn, 0)]
+    while todo:
+        f, depth = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        values = [_content(cell) for cell in getattr(f, "__closure__", None) or ()]
+        code, names = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        if isinstance(code, types.CodeType) and isinstance(names, dict):
+            values += [names[n] for n in _names(code) if n in names]
+        found += values
+        todo += [(v, depth + 1) for v in values if isinstance(v, types.FunctionType) and depth < FOLLOW_DEPTH]
+    return found
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The names ``code`` and the code objects inside it (comprehensions, lambdas) read."""
+    inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [*code.co_names, *(n for c in inner for n in _names(c))]
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a free variable not bound yet
+        return None
