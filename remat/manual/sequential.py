@@ -97,9 +97,9 @@ def checkpoint_sequential(
         "checkpoint_sequential", {**ours, "use_reentrant": use_reentrant}, policy, check, offloader
     )
     iterable = isinstance(modules, Iterable) and not isinstance(modules, torch.Tensor)
-    layers = (
-        list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules) if iterable else []
-    )
+    # iterating an nn.Sequential gives each entry as its forward runs them: a module it holds twice
+    # (weights tied) twice, where ``children()`` gives it once
+    layers = list(modules) if iterable else []
     if not layers or not all(callable(m) for m in layers):
         raise RematTypeError(
             message(

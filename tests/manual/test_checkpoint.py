@@ -82,6 +82,22 @@ def test_checkpoint_sequential_matches_plain(segments: int | str) -> None:
         assert torch.equal(e, g)
 
 
+@pytest.mark.parametrize("segments", [2, 4])
+def test_checkpoint_sequential_runs_a_module_held_twice_twice(segments: int) -> None:
+    """An nn.Sequential holding one module at two places (weights tied) runs it at both, as its
+    forward does (``children()`` lists it once: the chain lost a layer)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    layers = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh())
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = torch.autograd.grad(layers(x).sum(), [x, *layers.parameters()])
+    out = remat.checkpoint_sequential(layers, segments, x)
+    got = torch.autograd.grad(out.sum(), [x, *layers.parameters()])
+    assert torch.equal(out, layers(x))
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
 def test_segment_bounds() -> None:
     from remat.manual.sequential import segment_bounds
 
