@@ -46,13 +46,14 @@ from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
+from remat.manual.inputs import Inputs
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import under_compile
 from remat.policy import Policy, RecomputeAll
 
-__all__ = ["SaveInputs", "checkpoint", "run"]
+__all__ = ["checkpoint", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,20 +63,6 @@ _NEXT_NODE = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next a
 
 class _StopRecomputation(Exception):
     """Raised inside the recomputation once every saved tensor has been produced again."""
-
-
-class SaveInputs(torch.autograd.Function):
-    """Holds the region's tensor inputs through autograd's saved-tensor machinery, so that an
-    enclosing checkpoint sees them too (nested checkpoints drop and recompute them as well)."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(*tensors)
-        return anchor.detach()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never part of a used graph
-        raise RuntimeError("remat internal: SaveInputs is an anchor and is never differentiated")
 
 
 class _Handle:
@@ -103,16 +90,7 @@ class _Frame:
     ) -> None:
         self.fn = fn
         self.check = check
-        # Tensors (positional and keyword) go through SaveInputs; the rest is kept as is.
-        flat = list(args) + list(kwargs.values())
-        self.tensor_slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-        self.structure = (len(args), list(kwargs.keys()), flat)
-        tensors = [flat[i] for i in self.tensor_slots]
-        self.requires_grad = [t.requires_grad for t in tensors]
-        anchor = torch.empty((0,), requires_grad=True)
-        self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
-        for i in self.tensor_slots:  # the frame must not keep the inputs alive by itself
-            flat[i] = None
+        self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
         self.rng = aten.capture_all(own_generators(fn, args, kwargs, modules[0])) if preserve_rng else None
@@ -130,18 +108,13 @@ class _Frame:
         self.origins: list[str] = []
         self.provenance = Provenance() if check == "values" else None
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
+        self.again: dict[int, int] = {}  # per saved tensor, its version when the recomputation saved it
 
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        nargs, keys, flat = self.structure
-        flat = list(flat)
-        if self.saver is not None:
-            try:
-                saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
-            except RuntimeError as error:  # autograd's version check on the inputs
-                raise _written("an input of the checkpointed function", str(error)) from error
-            for slot, t, rg in zip(self.tensor_slots, saved, self.requires_grad, strict=True):
-                flat[slot] = t.detach().requires_grad_(rg)
-        return tuple(flat[:nargs]), dict(zip(keys, flat[nargs:], strict=True))
+        try:
+            return self.given.again()
+        except RuntimeError as error:  # autograd's version check on the inputs
+            raise _written("an input of the checkpointed function", str(error)) from error
 
     # forward side -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
@@ -156,22 +129,30 @@ class _Frame:
     # backward side ------------------------------------------------------------------------
     def unpack(self, handle: _Handle) -> torch.Tensor:
         # NOTE [saved and then written]: autograd refuses a saved tensor written in place after it
-        # was saved; the recomputation would hide the write, so remat checks the version itself.
+        # was saved; the recomputation would hide the write, so remat checks the version itself:
+        # the forward's tensor's, or where the program let go of it, the recomputed one's since
+        # the recomputation saved it (it ran the write too, where a later save needed it)
         ref, version = self.written[handle.index]
         source = ref()
-        if source is not None and source._version != version:
-            where = self.origins[handle.index] if self.origins else f"saved tensor #{handle.index}"
-            raise _written(
-                where, f"{self.metas[handle.index]} at version {source._version}, saved at {version}"
-            )
+        self.unwritten(handle.index, source, version)
         if self.live is not None:
             return self.live[handle.index]
         task = torch._C._current_graph_task_id()
         store = self.recomputed.get(task)
         if store is None or handle.index not in store:
+            if store is None and task >= 0:  # what this backward leaves unread goes with it
+                forget = functools.partial(_forget, weakref.ref(self), task)
+                torch.autograd.Variable._execution_engine.queue_callback(forget)
             store = self.recomputed[task] = {}
             self.recompute(store)
-        return store.pop(handle.index)
+        again = store.pop(handle.index)
+        self.unwritten(handle.index, again if source is None else None, self.again[handle.index])
+        return again
+
+    def unwritten(self, index: int, t: torch.Tensor | None, version: int) -> None:
+        if t is not None and t._version != version:
+            where = self.origins[index] if self.origins else f"saved tensor #{index}"
+            raise _written(where, f"{self.metas[index]} at version {t._version}, saved at {version}")
 
     def recompute(self, store: dict[int, torch.Tensor]) -> None:
         total = len(self.metas)
@@ -189,7 +170,8 @@ class _Frame:
             ran = node is not None and _NEXT_NODE is not None and node._sequence_nr() == _NEXT_NODE() - 1
             with _disable_current_modes():  # our own ops are not the program's
                 self.verify(i, t)
-                kept = store[i] = t.detach()
+                kept, self.again[i] = t.detach(), t._version
+                store[i] = kept
             if i == total - 1 and ran:
                 raise _StopRecomputation
             return kept
@@ -256,6 +238,12 @@ def _unpack(handle: _Handle) -> torch.Tensor:
     return handle.frame.unpack(handle)
 
 
+def _forget(frame: weakref.ref[_Frame], task: int) -> None:
+    alive = frame()
+    if alive is not None:
+        alive.recomputed.pop(task, None)
+
+
 def run(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -290,14 +278,8 @@ def run(
 
 def _validate(fn: object) -> None:
     if not callable(fn):
-        raise RematTypeError(
-            message(
-                "checkpoint",
-                "fn must be callable",
-                f"got {type(fn).__name__}",
-                "pass a function or an nn.Module, then its arguments",
-            )
-        )
+        rule, hint = "fn must be callable", "pass a function or an nn.Module, then its arguments"
+        raise RematTypeError(message("checkpoint", rule, f"got {type(fn).__name__}", hint))
 
 
 class _Checkpointed:

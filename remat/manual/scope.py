@@ -47,6 +47,8 @@ from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error, written_from
 from remat.policy import Policy, RecomputeAll, checked
 
+_NEXT_NODE = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's number
+
 __all__ = ["scope"]
 
 
@@ -84,6 +86,7 @@ class TapedRegion:
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
         self.packed: dict[tuple[int, int], int] = {}  # (value id, ``_Handle.after``) -> handles
         self.own: dict[tuple[int, int], int] = {}  # NOTE [saved before its own write]
+        self.results: set[tuple[int, int]] = set()  # (value id, ``after``) saved as a result
         self.writers_needed: set[int] = set()
         # graph task -> value id -> (recomputed tensor, unpacks left)
         self.cache: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
@@ -115,6 +118,8 @@ class TapedRegion:
             self.writers_needed.add(writer)
         self.handles[vid] = self.handles.get(vid, 0) + 1
         self.packed[vid, len(tape.nodes)] = self.packed.get((vid, len(tape.nodes)), 0) + 1
+        if _newest_result(t):  # saved after its op ran: a write by the next op comes after the save
+            self.results.add((vid, len(tape.nodes)))
         return _Handle(
             vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t), len(tape.nodes)
         )
@@ -139,9 +144,11 @@ class TapedRegion:
         """NOTE [saved before its own write] Autograd saves an op's inputs before the op runs, so
         before the tape records it: an input the op itself then writes (the noise ``rrelu`` fills)
         was packed as the value before the write, while backward reads what the write left. Such a
-        handle stands for the value the write makes, and that write is not one after its save."""
+        handle stands for the value the write makes, and that write is not one after its save. An
+        op's result saved after the op ran (``relu`` saves its output) is packed at the same place,
+        before the next op: that op's write comes after the save, as autograd sees it."""
         for (vid, after), n in self.packed.items():
-            if after >= len(tape.nodes):
+            if after >= len(tape.nodes) or (vid, after) in self.results:
                 continue
             node = tape.nodes[after]
             for w in node.writes:
@@ -238,6 +245,13 @@ class TapedRegion:
     def forget(self, graph_task: int) -> None:
         with self.lock:
             self.cache.pop(graph_task, None)
+
+
+def _newest_result(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a result of the autograd node made last: saved by its op after the op ran
+    (an input an op saves before running is saved once the op's own node exists)."""
+    node = t.grad_fn
+    return node is not None and _NEXT_NODE is not None and node._sequence_nr() == _NEXT_NODE() - 1
 
 
 def _written(what: str, versions: str) -> RecomputationError:

@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_leaves
 from remat import aten
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.manual import autocast
-from remat.manual.checkpoint import SaveInputs
 from remat.manual.checks import TensorMeta
+from remat.manual.inputs import Inputs
 
 __all__ = ["run_again"]
 
@@ -51,10 +51,8 @@ class _Frame:
         self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ):
         self.forward = forward
-        flat = [*args, *kwargs.values()]
-        self.slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-        read = [*(t for t in tree_leaves(flat) if isinstance(t, torch.Tensor)), *module.parameters()]
-        read += module.buffers()
+        read = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        read += [*module.parameters(), *module.buffers()]
         read += [t for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
         if any(t.is_inference() for t in read):
             raise RematTypeError(
@@ -67,11 +65,7 @@ class _Frame:
             )
         # what the call reads must be as it was when it runs again (the tape checks the same)
         self.read = [(weakref.ref(t), t._version, TensorMeta.of(t)) for t in read]
-        self.grad = [flat[i].requires_grad for i in self.slots]
-        self.holder = SaveInputs.apply(torch.empty((0,), requires_grad=True), *(flat[i] for i in self.slots))
-        for i in self.slots:  # held by the holder's node only
-            flat[i] = None
-        self.structure = (len(args), list(kwargs), flat)
+        self.given = Inputs(args, kwargs)
         # every call keeps the generators' state, whatever the trace drew: a module may draw where
         # it did not when traced (dropout whose rate rose from 0)
         self.rng = aten.capture_all()
@@ -97,12 +91,7 @@ class _Frame:
                 "a tensor a module region read was modified in place before the module ran again",
                 "modify it after backward, or clone it before the module reads it",
             )
-        nargs, keys, flat = self.structure
-        flat = list(flat)
-        saved = self.holder.grad_fn.saved_tensors  # type: ignore[union-attr]
-        for slot, t, grad in zip(self.slots, saved, self.grad, strict=True):
-            flat[slot] = t.detach().requires_grad_(grad)
-        return tuple(flat[:nargs]), dict(zip(keys, flat[nargs:], strict=True))
+        return self.given.again()
 
     def unpack(self, index: int) -> torch.Tensor:
         if self.running:

@@ -124,6 +124,48 @@ def test_kwargs_none_and_non_tensor_values() -> None:
         assert torch.equal(e, g)
 
 
+@pytest.mark.parametrize("container", ["list", "tuple", "dict"])
+def test_tensors_given_in_containers_are_inputs_like_any_other(container: str) -> None:
+    """Tensors inside lists, tuples and dicts get their gradients; one written in place after the
+    forward is refused as a top-level input is (its recomputation read the new values: a wrong
+    gradient, silently, as ``torch.utils.checkpoint`` gives)."""
+
+    def pack(a: torch.Tensor, b: torch.Tensor) -> object:
+        return {"list": [a, b], "tuple": (a, b), "dict": {"a": a, "b": b}}[container]
+
+    def fn(xs: object) -> torch.Tensor:
+        a, b = (xs["a"], xs["b"]) if isinstance(xs, dict) else xs  # type: ignore[misc]
+        return (a * 2).sin() * b.tanh()
+
+    w = torch.tensor([0.5, 1.0, 1.5], requires_grad=True)
+    b = torch.tensor([0.2, -0.4, 0.6], requires_grad=True)
+    expected = torch.autograd.grad(fn(pack(w * 1.0, b)).sum(), (w, b))
+    got = torch.autograd.grad(remat.checkpoint(fn, pack(w * 1.0, b)).sum(), (w, b))
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+    a = w * 1.0
+    out = remat.checkpoint(fn, pack(a, b))
+    a.add_(1.0)  # after the forward, before backward
+    with pytest.raises(RuntimeError, match=r"remat\.checkpoint: a tensor saved for backward \(an input"):
+        out.sum().backward()
+
+
+def test_partial_backwards_leave_no_recomputed_tensor_behind() -> None:
+    """Each backward that reads only some of a region's saved tensors let the rest stay with the
+    region until it died: repeated ``autograd.grad`` for one weight grew the memory per call."""
+    torch.manual_seed(0)
+    l1, l2 = nn.Linear(64, 64), nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    y = remat.checkpoint(lambda t: l2(l1(t).tanh()).sigmoid(), x)
+    held = []
+    for calls in (1, 5):
+        with remat.memory.track(allocator=True) as m:
+            for _ in range(calls):
+                torch.autograd.grad(y.sum(), l2.weight, retain_graph=True)
+        held.append(m.current_bytes)
+    assert held[1] == held[0] <= 0
+
+
 def test_nested_checkpoints() -> None:
     inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     outer_lin = nn.Linear(8, 8)

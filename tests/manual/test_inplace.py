@@ -113,3 +113,32 @@ def test_saved_output_written_inside_a_scope(policy: remat.Policy, shape: str) -
         got = torch.autograd.grad(out.sum(), (x, w), retain_graph=True)
         for e, g in zip(expected, got, strict=True):
             assert torch.equal(e, g)
+
+
+def _saved_then_written(x: torch.Tensor) -> torch.Tensor:
+    h = x.relu()  # relu saves its output ...
+    h.add_(1.0)  # ... which the next op writes: plain autograd refuses the backward
+    return h * x  # a later save: the recomputation runs the write too; h dies with the function
+
+
+def _in_scope(x: torch.Tensor) -> torch.Tensor:
+    with remat.scope():
+        return _saved_then_written(x)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(lambda x: remat.checkpoint(_saved_then_written, x), id="checkpoint"),
+        pytest.param(_in_scope, id="scope"),
+    ],
+)
+def test_a_saved_output_written_in_the_region_is_refused_as_autograd_refuses_it(form: Any) -> None:
+    """The written tensor dies with the function, so its forward's version cannot be checked; the
+    recomputation ran the write too, and a backward reading it gave a wrong gradient silently
+    (``torch.utils.checkpoint`` does)."""
+    x = torch.tensor([[-1.0, 2.0, -3.0, 4.0]], requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _saved_then_written(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"remat\.(checkpoint|scope): a tensor saved for backward"):
+        form(x).sum().backward()

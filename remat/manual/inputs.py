@@ -1,0 +1,64 @@
+"""The inputs of a call that runs again in backward (``remat.checkpoint``, a plan's module run
+again): held through autograd's saved-tensor machinery, and handed to the recomputation as they
+were when the call ran.
+
+Every tensor of the call's arguments is held, at any depth of the lists, tuples, dicts and other
+containers torch's pytree knows (``f([a, b])``, ``f(batch={"x": x})``): autograd then refuses
+one written in place since (its version check), where a tensor read through a list by reference
+would silently give the recomputation its new values. Holding them through autograd
+(``SaveInputs``) also lets an enclosing checkpoint see them, so nested checkpoints drop and
+recompute them as well. The containers are made anew for the recomputation from what they held at
+the call; other values (numbers, modules, objects pytree does not know) are passed as they are.
+
+An inference tensor (made under ``torch.inference_mode``) cannot be saved for backward and has no
+version counter; no op outside inference mode can write it, so it is passed as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["Inputs", "SaveInputs"]
+
+
+class SaveInputs(torch.autograd.Function):
+    """Holds the call's tensor inputs through autograd's saved-tensor machinery (see the module
+    doc); its output is an anchor no graph differentiates."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*tensors)
+        return anchor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never part of a used graph
+        raise RuntimeError("remat internal: SaveInputs is an anchor and is never differentiated")
+
+
+class Inputs:
+    """The arguments of one call, for running it again (``again``)."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
+        self.slots = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and not a.is_inference()]
+        tensors = [leaves[i] for i in self.slots]
+        self.requires_grad = [t.requires_grad for t in tensors]
+        anchor = torch.empty((0,), requires_grad=True)
+        self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
+        for i in self.slots:  # held by the saver's node only: the call's inputs may die with it
+            leaves[i] = None
+        self.leaves = leaves
+
+    def again(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments as they were at the call, each tensor detached and requiring grad as it
+        did; raises autograd's RuntimeError where one was written in place since."""
+        leaves = list(self.leaves)
+        if self.saver is not None:
+            saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            for slot, t, grad in zip(self.slots, saved, self.requires_grad, strict=True):
+                leaves[slot] = t.detach().requires_grad_(grad)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return tuple(args), dict(kwargs)
