@@ -26,11 +26,11 @@ globals, those of the functions it reaches that way (``remat.manual.reach``), an
 the call is given as arguments, where their buffers come to ``COPY_LIMIT`` bytes at most (a
 closure holding a whole model to run one layer is not copied), and a list of modules given to a
 partial. A larger buffer is not copied; one written in the forward is recomputed from its new
-value, as is any buffer of a module the region reaches otherwise (an attribute of an argument, a
-method of an object it holds), and a module the region calls twice reads, when recomputed, its
-buffers as they were before the first call. No module hook is added in the forward:
-``torch.compile`` guards on the global hooks, and a new one at every call would compile the
-function again each time.
+value, as is any buffer of a module the region reaches otherwise (an attribute of an argument that
+is not a module, a module held by an object in a global), and a module the region calls twice
+reads, when recomputed, its buffers as they were before the first call. No module hook is added in
+the forward: ``torch.compile`` guards on the global hooks, and a new one at every call would
+compile the function again each time.
 """
 
 from __future__ import annotations
@@ -107,9 +107,12 @@ def _closure(fn: Any) -> list[nn.Module]:
 
 
 def _modules_in(value: Any) -> list[nn.Module]:
-    """``value`` if it is a module, its items if it is a list or tuple of modules, else none."""
+    """``value`` if it is a module, its items if it is a list or tuple of modules (its values, for a
+    dict), else none."""
     if isinstance(value, nn.Module):
         return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, nn.Module) for m in value):
         return list(value)
     return []

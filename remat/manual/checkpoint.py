@@ -38,6 +38,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
@@ -92,6 +93,9 @@ class _Frame:
         self.check = check
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
+        # a lazy module's first forward draws its initial weights from the generators the region's
+        # random ops then draw from after it; its recomputation would not: that call runs plainly
+        self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
         self.rng = aten.capture_all(own_generators(fn, args, kwargs, modules[0])) if preserve_rng else None
         self.autocast = autocast.capture_autocast()
@@ -260,6 +264,8 @@ def run(
         again = functools.partial(run, fn, args, kwargs, policy, check, preserve_rng, offloader)
         return under_compile(fn, args, kwargs, policy, preserve_rng, again)
     frame = _Frame(fn, args, kwargs, policy, check, preserve_rng, offloader)
+    if frame.lazy:
+        return fn(*args, **kwargs)
     try:
         with contextlib.ExitStack() as forward:
             forward.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack))

@@ -1,17 +1,22 @@
 """What a function can reach without running it: the values its closure holds and its code names
 as globals, and those of the functions it reaches that way, to ``FOLLOW_DEPTH`` calls deep
-(``step`` calling ``body`` which runs a model written at a script's top level).
+(``step`` calling ``body`` which runs a model written at a script's top level), and the attributes
+of the object a method is bound to, where that is not a module (``remat.checkpoint(runner.block,
+x)``: the modules ``runner`` holds).
 
 Read by the buffer shield (``remat.manual.buffers``: the modules a region runs) and by the search
 for the program's own generators (``remat.manual.own_generators``). A superset at worst: a global
 that only shares its name with an attribute the code reads is taken too. Not reached: attributes
-of the values found (a generator an object holds) and functions called through an object.
+of the other values found (a generator an object in a global holds) and functions called through
+an object.
 """
 
 from __future__ import annotations
 
 import types
 from typing import Any
+
+from torch import nn
 
 __all__ = ["FOLLOW_DEPTH", "held"]
 
@@ -20,7 +25,8 @@ FOLLOW_DEPTH = 3  # calls followed from a region's function to the functions it 
 
 def held(fn: Any) -> list[Any]:
     """The values ``fn`` (a function or a bound method) holds in its closure or names as globals,
-    and those of the functions among them, to ``FOLLOW_DEPTH`` calls deep."""
+    and those of the functions among them, to ``FOLLOW_DEPTH`` calls deep; for a method of an
+    object that is not a module, also the object's attributes."""
     found: list[Any] = []
     seen: set[int] = set()
     todo: list[tuple[Any, int]] = [(fn, 0)]
@@ -30,6 +36,9 @@ def held(fn: Any) -> list[Any]:
             continue
         seen.add(id(f))
         values = [_content(cell) for cell in getattr(f, "__closure__", None) or ()]
+        owner = getattr(f, "__self__", None)  # a method of an object of the program's own
+        if depth == 0 and not isinstance(owner, (nn.Module, types.ModuleType)):
+            values += list(getattr(owner, "__dict__", {}).values())
         code, names = getattr(f, "__code__", None), getattr(f, "__globals__", None)
         if isinstance(code, types.CodeType) and isinstance(names, dict):
             values += [names[n] for n in _names(code) if n in names]

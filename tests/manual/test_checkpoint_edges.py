@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,35 @@ def test_modules_a_function_names_as_globals_are_recomputed_from_their_buffers_a
         _GLOBAL_BODY.zero_grad(set_to_none=True)
 
 
+class _Runner:
+    """Not a module: holds the modules one of its methods runs."""
+
+    def __init__(self, body: nn.Module) -> None:
+        self.body = body
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("held", ["method of an object", "dict in a closure"])
+def test_modules_reached_through_an_object_or_a_dict_are_recomputed_from_the_buffers_the_forward_found(
+    held: str,
+) -> None:
+    """The recomputation read the moving average its forward had already updated: silently wrong
+    gradients (``check="shapes"``), as ``torch.utils.checkpoint`` gives."""
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(*_layers())
+    plain(x).sum().backward()
+    chain = nn.Sequential(*_layers())
+    body = chain[:3]
+    modules = {"body": body}
+    fn = _Runner(body).run if held.startswith("method") else (lambda h: modules["body"](h))
+    chain[3:](remat.checkpoint(fn, x)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
+    for a, b in zip(chain.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
 def _block(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ x.t()).sum(-1) * torch.tanh(x).exp()[:, 0]
 
@@ -291,3 +321,25 @@ def test_modules_given_as_arguments_are_recomputed_from_their_buffers_as_the_for
     assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
     for a, b in zip(chain.buffers(), plain.buffers(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_a_lazy_module_first_called_in_a_region_keeps_the_random_numbers_of_its_forward(check: str) -> None:
+    """A lazy layer's first forward draws its weights from the generator dropout then draws from;
+    its recomputation (the layer made by then) drew dropout's mask from another point: a wrong
+    gradient with the default check (``torch.utils.checkpoint`` gives it too). That call runs
+    plainly; the next ones recompute."""
+
+    def step(wrap: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.LazyLinear(4), nn.Dropout(0.5), nn.Linear(4, 2))
+        grads = []
+        for _ in range(2):
+            x = torch.ones(2, 3, requires_grad=True)
+            wrap(model, x).sum().backward()
+            grads += [x.grad, *(p.grad.clone() for p in model.parameters())]  # type: ignore[union-attr]
+        return grads
+
+    expected = step(lambda m, x: m(x))
+    got = step(lambda m, x: remat.checkpoint(m, x, check=check))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
