@@ -96,7 +96,7 @@ def replay(
     ``offloader`` (the host copy holds the forward's value, whatever happened to the tensor since)."""
     env: dict[int, torch.Tensor] = {}
     for vid, (t, version) in cut.kept.items():
-        if t._version != version:
+        if version >= 0 and t._version != version:  # an inference tensor has no version (-1)
             raise RecomputationError(
                 message(
                     "scope",

@@ -138,7 +138,7 @@ class Tape:
         self.nodes: list[Node] = []
         self.producer: list[int] = []  # value id -> index of the node that made it, or EXTERNAL
         self.group: list[int] = []  # value id -> its storage group (NOTE [aliasing])
-        self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # value id -> (tensor, version)
+        self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # value id -> (tensor, version or -1)
         self.writers: dict[int, int] = {}  # group -> last node that wrote it (-1: refused)
         self.declared: dict[int, int] = {}  # group -> last node that wrote it as its schema says
         self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # group -> each declared write's place
@@ -163,7 +163,7 @@ class Tape:
             vid = entry[1]
         else:
             vid = self._bind(t, EXTERNAL, -1)
-            self.kept[vid] = (t, t._version)
+            self.kept[vid] = (t, -1 if t.is_inference() else t._version)  # -1: no version counter
         reads.append(vid)
         if self.writers:
             writer = self.writers.get(self.group[vid])

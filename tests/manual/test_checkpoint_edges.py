@@ -343,3 +343,25 @@ def test_a_lazy_module_first_called_in_a_region_keeps_the_random_numbers_of_its_
     expected = step(lambda m, x: m(x))
     got = step(lambda m, x: remat.checkpoint(m, x, check=check))
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "scope", "scope, closure"])
+def test_an_inference_tensor_the_region_reads_without_saving_it(form: str) -> None:
+    """Plain autograd takes a tensor made under ``torch.inference_mode`` that no op saves; the
+    checkpoint raised torch's "cannot be saved for backward" (holding its inputs), the scope
+    crashed on its version counter (it has none)."""
+    with torch.inference_mode():
+        x = torch.randn(3)
+    p = torch.randn(3, requires_grad=True)
+
+    def fn(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return (a + q).sin()  # add saves nothing
+
+    expected = torch.autograd.grad(fn(x, p).sum(), p)
+    if form == "checkpoint":
+        out = remat.checkpoint(fn, x, p)
+    else:
+        with remat.scope():
+            out = fn(x, p) if form == "scope" else (lambda q: fn(x, q))(p)
+    got = torch.autograd.grad(out.sum(), p)
+    assert torch.equal(got[0], expected[0])
