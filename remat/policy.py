@@ -13,7 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from remat._errors import RematTypeError, message
+import torch
+
+from remat._errors import RematTypeError, RematValueError, message
 from remat._units import parse_bytes
 
 
@@ -85,7 +87,30 @@ def _op_names(policy: str, ops: object) -> frozenset[str]:
                 f"write {policy}({{'aten.mm', 'aten.addmm'}})",
             )
         )
+    unknown = sorted(o for o in ops if not _is_op(o))
+    if unknown:  # a typo would silently match no op
+        raise RematValueError(
+            message(
+                policy,
+                "each op name must name a torch op (namespace.op or namespace.op.overload)",
+                f"no such op: {', '.join(unknown)}"[:200],
+                "check the spelling against torch.ops (e.g. 'aten.addmm'), and load a custom op's "
+                "library before making the policy",
+            )
+        )
     return frozenset(ops)
+
+
+def _is_op(name: str) -> bool:
+    """Whether ``name`` is ``namespace.op`` or ``namespace.op.overload`` of a registered torch op."""
+    parts = name.split(".")
+    if len(parts) not in (2, 3):
+        return False
+    try:
+        found: object = getattr(getattr(torch.ops, parts[0]), parts[1])
+        return len(parts) == 2 or parts[2] in found.overloads()  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -419,6 +419,10 @@ def test_bad_policies_sequences_and_flags_are_clear_errors() -> None:
     with pytest.raises(remat.RematTypeError, match=r"remat\.OffloadOps: ops must be a collection"):
         remat.OffloadOps(3)  # type: ignore[arg-type]
     assert remat.SaveOps(["aten.mm"]).ops == frozenset({"aten.mm"})  # type: ignore[arg-type]
+    for typo in ("aten.addmmm", "aten.mm.defualt", "atne.mm"):  # matched no op, silently
+        with pytest.raises(remat.RematValueError, match=rf"remat\.SaveOps: .* \(no such op: {typo}\)"):
+            remat.SaveOps({typo})
+    assert remat.OffloadOps({"aten.mm.default", "aten.bmm"}).ops == {"aten.mm.default", "aten.bmm"}
     with pytest.raises(
         remat.RematTypeError, match=r"remat\.checkpoint_sequential: modules .* \(got a Linear\)"
     ):
