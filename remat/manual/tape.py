@@ -23,9 +23,10 @@ NOTE [aliasing]
     bytes (``Tape.spans``: ``unsafe_chunk``'s results share a storage, not bytes). A write to an
     external is replayed into a clone of a snapshot taken just before the write, so replay never
     touches parameters or batch-norm running statistics, and earlier reads replay against the value
-    they saw. Writes into an internal view
-    of an external cannot be replayed that way and are refused, as are reads of such a view after
-    its external was written.
+    they saw. A write into a view of an external (instance norm's ``at::alias(running_mean).copy_``)
+    is replayed the same way, into a clone of the view, and earlier reads of the external replay on
+    a snapshot of it taken before the write. Reads of the external or its views after it was
+    written are refused: replay would see the snapshot, not what the forward saw.
 """
 
 from __future__ import annotations
@@ -194,19 +195,11 @@ class Tape:
                 if not isinstance(t, torch.Tensor):
                     continue
                 vid = self.lookup(t)
-                if self.producer[vid] == EXTERNAL:
+                root = self.group[vid]
+                if self.producer[root] == EXTERNAL and vid != root:  # a view of an external
+                    self.kept[root] = (self.kept[root][0].clone(), 0)  # earlier reads replay on this
+                if self.producer[root] == EXTERNAL:
                     found.append((t, key, index, t.clone()))
-                elif self.producer[self.group[vid]] == EXTERNAL:
-                    raise RecomputationError(
-                        message(
-                            "scope",
-                            "an in-place op inside the region writes into a view of a tensor from "
-                            "outside it, which replay could not do without modifying that tensor",
-                            f"{info.name} on view {describe(t.dtype, t.shape)}",
-                            "clone the tensor inside the region before modifying it, or modify it "
-                            "outside the scope",
-                        )
-                    )
                 else:
                     found.append((t, key, index, None))
         return found
