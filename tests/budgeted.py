@@ -24,16 +24,18 @@ def budgeted_step(
 ) -> Budgeted:
     """A plain step, two unbudgeted region steps (the second one's peak counts the scratch the
     first learned), then one step at ``ratio`` of that peak with ``options`` (``cost="model"``,
-    ``reserve=0.1`` unless given). ``free_cost`` is the unbudgeted regions' ``cost``."""
+    ``reserve=0.1`` unless given; ``keep=model`` unless given). ``free_cost`` is the unbudgeted
+    regions' ``cost``."""
     model(x).square().mean().backward()
     plain = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    free = remat.dynamic(None, policy, keep=model, **({} if free_cost is None else {"cost": free_cost}))
+    keep = options.pop("keep", model)
+    free = remat.dynamic(None, policy, keep=keep, **({} if free_cost is None else {"cost": free_cost}))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         with free:
             model(x).square().mean().backward()
     budget = int(ratio * free.stats.peak_bytes)
-    region = remat.dynamic(budget, policy, keep=model, **{"cost": "model", "reserve": 0.1, **options})
+    region = remat.dynamic(budget, policy, keep=keep, **{"cost": "model", "reserve": 0.1, **options})
     model.zero_grad(set_to_none=True)
     with remat.memory.track(allocator=True) as measured, region:
         model(x).square().mean().backward()

@@ -70,6 +70,7 @@ class OpFacts:
     ``aliases``: per return, the argument (position, name) it is a view of, or None.
     ``fresh_returns``: per return, whether it is a new tensor (not an alias of an argument).
     ``written_returns``: per return, whether it is a written argument handed back (``add_``).
+    ``pointwise``: torch tags it pointwise: its results' sizes do not depend on its numbers.
     """
 
     name: str
@@ -83,6 +84,7 @@ class OpFacts:
     aliases: tuple[tuple[int, str] | None, ...]
     fresh_returns: tuple[bool, ...]
     written_returns: tuple[bool, ...]
+    pointwise: bool = False
 
     @property
     def skipped(self) -> bool:
@@ -167,6 +169,7 @@ def _facts(func: torch._ops.OpOverload) -> OpFacts:
         aliases=aliases,
         fresh_returns=tuple(r.alias_info is None for r in returns),
         written_returns=tuple(r.alias_info is not None and r.alias_info.is_write for r in returns),
+        pointwise=torch.Tag.pointwise in func.tags,
     )
 
 

@@ -29,24 +29,38 @@ _RESULTS: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
 def signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
     """The key under which ``func(*args, **kwargs)``'s scratch is kept."""
-    return signature_of(str(func), tree_leaves((args, kwargs)))
+    return signature_of(str(func), tree_leaves((args, kwargs)), torch.Tag.pointwise in func.tags)
 
 
-def signature_of(name: str, leaves: Iterable[Any]) -> tuple[Any, ...]:
+def signature_of(name: str, leaves: Iterable[Any], pointwise: bool = False) -> tuple[Any, ...]:
     """:func:`signature` of the op named ``name`` (``str(func)``) from the leaves of its arguments,
-    for a dispatch mode that has them flat already (the key is built on every op: no copies)."""
+    for a dispatch mode that has them flat already (the key is built on every op: no copies).
+
+    NOTE [signature numbers] A number is part of the key (``arange``'s end, ``interpolate``'s scale
+    sizes its result) but for a ``pointwise`` op, whose results are sized by its tensors alone: an
+    optimizer passes a new step size to ``addcdiv_`` every step, and one key per step would grow
+    the tables without bound and leave each step's scratch unknown. A storage (``set_``) is keyed by
+    its device and size, a generator by its device: their reprs are their contents or addresses."""
     return (
         name,
         torch.get_num_threads(),
         *[
             (t.device, t.dtype, t.shape, t.stride())
             if isinstance(t, torch.Tensor)
-            else ("generator", t.device)  # its repr is its address: a new one each step
+            else _number(t)
+            if pointwise and isinstance(t, (int, float, complex))
+            else ("generator", t.device)
             if type(t) is torch.Generator
+            else ("storage", t.device, t.nbytes())
+            if isinstance(t, torch.UntypedStorage)
             else repr(t)
             for t in leaves
         ],
     )
+
+
+def _number(x: int | float | complex) -> str:
+    return type(x).__name__  # NOTE [signature numbers]
 
 
 def known(key: tuple[Any, ...]) -> int | None:

@@ -19,18 +19,18 @@ the next op boundary, never in the middle of a decision of the core. The cycle c
 paused for the whole region (the region turns it back on at its end): it could free a program
 storage in the middle of an op, one the core may be about to read for a recomputation, and it runs
 at moments that depend on the history of the process, which would make the releases, and hence the
-decisions, differ from run to run. Tensors caught in reference cycles therefore stay until the region ends.
+decisions, differ from run to run. Tensors caught in reference cycles stay until the region ends.
 
 NOTE [hand-over] At the end of the region every storage the program still holds is handed back
 to it: the core restores the evicted ones while the others stay, so that all are resident at once
-within the budget (the program holds them all together from then on: a budget that cannot hold
-them fails here, before memory passes it), then each is taken out of the pool (as if released)
-while the program keeps the content. Rebuilding an evicted one can mean recomputing a chain of dead
-tensors (a gradient needs the backward pass that made it): the gradients of ``keep`` are therefore
-wanted at the end (:mod:`remat.dynamic.wanted`), evicted only as a last resort. Recomputations here
-are reported apart (``exit_recomputations``) and the thrash limit counts them apart: the hand-over
-may cost up to ``thrash_limit - 1`` times the step's first runs again. The hand-over is not in the
-trace: the simulator's ``finish`` does the same with what the trace leaves live.
+within the budget (a budget that cannot hold them fails here, before memory passes it), then each
+is taken out of the pool (as if released) while the program keeps the content. Rebuilding an
+evicted one can mean recomputing a chain of dead tensors (a gradient needs the backward pass that
+made it), so the gradients of the leaves the region reads are wanted at the end
+(:mod:`remat.dynamic.wanted`), evicted only as a last resort. Recomputations here are reported
+apart (``exit_recomputations``) and the thrash limit counts them apart: the hand-over may cost up
+to ``thrash_limit - 1`` times the step's first runs again. The hand-over is not in the trace: the
+simulator's ``finish`` does the same with what the trace leaves live.
 
 NOTE [room first] The pool makes room for an op's outputs before the op runs, so that memory never
 holds more than the pool counts: the op's results are first computed on meta tensors for their
@@ -69,6 +69,7 @@ from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.homes import aligned
 from remat.dynamic.op_bytes import recompute_bytes, state_bytes
 from remat.dynamic.recipe import Recipe, Slot, flatten, result_leaves, scan
+from remat.dynamic.wanted import watch
 from remat.trace.cost import op_cost
 from remat.trace.types import Event, Op, Release, TensorInfo, Trace
 
@@ -84,25 +85,20 @@ class Engine:
         device: torch.device,
         estimated: bool,
     ) -> None:
-        self.runtime = Runtime(pool, policy, backend, compact=not backend.places)
-        self.backend = backend
-        backend.runtime = self.runtime
-        self.device = device
-        self.on_cpu = device.type == "cpu"
+        self.runtime = backend.runtime = Runtime(pool, policy, backend, compact=not backend.places)
+        self.backend, self.device, self.on_cpu = backend, device, device.type == "cpu"
         self.handles: dict[int, int] = {}  # storage key -> handle
         self.tensors: list[TensorInfo] = []
         self.events: list[Event] = []
-        self.released: list[int] = []
+        self.released: list[int] = []  # handles the program let go of, for the next op boundary
         self.wanting: list[int] = []  # handles wanted at the end, given to the core at the next boundary
         self.current: str = ""  # the op being run, for errors
-        self.peak_real_bytes = 0
-        self.ops = 0
+        self.peak_real_bytes = self.ops = 0
         self.unmeasured = 0  # ops run with their kernel's scratch unknown, counted as 0 (NOTE [held back])
         self.unsized = (0, "")  # the most an op made before it was placed (NOTE [room first]), and its op
         self.estimated = estimated
         self.base_seconds = 0.0  # first runs of the ops, measured
-        self.marks = (0, 0)  # evictions and recomputations when the program's last op was done
-        self.peak_in_program = 0
+        self.marks, self.peak_in_program = (0, 0), 0  # evictions and recomputations at the last op
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
         self.explain: Callable[[BaseException], Exception] = _plain
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
@@ -110,6 +106,7 @@ class Engine:
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
         self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
         self.hooks: list[RemovableHandle] = []  # of :func:`remat.dynamic.wanted.watch`, removed at close
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # the program's, at entry
 
     # -- identity -------------------------------------------------------------------------------
 
@@ -129,9 +126,10 @@ class Engine:
         self.backend.homes.add_handle(handle, storage, pin=True)
         self.runtime.constant(handle, nbytes)
         core = self.runtime.storage_of(handle)
-        if outside:
+        if outside:  # its gradient, if it is a leaf, is wanted at the end (``remat.dynamic.wanted``)
             self.entry[handle] = core
             self.outside_bytes += nbytes
+            self.hooks += watch((t if t._base is None else t._base,), self.wanted)  # ``t(weight)``
         self.backend.handle_of[core] = handle
         self.backend.homes.hold(core, handle)
         return handle
@@ -218,7 +216,7 @@ class Engine:
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs) if schema.writes else []
-        key = op_scratch.signature_of(schema.name, flat)
+        key = op_scratch.signature_of(schema.name, flat, schema.pointwise)
         sizes = op_scratch.results(key)
         metas = None  # NOTE [room first]
         if (positions and not named) or self._outputs_here(named, bool(positions)):
@@ -234,15 +232,17 @@ class Engine:
                 storage = runtime.storage_of(handle)
                 if sizes_of[storage] > 0 and (constant[storage] or not runtime.overwrites(handle)):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
-        drawn = bool(explicit)
         source = aten.source_of(args, kwargs) if schema.random else None
         default = source if isinstance(source, torch.device) else None
-        drawn = drawn or default is not None
+        drawn = bool(explicit) or default is not None
 
         def states() -> tuple[RngState | None, tuple[tuple[int, torch.device, torch.Tensor], ...]]:
             """The generator states the recipe keeps, taken just before the op runs (NOTE [room first])."""
             rng = aten.capture((default,)) if default is not None else None
-            return rng, tuple((i, x.device, x.get_state()) for i, x in explicit)
+            taken = tuple((i, x.device, x.get_state()) for i, x in explicit)  # counted: ``Op.state``
+            for (_, _, state), (_, x) in zip(taken, explicit, strict=True):  # the first: for an undo
+                self.generators.setdefault(id(x), (x, state))
+            return rng, taken
 
         scratch = op_scratch.known(key)
         learn = key if scratch is None and self.on_cpu else None  # now, or when our account ends
@@ -325,8 +325,8 @@ class Engine:
         positions: list[int] = []
         for index, (r, t) in enumerate(result_leaves(schema.fresh_returns, out)):
             is_fresh = schema.fresh_returns[r] if r < len(schema.fresh_returns) else True
-            known = isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.handles
-            if isinstance(t, torch.Tensor) and is_fresh and self.managed(t) and not known:
+            managed = isinstance(t, torch.Tensor) and self.managed(t)  # a sparse result has no storage
+            if managed and is_fresh and t.untyped_storage()._cdata not in self.handles:
                 fresh.append(handle := self.new_handle(t, t.untyped_storage().nbytes()))
                 self.bind(handle, t)
                 positions.append(index)

@@ -44,7 +44,8 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
                 f"budget {budget}; {meter.recompute_ops} recomputations costing "
                 f"{meter.recompute_cost * 1e3:.1f} ms for {meter.base_cost * 1e3:.1f} ms of first runs, "
                 f"stopped at {op}" + ("" if engine.current else ", handing back what the program holds"),
-                "raise the budget, or thrash_limit if this overhead is acceptable",
+                "raise the budget, or thrash_limit if this overhead is acceptable (where an op's "
+                "inputs and what remakes them do not fit beside each other, no limit is enough)",
             )
         )
     assert isinstance(failure, OutOfMemory)

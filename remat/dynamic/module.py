@@ -3,9 +3,12 @@
 A ``with`` block must span forward, backward and the optimizer step, which a module's ``forward``
 alone does not. So a call opens a region and leaves it open: the loss, ``backward()`` and
 ``optimizer.step()`` that follow run in it, and it closes when the module is called again (the
-next step) or on :meth:`DynamicModule.close`. A failure in the loss, the backward pass or the
-optimizer step undoes the step when it happens (:mod:`remat.dynamic.undo`); what the step still
-runs after it, until the region closes, runs as plain PyTorch.
+next step) or on :meth:`DynamicModule.close`. A failure of the region in the loss, the backward
+pass or the optimizer step (no room, thrashing) undoes the step when it happens
+(:mod:`remat.dynamic.undo`); what the step still runs after it, until the region closes, runs as
+plain PyTorch. An error of the program's own after the forward (a kernel's error in the optimizer
+step) passes the region by, which cannot tell whether the program catches it: where such an
+error must undo the step, run the step in ``with remat.dynamic(...)``, whose exit sees it.
 """
 
 from __future__ import annotations

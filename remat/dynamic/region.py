@@ -48,7 +48,6 @@ from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.op_bytes import warn_unmeasured, warn_unsized
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
-from remat.dynamic.wanted import watch
 from remat.host.link import Link
 
 _UNLIMITED = 2**62
@@ -91,6 +90,9 @@ class Dynamic:
         self.budget = amount if isinstance(amount, int) else _UNLIMITED
         self.reserve = 0 if self.budget == _UNLIMITED else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
+        if not isinstance(layout, bool):
+            hint = "pass layout=True (a pool with addresses) or False (bytes only)"
+            raise RematTypeError(message(API, "layout must be True or False", f"got {layout!r}", hint))
         self.policy: EvictionPolicy = resolve(policy, layout, API)
         kind = backends.get(backend, API)
         if kind.places and self.budget == _UNLIMITED:
@@ -107,19 +109,10 @@ class Dynamic:
             raise RematValueError(message(API, rule, "got layout=False", "pass layout=True"))
         if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
             raise RematValueError(message(API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
-        if (
-            isinstance(thrash_limit, bool)
-            or not isinstance(thrash_limit, int | float)
-            or not thrash_limit > 1.0
-        ):
-            raise RematValueError(
-                message(
-                    API,
-                    "thrash_limit is an overhead and must be above 1",
-                    f"got {thrash_limit!r}",
-                    "pass e.g. 3.0",
-                )
-            )
+        number = isinstance(thrash_limit, int | float) and not isinstance(thrash_limit, bool)
+        if not (number and 1.0 < thrash_limit < math.inf):
+            rule = "thrash_limit is an overhead and must be a finite number above 1"
+            raise RematValueError(message(API, rule, f"got {thrash_limit!r}", "pass e.g. 3.0"))
         if cost not in ("measured", "model"):
             raise RematValueError(message(API, "unknown cost", f"got {cost!r}", "use 'measured' or 'model'"))
         self.cost = cost
@@ -188,7 +181,6 @@ class Dynamic:
             if content.device == self.device:
                 engine.constant(content, outside=False)
         backend.open()
-        engine.hooks = watch(listed, engine.wanted)
         self._engine = engine
         self._mode = Interceptor(engine)
         self._depth = deepen()
@@ -259,6 +251,8 @@ class Dynamic:
         abandon(engine)
         assert self._snapshot is not None
         rewind(self._snapshot)
+        for generator, state in engine.generators.values():
+            generator.set_state(state)
         said = (
             f"the step was undone: {restored} tensors from before the region written back to their "
             "content at entry, optimizer state, gradients and generators as at entry"

@@ -1,10 +1,11 @@
 """What a region's program wants at its end, told to the core as soon as it exists: the gradients
-of the tensors in ``keep``.
+of the leaves the region counts, those in ``keep`` and every other one an op reads (for a view of
+a leaf, ``t(weight)``, its base's), as the engine registers them.
 
 The program holds a parameter's ``.grad`` until after the region, so the hand-over (NOTE
 [hand-over] in :mod:`remat.dynamic.engine`) needs it resident. A policy sees only a storage made
 early in the backward and never read again in the region, the stalest of all, and evicts it; the
-hand-over then re-runs the backward chain that made it. A hook after each accumulation of a kept
+hand-over then re-runs the backward chain that made it. A hook after each accumulation of such a
 leaf's gradient marks the gradient's storage wanted at the end (NOTE [wanted at the end] in
 :mod:`remat.core.residency`): the core evicts it only when nothing else can make room.
 """

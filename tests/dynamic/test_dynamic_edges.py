@@ -161,3 +161,17 @@ def test_an_op_with_a_result_it_does_not_return_is_placed_before_it_runs() -> No
             twin(x).square().sum().backward()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+
+
+def test_a_sparse_result_passes_through_the_region() -> None:
+    """A sparse tensor has no storage to manage: the region crashed on it with torch's "Cannot
+    access storage of SparseTensorImpl"."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 16)
+    w = torch.randn(16, 4, requires_grad=True)
+    expected_out = torch.sparse.mm((x * (x > 1)).to_sparse(), w).tanh()
+    (expected,) = torch.autograd.grad(expected_out.sum(), w)
+    with remat.dynamic("1MB"):
+        out = torch.sparse.mm((x * (x > 1)).to_sparse(), w).tanh()
+        (got,) = torch.autograd.grad(out.sum(), w)
+    assert torch.equal(out, expected_out) and torch.equal(got, expected)

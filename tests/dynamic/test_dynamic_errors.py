@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -105,7 +106,9 @@ def test_thrashing_stops_with_an_error() -> None:
         ({"budget": None, "backend": "arena"}, RematValueError, r"the arena backend needs a budget"),
         ({"policy": "coop", "layout": False}, RematValueError, r"this policy reads addresses"),
         ({"fit": "worst"}, RematValueError, r"remat\.dynamic: unknown fit"),
-        ({"thrash_limit": 1.0}, RematValueError, r"thrash_limit is an overhead and must be above 1"),
+        ({"thrash_limit": 1.0}, RematValueError, r"thrash_limit is an overhead and must be a finite number"),
+        ({"thrash_limit": math.inf}, RematValueError, r"thrash_limit .* finite .* \(got inf\)"),
+        ({"layout": "yes"}, RematTypeError, r"remat\.dynamic: layout must be True or False \(got 'yes'\)"),
         ({"cost": "guess"}, RematValueError, r"remat\.dynamic: unknown cost"),
         ({"keep": "model"}, RematTypeError, r"keep takes modules, optimizers, tensors"),
         ({"reserve": 1.5}, RematValueError, r"remat\.dynamic: the reserve is a part of the budget"),
@@ -207,6 +210,25 @@ def test_a_step_that_fails_inside_the_optimizer_leaves_training_as_it_was() -> N
             if failed_inside:
                 break
     assert failed_inside, "no budget made the optimizer's step itself fail"
+
+
+def test_a_failed_step_puts_back_the_programs_own_generators() -> None:
+    """The default generators went back to their state at entry, a ``torch.Generator`` the step
+    drew from did not: running the step again drew other numbers."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    own = torch.Generator().manual_seed(7)
+    before, default = own.get_state(), torch.get_rng_state()
+
+    def step() -> None:
+        noise = torch.randn(64, 64, generator=own)
+        torch.tanh((w + noise) @ w * torch.rand(64, 64)).sum().backward()
+        raise ValueError("the program's own error, after its draws")
+
+    with pytest.raises(ValueError, match="own error") as failed, remat.dynamic("10MB", keep=w):
+        step()
+    assert "the step was undone" in " ".join(getattr(failed.value, "__notes__", []))
+    assert torch.equal(own.get_state(), before) and torch.equal(torch.get_rng_state(), default)
 
 
 def test_a_module_whose_backward_fails_is_undone_at_once_and_closes_cleanly() -> None:

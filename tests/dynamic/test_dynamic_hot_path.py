@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import remat
-from remat.aten import scratch
+from remat.aten import facts, scratch
 from remat.core.graph import Column, with_cost
 from remat.dynamic.recipe import Scan, flatten, scan, unflatten
 from remat.trace.types import Op, Phase
@@ -90,7 +90,8 @@ def test_scan_skips_plain_leaves_as_isinstance_would(call: tuple) -> None:
 def test_signature_from_flat_leaves_is_the_signature(call: tuple) -> None:
     func, args, kwargs = call
     flat, _ = flatten(args, kwargs)
-    assert scratch.signature_of(str(func), flat) == scratch.signature(func, args, kwargs)
+    pointwise = facts(func).pointwise  # as the engine passes it
+    assert scratch.signature_of(str(func), flat, pointwise) == scratch.signature(func, args, kwargs)
 
 
 @pytest.mark.parametrize("dtype", [float, bool])

@@ -6,8 +6,10 @@ step outside the profiler learns; the next step counts it and holds the budget."
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -104,3 +106,32 @@ def test_the_step_after_the_track_learned_the_scratch_holds_the_budget(
         assert region.stats.evictions > 0
         assert measured.peak_bytes + region.stats.outside_bytes <= region.budget
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain, strict=True))
+
+
+def test_an_optimizers_new_numbers_each_step_are_one_signature(
+    forgotten: dict[tuple[object, ...], int],
+) -> None:
+    """AdamW passes a new step size to its pointwise ops every step: each step's keys were new, the
+    tables grew without bound, and every tracked step warned that its scratch was unknown (NOTE
+    [signature numbers] in ``remat.aten.scratch``)."""
+    model, x = conv_relu(2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    region = remat.dynamic(None, "dtr", keep=(model, optimizer))
+    sizes = []
+    for k in range(4):
+        with warnings.catch_warnings(record=True) as caught, remat.memory.track(allocator=True), region:
+            warnings.simplefilter("always")
+            step(model, x)
+            optimizer.step()
+        unknown = [w for w in caught if re.search(UNMEASURED, str(w.message))]
+        assert bool(unknown) == (k == 0)
+        sizes.append(len(forgotten))
+    assert sizes[1] == sizes[2] == sizes[3]
+
+
+def test_a_storage_argument_is_keyed_by_its_size_not_its_contents() -> None:
+    storage = torch.arange(1000.0).untyped_storage()
+    key = scratch.signature_of("aten.set_.source_Storage", [torch.empty(0), storage])
+    assert key[-1] == ("storage", storage.device, 4000)
+    assert scratch.signature_of("aten.add.Tensor", [torch.ones(2), 0.5], True)[-1] == "float"
+    assert scratch.signature_of("aten.arange.default", [7.5])[-1] == "7.5"  # sizes the result

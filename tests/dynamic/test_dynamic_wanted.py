@@ -38,10 +38,13 @@ def _hand_over(stats: DynamicStats, wants: tuple[tuple[int, int], ...]) -> int:
     return runtime.telemetry.recomputations - before
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["keep=model", "keep=()"])
 @pytest.mark.parametrize("policy", ["dtr", "dte"])
-def test_gradients_are_handed_over_without_recomputation(policy: str) -> None:
+def test_gradients_are_handed_over_without_recomputation(policy: str, kept: bool) -> None:
+    """Also without ``keep``: the gradient of every leaf the step reads is wanted (the hand-over
+    rebuilt them, and a ratio budget the step met with ``keep`` was refused at the end)."""
     model, x = _mlp()
-    run = budgeted_step(model, x, policy, RATIO, thrash_limit=20.0)
+    run = budgeted_step(model, x, policy, RATIO, thrash_limit=20.0, keep=model if kept else ())
     stats, plain = run.stats, run.plain
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain, strict=True))
     assert run.allocator_peak + stats.outside_bytes <= run.budget
