@@ -8,14 +8,17 @@ hands autograd a handle for and drops early (``region_targets``), where it repla
 ``predict`` adds the tapes' holds (``remat.planner.holds``) and walks the events.
 
 NOTE [written from outside] An op of a region that writes in place a storage made before the region
-(an in-place ReLU opening a block, over the previous block's output) makes the tape snapshot the
-old value and give the written one a value id of its own, made by that op (NOTE [aliasing] in
-``remat.manual.tape``). So what autograd saves of the storage after the write, while the region
-records, gets a handle like any value the region made: the storage is one of the region's targets,
-dropped early where no other save holds it, and the replay makes it again from the snapshot (a
-copy beside the original where it is still alive). Ops of the region that read the storage before
-its first write there read the snapshot, as the writer does; the ones after it read what the
-writer's replay makes. The snapshot, not the storage, is what the replay plan holds.
+(an in-place ReLU opening a block, over the previous block's output; a buffer a module updates,
+``self.avg.mul_(0.9)``, but not batch norm's statistics, whose writes are blank: NOTE [blank writes]
+in ``remat.manual.blank``) makes the tape snapshot the old value and give the written one a value
+id of its own, made by that op (NOTE [aliasing] in ``remat.manual.tape``). So what autograd saves
+of the storage after the write, while the region records, gets a handle like any value the region
+made: the storage is one of the region's targets, dropped early where no other save holds it, and
+the replay makes it again from the snapshot (a copy beside the original where it is still alive).
+Ops of the region that read the storage before its first write there read the snapshot, as the
+writer does; the ones after it read what the writer's replay makes. The snapshot, not the
+storage, is what the replay plan holds. Not modelled: a write into a view of such a storage
+(instance norm's running statistics), where the tape also keeps a snapshot of the whole storage.
 """
 
 from __future__ import annotations
@@ -144,10 +147,13 @@ def outside_writes(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts)
     found: list[dict[int, int]] = [{} for _ in regions]
     for g, region in enumerate(regions):
         for i in region.ops if region.rerun is None else ():
-            for t in writes(trace.ops[i]):
+            op = trace.ops[i]
+            for t in writes(op):
                 info = trace.tensors[t]  # a storage written whole, not through a view: the tape
-                # keeps another tensor on it as it is, which the trace would not tell apart
-                if info.alias_of is None and not info.constant and facts.region_made(t) != g:
+                # keeps another tensor on it as it is, which the trace would not tell apart; a
+                # buffer too (``self.avg.mul_(0.9)``), where its op declares the write
+                declared = not info.constant or t in op.mutates and not aten.writes_hidden(op.name)
+                if info.alias_of is None and declared and facts.region_made(t) != g:
                     found[g].setdefault(t, i)
     return found
 
