@@ -107,8 +107,10 @@ def _is_op(name: str) -> bool:
     if len(parts) not in (2, 3):
         return False
     try:
-        found: object = getattr(getattr(torch.ops, parts[0]), parts[1])
-        return len(parts) == 2 or parts[2] in found.overloads()  # type: ignore[attr-defined]
+        found = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if not isinstance(found, torch._ops.OpOverloadPacket):  # ``aten.name``: the namespace's own
+            return False
+        return len(parts) == 2 or parts[2] in found.overloads()
     except (AttributeError, RuntimeError):
         return False
 

@@ -96,8 +96,7 @@ class Engine:
         self.peak_real_bytes = self.ops = 0
         self.unmeasured = 0  # ops run with their kernel's scratch unknown, counted as 0 (NOTE [held back])
         self.unsized = (0, "")  # the most an op made before it was placed (NOTE [room first]), and its op
-        self.estimated = estimated
-        self.base_seconds = 0.0  # first runs of the ops, measured
+        self.estimated, self.base_seconds = estimated, 0.0  # and the first runs of the ops, measured
         self.marks, self.peak_in_program = (0, 0), 0  # evictions and recomputations at the last op
         self.recompute_marks = (0.0, 0.0)  # recomputation seconds and cost at the same moment
         self.explain: Callable[[BaseException], Exception] = _plain
@@ -106,6 +105,7 @@ class Engine:
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
         self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
         self.hooks: list[RemovableHandle] = []  # of :func:`remat.dynamic.wanted.watch`, removed at close
+        self.watched: set[int] = set()  # the leaves they watch, by id
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # the program's, at entry
 
     # -- identity -------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class Engine:
         if outside:  # its gradient, if it is a leaf, is wanted at the end (``remat.dynamic.wanted``)
             self.entry[handle] = core
             self.outside_bytes += nbytes
-            self.hooks += watch((t if t._base is None else t._base,), self.wanted)  # ``t(weight)``
+            self.hooks += watch((t,), self.wanted, self.watched)
         self.backend.handle_of[core] = handle
         self.backend.homes.hold(core, handle)
         return handle

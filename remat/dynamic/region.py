@@ -48,6 +48,7 @@ from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.op_bytes import warn_unmeasured, warn_unsized
 from remat.dynamic.stats import DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
+from remat.dynamic.wanted import watch
 from remat.host.link import Link
 
 _UNLIMITED = 2**62
@@ -181,6 +182,7 @@ class Dynamic:
             if content.device == self.device:
                 engine.constant(content, outside=False)
         backend.open()
+        engine.hooks += watch(listed, engine.wanted, engine.watched)  # those not read yet too
         self._engine = engine
         self._mode = Interceptor(engine)
         self._depth = deepen()
@@ -250,9 +252,9 @@ class Dynamic:
         restored, lost = write_back(engine)
         abandon(engine)
         assert self._snapshot is not None
-        rewind(self._snapshot)
-        for generator, state in engine.generators.values():
+        for generator, state in engine.generators.values():  # then the defaults', as at entry
             generator.set_state(state)
+        rewind(self._snapshot)
         said = (
             f"the step was undone: {restored} tensors from before the region written back to their "
             "content at entry, optimizer state, gradients and generators as at entry"

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from remat.manual.reach import held
+from remat.manual.reach import CONTAINER_LIMIT, held
 
 __all__ = ["COPY_LIMIT", "Buffers", "reached"]
 
@@ -69,12 +69,16 @@ def region_modules(
     known, roots = _called(fn)
     reached = [*_closure(fn), *(m for a in [*args, *(kwargs or {}).values()] for m in _modules_in(a))]
     # a closure or an argument may hold a whole model to run one of its layers (``lambda h:
-    # self.blocks[i](h)``): their modules are taken only where their buffers are small enough to
-    # copy at every call
+    # self.blocks[i](h)``): each module reached is taken, with those below it, only where their
+    # buffers are small enough to copy at every call (a large one leaves the others taken)
     seen = {id(m) for m in known}
-    more = [m for m in _below(reached) if id(m) not in seen]
-    size = sum(b.nbytes for m in more for b in m._buffers.values() if b is not None)
-    return ((*known, *more), roots) if more and size <= COPY_LIMIT else (known, roots)
+    more: list[nn.Module] = []
+    for top in reached:
+        below = [m for m in top.modules() if id(m) not in seen]
+        if sum(b.nbytes for m in below for b in m._buffers.values() if b is not None) <= COPY_LIMIT:
+            more += below
+            seen.update(id(m) for m in below)
+    return (*known, *more), roots
 
 
 def reached(fn: Any, values: Sequence[Any] = ()) -> tuple[nn.Module, ...]:
@@ -108,12 +112,16 @@ def _closure(fn: Any) -> list[nn.Module]:
 
 def _modules_in(value: Any) -> list[nn.Module]:
     """``value`` if it is a module, its items if it is a list or tuple of modules (its values, for a
-    dict), else none."""
+    dict) of at most ``CONTAINER_LIMIT`` items, else none."""
     if isinstance(value, nn.Module):
         return [value]
-    if isinstance(value, dict):
+    if isinstance(value, dict) and len(value) <= CONTAINER_LIMIT:
         value = list(value.values())
-    if isinstance(value, (list, tuple)) and value and all(isinstance(m, nn.Module) for m in value):
+    if (
+        isinstance(value, (list, tuple))
+        and 0 < len(value) <= CONTAINER_LIMIT
+        and all(isinstance(m, nn.Module) for m in value)
+    ):
         return list(value)
     return []
 

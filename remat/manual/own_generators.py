@@ -6,11 +6,13 @@ generator of its device, so restoring the defaults' states (as ``torch.utils.che
 leaves such a recomputation drawing the next numbers of ``g``: a dropout-like mask of its own comes
 out different and the gradients are silently wrong. ``remat.checkpoint`` finds the generators the
 call can reach without running it: those among its arguments (in lists, tuples and dicts), in the
-closure of the function or named as globals by its code or by the functions it reaches that way
-(``remat.manual.reach``), in a partial's arguments, and held as attributes by the modules the call
-is known to run (``remat.manual.buffers.region_modules``). Their states are taken before the
-forward and set for the recomputation, and the program's streams given back after it. A generator
-reached otherwise (an attribute of an argument that is not a module) is not found.
+closure of the function or named as globals by its code or by the functions it reaches that way,
+as attributes of the object a method is bound to (``remat.manual.reach``), in a partial's
+arguments, and held as attributes by the modules the call is known to run
+(``remat.manual.buffers.region_modules``); lists, tuples and dicts of at most ``CONTAINER_LIMIT``
+items are searched. Their states are taken before the forward and set for the recomputation, and
+the program's streams given back after it. A generator reached otherwise (an attribute of an
+argument that is not a module) is not found.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.manual.reach import held
+from remat.manual.reach import CONTAINER_LIMIT, held
 
 __all__ = ["own_generators"]
 
@@ -41,7 +43,8 @@ def own_generators(
         reach += module.__dict__.values()
     for value in reach:
         items = value.values() if isinstance(value, dict) else value
-        for item in items if isinstance(value, (dict, list, tuple)) else [value]:
+        container = isinstance(value, (dict, list, tuple)) and len(value) <= CONTAINER_LIMIT
+        for item in items if container else [value]:
             if type(item) is torch.Generator:
                 found.setdefault(id(item), item)
     return list(found.values())

@@ -13,14 +13,16 @@ an object.
 
 from __future__ import annotations
 
+import collections
 import types
 from typing import Any
 
 from torch import nn
 
-__all__ = ["FOLLOW_DEPTH", "held"]
+__all__ = ["CONTAINER_LIMIT", "FOLLOW_DEPTH", "held"]
 
 FOLLOW_DEPTH = 3  # calls followed from a region's function to the functions it names
+CONTAINER_LIMIT = 256  # items: a larger list, tuple or dict found (a loss history) is not searched
 
 
 def held(fn: Any) -> list[Any]:
@@ -29,9 +31,9 @@ def held(fn: Any) -> list[Any]:
     object that is not a module, also the object's attributes."""
     found: list[Any] = []
     seen: set[int] = set()
-    todo: list[tuple[Any, int]] = [(fn, 0)]
-    while todo:
-        f, depth = todo.pop()
+    todo: collections.deque[tuple[Any, int]] = collections.deque([(fn, 0)])
+    while todo:  # breadth first: a function is met first where it is shallowest
+        f, depth = todo.popleft()
         if id(f) in seen:
             continue
         seen.add(id(f))

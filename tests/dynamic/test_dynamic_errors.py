@@ -212,6 +212,20 @@ def test_a_step_that_fails_inside_the_optimizer_leaves_training_as_it_was() -> N
     assert failed_inside, "no budget made the optimizer's step itself fail"
 
 
+@pytest.mark.parametrize("explicit", ["own", "default"])
+def test_a_failed_step_puts_back_the_generators_it_drew_from(explicit: str) -> None:
+    """Also the default generator where an op names it after an implicit draw (its state from
+    then was put back after the entry's)."""
+    own = torch.Generator().manual_seed(7)
+    torch.manual_seed(0)
+    default, before = torch.get_rng_state(), own.get_state()
+    with pytest.raises(RematValueError, match="the step was undone"), remat.dynamic(2_000_000, "dtr"):
+        torch.rand(1000)  # an implicit draw from the default generator
+        torch.rand(1000, generator=own if explicit == "own" else torch.default_generator)
+        torch.ones(1_000_000)  # 4 MB: past the budget
+    assert torch.equal(torch.get_rng_state(), default) and torch.equal(own.get_state(), before)
+
+
 def test_a_failed_step_puts_back_the_programs_own_generators() -> None:
     """The default generators went back to their state at entry, a ``torch.Generator`` the step
     drew from did not: running the step again drew other numbers."""

@@ -11,6 +11,7 @@ import torch
 from budgeted import budgeted_step
 from torch import nn
 
+import remat
 from remat.core.driver import make_pool
 from remat.core.runtime import Runtime
 from remat.dynamic import DynamicStats
@@ -53,3 +54,19 @@ def test_gradients_are_handed_over_without_recomputation(policy: str, kept: bool
     assert _hand_over(stats, stats.wants) == 0  # the simulator agrees
     assert _hand_over(stats, ()) > 0  # without the marks, the gradients were evicted and rebuilt
     assert stats.compare().same_evictions
+
+
+def test_every_leaf_in_keep_is_wanted_also_leaves_that_view_one_storage() -> None:
+    """Leaves that are views of one storage that needs no gradient (weights carved out of a flat
+    buffer): the region counts the storage once, and only its first leaf's gradient was wanted."""
+    torch.manual_seed(0)
+    store = torch.randn(3 * 64 * 64)
+    ws = [store[i * 4096 : (i + 1) * 4096].view(64, 64).requires_grad_() for i in range(3)]
+    x = torch.randn(256, 64)
+    region = remat.dynamic(None, "dtr", keep=tuple(ws))
+    with region:
+        h = x
+        for w in ws:
+            h = (h @ w).tanh()
+        h.sum().backward()
+    assert len(region.stats.wants) == len(ws)

@@ -160,6 +160,59 @@ def test_modules_a_function_names_as_globals_are_recomputed_from_their_buffers_a
         _GLOBAL_BODY.zero_grad(set_to_none=True)
 
 
+_LARGE_GLOBAL = nn.BatchNorm1d(300_000)  # buffers past COPY_LIMIT
+
+
+def _names_a_large_global() -> bool:
+    return _LARGE_GLOBAL.training
+
+
+def test_a_large_module_reached_leaves_the_others_shielded() -> None:
+    """A helper the function calls names a model whose buffers are too large to copy: the modules
+    the closure holds lost their shield with it (all or nothing), and the moving average was read
+    as the forward left it."""
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(*_layers())
+    plain(x).sum().backward()
+    chain = nn.Sequential(*_layers())
+    body = chain[:3]
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        assert _names_a_large_global()
+        return body(h)
+
+    chain[3:](remat.checkpoint(fn, x)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(chain), _grads(plain), strict=True))
+
+
+def _reach_c() -> object:
+    return _LARGE_GLOBAL  # three calls below ``_reach_top`` through ``_reach_a``
+
+
+def _reach_b() -> object:
+    return _reach_c()
+
+
+def _reach_a() -> object:
+    return _reach_b()
+
+
+def _reach_d() -> object:
+    return _reach_a()  # ``_reach_a`` again, one call deeper
+
+
+def _reach_top() -> object:
+    return _reach_a(), _reach_d()
+
+
+def test_reach_follows_each_function_from_where_it_is_shallowest() -> None:
+    """Depth first, ``_reach_a`` was met first below ``_reach_d`` and not followed again from
+    ``_reach_top``, so ``_reach_c`` lay past the depth followed."""
+    from remat.manual.reach import held
+
+    assert any(v is _LARGE_GLOBAL for v in held(_reach_top))
+
+
 class _Runner:
     """Not a module: holds the modules one of its methods runs."""
 
