@@ -103,7 +103,8 @@ class _Frame:
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )
         self.metas: list[TensorMeta] = []
-        self.written: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # per saved tensor: it, its base if it is a view (the same version counter), its version
+        self.written: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor] | None, int]] = []
         # NOTE [backward inside the forward]: a function may differentiate its own graph (a
         # gradient penalty, MAML's inner step); until it returns, saved tensors stay at hand for
         # that. The recomputation keeps its own graph's tensors the same way.
@@ -123,7 +124,7 @@ class _Frame:
     # forward side -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
         self.metas.append(TensorMeta.of(t))
-        self.written.append((weakref.ref(t), t._version))
+        self.written.append((weakref.ref(t), None if t._base is None else weakref.ref(t._base), t._version))
         if self.live is not None:
             self.live.append(t)
         if self.provenance is not None:
@@ -136,8 +137,10 @@ class _Frame:
         # was saved; the recomputation would hide the write, so remat checks the version itself:
         # the forward's tensor's, or where the program let go of it, the recomputed one's since
         # the recomputation saved it (it ran the write too, where a later save needed it)
-        ref, version = self.written[handle.index]
+        ref, base, version = self.written[handle.index]
         source = ref()
+        if source is None and base is not None:  # a dead view: its base has the same version counter
+            source = base()
         self.unwritten(handle.index, source, version)
         if self.live is not None:
             return self.live[handle.index]

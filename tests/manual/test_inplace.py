@@ -142,3 +142,26 @@ def test_a_saved_output_written_in_the_region_is_refused_as_autograd_refuses_it(
         _saved_then_written(x).sum().backward()
     with pytest.raises(RuntimeError, match=r"remat\.(checkpoint|scope): a tensor saved for backward"):
         form(x).sum().backward()
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "scope"])
+def test_a_parameter_written_between_forward_and_backward_is_refused_through_a_saved_view(form: str) -> None:
+    """``nn.Linear`` saves ``weight.t()``, a view that dies with the region: the recomputation ran
+    on the new weights and gave their gradient, where plain autograd refuses (the view shares the
+    weight's version counter)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        if form == "checkpoint":
+            return remat.checkpoint(lambda h: lin(h).tanh(), x)
+        with remat.scope():
+            return lin(x).tanh()
+
+    for wrapped in (False, True):
+        out = run() if wrapped else lin(x).tanh()
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified in place"):
+            out.sum().backward()
