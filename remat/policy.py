@@ -193,7 +193,11 @@ class OffloadLarger:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "min_bytes", 0 if self.min_bytes == 0 else parse_bytes(self.min_bytes, "policy")
+            self,
+            "min_bytes",
+            0
+            if type(self.min_bytes) is int and self.min_bytes == 0
+            else parse_bytes(self.min_bytes, "policy"),
         )
 
     def decide(self, ctx: OpContext) -> Decision:

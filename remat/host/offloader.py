@@ -124,9 +124,9 @@ class Cargo:
 class Parcel:
     """A tensor moved to host memory: its storage's bytes there (``cargo``) and how to rebuild it."""
 
-    __slots__ = ("cargo", "dtype", "offset", "size", "source", "stride", "version")
+    __slots__ = ("cargo", "dtype", "offset", "size", "source", "stride", "version", "witness")
 
-    def __init__(self, t: torch.Tensor, cargo: Cargo) -> None:
+    def __init__(self, t: torch.Tensor, cargo: Cargo, witness: torch.Tensor | None = None) -> None:
         self.cargo = cargo
         self.dtype = t.dtype
         self.size = t.size()
@@ -134,15 +134,22 @@ class Parcel:
         self.offset = t.storage_offset()
         self.source = weakref.ref(t)
         self.version = t._version
+        # its version counter, also once the tensor is gone; only where made where autograd runs
+        # (a pack hook): inside a dispatch mode ``detach`` makes a counter of its own, which never
+        # moves, and the parcel then tells only while the tensor is alive
+        self.witness = version_witness(t) if witness is None else witness
 
     @property
     def nbytes(self) -> int:
         return self.cargo.nbytes
 
     def written(self) -> bool:
-        """Whether the tensor moved out is still alive and was written in place since."""
+        """Whether the tensor moved out was written in place since: while it is alive, or through
+        its witness once it is gone."""
         source = self.source()
-        return source is not None and source._version != self.version
+        if source is not None and source._version != self.version:
+            return True
+        return self.witness._version != self.version
 
     def __repr__(self) -> str:
         where = self.cargo.device
@@ -251,19 +258,30 @@ class Offloader:
             self._same[key] = (weakref.ref(storage), weakref.ref(cargo), t._version, version_witness(t))
             weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
-        raw = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
-        if on_cuda:
-            side = self._side(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))
+        self._copy_out(cargo, storage)
+        return Parcel(t, cargo)
+
+    def refill(self, parcel: Parcel, t: torch.Tensor) -> None:
+        """Copy ``t``'s storage to ``parcel``'s host bytes again: an op wrote it after it moved
+        without moving its version (RReLU fills the noise autograd saved before it ran), and
+        backward reads what the op left. Not counted again in the stats."""
+        storage = t.untyped_storage()
+        if parcel.cargo.buffer.numel() == storage.nbytes():
+            self._copy_out(parcel.cargo, storage)
+
+    def _copy_out(self, cargo: Cargo, storage: torch.UntypedStorage) -> None:
+        raw = torch.empty((0,), dtype=torch.uint8, device=cargo.device).set_(storage)
+        if cargo.device.type == "cuda":
+            side = self._side(cargo.device)
+            side.wait_stream(torch.cuda.current_stream(cargo.device))
             with torch.cuda.stream(side):
-                buffer.copy_(raw, non_blocking=True)
+                cargo.buffer.copy_(raw, non_blocking=True)
                 cargo.ready = torch.cuda.Event()
                 cargo.ready.record(side)
             cargo.read[0] = cargo.ready  # a buffer freed unread is reused after this copy
             raw.record_stream(side)  # the device memory is not reused before the copy is done
         else:
-            buffer.copy_(raw)
-        return Parcel(t, cargo)
+            cargo.buffer.copy_(raw)
 
     # back --------------------------------------------------------------------------------------
     def back(self, parcel: Parcel) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import aten
 from remat._errors import RecomputationError, message
-from remat.aten import describe
+from remat.aten import describe, version_witness
 from remat.host.link import Link
 from remat.host.offloader import Offloader, Parcel, unmovable
 from remat.policy import Decision, OpContext, Policy, checked
@@ -107,30 +107,83 @@ class Makers(TorchDispatchMode):
         return entry[1]
 
 
+class Later:
+    """A saved tensor to move once the op that saved it has run (NOTE [moved after its op])."""
+
+    __slots__ = ("node", "parcel", "tensor", "version", "witness")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = t
+        self.version = t._version
+        self.witness = version_witness(t)  # in the pack hook: its counter (``Parcel.witness``)
+        self.node = _next_node()  # the autograd node the next op makes, as the save happened
+        self.parcel: Parcel | None = None
+
+
 class OffloadRegion:
-    """The pack and unpack hooks of one ``with remat.offload()`` block."""
+    """The pack and unpack hooks of one ``with remat.offload()`` block.
+
+    NOTE [moved after its op] Autograd saves an op's inputs before the op runs, and an op may write
+    what it saved without moving its version (RReLU fills the noise it saved): a copy taken at the
+    save would hold what the memory held before. So a tensor to move waits, held, until a later
+    save by an op whose autograd node was made after it (the saving op is over by then, its
+    version counted; the inputs the op now saving was given were saved after its node was made,
+    and wait on), or the block ends, or backward asks for it (``flush``: all three run where
+    autograd runs, so the parcel's witness shares the tensor's version counter). Its version at the
+    save is the one backward checks."""
 
     def __init__(self, makers: Makers, offloader: Offloader, demanded: bool) -> None:
         self.makers = makers
         self.offloader = offloader
         self.demanded = demanded
+        self.later: list[Later] = []
 
-    def pack(self, t: torch.Tensor) -> Kept | Parcel:
+    def pack(self, t: torch.Tensor) -> Kept | Later:
+        if self.later:  # what was saved before the newest node was made: its op is over
+            self.flush(_next_node())
         if self.makers.decision(t) is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
             return Kept(t, t._version)
-        return self.offloader.out(t)
+        self.offloader.check(t)
+        self.later.append(later := Later(t))
+        return later
 
-    def unpack(self, packed: Kept | Parcel) -> torch.Tensor:
+    def flush(self, before: int | None = None) -> None:
+        """Move the saved tensors waiting (NOTE [moved after its op]); with ``before`` (the number the
+        next node gets now), those saved before the newest node was made."""
+        waiting = [w for w in self.later if before is None or w.node < before]
+        self.later = [w for w in self.later if not (before is None or w.node < before)]
+        for later in waiting:
+            assert later.tensor is not None
+            later.parcel = self.offloader.out(later.tensor)
+            later.parcel.version, later.parcel.witness = later.version, later.witness
+            later.tensor = None
+
+    def unpack(self, packed: Kept | Later) -> torch.Tensor:
         if isinstance(packed, Kept):
             if packed.tensor._version != packed.version:
                 raise _written(describe(packed.tensor.dtype, packed.tensor.shape))
             return packed.tensor
+        if packed.parcel is None:
+            self.flush()
+        assert packed.parcel is not None
+        return self._back(packed.parcel)
+
+    def _back(self, packed: Parcel) -> torch.Tensor:
         if packed.written():
             raise _written(describe(packed.dtype, packed.size))
         source = packed.source()
         if source is not None:  # the program still holds it, unchanged: a copy would sit beside it
             return source
         return self.offloader.back(packed)
+
+
+_SEQUENCE = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def _next_node() -> int:
+    """The number the next autograd node gets (a large one where torch cannot tell: then every
+    tensor waits for the block's end or its backward)."""
+    return _SEQUENCE() if _SEQUENCE is not None else 1 << 62
 
 
 def _written(what: str) -> RecomputationError:
@@ -171,5 +224,8 @@ def offload(
     makers = Makers(policy)
     region = OffloadRegion(makers, offloader, demanded=policy is not None)
     hooks: Any = torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
-    with makers, hooks:
-        yield offloader
+    try:
+        with makers, hooks:
+            yield offloader
+    finally:
+        region.flush()

@@ -217,7 +217,8 @@ class Tape:
         # Kept (SAVE) members of the group no longer hold the value later reads expect.
         for vid in self._saved_in_group.pop(group, ()):
             self.kept.pop(vid, None)
-            self.moved.pop(vid, None)
+            if (parcel := self.moved.pop(vid, None)) is not None and self.offloader is not None:
+                self.offloader.refill(parcel, t)  # handed out before this op wrote it: RReLU's noise
             self.offloading.pop(vid, None)
         self.writers[group] = node
         if not hidden:
