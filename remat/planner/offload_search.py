@@ -99,6 +99,15 @@ def offload_arguments(solver: str, three_way: bool, link: object, host_budget: o
                 "plan", "offload needs a link model", f"{given} without link", "pass link=remat.Link(...)"
             )
         )
+    if link is not None and not three_way and solver != "auto":  # its frontier has no moves to add
+        raise RematValueError(
+            message(
+                "plan",
+                f"solver {solver!r} plans recomputation only, with no moves over a link",
+                f"solver={solver!r} with link={link!r}",
+                "pass solver='auto', 'offload_greedy' or 'offload_milp' with link, or drop link",
+            )
+        )
     return None if host_budget is None else parse_bytes(host_budget, api="plan")
 
 

@@ -177,6 +177,9 @@ def test_bad_offload_arguments_are_refused() -> None:
         plan_trace(trace, base, solver="offload_milp")
     with pytest.raises(RematTypeError, match="byte count"):
         plan_trace(trace, base, link=FAST, host_budget=0.5)  # type: ignore[arg-type]
+    for solver in ("chain", "greedy", "sqrt"):  # failed after planning: "takes a Chain"
+        with pytest.raises(RematValueError, match=rf"solver '{solver}' plans recomputation only"):
+            plan_trace(trace, base, solver=solver, link=FAST)
     assert "offload_milp" in sys.modules["remat.planner.solvers"].names()
 
 
