@@ -134,9 +134,9 @@ class Parcel:
         self.offset = t.storage_offset()
         self.source = weakref.ref(t)
         self.version = t._version
-        # its version counter, also once the tensor is gone; only where made where autograd runs
-        # (a pack hook): inside a dispatch mode ``detach`` makes a counter of its own, which never
-        # moves, and the parcel then tells only while the tensor is alive
+        # a witness of its version counter, which tells of a write also once the tensor is gone:
+        # made where autograd runs (a pack hook) it shares the counter; inside a dispatch mode
+        # ``detach`` makes a counter of its own that never moves, and only ``source`` tells
         self.witness = version_witness(t) if witness is None else witness
 
     @property
