@@ -72,6 +72,23 @@ def checked(api: str, policy: object) -> Policy | None:
     raise RematTypeError(message(api, rule, given, f"{hint}, or None"))
 
 
+def decided(policy: Policy, ctx: OpContext) -> Decision:
+    """``policy.decide(ctx)``, refused where it is not a ``Decision`` (a string, None, torch's
+    ``CheckpointPolicy``), which every form would otherwise have taken as some decision silently."""
+    made = policy.decide(ctx)
+    if not isinstance(made, Decision):  # not a TypeError: an operator (``a @ b``) turns one raised
+        # inside a dispatch mode into NotImplemented, and Python's message names no policy
+        raise RematValueError(
+            message(
+                "policy",
+                "decide(ctx) must return a remat.Decision",
+                f"{type(policy).__name__}.decide gave {made!r} for {ctx.op}",
+                "return Decision.SAVE, Decision.RECOMPUTE or Decision.OFFLOAD",
+            )
+        )
+    return made
+
+
 def _op_names(policy: str, ops: object) -> frozenset[str]:
     """``ops`` as a set of op names ("aten.mm", "aten.mm.default"): one string is no set of them."""
     if (

@@ -36,7 +36,7 @@ from remat._errors import RecomputationError, message
 from remat.aten import describe, version_witness
 from remat.host.link import Link
 from remat.host.offloader import Offloader, Parcel, unmovable
-from remat.policy import Decision, OpContext, Policy, checked
+from remat.policy import Decision, OpContext, Policy, checked, decided
 
 __all__ = ["offload"]
 
@@ -92,7 +92,7 @@ class Makers(TorchDispatchMode):
                 args=args,
                 kwargs=kwargs,
             )
-            decision = self.policy.decide(ctx)
+            decision = decided(self.policy, ctx)
         for o in fresh:
             key, owner = _owner(o)
             self.made[key] = (weakref.ref(owner), decision)

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from remat import aten
 from remat.host.offloader import Offloader, Parcel
-from remat.policy import Decision, OpContext, Policy
+from remat.policy import Decision, OpContext, Policy, decided
 
 _CAST = torch.ops.aten._to_copy.default
 _AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
@@ -100,7 +100,7 @@ class SaveCache:
             args=args,
             kwargs=kwargs,
         )
-        return self.policy.decide(ctx)
+        return decided(self.policy, ctx)
 
     def keep(self, position: int, func: Any, out: Any, decision: Decision) -> None:
         """Hold ``out`` itself until ``seal``: an alias made here would not see later writes."""

@@ -43,7 +43,7 @@ from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, message
 from remat.aten import OpFacts, RngState, describe
 from remat.host.offloader import Offloader, Parcel
-from remat.policy import Decision, OpContext, Policy, RecomputeAll
+from remat.policy import Decision, OpContext, Policy, RecomputeAll, decided
 
 EXTERNAL = -1
 """The producer of a value that no recorded op produced."""
@@ -311,7 +311,7 @@ class Tape:
             args=args,
             kwargs=kwargs,
         )
-        decision = self.policy.decide(ctx)
+        decision = decided(self.policy, ctx)
         if decision is Decision.OFFLOAD and self.offloader is None:
             self.offloader = Offloader()
         for vid, t in owned if decision is not Decision.RECOMPUTE else ():

@@ -423,6 +423,18 @@ def test_bad_policies_sequences_and_flags_are_clear_errors() -> None:
         with pytest.raises(remat.RematValueError, match=rf"remat\.SaveOps: .* \(no such op: {typo}\)"):
             remat.SaveOps({typo})
     assert remat.OffloadOps({"aten.mm.default", "aten.bmm"}).ops == {"aten.mm.default", "aten.bmm"}
+
+    class Stringly:  # its answers were taken as some decision, silently
+        def decide(self, ctx: remat.OpContext) -> remat.Decision:
+            return "offload"  # type: ignore[return-value]
+
+    said = r"remat\.policy: decide\(ctx\) must return a remat\.Decision \(Stringly\.decide gave 'offload'"
+    with pytest.raises(remat.RematValueError, match=said):
+        remat.checkpoint(lambda h: h @ h, x, policy=Stringly()).sum().backward()
+    with pytest.raises(remat.RematValueError, match=said), remat.scope(policy=Stringly()):
+        x @ x
+    with pytest.raises(remat.RematValueError, match=said), remat.offload(policy=Stringly()):
+        x @ x
     with pytest.raises(
         remat.RematTypeError, match=r"remat\.checkpoint_sequential: modules .* \(got a Linear\)"
     ):
