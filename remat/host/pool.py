@@ -11,6 +11,9 @@ A buffer whose tensor came back is reused for the next request of the same size:
 slow, and a training step offloads the same sizes each time. On CUDA a buffer is reused only after
 the copy that read it has finished (its event). ``budget`` caps the bytes the pool holds: cached free
 buffers are released first, and a request that still does not fit raises (NOTE [host budget]).
+Without a budget, the cached bytes never pass the most bytes ever in use at once: steps of other
+shapes (sequence lengths) each leave buffers of sizes no later step asks for, and a cache without
+a cap grew with every one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class HostPool:
         self.used_bytes = 0
         self.cached_bytes = 0
         self.peak_bytes = 0
+        self.peak_used = 0  # the most bytes in use at once: the cap of the cached ones
         self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(
             list
         )
@@ -62,6 +66,7 @@ class HostPool:
                 self._make_room(nbytes)
                 buffer = _allocate(nbytes, pinned)
             self.used_bytes += nbytes
+            self.peak_used = max(self.peak_used, self.used_bytes)
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             return buffer
 
@@ -72,6 +77,9 @@ class HostPool:
             self.used_bytes -= nbytes
             self.cached_bytes += nbytes
             self._free[(nbytes, pinned)].append((buffer, done))
+            if self.cached_bytes > self.peak_used:  # the other sizes go, this one stays
+                self._free = defaultdict(list, {(nbytes, pinned): self._free[(nbytes, pinned)]})
+                self.cached_bytes = sum(b.numel() for b, _ in self._free[(nbytes, pinned)])
 
     def release(self) -> None:
         """Drop every cached buffer (those in use stay theirs)."""

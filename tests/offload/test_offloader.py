@@ -86,6 +86,21 @@ def test_the_host_pool_reuses_buffers_by_size_and_torch_does_not_count_them() ->
     assert pool.peak_bytes == (1 << 20) + (1 << 10)
 
 
+def test_without_a_budget_the_cache_holds_no_more_than_was_ever_in_use() -> None:
+    """Steps of another shape each left buffers of sizes no later step asked for: a shared
+    offloader over 40 sequence lengths held 3.4 MiB idle with nothing in use."""
+    pool = HostPool()
+    for n in range(100, 140):  # a step of two buffers of one size, another size each step
+        if n % 2:
+            pool.give(pool.take(n * 256), pinned=False)
+        a, b = pool.take(n * 512), pool.take(n * 512)
+        pool.give(a, pinned=False)
+        pool.give(b, pinned=False)
+        assert pool.used_bytes == 0 and pool.cached_bytes <= pool.peak_used
+    reused = pool.take(139 * 512)  # the last step's size is still at hand
+    assert any(reused.data_ptr() == b.data_ptr() for b in (a, b))
+
+
 def test_a_host_budget_releases_cached_buffers_first_then_refuses() -> None:
     pool = HostPool(budget=3000)
     pool.give(pool.take(2000), pinned=False)
