@@ -28,9 +28,26 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+_SEQUENCE = getattr(torch._C._autograd, "_get_sequence_nr", None)  # torch 2.x; None where absent
+
+
+def next_node() -> int | None:
+    """The number the next autograd node made on this thread gets; None where torch cannot tell."""
+    return _SEQUENCE() if _SEQUENCE is not None else None
+
+
+def made_last(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a result of the autograd node made last: saved by its op after the op ran.
+    An input an op saves before it runs is saved once the op's own node exists, so it is not."""
+    node = t.grad_fn
+    return node is not None and _SEQUENCE is not None and node._sequence_nr() == _SEQUENCE() - 1
+
+
 def version_witness(t: torch.Tensor) -> torch.Tensor:
     """A tensor that shares ``t``'s version counter and none of its memory: it tells whether ``t`` was
-    written in place since, also once ``t`` is gone. Made below any dispatch mode."""
+    written in place since, also once ``t`` is gone. Made below any dispatch mode, but called where
+    autograd runs (a saved-tensor hook, not inside ``__torch_dispatch__``): there ``detach`` makes a
+    version counter of its own, which never moves."""
     with torch._C._DisableTorchDispatch():
         witness = t.detach()
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(witness):

@@ -232,9 +232,10 @@ class Offloader:
                 )
             )
 
-    def out(self, t: torch.Tensor) -> Parcel:
+    def out(self, t: torch.Tensor, witness: torch.Tensor | None = None) -> Parcel:
         """Copy ``t``'s storage to the host pool. The same tensor moved twice (unchanged) gives the
-        same parcel. Raises for a tensor that cannot move (``check``)."""
+        same parcel. Raises for a tensor that cannot move (``check``). ``witness``: ``t``'s version
+        witness, made where autograd runs, for the parcel (else it makes one)."""
         self.check(t)
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
@@ -242,12 +243,12 @@ class Offloader:
             known = self._same.get(key)
             if known is not None:  # the same content only if written by nothing since, views and
                 # all: the results of ``unsafe_chunk`` on one storage each have a counter of their own
-                storage_ref, cargo_ref, version, witness = known
+                storage_ref, cargo_ref, version, counter = known
                 cargo = cargo_ref()
                 same = cargo is not None and storage_ref() is storage and t._version == version
-                if same and cargo is not None and same_counter(witness, t):
+                if same and cargo is not None and same_counter(counter, t):
                     cargo.uses += 1
-                    return Parcel(t, cargo)
+                    return Parcel(t, cargo, witness)
             nbytes = storage.nbytes()
             on_cuda = t.device.type == "cuda"
             buffer = self.pool.take(nbytes, pinned=on_cuda)
@@ -259,7 +260,7 @@ class Offloader:
             weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
         self._copy_out(cargo, storage)
-        return Parcel(t, cargo)
+        return Parcel(t, cargo, witness)
 
     def refill(self, parcel: Parcel, t: torch.Tensor) -> None:
         """Copy ``t``'s storage to ``parcel``'s host bytes again: an op wrote it after it moved

@@ -154,8 +154,8 @@ class OffloadRegion:
         self.later = [w for w in self.later if not (before is None or w.node < before)]
         for later in waiting:
             assert later.tensor is not None
-            later.parcel = self.offloader.out(later.tensor)
-            later.parcel.version, later.parcel.witness = later.version, later.witness
+            later.parcel = self.offloader.out(later.tensor, later.witness)
+            later.parcel.version = later.version
             later.tensor = None
 
     def unpack(self, packed: Kept | Later) -> torch.Tensor:
@@ -177,13 +177,11 @@ class OffloadRegion:
         return self.offloader.back(packed)
 
 
-_SEQUENCE = getattr(torch._C._autograd, "_get_sequence_nr", None)
-
-
 def _next_node() -> int:
     """The number the next autograd node gets (a large one where torch cannot tell: then every
     tensor waits for the block's end or its backward)."""
-    return _SEQUENCE() if _SEQUENCE is not None else 1 << 62
+    found = aten.next_node()
+    return 1 << 62 if found is None else found
 
 
 def _written(what: str) -> RecomputationError:

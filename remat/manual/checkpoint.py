@@ -59,9 +59,6 @@ __all__ = ["checkpoint", "run"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-_NEXT_NODE = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's number
-
-
 class _StopRecomputation(Exception):
     """Raised inside the recomputation once every saved tensor has been produced again."""
 
@@ -173,8 +170,7 @@ class _Frame:
             # NOTE [early stop]: stop at the last save once the op saving it has run, as a result of
             # it (its node the newest) says. An argument is saved before its op's kernel runs, which
             # may still write what was saved (RReLU's noise): from there the function runs on.
-            node = t.grad_fn
-            ran = node is not None and _NEXT_NODE is not None and node._sequence_nr() == _NEXT_NODE() - 1
+            ran = aten.made_last(t)
             with _disable_current_modes():  # our own ops are not the program's
                 self.verify(i, t)
                 kept, self.again[i] = t.detach(), t._version

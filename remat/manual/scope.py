@@ -47,8 +47,6 @@ from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error, written_from
 from remat.policy import Policy, RecomputeAll, checked
 
-_NEXT_NODE = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's number
-
 __all__ = ["scope"]
 
 
@@ -118,7 +116,7 @@ class TapedRegion:
             self.writers_needed.add(writer)
         self.handles[vid] = self.handles.get(vid, 0) + 1
         self.packed[vid, len(tape.nodes)] = self.packed.get((vid, len(tape.nodes)), 0) + 1
-        if _newest_result(t):  # saved after its op ran: a write by the next op comes after the save
+        if aten.made_last(t):  # saved after its op ran: a write by the next op comes after the save
             self.results.add((vid, len(tape.nodes)))
         return _Handle(
             vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t), len(tape.nodes)
@@ -245,13 +243,6 @@ class TapedRegion:
     def forget(self, graph_task: int) -> None:
         with self.lock:
             self.cache.pop(graph_task, None)
-
-
-def _newest_result(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a result of the autograd node made last: saved by its op after the op ran
-    (an input an op saves before running is saved once the op's own node exists)."""
-    node = t.grad_fn
-    return node is not None and _NEXT_NODE is not None and node._sequence_nr() == _NEXT_NODE() - 1
 
 
 def _written(what: str, versions: str) -> RecomputationError:
