@@ -91,19 +91,27 @@ class Cargo:
         "__weakref__",
         "buffer",
         "device",
+        "follows",
         "held",
         "index",
         "left",
         "read",
         "ready",
         "served",
+        "storage",
         "uses",
     )
 
-    def __init__(self, index: int, buffer: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, index: int, buffer: torch.Tensor, storage: torch.UntypedStorage, follows: bool
+    ) -> None:
         self.index = index
         self.buffer = buffer
-        self.device = device
+        self.device = storage.device
+        # NOTE [read where it lives]: the device storage moved out, while something else holds it,
+        # and whether every parcel of the cargo reads it from there
+        self.storage = weakref.ref(storage)
+        self.follows = follows
         self.ready: torch.cuda.Event | None = None  # on CUDA: the copy out has finished
         self.read: list[torch.cuda.Event | None] = [None]  # on CUDA: the last copy has finished
         # NOTE [moved once, read twice]: autograd often saves one tensor for two nodes (a linear's
@@ -120,14 +128,26 @@ class Cargo:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    def on_device(self) -> torch.UntypedStorage | None:
+        """The device storage moved out, where every parcel reads it from there and the program
+        still holds it whole; else None."""
+        if not self.follows:
+            return None
+        storage = self.storage()
+        return storage if storage is not None and storage.nbytes() == self.nbytes else None
+
 
 class Parcel:
-    """A tensor moved to host memory: its storage's bytes there (``cargo``) and how to rebuild it."""
+    """A tensor moved to host memory: its storage's bytes there (``cargo``) and how to rebuild it;
+    ``follows``: read from the device storage while it lives (NOTE [read where it lives])."""
 
-    __slots__ = ("cargo", "dtype", "offset", "size", "source", "stride", "version", "witness")
+    __slots__ = ("cargo", "dtype", "follows", "offset", "size", "source", "stride", "version", "witness")
 
-    def __init__(self, t: torch.Tensor, cargo: Cargo, witness: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, t: torch.Tensor, cargo: Cargo, witness: torch.Tensor | None = None, follows: bool = False
+    ) -> None:
         self.cargo = cargo
+        self.follows = follows
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -232,10 +252,12 @@ class Offloader:
                 )
             )
 
-    def out(self, t: torch.Tensor, witness: torch.Tensor | None = None) -> Parcel:
+    def out(self, t: torch.Tensor, witness: torch.Tensor | None = None, follows: bool = False) -> Parcel:
         """Copy ``t``'s storage to the host pool. The same tensor moved twice (unchanged) gives the
         same parcel. Raises for a tensor that cannot move (``check``). ``witness``: ``t``'s version
-        witness, made where autograd runs, for the parcel (else it makes one)."""
+        witness, made where autograd runs, for the parcel (else it makes one). ``follows``: ``back``
+        reads the device storage instead of the copy while the program still holds it (NOTE [read
+        where it lives]): for a caller whose backward reads what autograd's saved tensor would."""
         self.check(t)
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
@@ -248,11 +270,12 @@ class Offloader:
                 same = cargo is not None and storage_ref() is storage and t._version == version
                 if same and cargo is not None and same_counter(counter, t):
                     cargo.uses += 1
-                    return Parcel(t, cargo, witness)
+                    cargo.follows = cargo.follows and follows
+                    return Parcel(t, cargo, witness, follows)
             nbytes = storage.nbytes()
             on_cuda = t.device.type == "cuda"
             buffer = self.pool.take(nbytes, pinned=on_cuda)
-            cargo = Cargo(self._next, buffer, t.device)
+            cargo = Cargo(self._next, buffer, storage, follows)
             self._next += 1
             self._live.append(cargo.index)
             self._cargos[cargo.index] = weakref.ref(cargo)
@@ -260,7 +283,7 @@ class Offloader:
             weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
         self._copy_out(cargo, storage)
-        return Parcel(t, cargo, witness)
+        return Parcel(t, cargo, witness, follows)
 
     def refill(self, parcel: Parcel, t: torch.Tensor) -> None:
         """Copy ``t``'s storage to ``parcel``'s host bytes again: an op wrote it after it moved
@@ -287,8 +310,20 @@ class Offloader:
     # back --------------------------------------------------------------------------------------
     def back(self, parcel: Parcel) -> torch.Tensor:
         """A new device tensor equal to the one moved out (shape, strides, dtype, bits), from a
-        prefetched copy if one is ready; then start the next prefetches."""
+        prefetched copy if one is ready; then start the next prefetches.
+
+        NOTE [read where it lives] A parcel that ``follows`` its storage (``remat.offload``'s) is
+        read from the device storage itself while the program still holds that storage (a
+        tensor it keeps, or the base of a view autograd saved): a copy would sit beside the
+        bytes it copies, and autograd's own saved tensor would read that storage too. Prefetch
+        skips such cargos while their storage lives."""
         cargo = parcel.cargo
+        live = cargo.on_device() if parcel.follows else None
+        if live is not None:
+            with self._lock:
+                cargo.served = torch._C._current_graph_task_id()
+            self._prefetch_before(cargo.index)
+            return _rebuilt(live, parcel)
         with self._lock:
             cargo.served = torch._C._current_graph_task_id()
             data = cargo.held
@@ -296,7 +331,7 @@ class Offloader:
                 cargo.left -= 1
                 if cargo.left <= 0:
                     cargo.held = None
-                return _rebuilt(data, parcel)
+                return _rebuilt(data.untyped_storage(), parcel)
             ahead = self._ahead.pop(cargo.index, None)
         data, done = ahead if ahead is not None else self._copy_back(cargo, prefetch=False)
         if done is not None:
@@ -306,7 +341,7 @@ class Offloader:
         if cargo.uses > 1:
             cargo.held, cargo.left = data, cargo.uses - 1
         self._prefetch_before(cargo.index)
-        return _rebuilt(data, parcel)
+        return _rebuilt(data.untyped_storage(), parcel)
 
     def _copy_back(self, cargo: Cargo, prefetch: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         nbytes = cargo.nbytes
@@ -341,7 +376,7 @@ class Offloader:
             # twice): one already brought back in this backward is skipped, not fetched again.
             for i in reversed(self._live[max(at - 4 * self.prefetch, 0) : at]):
                 cargo = self._cargos[i]()
-                if cargo is None or cargo.served == task:
+                if cargo is None or cargo.served == task or cargo.on_device() is not None:
                     continue
                 if i not in self._ahead:
                     cargos.append(cargo)
@@ -385,7 +420,7 @@ class Offloader:
         self.pool.give(buffer, pinned, read[0])
 
 
-def _rebuilt(data: torch.Tensor, parcel: Parcel) -> torch.Tensor:
-    return torch.empty((0,), dtype=parcel.dtype, device=data.device).set_(
-        data.untyped_storage(), parcel.offset, parcel.size, parcel.stride
+def _rebuilt(storage: torch.UntypedStorage, parcel: Parcel) -> torch.Tensor:
+    return torch.empty((0,), dtype=parcel.dtype, device=storage.device).set_(
+        storage, parcel.offset, parcel.size, parcel.stride
     )

@@ -154,7 +154,7 @@ class OffloadRegion:
         self.later = [w for w in self.later if not (before is None or w.node < before)]
         for later in waiting:
             assert later.tensor is not None
-            later.parcel = self.offloader.out(later.tensor, later.witness)
+            later.parcel = self.offloader.out(later.tensor, later.witness, follows=True)
             later.parcel.version = later.version
             later.tensor = None
 
@@ -171,10 +171,8 @@ class OffloadRegion:
     def _back(self, packed: Parcel) -> torch.Tensor:
         if packed.written():
             raise _written(describe(packed.dtype, packed.size))
-        source = packed.source()
-        if source is not None:  # the program still holds it, unchanged: a copy would sit beside it
-            return source
-        return self.offloader.back(packed)
+        return self.offloader.back(packed)  # from the device while the program holds it
+        # (NOTE [read where it lives])
 
 
 def _next_node() -> int:

@@ -77,6 +77,63 @@ def test_a_saved_tensor_the_program_still_holds_comes_back_as_itself() -> None:
     assert moved <= plain
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 4])
+def test_what_the_program_still_holds_is_read_where_it_lives_and_never_prefetched(prefetch: int) -> None:
+    """NOTE [read where it lives]: a view autograd saved of a storage the program keeps (``mm``
+    saves ``h.t()``), and activations the program keeps, are read from the device in backward:
+    no copy beside them, none prefetched (each added a storage's bytes to the step's peak above
+    the plain step's), and the gradients are the plain step's."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(6))
+    w = torch.randn(128, 128, requires_grad=True)
+    for p in [*layers.parameters(), w]:
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(128, 128)
+
+    def step(region: contextlib.AbstractContextManager[object]) -> tuple[int, list[torch.Tensor], int]:
+        for p in [*layers.parameters(), w]:
+            assert p.grad is not None
+            p.grad.zero_()
+        with remat.memory.track(timeline=False, allocator=True) as tracked:
+            kept = []
+            with region as offloader:
+                h = x
+                for i, layer in enumerate(layers):
+                    h = torch.tanh(layer(h))
+                    if i % 2 == 0:
+                        kept.append(h)  # the program holds every other activation
+                loss = h.square().sum() + (kept[0].t() @ w).sum()
+            loss.backward()
+            del loss, h, kept
+        back = offloader.stats().bytes_back if offloader is not None else 0
+        return tracked.peak_bytes, [p.grad.clone() for p in [*layers.parameters(), w]], back
+
+    plain, expected, _ = step(contextlib.nullcontext())
+    moved, got, back = step(remat.offload(prefetch=prefetch))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert moved <= plain
+    # the program holds the outputs of layers 0, 2, 4 and (as h) 5: only those of 1 and 3 come back
+    assert back == 2 * 128 * 128 * 4
+
+
+def test_a_saved_output_whose_data_is_swapped_after_the_region_reads_what_autograd_saved() -> None:
+    """``y.data = ...`` after the region gives ``y`` a new storage without a version: autograd's
+    saved output still reads the old one, and so does the region (it read ``y`` itself)."""
+
+    def run(region: contextlib.AbstractContextManager[object]) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(8, 8, requires_grad=True)
+        with region:
+            y = torch.tanh(x * 2)  # tanh saves its output
+        loss = y.sum()
+        y.data = torch.zeros(8, 8)
+        loss.backward()
+        assert x.grad is not None
+        return x.grad
+
+    assert torch.equal(run(remat.offload()), run(contextlib.nullcontext()))
+
+
 def test_a_policy_class_and_a_bool_or_float_size_are_clear_errors() -> None:
     """The region form checks its policy as the others do (a class gave a bare TypeError from
     ``decide``), and a size of False or 0.0 is no byte count (both read as 0)."""
