@@ -45,3 +45,15 @@ def test_views_writes_and_metadata() -> None:
     assert aten.facts(torch.ops.aten.bernoulli_.float).random
     assert aten.facts(torch.ops.aten.sym_size.int).metadata
     assert not aten.facts(torch.ops.aten.mm.default).metadata
+
+
+def test_a_version_witness_of_a_lazy_conjugate_or_negative_view_holds_no_memory() -> None:
+    """It shares the view's counter and none of its storage (``set_`` on a tensor with the conjugate
+    bit resolved it into the old storage, which the witness then kept alive)."""
+    base = torch.ones(64, 64, dtype=torch.complex64)
+    for view in (base.conj(), torch._neg_view(base)):
+        witness = aten.version_witness(view)
+        assert witness.untyped_storage().nbytes() == 0
+        assert witness._version == view._version
+        base.add_(1)
+        assert witness._version == view._version == base._version

@@ -50,6 +50,10 @@ def version_witness(t: torch.Tensor) -> torch.Tensor:
     version counter of its own, which never moves."""
     with torch._C._DisableTorchDispatch():
         witness = t.detach()
+        # a lazy conjugate or negative view's ``set_`` resolves the bit into the old storage and
+        # keeps it: clear the bits (the witness's values are never read)
+        torch._C._set_conj(witness, False)
+        torch._C._set_neg(witness, False)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(witness):
             witness.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
     return witness

@@ -176,6 +176,9 @@ class Parcel:
         return f"Parcel({describe(self.dtype, self.size)} on {where}, {format_bytes(self.nbytes)})"
 
 
+_Moved = tuple[weakref.ref[Any], weakref.ref[Cargo], int, torch.Tensor, weakref.ref[torch.Tensor]]
+
+
 class Offloader:
     """Moves tensors to a host pool and back (see the module's docstring).
 
@@ -217,10 +220,11 @@ class Offloader:
         self._live: list[int] = []  # indices of the cargos alive, in the order they moved out
         self._cargos: dict[int, weakref.ref[Cargo]] = {}
         self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        # (device, storage address) -> (storage, its cargo, the version when it moved)
-        # storage -> its latest copy: the storage, the cargo, and the version and counter (a witness,
-        # ``remat.aten.version_witness``) of the tensor copied
-        self._same: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[Cargo], int, torch.Tensor]] = {}
+        # (device, storage address) -> its latest copy: the storage, the cargo, and the version and
+        # counter of the tensor copied: a witness (``remat.aten.version_witness``), and the tensor
+        # while it lives (moved inside a dispatch mode, as the tape moves, the witness has a counter
+        # of its own, and only the tensor tells that a view of it saved later shares its counter)
+        self._same: dict[tuple[Any, ...], _Moved] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = OffloadStats()
 
@@ -265,10 +269,11 @@ class Offloader:
             known = self._same.get(key)
             if known is not None:  # the same content only if written by nothing since, views and
                 # all: the results of ``unsafe_chunk`` on one storage each have a counter of their own
-                storage_ref, cargo_ref, version, counter = known
-                cargo = cargo_ref()
+                storage_ref, cargo_ref, version, counter, tensor_ref = known
+                cargo, moved = cargo_ref(), tensor_ref()
                 same = cargo is not None and storage_ref() is storage and t._version == version
-                if same and cargo is not None and same_counter(counter, t):
+                shared = same and (same_counter(counter, t) or (moved is not None and same_counter(moved, t)))
+                if shared and cargo is not None:
                     cargo.uses += 1
                     cargo.follows = cargo.follows and follows
                     return Parcel(t, cargo, witness, follows)
@@ -279,7 +284,13 @@ class Offloader:
             self._next += 1
             self._live.append(cargo.index)
             self._cargos[cargo.index] = weakref.ref(cargo)
-            self._same[key] = (weakref.ref(storage), weakref.ref(cargo), t._version, version_witness(t))
+            self._same[key] = (
+                weakref.ref(storage),
+                weakref.ref(cargo),
+                t._version,
+                version_witness(t),
+                weakref.ref(t),
+            )
             weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
         self._copy_out(cargo, storage)

@@ -190,3 +190,59 @@ def test_a_moved_tensor_written_after_its_save_and_let_go_is_refused() -> None:
         remat.RecomputationError, match=r"remat\.offload: a tensor saved for backward was modified"
     ):
         loss.backward()
+
+
+def test_scope_moves_a_storage_once_when_autograd_saves_a_view_of_a_moved_tensor() -> None:
+    """transformers' Conv1D: ``addmm`` then ``view``, the view saved by the next op. The tape moves
+    the ``addmm`` result inside its dispatch mode, where a witness gets a counter of its own; the
+    view saved later shares the tensor's counter, so its bytes cross once (they crossed twice, and
+    the host held them twice)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 48, 64, requires_grad=True)
+    w = torch.randn(64, 256, requires_grad=True)
+    b = torch.randn(256, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(b, x.view(-1, 64), w).view(4, 48, 256)
+        return (0.5 * h * (1.0 + torch.tanh(h + 0.044715 * torch.pow(h, 3.0)))).sum()
+
+    def grads() -> list[torch.Tensor]:
+        got = [t.grad for t in (x, w, b)]
+        x.grad = w.grad = b.grad = None
+        assert all(g is not None for g in got)
+        return got  # type: ignore[return-value]
+
+    block(x).backward()
+    expected = grads()
+    offloader = remat.Offloader(prefetch=0)
+    with remat.scope(remat.OffloadComputeIntensive(), offloader=offloader):
+        loss = block(x)
+    loss.backward()
+    assert all(torch.equal(g, e) for g, e in zip(grads(), expected, strict=True))
+    stats = offloader.stats()
+    assert stats.moved == 1
+    assert stats.bytes_out == stats.host_peak_bytes == 4 * 48 * 256 * 4
+
+
+def test_an_offloaded_output_with_a_conjugate_view_leaves_the_device() -> None:
+    """A version witness of ``c.conj()`` held the whole complex storage the policy moved to host
+    memory (``remat.aten.version_witness``), so the device kept it too."""
+    x = torch.randn(256, 256, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        c = torch.complex(x, x * 2)
+        return (c.conj().real * x).sum()
+
+    def forward_leaves(policy: remat.Policy) -> tuple[int, int]:
+        offloader = remat.Offloader()
+        with remat.memory.track(allocator=True) as tracked:
+            loss = remat.checkpoint(fn, x, policy=policy, offloader=offloader)
+        left = tracked.current_bytes
+        loss.backward()
+        x.grad = None
+        return left, offloader.stats().bytes_out
+
+    kept, _ = forward_leaves(remat.SaveOps({"aten.complex"}))
+    left, moved = forward_leaves(remat.OffloadOps({"aten.complex"}))
+    assert moved == 256 * 256 * 8
+    assert left <= kept - moved
