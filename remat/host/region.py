@@ -137,11 +137,15 @@ class OffloadRegion:
         self.offloader = offloader
         self.demanded = demanded
         self.later: list[Later] = []
+        self.outer = enclosing()  # NOTE [nested blocks]
 
     def pack(self, t: torch.Tensor) -> Kept | Later:
         if self.later:  # what was saved before the newest node was made: its op is over
             self.flush(_next_node())
-        if self.makers.decision(t) is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
+        decision = self.makers.decision(t)
+        if decision is None and self.outer is not None:
+            return self.outer.pack(t)
+        if decision is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
             return Kept(t, t._version)
         self.offloader.check(t)
         self.later.append(later := Later(t))
@@ -163,8 +167,10 @@ class OffloadRegion:
             if packed.tensor._version != packed.version:
                 raise _written(describe(packed.tensor.dtype, packed.tensor.shape))
             return packed.tensor
-        if packed.parcel is None:
-            self.flush()
+        region: OffloadRegion | None = self
+        while packed.parcel is None and region is not None:  # waiting here or in a block around
+            region.flush()
+            region = region.outer
         assert packed.parcel is not None
         return self._back(packed.parcel)
 
@@ -173,6 +179,19 @@ class OffloadRegion:
             raise _written(describe(packed.dtype, packed.size))
         return self.offloader.back(packed)  # from the device while the program holds it
         # (NOTE [read where it lives])
+
+
+def enclosing() -> OffloadRegion | None:
+    """The ``remat.offload`` block whose saved-tensor hooks are the innermost now, if any.
+
+    NOTE [nested blocks] A tensor made around a block and saved inside it (a layer's input saved by
+    its first matmul) is the business of the block that made it: an inner ``remat.offload`` block
+    hands such a tensor to the ``remat.offload`` block right around it, whose policy moves it as it
+    would have without the inner block. Only a ``remat.offload`` block directly around: other
+    saved-tensor hooks in between (a checkpoint's) own what their region saves."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    owner = getattr(top[0], "__self__", None) if top else None
+    return owner if isinstance(owner, OffloadRegion) else None
 
 
 def _next_node() -> int:

@@ -246,3 +246,33 @@ def test_an_offloaded_output_with_a_conjugate_view_leaves_the_device() -> None:
     left, moved = forward_leaves(remat.OffloadOps({"aten.complex"}))
     assert moved == 256 * 256 * 8
     assert left <= kept - moved
+
+
+def test_a_tensor_made_around_a_nested_block_is_moved_by_the_block_that_made_it() -> None:
+    """NOTE [nested blocks]: ``h`` is made in the outer block and saved by a matmul in the inner
+    one; the inner block kept it on the device (it did not make it), though the outer one moves
+    what it makes."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(256, 256), nn.Linear(256, 256)
+    x = torch.randn(256, 256)
+
+    def step(nested: bool) -> tuple[int, int, list[torch.Tensor]]:
+        first.zero_grad(set_to_none=True)
+        second.zero_grad(set_to_none=True)
+        with remat.memory.track(allocator=True) as tracked:
+            with remat.offload(prefetch=0) as outer:
+                h = torch.tanh(first(x))
+                with remat.offload(prefetch=0) if nested else contextlib.nullcontext():
+                    y = second(h)
+                loss = y.sum()
+            del h, y
+        left = tracked.current_bytes
+        loss.backward()
+        grads = [p.grad.clone() for p in (*first.parameters(), *second.parameters()) if p.grad is not None]
+        return left, outer.stats().bytes_out, grads
+
+    alone, moved_alone, expected = step(False)
+    left, moved, got = step(True)
+    assert moved == moved_alone == 256 * 256 * 4
+    assert left == alone
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)) and len(got) == 4
