@@ -44,7 +44,11 @@ class Inputs:
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
         self.slots = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and not a.is_inference()]
-        tensors = [leaves[i] for i in self.slots]
+        # one tensor given in several places (``attn(h, h, h)``) is one tensor again: a module may
+        # take another path where its arguments are not the same object (``query is key``)
+        first: dict[int, int] = {}
+        self.which = [first.setdefault(id(leaves[i]), len(first)) for i in self.slots]
+        tensors = list({id(leaves[i]): leaves[i] for i in self.slots}.values())
         self.requires_grad = [t.requires_grad for t in tensors]
         anchor = torch.empty((0,), requires_grad=True)
         self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
@@ -58,7 +62,8 @@ class Inputs:
         leaves = list(self.leaves)
         if self.saver is not None:
             saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
-            for slot, t, grad in zip(self.slots, saved, self.requires_grad, strict=True):
-                leaves[slot] = t.detach().requires_grad_(grad)
+            fresh = [t.detach().requires_grad_(g) for t, g in zip(saved, self.requires_grad, strict=True)]
+            for slot, k in zip(self.slots, self.which, strict=True):
+                leaves[slot] = fresh[k]
         args, kwargs = tree_unflatten(leaves, self.spec)
         return tuple(args), dict(kwargs)

@@ -150,6 +150,19 @@ def test_tensors_given_in_containers_are_inputs_like_any_other(container: str) -
         out.sum().backward()
 
 
+def test_one_tensor_given_in_several_places_is_one_tensor_again() -> None:
+    """Self-attention called as ``attn(h, h, h)`` takes its packed projection where ``query is key
+    is value``; the recomputation got three detached copies and took the other path."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(32, 4, batch_first=True)
+    h = torch.randn(2, 8, 32, requires_grad=True)
+    wrt = (h, *attn.parameters())
+    expected = torch.autograd.grad(attn(h, h, h)[0].sum(), wrt)
+    got = torch.autograd.grad(remat.checkpoint(lambda q, k, v: attn(q, k, v)[0], h, h, h).sum(), wrt)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
 def test_partial_backwards_leave_no_recomputed_tensor_behind() -> None:
     """Each backward that reads only some of a region's saved tensors let the rest stay with the
     region until it died: repeated ``autograd.grad`` for one weight grew the memory per call."""

@@ -87,6 +87,45 @@ def test_a_plan_running_layers_again_trains_exactly_as_the_plain_model(
     assert_same(train(twin(model), lambda _: batch, steps=2), ran)
 
 
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return h + self.ff(h)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_SelfAttention() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_module_given_one_tensor_in_several_places_runs_again_on_one_tensor() -> None:
+    """``attn(h, h, h)`` run again on three detached copies took the projection path for distinct
+    query, key and value, and the re-run was refused as differing from the forward."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    batch = {"x": torch.randn(4, 24, 32)}
+    trace = fixed_costs(trace_step(model, batch, repeats=1))
+    costs = ExecutorCost(check=2e-5, record=3e-5, replay=2e-5)
+    plan = plan_trace(trace, 0.5, block_key=block_key(model), rerun_modules=True, executor_cost=costs)
+    assert any(r.rerun.endswith(".attn") for r in plan.regions), plan.regions
+    planned = twin(model)
+    assert_same(
+        train(twin(model), lambda _: batch, steps=2),
+        train(planned, lambda _: batch, steps=2, region=lambda: plan.apply(planned)),
+    )
+
+
 def test_remat_plan_runs_modules_again_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """On fixed op costs and executor figures, so that the pick is the same on every run."""
     trace_with_fixed_costs(monkeypatch)
