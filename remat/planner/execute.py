@@ -206,7 +206,7 @@ class _Runner(Unguarded):
         self.position += 1
         if i >= len(self.ops) or self.ops[i] != name:
             raise self._diverged(i, func)
-        if self.open is None and i in self.starts and torch.is_grad_enabled():
+        if self.open is None and i in self.starts:
             self._start(self.starts[i])
         if self.tape is None:
             return self._checked(i, func, info, func(*args, **kwargs))

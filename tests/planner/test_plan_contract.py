@@ -175,6 +175,42 @@ def test_a_buffer_a_region_writes_in_place_is_predicted_as_the_tape_holds_it() -
         assert torch.equal(a, b)
 
 
+class _MaskedBlock(nn.Module):
+    """A block whose first op runs with grad off (a mask of its input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            keep = (h.abs() < 3).to(h.dtype)
+        return h + self.b(F.gelu(self.a(h * keep)))
+
+
+@pytest.mark.parametrize("solver", ["auto", "sqrt", "greedy"])
+def test_a_region_whose_first_op_runs_with_grad_off_still_recomputes(solver: str) -> None:
+    """The executor opened a region only where grad was on at its first op: a region starting at
+    a ``no_grad`` op (a mask, a spectral norm's power iteration, a custom Function's forward)
+    never ran, and the step measured the plain peak whatever the plan promised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_MaskedBlock(32) for _ in range(4)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(256, 32)
+    _loss(plain, x).backward()
+    plan = remat.plan(
+        model, (x,), 0.5, loss_fn=_loss, solver=solver, repeats=1, executor_cost=NO_EXECUTOR_COST
+    )
+    assert plan.regions
+    with remat.memory.track(allocator=True) as tracked:
+        with plan.apply(model):
+            out = _loss(model, x)
+        out.backward()
+    assert tracked.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("save", ['"12"', "[1000000]", "[1.5]"])
 def test_a_plan_file_with_kept_positions_outside_their_region_is_refused(save: str, tmp_path: Path) -> None:
     model, x = _mlp(), torch.randn(256, 64)
