@@ -29,8 +29,10 @@ class Leaves:
                 continue
             seen.add(node)
             leaf = getattr(node, "variable", None)
-            if isinstance(leaf, torch.Tensor):
-                self.grads.setdefault(id(leaf), (leaf, leaf.grad))
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.grads:
+                # backward adds into an existing ``.grad`` in place: the one given back must not be it
+                self.grads[id(leaf)] = (leaf, leaf.grad)
+                leaf.grad = None
             stack.extend(n for n, _ in node.next_functions)
         return loss
 
@@ -43,6 +45,8 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
     found = list(modules)
     buffers = [(b, b.detach().clone()) for m in found for b in m.buffers()]
     grads = [(p, p.grad) for m in found for p in m.parameters()]
+    for p, _ in grads:  # backward inside adds into an existing ``.grad`` in place: start from none
+        p.grad = None
     rng = torch.random.get_rng_state()
     try:
         yield

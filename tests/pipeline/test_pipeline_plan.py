@@ -141,6 +141,22 @@ def test_balanced_by_time_or_memory_cuts_every_child_once(example) -> None:
         assert p.balance == by
 
 
+def test_balancing_leaves_the_gradients_the_model_holds_as_they_were(example) -> None:
+    """Profiling the children ran their backward three times, adding into the ``.grad`` the model
+    held (in the middle of accumulation): the same tensors came back, summed into."""
+    model, x, y = example
+    nn.functional.mse_loss(model(x), y).backward()
+    before = [(p.grad, p.grad.clone()) for p in model.parameters() if p.grad is not None]
+    assert len(before) == len(list(model.parameters()))
+    try:
+        for by in ("time", "memory"):
+            _plan(example, "1GB", boundaries=None, balance_by=by)
+        for p, (grad, value) in zip(model.parameters(), before, strict=True):
+            assert p.grad is grad and torch.equal(grad, value)
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
 def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
     model, x, y = example
     with pytest.raises(RematTypeError, match=r"and target must be tensors \(got Tensor, list\)"):

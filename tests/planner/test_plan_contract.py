@@ -79,6 +79,26 @@ def test_planning_leaves_an_inputs_gradient_and_a_loss_heads_state_as_they_were(
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_planning_between_accumulated_steps_leaves_every_gradient_as_it_was() -> None:
+    """Gradients already there (accumulation over micro-batches) keep their values: backward adds
+    into an existing ``.grad`` in place, so giving back the same tensor gave back the sum."""
+    model = _mlp()
+    torch.manual_seed(1)
+    head = nn.Linear(64, 10)
+    x, y = torch.randn(256, 64, requires_grad=True), torch.randint(0, 10, (256,))
+
+    def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(m(x)), y)
+
+    loss(model, x, y).backward()
+    tensors = [x, *model.parameters(), *head.parameters()]
+    before = [(t.grad, t.grad.clone()) for t in tensors if t.grad is not None]
+    assert len(before) == len(tensors)
+    remat.plan(model, (x, y), 0.6, loss_fn=loss)
+    for t, (grad, value) in zip(tensors, before, strict=True):
+        assert t.grad is grad and torch.equal(grad, value)
+
+
 _HEAD = nn.BatchNorm1d(64)
 
 
