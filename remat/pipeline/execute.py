@@ -36,7 +36,7 @@ from remat._errors import RematValueError, message
 from remat.aten import describe, dtype_name
 from remat.pipeline.stage_plan import StagePlan
 
-__all__ = ["PlannedStage", "pipeline_stages", "torch_schedule", "torch_stage"]
+__all__ = ["PlannedStage", "pipeline_stages", "sendable", "torch_schedule", "torch_stage"]
 
 
 class PlannedStage(nn.Module):
@@ -69,12 +69,12 @@ class PlannedStage(nn.Module):
             )
         plan = self.stage_plan.plan
         if plan is None or not self.stage_plan.recomputes(microbatch, self.n_microbatches):
-            return _sendable(self.body(*args))
+            return sendable(self.body(*args))
         with plan.apply(self.body):
-            return _sendable(self.body(*args))
+            return sendable(self.body(*args))
 
 
-def _sendable(out: Any) -> Any:
+def sendable(out: Any) -> Any:
     """The stage's output as torch sends it: one contiguous tensor (a transpose or a slice is copied)."""
     return out.contiguous() if isinstance(out, torch.Tensor) else out
 

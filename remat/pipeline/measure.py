@@ -81,7 +81,8 @@ def measure(
     def step_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # NOTE [the output until its backward] torch's stage holds the output until the micro-batch's
         # backward has run: so does the traced step, whether autograd saved the output or not
-        outputs.append(out := m(x))
+        # what the stage sends, as torch holds it: one contiguous tensor (``execute.sendable``)
+        outputs.append(out := m(x).contiguous())
         return loss_fn(out, target) if last else out.sum()
 
     if op_costs == "measured":
@@ -102,7 +103,7 @@ def measure(
     plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
-    held_out = out.untyped_storage().nbytes()
+    held_out = out.untyped_storage().nbytes()  # a contiguous slice keeps its whole storage
     peak = plain.predicted_peak_bytes
     later = _later(module, x, stage, step_loss, trace)
     outputs.clear()
@@ -111,7 +112,7 @@ def measure(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         saved, peak, saved, peak,
         held_out, grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0),
-        shapes[0], shapes[1], later_peak, later_peak,
+        shapes[0], shapes[1], later_peak, later_peak, sizes[1],
     )  # fmt: skip
     return base, trace, out, later
 
@@ -168,7 +169,7 @@ def _held(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(inputs)
+        out = module(inputs).contiguous()  # as the stage sends it (``execute.sendable``)
         if last:
             loss_fn(out, target)
     seen.pop(out.untyped_storage().data_ptr(), None)

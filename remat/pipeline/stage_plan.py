@@ -22,7 +22,8 @@ class StagePlan:
     Costs of one micro-batch, measured on the example: ``forward_s``, ``backward_s`` and
     ``recompute_s`` (seconds), ``saved_bytes`` / ``peak_bytes`` under the plan and
     ``plain_saved_bytes`` / ``plain_peak_bytes`` without it; ``output_bytes`` of the stage's
-    output, ``grad_bytes`` of its parameters' gradients, ``transfer_bytes`` held by the
+    output (its storage, as the stage holds it), ``sent_bytes`` of it as sent and received (0:
+    ``output_bytes``), ``grad_bytes`` of its parameters' gradients, ``transfer_bytes`` held by the
     schedule's sends and receives (``remat.pipeline.timeline``); ``inputs`` and ``outputs``, the
     shape and dtype of what the stage receives and sends for one micro-batch (torch's stage then
     needs no forward to learn them)."""
@@ -48,6 +49,7 @@ class StagePlan:
     # ``remat.pipeline.measure``); 0: not measured, ``peak_bytes`` stands in
     later_peak_bytes: int = 0
     plain_later_peak_bytes: int = 0
+    sent_bytes: int = 0
 
     def recomputes(self, microbatch: int, n_microbatches: int) -> bool:
         """Whether ``microbatch`` runs under the plan."""
@@ -66,6 +68,7 @@ class StagePlan:
                 self.grad_bytes,
                 self.transfer_bytes,
                 self.later_peak_bytes or self.peak_bytes,
+                self.sent_bytes or self.output_bytes,
             )
         return Cost(
             self.forward_s,
@@ -77,4 +80,5 @@ class StagePlan:
             self.grad_bytes,
             self.transfer_bytes,
             self.plain_later_peak_bytes or self.plain_peak_bytes,
+            self.sent_bytes or self.output_bytes,
         )

@@ -75,10 +75,12 @@ _CROSSING = ("B", "I")
 class Cost:
     """What one stage costs on one micro-batch: ``forward_s``, ``backward_s`` (the recomputation
     included, ``recompute_s`` of it), ``saved_bytes`` held from its forward to its backward,
-    ``peak_bytes``, the one-micro-batch step peak, ``output_bytes`` of the stage's output,
-    ``grad_bytes`` of its parameters' gradients and ``transfer_bytes`` held by the schedule's
-    sends and receives; ``later_peak_bytes``, the step's peak beside gradients that exist already
-    (counted apart once the stage's first backward made them), not counting them."""
+    ``peak_bytes``, the one-micro-batch step peak, ``output_bytes`` of the stage's output as it
+    holds it (a contiguous slice keeps its whole storage), ``grad_bytes`` of its parameters'
+    gradients and ``transfer_bytes`` held by the schedule's sends and receives;
+    ``later_peak_bytes``, the step's peak beside gradients that exist already (counted apart once
+    the stage's first backward made them), not counting them; ``sent_bytes`` of the output as
+    sent, received and merged (its elements; None: ``output_bytes``)."""
 
     forward_s: float
     backward_s: float
@@ -89,6 +91,12 @@ class Cost:
     grad_bytes: int
     transfer_bytes: int
     later_peak_bytes: int | None = None  # None: ``peak_bytes``
+    sent_bytes: int | None = None
+
+    @property
+    def sent(self) -> int:
+        """Bytes of the output as sent, received and merged."""
+        return self.output_bytes if self.sent_bytes is None else self.sent_bytes
 
 
 @dataclass(frozen=True)
@@ -190,9 +198,9 @@ def _link(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Actio
     or the gradient of this stage's output (backward), none from its own rank."""
     stage, last = action.stage, schedule.n_stages - 1
     if action.kind == "F" and stage > 0:
-        source, sent = stage - 1, costs[stage - 1][action.microbatch].output_bytes
+        source, sent = stage - 1, costs[stage - 1][action.microbatch].sent
     elif action.kind in _CROSSING and stage < last:
-        source, sent = stage + 1, costs[stage][action.microbatch].output_bytes
+        source, sent = stage + 1, costs[stage][action.microbatch].sent
     else:
         return 0.0
     if schedule.rank_of(source) == schedule.rank_of(stage):
@@ -212,8 +220,8 @@ def _sent(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Actio
     live bytes). The works go before the step returns, so the last stage's concatenation of its
     outputs no longer sees them."""
     stage, m = action.stage, action.microbatch
-    out = costs[stage][m].output_bytes if stage < schedule.n_stages - 1 else 0
-    return out + (costs[stage - 1][m].output_bytes if stage > 0 else 0)
+    out = costs[stage][m].sent if stage < schedule.n_stages - 1 else 0
+    return out + (costs[stage - 1][m].sent if stage > 0 else 0)
 
 
 def _buffers(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> list[int]:
@@ -222,8 +230,8 @@ def _buffers(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> list[in
     out = [0] * schedule.n_ranks
     for s in range(schedule.n_stages):
         for m in range(schedule.n_microbatches):
-            inputs = costs[s - 1][m].output_bytes if s > 0 else 0
-            grads = costs[s][m].output_bytes if s < schedule.n_stages - 1 else 0
+            inputs = costs[s - 1][m].sent if s > 0 else 0
+            grads = costs[s][m].sent if s < schedule.n_stages - 1 else 0
             out[schedule.rank_of(s)] += inputs + grads
     return out
 
@@ -233,9 +241,9 @@ def _handed_over(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action
     output to the next stage (a forward) or of its input's gradient to the previous one."""
     stage, m, rank = action.stage, action.microbatch, schedule.rank_of(action.stage)
     if action.kind == "F" and stage < schedule.n_stages - 1 and schedule.rank_of(stage + 1) == rank:
-        return costs[stage][m].output_bytes
+        return costs[stage][m].sent
     if action.kind in _CROSSING and stage > 0 and schedule.rank_of(stage - 1) == rank:
-        return costs[stage - 1][m].output_bytes
+        return costs[stage - 1][m].sent
     return 0
 
 
@@ -321,7 +329,7 @@ def walk(
                 )
             )
     # the last stage concatenates its outputs at the end of the step
-    merged = sum(costs[last][m].output_bytes for m in range(schedule.n_microbatches))
+    merged = sum(costs[last][m].sent for m in range(schedule.n_microbatches))
     end_rank = schedule.rank_of(last)
     ending = kept[end_rank] - sends[end_rank] + merged
     memory[end_rank].append((max(free), ending + buffers[end_rank]))

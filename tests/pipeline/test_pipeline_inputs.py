@@ -17,7 +17,7 @@ from torch import nn
 import remat
 import remat.pipeline as pp
 from remat import RematValueError
-from remat.pipeline.execute import PlannedStage, _sendable
+from remat.pipeline.execute import PlannedStage, sendable
 from remat.pipeline.timeline import walk
 
 
@@ -80,8 +80,8 @@ def test_a_micro_batch_of_another_shape_is_refused_before_it_is_sent() -> None:
 
 def test_an_output_torch_cannot_send_as_it_is_is_made_contiguous() -> None:
     t = torch.randn(4, 6)
-    assert _sendable(t) is t
-    assert _sendable(t.t()).is_contiguous() and torch.equal(_sendable(t.t()), t.t())
+    assert sendable(t) is t
+    assert sendable(t.t()).is_contiguous() and torch.equal(sendable(t.t()), t.t())
 
 
 def test_a_refused_budget_names_each_ranks_peak_where_ranks_run_two_stages() -> None:
