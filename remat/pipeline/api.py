@@ -350,6 +350,17 @@ def plan(
             "pass remat.pipeline.calibrate()'s figures",
         )
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
+    if boundaries is not None and (
+        isinstance(boundaries, (str, bytes))
+        or not isinstance(boundaries, Sequence)
+        or not all(isinstance(b, int) and not isinstance(b, bool) for b in boundaries)
+    ):
+        raise _fail(
+            "boundaries are whole numbers: the first child of each stage after the first",
+            f"boundaries={boundaries!r}",
+            "pass a list such as boundaries=[2]",
+            RematTypeError,
+        )
     per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
     with one_thread():

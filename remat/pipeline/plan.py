@@ -150,6 +150,17 @@ class PipelinePlan:
         ``ScheduleZBVZeroBubble``."""
         from remat.pipeline.execute import torch_schedule
 
+        per_rank = self.order.n_stages // self.order.n_ranks
+        if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or len(stages) != per_rank:
+            got = f"{len(stages)} stages" if isinstance(stages, Sequence) else type(stages).__name__
+            raise RematValueError(
+                message(
+                    "pipeline.PipelinePlan.schedule",
+                    f"{self.order.name!r} takes this rank's {per_rank} stage(s)",
+                    got,
+                    "pass the list PipelinePlan.stages returned for this rank",
+                )
+            )
         return torch_schedule(self.order.name, stages, self.order.n_microbatches, loss_fn)
 
     # -- storing it ---------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 
 __all__ = ["SCHEDULES", "Action", "Schedule", "build"]
 
@@ -252,6 +252,15 @@ def build(
         raise RematValueError(
             message(api, "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
         )
+    for what, value in (
+        ("n_stages", n_ranks),
+        ("n_microbatches", n_microbatches),
+        ("stages_per_rank", stages_per_rank),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RematTypeError(
+                message(api, f"{what} is a whole number", f"{what}={value!r}", f"pass e.g. {what}=2")
+            )
     if n_ranks < 1 or n_microbatches < 1:
         raise RematValueError(
             message(
@@ -286,7 +295,7 @@ def build(
                 api,
                 "interleaved-1f1b needs the micro-batches in whole rounds: a multiple of "
                 "n_micro-batches // n_ranks",
-                f"{n_microbatches} micro-batches on {n_ranks} ranks, rounds of {rounds}",
+                f"{n_microbatches} micro-batches on {n_ranks} ranks: {rounds} rounds",
                 f"use a multiple of {n_ranks} micro-batches, or fewer than {n_ranks}",
             )
         )

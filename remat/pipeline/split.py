@@ -146,8 +146,17 @@ def chained(children: Sequence[nn.Module], example: torch.Tensor, model: nn.Modu
                 )
     if model is None:
         return
-    with torch.no_grad(), untouched(children):
-        whole = model(example)
+    try:
+        with torch.no_grad(), untouched(children):
+            whole = model(example)
+    except Exception as error:  # a container without a forward (nn.ModuleList), or one that fails
+        raise _refused(
+            "the model's forward runs its children in order, each once, as the stages will",
+            f"{type(model).__name__} failed on the example: {type(error).__name__}: {error}"[:300],
+            "pass a model whose forward is its children in order (nn.Sequential), or the stage modules "
+            "as a list",
+            RematTypeError,
+        ) from error
     same = isinstance(whole, torch.Tensor) and isinstance(x, torch.Tensor) and whole.shape == x.shape
     if not same or not torch.equal(whole, x):  # type: ignore[arg-type]
         raise _refused(

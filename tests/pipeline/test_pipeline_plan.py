@@ -105,6 +105,42 @@ def test_bad_arguments_fail_before_any_work(example) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        ({"n_stages": 2.0}, r"n_stages is a whole number \(n_stages=2\.0\)"),
+        ({"n_stages": True}, r"n_stages is a whole number \(n_stages=True\)"),
+        ({"n_microbatches": "4"}, r"n_microbatches is a whole number \(n_microbatches='4'\)"),
+        ({"boundaries": [1.5]}, r"boundaries are whole numbers: .* \(boundaries=\[1\.5\]\)"),
+        ({"boundaries": 2}, r"boundaries are whole numbers: .* \(boundaries=2\)"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_clear_errors(example, given: dict[str, Any], match: str) -> None:
+    model, x, y = example
+    options: dict[str, Any] = {"n_stages": 2, "n_microbatches": M, "boundaries": [2], **given}
+    with pytest.raises(RematTypeError, match=r"remat\.pipeline\.plan: " + match):
+        pp.plan(model, x, budget_per_rank="1GB", loss_fn=nn.functional.mse_loss, target=y, **options)
+
+
+def test_a_container_without_a_forward_is_refused_clearly(example) -> None:
+    model, x, y = example
+    with pytest.raises(RematTypeError, match=r"ModuleList failed on the example: NotImplementedError"):
+        pp.plan(
+            nn.ModuleList(list(model)),
+            x,
+            n_stages=2,
+            n_microbatches=M,
+            budget_per_rank="1GB",
+            loss_fn=nn.functional.mse_loss,
+            target=y,
+        )
+
+
+def test_a_schedule_given_another_count_of_stages_is_refused(plain) -> None:
+    with pytest.raises(RematValueError, match=r"'1f1b' takes this rank's 1 stage\(s\) \(0 stages\)"):
+        plain.schedule([], nn.functional.mse_loss)
+
+
 def test_save_load_round_trip_and_stages_need_the_model(plain, example, tmp_path: Path) -> None:
     model, _, _ = example
     plain.save(tmp_path / "p.json")
@@ -193,7 +229,7 @@ def test_interleaved_refusals_name_plan(example) -> None:
     with pytest.raises(
         RematValueError,
         match=r"remat\.pipeline\.plan: interleaved-1f1b needs the micro-batches in whole rounds.*"
-        r"\(5 micro-batches on 2 ranks, rounds of 2\); use a multiple of 2 micro-batches",
+        r"\(5 micro-batches on 2 ranks: 2 rounds\); use a multiple of 2 micro-batches",
     ):
         _plan(example, "1GB", schedule="interleaved-1f1b", stages_per_rank=2, n_microbatches=5)
     with pytest.raises(
