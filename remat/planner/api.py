@@ -99,6 +99,7 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.recorder``). The forward then runs
     once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
     NOTE [let go] in ``remat.trace.let_go``)."""
+    _check_step(loss_fn, repeats)
     given = (
         list(inputs.values())
         if isinstance(inputs, Mapping)
@@ -147,6 +148,23 @@ def block_key(model: nn.Module) -> Callable[[str], str]:
     return key
 
 
+def _check_step(loss_fn: object, repeats: object) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise fail(
+            "loss_fn must be callable",
+            f"got {type(loss_fn).__name__}",
+            "pass loss_fn(model, *inputs)",
+            RematTypeError,
+        )
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise fail(
+            "repeats (timed runs per op) must be a whole number of at least 1",
+            f"got {repeats!r}",
+            "pass e.g. repeats=3",
+            RematTypeError,
+        )
+
+
 def _check_flags(**flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -186,6 +204,13 @@ def plan_trace(
     [executor cost]); by default those measured on the trace's device once per process
     (``remat.planner.executor_cost``). Pass fixed figures for a pick that depends on the trace
     alone, ``ExecutorCost()`` to leave the executor out."""
+    if not isinstance(trace, Trace):
+        raise fail(
+            "plan_trace takes a captured step",
+            f"got {type(trace).__name__}",
+            "pass remat.planner.trace_step(model, inputs)'s trace, or call remat.plan(model, inputs, budget)",
+            RematTypeError,
+        )
     _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
     if block_key is not None and not callable(block_key):
         raise fail("block_key maps a module path to its block", repr(block_key), "pass a function, or None")
@@ -346,13 +371,7 @@ def plan(
             "pass the inputs of one step as a tuple",
             RematTypeError,
         )
-    if loss_fn is not None and not callable(loss_fn):
-        raise fail(
-            "loss_fn must be callable",
-            f"got {type(loss_fn).__name__}",
-            "pass loss_fn(model, *inputs)",
-            RematTypeError,
-        )
+    _check_step(loss_fn, repeats)
     parse_budget(budget, api="plan")
     get(solver)
     _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)

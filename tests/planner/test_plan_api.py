@@ -274,6 +274,12 @@ def test_fewer_ops_are_refused() -> None:
         ({"example_inputs": 3}, RematTypeError, r"remat.plan: example_inputs must be a tensor"),
         ({"loss_fn": "mse"}, RematTypeError, r"remat.plan: loss_fn must be callable"),
         (
+            {"repeats": "3"},
+            RematTypeError,
+            r"remat.plan: repeats \(timed runs per op\) must be a whole number",
+        ),
+        ({"repeats": 0}, RematTypeError, r"remat.plan: repeats .* \(got 0\)"),
+        (
             {"loss_fn": lambda m, x: m.blocks[0](x)},
             RematValueError,
             r"remat.plan: the step's loss must be a scalar tensor that requires grad "
@@ -286,6 +292,16 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], text: str
     args.update(kwargs)
     with pytest.raises(error, match=text):
         remat.plan(args.pop("model"), args.pop("example_inputs"), **args)
+
+
+def test_the_two_steps_refuse_what_they_cannot_take() -> None:
+    model = Branchy()
+    with pytest.raises(
+        RematTypeError, match=r"remat\.plan: plan_trace takes a captured step \(got Branchy\)"
+    ):
+        plan_trace(model, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(RematTypeError, match=r"remat\.plan: loss_fn must be callable \(got str\)"):
+        trace_step(model, (torch.randn(64, 16),), loss_fn="mse")  # type: ignore[arg-type]
 
 
 def test_load_refuses_other_files(tmp_path: Any) -> None:
@@ -421,12 +437,18 @@ def test_solver_options_files_and_keys_that_cannot_work_are_clear_errors(tmp_pat
             "chain",
             {"slots": 0},
             RematValueError,
-            r"option slots of solver 'chain' must be a int of at least 1",
+            r"option slots of solver 'chain' must be an int of at least 1",
         ),
         ("milp", {"time_limit": "x"}, RematValueError, r"option time_limit of solver 'milp' must be a float"),
         ("milp", {"time_limit": -1.0}, RematValueError, r"option time_limit"),
         ("milp", {"max_nodes": 2.5}, RematValueError, r"option max_nodes"),
-        ("sqrt", {"segments": 2.5}, RematValueError, r"segments must be a whole number|no plan"),
+        ("sqrt", {"segments": 2.5}, RematValueError, r"option segments of solver 'sqrt' must be an int"),
+        (
+            "sqrt",
+            {"segments": 0},
+            RematValueError,
+            r"option segments of solver 'sqrt' must be an int .* \(0\)",
+        ),
     ]:
         with pytest.raises(error, match=rule):
             plan_trace(trace, 1.0, solver=solver, **options)

@@ -67,8 +67,8 @@ class Solver:
 
 def check_options(solver: str, function: Callable[..., Any], options: dict[str, object]) -> None:
     """Refuse an option ``function`` (a solver's) does not take, or a value unlike its default's:
-    an int option takes a whole number of at least 1, a float one a number of at least 0 (inf: no
-    limit), a bool one a bool."""
+    an int option (or an optional one, ``int | None``) takes a whole number of at least 1, a float
+    one a number of at least 0 (inf: no limit), a bool one a bool."""
     params = inspect.signature(function).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
@@ -85,6 +85,8 @@ def check_options(solver: str, function: Callable[..., Any], options: dict[str, 
         )
     for name, value in options.items():
         default = params[name].default
+        if default is None and value is not None and str(params[name].annotation).startswith("int"):
+            default = 1  # an optional whole number (sqrt's ``segments``): None, or as an int option
         if isinstance(default, bool):
             bad = not isinstance(value, bool)
         elif isinstance(default, int):
@@ -96,7 +98,7 @@ def check_options(solver: str, function: Callable[..., Any], options: dict[str, 
             continue
         if bad:
             least = "of at least 0" if isinstance(default, float) else "of at least 1"
-            kind = "True or False" if isinstance(default, bool) else f"a {type(default).__name__} {least}"
+            kind = "True or False" if isinstance(default, bool) else f"{_a(type(default).__name__)} {least}"
             raise RematValueError(
                 message(
                     "plan",
@@ -105,6 +107,10 @@ def check_options(solver: str, function: Callable[..., Any], options: dict[str, 
                     f"e.g. {default!r}",
                 )
             )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 _SOLVERS: dict[str, Solver] = {}
