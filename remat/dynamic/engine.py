@@ -212,7 +212,7 @@ class Engine:
             if handle is None:
                 handle = self.constant(t)
             handles.append(handle)
-            slots.append(Slot(i, storage_of(handle), *geometry(t)))
+            slots.append(Slot(i, storage_of(handle), *geometry(t), t.is_conj() + 2 * t.is_neg()))
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs) if schema.writes else []

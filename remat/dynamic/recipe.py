@@ -112,7 +112,9 @@ _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.layout
 
 
 class Slot(NamedTuple):
-    """A tensor argument: flat position, the core storage (version) it read, and its geometry."""
+    """A tensor argument: flat position, the core storage (version) it read, its geometry, and its
+    lazy bits (1: conjugate, 2: negative; a ``conj()`` view reaches an op as its storage's values
+    with the bit set, which the tensor made again for the op must carry too)."""
 
     position: int
     storage: int
@@ -120,6 +122,7 @@ class Slot(NamedTuple):
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    bits: int = 0
 
 
 class Recipe(NamedTuple):
@@ -168,8 +171,11 @@ class Recipe(NamedTuple):
         with the out= arguments ``outs`` when given); returns its results and the seconds the op
         itself took."""
         args, kwargs = self.arguments(
-            lambda s: torch.empty(0, dtype=s.dtype, device=device).set_(
-                source(s.storage), s.offset, s.shape, s.stride
+            lambda s: _lazy(
+                torch.empty(0, dtype=s.dtype, device=device).set_(
+                    source(s.storage), s.offset, s.shape, s.stride
+                ),
+                s.bits,
             )
         )
         hidden = aten.facts(self.func).hidden_writes
@@ -183,3 +189,12 @@ class Recipe(NamedTuple):
             start = time.perf_counter()
             out = func(*args, **kwargs, **(outs or {}))
             return out, time.perf_counter() - start
+
+
+def _lazy(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``t`` with the lazy conjugate and negative bits of ``bits`` (``Slot.bits``) set."""
+    if bits & 1:
+        torch._C._set_conj(t, True)
+    if bits & 2:
+        torch._C._set_neg(t, True)
+    return t

@@ -175,3 +175,27 @@ def test_a_sparse_result_passes_through_the_region() -> None:
         out = torch.sparse.mm((x * (x > 1)).to_sparse(), w).tanh()
         (got,) = torch.autograd.grad(out.sum(), w)
     assert torch.equal(out, expected_out) and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("lazy", ["conj", "neg"])
+def test_a_lazy_conjugate_or_negative_view_is_recomputed_with_its_bit(lazy: str) -> None:
+    """``b.conj()`` reaches an op as ``b``'s values with the conjugate bit (``b.conj().imag`` with
+    the negative bit); the op run again over the storage alone computed with ``b`` itself: a
+    conjugated result, the wrong sign."""
+    n = 64
+
+    def body() -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        a = torch.randn(n, n, dtype=torch.cfloat)
+        b = a * 2
+        d = (b.conj() if lazy == "conj" else b.conj().imag) * 3
+        fill = [torch.randn(n, n, dtype=torch.cfloat) for _ in range(6)]  # evicts d
+        s = sum(f.sum() for f in fill)
+        return (d.sum() + (s if lazy == "conj" else s.real) * 0).clone(), d
+
+    expected, made = body()
+    region = remat.dynamic(6 * n * n * 8, "dtr", cost="model")
+    with region:
+        got, again = body()
+    assert region.stats.recomputations > 0
+    assert torch.equal(again, made) and torch.equal(got, expected)
