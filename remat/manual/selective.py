@@ -249,10 +249,16 @@ class Replaying(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if _unpositioned(func, self.cache.autocast):
             return func(*args, **(kwargs or {}))
-        name = aten.facts(func).name
+        facts = aten.facts(func)
+        name = facts.name
         n = self.counts[name] = self.counts.get(name, -1) + 1
         position = self.cache.calls.get((name, n))
         entry = None if position is None else self.cache.current(position)
         if entry is None:
             return func(*args, **(kwargs or {}))
+        if facts.random or facts.hidden_writes:
+            # NOTE [kept, run all the same] a kept random op still draws, so that the random ops
+            # after it draw what they drew in forward; a kept batch norm still updates the
+            # (shielded) statistics, so that what autograd saved of them is what the forward saved
+            func(*args, **(kwargs or {}))
         return _detached(entry[1])

@@ -418,3 +418,59 @@ def test_an_inference_tensor_the_region_reads_without_saving_it(form: str) -> No
             out = fn(x, p) if form == "scope" else (lambda q: fn(x, q))(p)
     got = torch.autograd.grad(out.sum(), p)
     assert torch.equal(got[0], expected[0])
+
+
+class _HandDropout(nn.Module):
+    """A hand-written dropout (``rand_like``, as drop path draws with ``rand``) and ``nn.Dropout``
+    after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.drop = nn.Linear(64, 64), nn.Linear(64, 64), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(x))
+        h = h * (torch.rand_like(h) > 0.1) / 0.9
+        return x + self.drop(self.l2(h))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [remat.OffloadLarger("1KiB"), remat.SaveOps(frozenset({"aten.rand_like"}))],
+    ids=["offload", "save"],
+)
+def test_a_kept_random_op_still_draws_in_the_recomputation(policy: remat.Policy) -> None:
+    """NOTE [kept, run all the same]: the kept ``rand_like`` was handed back without running, the
+    generator stayed behind, and the dropout after it drew another mask: gradients off by up to
+    21.7, with no error (``torch.utils.checkpoint`` with the same policy gives the same numbers)."""
+    torch.manual_seed(0)
+    block, x0 = _HandDropout(), torch.randn(32, 64)
+
+    def run(policy: remat.Policy | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        m = copy.deepcopy(block)
+        x = x0.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        y = m(x) if policy is None else remat.checkpoint(m, x, policy=policy)
+        y.pow(2).sum().backward()
+        return [p.grad for p in m.parameters()] + [x.grad], torch.rand(3)  # type: ignore[list-item]
+
+    (expected, after), (got, again) = run(None), run(policy)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert torch.equal(again, after)
+
+
+def test_a_kept_batch_norm_passes_the_values_check() -> None:
+    """NOTE [kept, run all the same]: a kept batch norm skipped in the recomputation left the shielded
+    running statistics (which autograd saves) at their values before the forward's update, and
+    ``check="values"`` reported a divergence the step does not have."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    plain = copy.deepcopy(net)
+    x = torch.randn(2, 3, 8, 8)
+    plain(x).sum().backward()
+    policy = remat.SaveOps(frozenset({"aten.native_batch_norm", "aten._native_batch_norm_legit"}))
+    remat.checkpoint(net, x, policy=policy, check="values").sum().backward()
+    for a, b in zip(net.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    for a, b in zip(net.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)
