@@ -41,9 +41,10 @@ from remat._errors import RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
 from remat.aten import describe, same_counter, version_witness
 from remat.host.link import Link
+from remat.host.parcel import Cargo, Parcel, rebuilt, unmovable
 from remat.host.pool import HostPool
 
-__all__ = ["Cargo", "OffloadStats", "Offloader", "Parcel", "unmovable"]
+__all__ = ["OffloadStats", "Offloader"]
 
 
 @dataclass(frozen=True)
@@ -66,114 +67,6 @@ class OffloadStats:
             f"({self.h2d_seconds * 1e3:.3f} ms), {self.prefetched} prefetched, host peak "
             f"{format_bytes(self.host_peak_bytes)}"
         )
-
-
-def unmovable(t: torch.Tensor) -> str | None:
-    """Why ``t`` cannot be offloaded, or None if it can: only dense strided tensors of plain type
-    on a CPU or CUDA device, without a lazy conjugate or negative bit, have bytes to move."""
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        return f"a tensor subclass ({type(t).__name__})"
-    if t.layout is not torch.strided:
-        return f"a {t.layout} tensor"
-    if t.device.type not in ("cpu", "cuda"):
-        return f"a tensor on {t.device}"
-    if t.is_conj() or t.is_neg():
-        return "a tensor with a lazy conjugate or negative bit"
-    if t.is_quantized or t.is_nested:
-        return "a quantized or nested tensor"
-    return None
-
-
-class Cargo:
-    """The bytes of one storage in host memory, shared by the parcels of every view of it."""
-
-    __slots__ = (
-        "__weakref__",
-        "buffer",
-        "device",
-        "follows",
-        "held",
-        "index",
-        "left",
-        "read",
-        "ready",
-        "served",
-        "storage",
-        "uses",
-    )
-
-    def __init__(
-        self, index: int, buffer: torch.Tensor, storage: torch.UntypedStorage, follows: bool
-    ) -> None:
-        self.index = index
-        self.buffer = buffer
-        self.device = storage.device
-        # NOTE [read where it lives]: the device storage moved out, while something else holds it,
-        # and whether every parcel of the cargo reads it from there
-        self.storage = weakref.ref(storage)
-        self.follows = follows
-        self.ready: torch.cuda.Event | None = None  # on CUDA: the copy out has finished
-        self.read: list[torch.cuda.Event | None] = [None]  # on CUDA: the last copy has finished
-        # NOTE [moved once, read twice]: autograd often saves one tensor for two nodes (a linear's
-        # input is the activation's output), or views of one storage (attention's query, key and
-        # value). ``out`` then reuses the cargo and counts a use; the first ``back`` of a backward
-        # keeps its copy for the other uses, so the bytes cross the link once each way, and the
-        # device holds them as long as without offload.
-        self.uses = 1
-        self.held: torch.Tensor | None = None
-        self.left = 0
-        self.served = -2  # the autograd graph task of the last ``back`` (-1: outside backward)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
-    def on_device(self) -> torch.UntypedStorage | None:
-        """The device storage moved out, where every parcel reads it from there and the program
-        still holds it whole; else None."""
-        if not self.follows:
-            return None
-        storage = self.storage()
-        return storage if storage is not None and storage.nbytes() == self.nbytes else None
-
-
-class Parcel:
-    """A tensor moved to host memory: its storage's bytes there (``cargo``) and how to rebuild it;
-    ``follows``: read from the device storage while it lives (NOTE [read where it lives])."""
-
-    __slots__ = ("cargo", "dtype", "follows", "offset", "size", "source", "stride", "version", "witness")
-
-    def __init__(
-        self, t: torch.Tensor, cargo: Cargo, witness: torch.Tensor | None = None, follows: bool = False
-    ) -> None:
-        self.cargo = cargo
-        self.follows = follows
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.source = weakref.ref(t)
-        self.version = t._version
-        # a witness of its version counter, which tells of a write also once the tensor is gone:
-        # made where autograd runs (a pack hook) it shares the counter; inside a dispatch mode
-        # ``detach`` makes a counter of its own that never moves, and only ``source`` tells
-        self.witness = version_witness(t) if witness is None else witness
-
-    @property
-    def nbytes(self) -> int:
-        return self.cargo.nbytes
-
-    def written(self) -> bool:
-        """Whether the tensor moved out was written in place since: while it is alive, or through
-        its witness once it is gone."""
-        source = self.source()
-        if source is not None and source._version != self.version:
-            return True
-        return self.witness._version != self.version
-
-    def __repr__(self) -> str:
-        where = self.cargo.device
-        return f"Parcel({describe(self.dtype, self.size)} on {where}, {format_bytes(self.nbytes)})"
 
 
 _Moved = tuple[weakref.ref[Any], weakref.ref[Cargo], int, torch.Tensor, weakref.ref[torch.Tensor]]
@@ -334,7 +227,7 @@ class Offloader:
             with self._lock:
                 cargo.served = torch._C._current_graph_task_id()
             self._prefetch_before(cargo.index)
-            return _rebuilt(live, parcel)
+            return rebuilt(live, parcel)
         with self._lock:
             cargo.served = torch._C._current_graph_task_id()
             data = cargo.held
@@ -342,7 +235,7 @@ class Offloader:
                 cargo.left -= 1
                 if cargo.left <= 0:
                     cargo.held = None
-                return _rebuilt(data.untyped_storage(), parcel)
+                return rebuilt(data.untyped_storage(), parcel)
             ahead = self._ahead.pop(cargo.index, None)
         data, done = ahead if ahead is not None else self._copy_back(cargo, prefetch=False)
         if done is not None:
@@ -352,7 +245,7 @@ class Offloader:
         if cargo.uses > 1:
             cargo.held, cargo.left = data, cargo.uses - 1
         self._prefetch_before(cargo.index)
-        return _rebuilt(data.untyped_storage(), parcel)
+        return rebuilt(data.untyped_storage(), parcel)
 
     def _copy_back(self, cargo: Cargo, prefetch: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         nbytes = cargo.nbytes
@@ -429,9 +322,3 @@ class Offloader:
             if known is not None and known[1]() is None:
                 del self._same[key]
         self.pool.give(buffer, pinned, read[0])
-
-
-def _rebuilt(storage: torch.UntypedStorage, parcel: Parcel) -> torch.Tensor:
-    return torch.empty((0,), dtype=parcel.dtype, device=storage.device).set_(
-        storage, parcel.offset, parcel.size, parcel.stride
-    )

@@ -35,7 +35,8 @@ from remat import aten
 from remat._errors import RecomputationError, message
 from remat.aten import describe, version_witness
 from remat.host.link import Link
-from remat.host.offloader import Offloader, Parcel, unmovable
+from remat.host.offloader import Offloader
+from remat.host.parcel import Parcel, unmovable
 from remat.policy import Decision, OpContext, Policy, checked, decided
 
 __all__ = ["offload"]

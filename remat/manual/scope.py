@@ -40,7 +40,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from remat import aten
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.aten import describe
-from remat.host.offloader import Offloader, Parcel
+from remat.host.offloader import Offloader
+from remat.host.parcel import Parcel
 from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor, eager_steps, replay

@@ -47,7 +47,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat import aten
-from remat.host.offloader import Offloader, Parcel
+from remat.host.offloader import Offloader
+from remat.host.parcel import Parcel
 from remat.policy import Decision, OpContext, Policy, decided
 
 _CAST = torch.ops.aten._to_copy.default

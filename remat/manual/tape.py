@@ -42,7 +42,8 @@ from remat import aten
 from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, message
 from remat.aten import OpFacts, RngState, describe
-from remat.host.offloader import Offloader, Parcel
+from remat.host.offloader import Offloader
+from remat.host.parcel import Parcel
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, decided
 
 EXTERNAL = -1

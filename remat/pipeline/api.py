@@ -350,11 +350,8 @@ def plan(
             "pass remat.pipeline.calibrate()'s figures",
         )
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
-    if boundaries is not None and (
-        isinstance(boundaries, (str, bytes))
-        or not isinstance(boundaries, Sequence)
-        or not all(isinstance(b, int) and not isinstance(b, bool) for b in boundaries)
-    ):
+    listed = boundaries if isinstance(boundaries, (list, tuple)) else [None]
+    if boundaries is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in listed):
         raise _fail(
             "boundaries are whole numbers: the first child of each stage after the first",
             f"boundaries={boundaries!r}",

@@ -29,7 +29,8 @@ import torch
 
 from remat import aten
 from remat.host.link import Link
-from remat.host.offloader import Offloader, unmovable
+from remat.host.offloader import Offloader
+from remat.host.parcel import unmovable
 from remat.host.region import Makers, OffloadRegion
 from remat.manual.fused import ReplayMode
 from remat.planner.execute import _Runner, apply
