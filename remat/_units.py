@@ -43,7 +43,7 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
             raise RematValueError(
                 message(api, "a byte count must be positive", f"got {value}", "pass a size above 0 bytes")
             )
-        return value
+        return _within(value, value, api)
     if not isinstance(value, str):
         raise RematTypeError(
             message(
@@ -83,6 +83,22 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
     if size <= 0:
         raise RematValueError(
             message(api, "a byte count must be positive", f"got {value!r}", "pass a size of at least 1 byte")
+        )
+    return _within(size, value, api)
+
+
+_MOST = 1 << 62  # 4 EiB: past every memory, and within the machine's 64-bit sizes
+
+
+def _within(size: int, value: object, api: str) -> int:
+    if size > _MOST:
+        raise RematValueError(
+            message(
+                api,
+                "a byte count is at most 4 EiB (no memory holds more)",
+                f"got {value!r}",
+                "pass the memory you have, or no budget (None) where the call takes one",
+            )
         )
     return size
 

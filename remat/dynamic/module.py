@@ -55,7 +55,8 @@ class DynamicModule(nn.Module):
         """End the open region, if any: what the program holds is restored and handed back."""
         if self._open:
             self._open = False
-            self._region.__exit__(None, None, None)
+            if self._region._engine is not None:  # not closed by a region opened after its failure
+                self._region.__exit__(None, None, None)
 
     @property
     def stats(self) -> DynamicStats:

@@ -17,9 +17,8 @@ set aside at construction: the pool gets the rest. It covers kernels' scratch wh
 placed, and on the arena all scratch and copies (NOTE [beside the arena] in ``arena``).
 
 A region that fails (out of room, thrashing, or an error in the program) undoes the step
-(:mod:`remat.dynamic.undo`) and says so in the error.
-
-The object is reusable: enter it once per step; ``stats`` describes the last completed block.
+(:mod:`remat.dynamic.undo`) and says so in the error. The object is reusable: enter it once per
+step; ``stats`` describes the last completed block.
 """
 
 from __future__ import annotations
@@ -142,6 +141,8 @@ class Dynamic:
         return self._stats
 
     def __enter__(self) -> Dynamic:
+        if _open and _open[-1].failed:  # a region left open after its failure (a DynamicModule
+            _open[-1].__exit__(None, None, None)  # given up on): its step is undone already
         if _open:
             raise RematValueError(
                 message(API, "dynamic regions do not nest", "a region is already open", "close it first")
@@ -162,25 +163,25 @@ class Dynamic:
                 if t.device == self.device and t.untyped_storage()._cdata not in engine.handles:
                     kept += t.untyped_storage().nbytes()
                     engine.constant(t)
+            self._entered = len(engine.tensors)  # NOTE [arriving constants] in ``keep``: later arrive
+            self._snapshot = take(listed)
+            if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
+                for state in self._snapshot.rng.tensors():
+                    engine.constant(state, outside=False)
+            for _, content in self._snapshot.buffers:  # and so are the buffers' copies
+                if content.device == self.device:
+                    engine.constant(content, outside=False)
         except OutOfMemory:
             engine.close()
             raise RematValueError(
                 message(
                     API,
-                    "the budget cannot even hold the tensors given in keep",
+                    "the budget cannot even hold the tensors given in keep and the step's snapshot",
                     f"budget {format_bytes(self.budget)} less the reserve {format_bytes(self.reserve)}, "
-                    f"keep holds {format_bytes(kept)} so far",
+                    f"keep holds {format_bytes(kept)}, the snapshot copies generators and buffers",
                     "raise the budget",
                 )
             ) from None
-        self._entered = len(engine.tensors)  # NOTE [arriving constants] in ``keep``: later handles arrive
-        self._snapshot = take(listed)
-        if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
-            for state in self._snapshot.rng.tensors():
-                engine.constant(state, outside=False)
-        for _, content in self._snapshot.buffers:  # and so are the buffers' copies
-            if content.device == self.device:
-                engine.constant(content, outside=False)
         backend.open()
         engine.hooks += watch(listed, engine.wanted, engine.watched)  # those not read yet too
         self._engine = engine
@@ -228,6 +229,10 @@ class Dynamic:
                 gc.enable()
 
     @property
+    def failed(self) -> bool:  # open after its failure, running the rest of the step as is
+        return self._engine is not None and self._engine.failed
+
+    @property
     def capacity(self) -> int:
         """The budget less the reserve and ``arriving``, rounded down (NOTE [alignment] in ``homes``)."""
         free = self.budget - self.reserve - self.arriving
@@ -245,6 +250,8 @@ class Dynamic:
         every later op of the region run as plain PyTorch."""
         self._undo(engine, error)
         engine.failed = True
+        if self._collecting:  # nothing of the engine's runs any more (NOTE [releases] in ``engine``)
+            gc.enable()
         return error
 
     def _undo(self, engine: Engine, error: BaseException) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 
 import pytest
@@ -68,6 +69,16 @@ def test_keep_larger_than_the_budget_fails_before_any_op() -> None:
     assert calls == []
 
 
+def test_a_budget_too_small_for_the_steps_snapshot_is_a_clear_error() -> None:
+    """Nothing given in keep, and a budget below the generator state the snapshot copies: the
+    core's own OutOfMemory reached the program."""
+    with (
+        pytest.raises(RematValueError, match=r"cannot even hold the tensors given in keep and the step's"),
+        remat.dynamic("4KiB"),
+    ):
+        torch.ones(3).sum()
+
+
 def test_thrashing_stops_with_an_error() -> None:
     x = torch.randn(32, 32, requires_grad=True)
 
@@ -100,6 +111,8 @@ def test_thrashing_stops_with_an_error() -> None:
         ),
         ({"budget": -5}, RematValueError, r"remat\.dynamic: a byte count must be positive"),
         ({"budget": "lots"}, RematValueError, r"remat\.dynamic: cannot parse this byte size"),
+        ({"budget": 10**30}, RematValueError, r"remat\.dynamic: a byte count is at most 4 EiB"),
+        ({"budget": "1e30"}, RematValueError, r"a byte count is at most 4 EiB .*\(got '1e30'\)"),
         ({"policy": "nope"}, RematValueError, r"remat\.dynamic: unknown eviction policy \(got 'nope'\)"),
         ({"policy": 3}, RematTypeError, r"remat\.dynamic: policy must be a registered name"),
         ({"backend": "gpu"}, RematValueError, r"remat\.dynamic: unknown memory backend \(got 'gpu'\)"),
@@ -265,6 +278,29 @@ def test_a_module_whose_backward_fails_is_undone_at_once_and_closes_cleanly() ->
     roomy = DynamicModule(model, None, "dtr")
     roomy(x).sum().backward()
     roomy.close()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_module_given_up_on_after_its_backward_failed_leaves_the_process_usable() -> None:
+    """The program catches the failure, drops the wrapper and retries with more budget: the failed
+    region, left open, refused every region after it ('do not nest') and kept the garbage
+    collector off. Now the collector runs again at the failure, a new region closes the failed one,
+    and the old wrapper's ``close`` is harmless."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+    x = torch.randn(2, 512)
+    collecting = gc.isenabled()
+    given_up = DynamicModule(model, 2_500_000, "dtr", reserve=0)
+    loss = given_up(x).sum()
+    with pytest.raises(RematValueError, match=r"the step was undone"):
+        loss.backward()
+    assert gc.isenabled() == collecting
+    retry = DynamicModule(model, None, "dtr")
+    retry(x).sum().backward()
+    retry.close()
+    given_up.close()
+    with remat.dynamic(None):
+        (x * 2).sum()
     assert all(p.grad is not None for p in model.parameters())
 
 
