@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -181,9 +182,21 @@ def test_a_buffer_a_region_writes_in_place_is_predicted_as_the_tape_holds_it() -
     def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x).sin().sum()
 
-    loss(plain, x).backward()
     plan = remat.plan(model, (x,), 0.75, loss_fn=loss, repeats=1, executor_cost=NO_EXECUTOR_COST)
+    _runs_as_planned(plan, model, plain, loss, x)
+
+
+def _runs_as_planned(
+    plan: Plan,
+    model: nn.Module,
+    plain: nn.Module,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+) -> None:
+    """The plan (with regions) applied to ``model`` measures within its prediction and its budget
+    on the allocator, and gives ``plain``'s gradients and buffers."""
     assert plan.regions
+    loss(plain, x).backward()
     with remat.memory.track(allocator=True) as tracked:
         with plan.apply(model):
             out = loss(model, x)
@@ -217,18 +230,10 @@ def test_a_region_whose_first_op_runs_with_grad_off_still_recomputes(solver: str
     model = nn.Sequential(*[_MaskedBlock(32) for _ in range(4)])
     plain = copy.deepcopy(model)
     x = torch.randn(256, 32)
-    _loss(plain, x).backward()
     plan = remat.plan(
         model, (x,), 0.5, loss_fn=_loss, solver=solver, repeats=1, executor_cost=NO_EXECUTOR_COST
     )
-    assert plan.regions
-    with remat.memory.track(allocator=True) as tracked:
-        with plan.apply(model):
-            out = _loss(model, x)
-        out.backward()
-    assert tracked.peak_bytes <= plan.predicted_peak_bytes <= plan.budget_bytes
-    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
+    _runs_as_planned(plan, model, plain, _loss, x)
 
 
 @pytest.mark.parametrize("save", ['"12"', "[1000000]", "[1.5]"])
