@@ -29,9 +29,10 @@ class Leaves:
                 continue
             seen.add(node)
             leaf = getattr(node, "variable", None)
-            if isinstance(leaf, torch.Tensor) and id(leaf) not in self.grads:
-                # backward adds into an existing ``.grad`` in place: the one given back must not be it
-                self.grads[id(leaf)] = (leaf, leaf.grad)
+            if isinstance(leaf, torch.Tensor):
+                # backward adds into an existing ``.grad`` in place: the one given back must not be
+                # it, in this block or in another noted by the same ``Leaves`` after it
+                self.grads.setdefault(id(leaf), (leaf, leaf.grad))
                 leaf.grad = None
             stack.extend(n for n, _ in node.next_functions)
         return loss

@@ -38,6 +38,7 @@ class DynamicModule(nn.Module):
         super().__init__()
         self.module = module
         self._region: Dynamic = dynamic(budget, policy, keep=(module, optimizer), **options)
+        self._region.left_open = True
         self._open = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

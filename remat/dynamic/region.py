@@ -82,11 +82,8 @@ class Dynamic:
         if peak is not None and self.ratio is not None:
             amount = max(1, int(self.ratio * parse_bytes(peak, API)))
         elif peak is not None:
-            raise RematValueError(
-                message(
-                    API, "peak is for a ratio budget", f"got budget={budget!r}, peak={peak!r}", "drop peak"
-                )
-            )
+            given = f"got budget={budget!r}, peak={peak!r}"
+            raise RematValueError(message(API, "peak is for a ratio budget", given, "drop peak"))
         self.budget = amount if isinstance(amount, int) else _UNLIMITED
         self.reserve = 0 if self.budget == _UNLIMITED else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
@@ -131,6 +128,7 @@ class Dynamic:
         self._collecting = True
         self._snapshot: Snapshot | None = None
         self.arriving = 0  # NOTE [arriving constants] in ``keep``: of the last completed block
+        self.left_open = False  # a DynamicModule's: open past the call, until a region after it
 
     @property
     def stats(self) -> DynamicStats:
@@ -141,8 +139,8 @@ class Dynamic:
         return self._stats
 
     def __enter__(self) -> Dynamic:
-        if _open and _open[-1].failed:  # a region left open after its failure (a DynamicModule
-            _open[-1].__exit__(None, None, None)  # given up on): its step is undone already
+        if _open and _open[-1].failed and _open[-1].left_open:  # a DynamicModule's, given up on
+            _open[-1].__exit__(None, None, None)  # after its failure: its step is undone already
         if _open:
             raise RematValueError(
                 message(API, "dynamic regions do not nest", "a region is already open", "close it first")

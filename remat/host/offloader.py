@@ -4,7 +4,7 @@ Every form of offload in remat (the ``remat.offload`` region, OFFLOAD decisions 
 ``remat.checkpoint`` and ``remat.scope``, a plan's offloaded tensors) ends here, in two calls::
 
     parcel = offloader.out(t)      # forward: t's storage -> host buffer; t's device memory can go
-    t2 = offloader.back(parcel)    # backward: host buffer -> a new device tensor, equal to t bit for bit
+    t2 = offloader.back(parcel)    # backward: host buffer -> a device tensor, equal to t bit for bit
 
 ``out`` moves the whole storage of ``t`` (so any strided view comes back with its strides, offset
 and dtype) into a ``Cargo``, which every parcel of a view of that storage shares while the storage
@@ -22,7 +22,8 @@ early). On CPU the copies are plain ``copy_`` calls; no time passes on a link, s
 
 Prefetch. Backward needs offloaded tensors in the reverse of the order they were moved out, so after
 each ``back`` the offloader starts bringing back the next ``prefetch`` cargos in that order (older
-than the one just asked for, and not yet brought back in this backward). On CUDA the copies overlap
+than the one just asked for, not yet brought back in this backward, and whose storage the program
+no longer holds: NOTE [read where it lives] in ``back``). On CUDA the copies overlap
 with backward's compute; on CPU they are made at once, so the device holds them from then on, as it
 would on CUDA.
 """

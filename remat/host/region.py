@@ -121,6 +121,13 @@ class Later:
         self.parcel: Parcel | None = None
 
 
+class Around(NamedTuple):
+    """A saved tensor an inner block handed to the block around it (NOTE [nested blocks])."""
+
+    region: OffloadRegion
+    packed: Kept | Later | Around
+
+
 class OffloadRegion:
     """The pack and unpack hooks of one ``with remat.offload()`` block.
 
@@ -140,12 +147,12 @@ class OffloadRegion:
         self.later: list[Later] = []
         self.outer = enclosing()  # NOTE [nested blocks]
 
-    def pack(self, t: torch.Tensor) -> Kept | Later:
+    def pack(self, t: torch.Tensor) -> Kept | Later | Around:
         if self.later:  # what was saved before the newest node was made: its op is over
             self.flush(_next_node())
         decision = self.makers.decision(t)
         if decision is None and self.outer is not None:
-            return self.outer.pack(t)
+            return Around(self.outer, self.outer.pack(t))
         if decision is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
             return Kept(t, t._version)
         self.offloader.check(t)
@@ -163,15 +170,15 @@ class OffloadRegion:
             later.parcel.version = later.version
             later.tensor = None
 
-    def unpack(self, packed: Kept | Later) -> torch.Tensor:
+    def unpack(self, packed: Kept | Later | Around) -> torch.Tensor:
+        if isinstance(packed, Around):  # back through the block, and offloader, that packed it
+            return packed.region.unpack(packed.packed)
         if isinstance(packed, Kept):
             if packed.tensor._version != packed.version:
                 raise _written(describe(packed.tensor.dtype, packed.tensor.shape))
             return packed.tensor
-        region: OffloadRegion | None = self
-        while packed.parcel is None and region is not None:  # waiting here or in a block around
-            region.flush()
-            region = region.outer
+        if packed.parcel is None:
+            self.flush()
         assert packed.parcel is not None
         return self._back(packed.parcel)
 

@@ -257,9 +257,9 @@ class Replaying(TorchDispatchMode):
         entry = None if position is None else self.cache.current(position)
         if entry is None:
             return func(*args, **(kwargs or {}))
-        if facts.random or facts.hidden_writes:
+        if facts.random:
             # NOTE [kept, run all the same] a kept random op still draws, so that the random ops
-            # after it draw what they drew in forward; a kept batch norm still updates the
-            # (shielded) statistics, so that what autograd saved of them is what the forward saved
+            # after it draw what they drew in forward (a kept batch norm does not run: its
+            # statistics may be the program's own where the buffer shield does not reach them)
             func(*args, **(kwargs or {}))
         return _detached(entry[1])

@@ -37,7 +37,7 @@ from remat._units import format_bytes, parse_bytes
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.split import BALANCES, balance, chained, children_of, profile, untied
+from remat.pipeline.split import BALANCES, balance, chained, children_of, cut_points, profile, untied
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, walk
 from remat.planner.api import block_key, plan_at
@@ -350,14 +350,7 @@ def plan(
             "pass remat.pipeline.calibrate()'s figures",
         )
     budget = parse_bytes(budget_per_rank, "pipeline.plan")
-    listed = boundaries if isinstance(boundaries, (list, tuple)) else [None]
-    if boundaries is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in listed):
-        raise _fail(
-            "boundaries are whole numbers: the first child of each stage after the first",
-            f"boundaries={boundaries!r}",
-            "pass a list such as boundaries=[2]",
-            RematTypeError,
-        )
+    boundaries = cut_points(boundaries)
     per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
     with one_thread():

@@ -37,8 +37,9 @@ __all__ = ["FORMAT", "PipelinePlan"]
 # 2: a stage's transfer_bytes is one micro-batch's output (unless the last stage) and input
 # gradient, where /1 stored twice one transfer: a /1 plan's figures would be read wrong, so it is refused
 # 3: the per-action cost (action_cost) stored; a /2 plan has none, read as op times only (all zero)
-FORMAT = "remat.pipeline/3"
-_READABLE = (FORMAT, "remat.pipeline/2")
+# 4: a stage's sent_bytes (its output as sent); a /3 or /2 plan has none, read as its output_bytes
+FORMAT = "remat.pipeline/4"
+_READABLE = (FORMAT, "remat.pipeline/3", "remat.pipeline/2")
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,9 @@ class PipelinePlan:
 
         per_rank = self.order.n_stages // self.order.n_ranks
         if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or len(stages) != per_rank:
-            got = f"{len(stages)} stages" if isinstance(stages, Sequence) else type(stages).__name__
-            raise RematValueError(
+            listed = isinstance(stages, Sequence) and not isinstance(stages, (str, bytes))
+            got = f"{len(stages)} stages" if listed else type(stages).__name__
+            raise (RematValueError if listed else RematTypeError)(
                 message(
                     "pipeline.PipelinePlan.schedule",
                     f"{self.order.name!r} takes this rank's {per_rank} stage(s)",

@@ -294,7 +294,7 @@ def build(
             message(
                 api,
                 "interleaved-1f1b needs the micro-batches in whole rounds: a multiple of "
-                "n_micro-batches // n_ranks",
+                "n_microbatches // n_ranks",
                 f"{n_microbatches} micro-batches on {n_ranks} ranks: {rounds} rounds",
                 f"use a multiple of {n_ranks} micro-batches, or fewer than {n_ranks}",
             )

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 from torch import nn
@@ -114,6 +115,24 @@ def balance(
 
 def _refused(rule: str, given: str, todo: str, kind: type[Exception] = RematValueError) -> Exception:
     return kind(message("pipeline.plan", rule, given, todo))
+
+
+def cut_points(boundaries: object) -> list[int] | None:
+    """``boundaries`` as a list of ints (any sequence of integers, numpy's too), or None; anything
+    else is refused."""
+    if boundaries is None:
+        return None
+    listed = (
+        list(boundaries) if isinstance(boundaries, Sequence) and not isinstance(boundaries, str) else [None]
+    )
+    if not all(isinstance(b, Integral) and not isinstance(b, bool) for b in listed):
+        raise _refused(
+            "boundaries are whole numbers: the first child of each stage after the first",
+            f"boundaries={boundaries!r}",
+            "pass a list such as boundaries=[2]",
+            RematTypeError,
+        )
+    return [int(b) for b in listed]  # type: ignore[arg-type]
 
 
 def children_of(model: nn.Module) -> list[nn.Module]:

@@ -156,12 +156,13 @@ def _check_step(loss_fn: object, repeats: object) -> None:
             "pass loss_fn(model, *inputs)",
             RematTypeError,
         )
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    whole = isinstance(repeats, int) and not isinstance(repeats, bool)
+    if not whole or repeats < 1:  # type: ignore[operator]
         raise fail(
             "repeats (timed runs per op) must be a whole number of at least 1",
             f"got {repeats!r}",
             "pass e.g. repeats=3",
-            RematTypeError,
+            RematValueError if whole else RematTypeError,
         )
 
 

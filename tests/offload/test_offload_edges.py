@@ -276,3 +276,25 @@ def test_a_tensor_made_around_a_nested_block_is_moved_by_the_block_that_made_it(
     assert moved == moved_alone == 256 * 256 * 4
     assert left == alone
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)) and len(got) == 4
+
+
+def test_a_tensor_handed_to_the_block_around_comes_back_through_it() -> None:
+    """The inner block's offloader read back a parcel the outer one made: its cargo numbers are its
+    own, and it returned another tensor's bytes (gradients off by 3.8)."""
+    torch.manual_seed(0)
+    inp, inp2 = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+
+    def step(nested: bool) -> torch.Tensor:
+        inp.grad = inp2.grad = None
+        with remat.offload():
+            x = inp * 2  # made by the outer block
+            with remat.offload() if nested else contextlib.nullcontext():
+                u = (inp2 * 3).sin()  # the inner block's first cargo
+                v = x.sin().sin()  # x: the outer block's first cargo
+                out = (u + v).sum()
+            del x
+        out.backward()
+        assert inp.grad is not None
+        return inp.grad.clone()
+
+    assert torch.equal(step(True), step(False))

@@ -207,7 +207,7 @@ def test_the_plan_keeps_its_action_cost_and_its_choices() -> None:
     assert str(per).startswith("ActionCost(forward 1.000 ms, backward 2.000 ms, send 0.100 ms")
     again = pp.PipelinePlan.from_json(costed.to_json())
     assert again.action_cost == per
-    assert costed.to_json()["format"] == "remat.pipeline/3"
+    assert costed.to_json()["format"] == "remat.pipeline/4"
     older = {k: v for k, v in bare.to_json().items() if k != "action_cost"} | {"format": "remat.pipeline/2"}
     assert pp.PipelinePlan.from_json(older).action_cost == ActionCost()
 
@@ -296,6 +296,7 @@ def test_calibrate_on_its_own_processes_gives_the_figures_and_removes_its_folder
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its temporary folder goes
     per = pp.calibrate((16, 8), rounds=3)
+    # the per-action figures beyond a send and a receive are differences of timings, floored at
+    # zero: on a loaded machine all of them may be (not asserted, which would depend on the load)
     assert per.bad() is None and per.send_s > 0 and per.receive_s > 0
-    assert per.forward_s + per.backward_s + per.step_s > 0
     assert list(tmp_path.iterdir()) == []

@@ -122,6 +122,13 @@ def test_arguments_of_the_wrong_type_are_clear_errors(example, given: dict[str, 
         pp.plan(model, x, budget_per_rank="1GB", loss_fn=nn.functional.mse_loss, target=y, **options)
 
 
+def test_boundaries_take_any_sequence_of_integers(example) -> None:
+    import numpy as np
+
+    assert _plan(example, "1GB", boundaries=range(2, 3)).boundaries == (0, 2, 4)
+    assert _plan(example, "1GB", boundaries=[np.int64(2)]).boundaries == (0, 2, 4)
+
+
 def test_a_container_without_a_forward_is_refused_clearly(example) -> None:
     model, x, y = example
     with pytest.raises(RematTypeError, match=r"ModuleList failed on the example: NotImplementedError"):
@@ -206,7 +213,8 @@ def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(
         RematValueError,
-        match=r"remat\.pipeline\.load: not a remat\.pipeline/3 or remat\.pipeline/2 plan \(format 'other'\)",
+        match=r"remat\.pipeline\.load: not a remat\.pipeline/4 or remat\.pipeline/3 or remat\.pipeline/2 "
+        r"plan \(format 'other'\)",
     ):
         pp.PipelinePlan.load(tmp_path / "bad.json")
     with pytest.raises(RematValueError, match=r"no stage runs on this rank \(rank 5 of 2\)"):

@@ -278,7 +278,7 @@ def test_fewer_ops_are_refused() -> None:
             RematTypeError,
             r"remat.plan: repeats \(timed runs per op\) must be a whole number",
         ),
-        ({"repeats": 0}, RematTypeError, r"remat.plan: repeats .* \(got 0\)"),
+        ({"repeats": 0}, RematValueError, r"remat.plan: repeats .* \(got 0\)"),
         (
             {"loss_fn": lambda m, x: m.blocks[0](x)},
             RematValueError,

@@ -85,7 +85,12 @@ def check_options(solver: str, function: Callable[..., Any], options: dict[str, 
         )
     for name, value in options.items():
         default = params[name].default
-        if default is None and value is not None and str(params[name].annotation).startswith("int"):
+        optional_int = str(params[name].annotation).replace(" ", "") in (
+            "int|None",
+            "None|int",
+            "Optional[int]",
+        )
+        if default is None and value is not None and optional_int:
             default = 1  # an optional whole number (sqrt's ``segments``): None, or as an int option
         if isinstance(default, bool):
             bad = not isinstance(value, bool)
