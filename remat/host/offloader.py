@@ -224,13 +224,17 @@ class Offloader:
         skips such cargos while their storage lives."""
         cargo = parcel.cargo
         live = cargo.on_device() if parcel.follows else None
+        with self._lock:
+            task = torch._C._current_graph_task_id()
+            if cargo.served != task:  # a new backward: no read from the device storage yet
+                cargo.lived = 0
+            cargo.served = task
         if live is not None:
             with self._lock:
-                cargo.served = torch._C._current_graph_task_id()
+                cargo.lived += 1
             self._prefetch_before(cargo.index)
             return rebuilt(live, parcel)
         with self._lock:
-            cargo.served = torch._C._current_graph_task_id()
             data = cargo.held
             if data is not None:  # NOTE [moved once, read twice]
                 cargo.left -= 1
@@ -243,8 +247,8 @@ class Offloader:
             compute = torch.cuda.current_stream(cargo.device)
             compute.wait_event(done)  # only on the copy this tensor needs
             data.record_stream(compute)
-        if cargo.uses > 1:
-            cargo.held, cargo.left = data, cargo.uses - 1
+        if cargo.uses > 1 + cargo.lived:  # held for the reads left (some may have read the device's)
+            cargo.held, cargo.left = data, cargo.uses - 1 - cargo.lived
         self._prefetch_before(cargo.index)
         return rebuilt(data.untyped_storage(), parcel)
 

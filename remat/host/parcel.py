@@ -42,6 +42,7 @@ class Cargo:
         "held",
         "index",
         "left",
+        "lived",
         "read",
         "ready",
         "served",
@@ -70,6 +71,7 @@ class Cargo:
         self.held: torch.Tensor | None = None
         self.left = 0
         self.served = -2  # the autograd graph task of the last ``back`` (-1: outside backward)
+        self.lived = 0  # reads of that backward from the device storage (NOTE [read where it lives])
 
     @property
     def nbytes(self) -> int:

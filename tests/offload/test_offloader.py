@@ -284,3 +284,20 @@ def test_a_host_budget_too_small_for_a_checkpoint_and_a_bad_threshold_are_clear_
         remat.RematValueError, match=r"remat\.policy: a byte count must be positive \(got -1\)"
     ):
         remat.OffloadLarger(-1)
+
+
+def test_a_copy_is_held_only_for_the_reads_left_after_reads_of_the_live_storage() -> None:
+    """NOTE [read where it lives] with [moved once, read twice]: a storage saved twice, read once from
+    the device while the program held it, then copied back once it let go: the copy was held for a
+    second read that never comes."""
+    offloader = Offloader(prefetch=0)
+    t = torch.randn(256)
+    first, second = offloader.out(t, follows=True), offloader.out(t, follows=True)
+    assert first.cargo is second.cargo and first.cargo.uses == 2
+    live = offloader.back(first)
+    assert live.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    expected = t.clone()
+    del t, live
+    again = offloader.back(second)
+    assert torch.equal(again, expected)
+    assert second.cargo.held is None
