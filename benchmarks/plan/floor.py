@@ -140,10 +140,10 @@ DEFAULT = ["llama", "vit", "gpt2", "bert", "resnet50", "unet"]
 RERUN = "remat.plan at checkpointing's peak, modules run again"  # rerun_modules=True
 
 
-def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model, loss_of, checkpointed = FAMILIES[name]()
-    model.train()
+def stepper(
+    model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]
+) -> Callable[..., Callable[[], None]]:
+    """``run(ctx)``: one training step of ``model`` (no optimizer) inside the context ``ctx()`` makes."""
 
     def run(ctx: Callable[[], Any]) -> Callable[[], None]:
         def step() -> None:
@@ -153,10 +153,21 @@ def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
 
         return step
 
-    def peak(step: Callable[[], None]) -> int:
-        with remat.memory.track(timeline=False, allocator=True) as tracked:
-            step()
-        return tracked.peak_bytes
+    return run
+
+
+def peak(step: Callable[[], None]) -> int:
+    """The allocator's peak over ``step()``."""
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
+        step()
+    return tracked.peak_bytes
+
+
+def bench(name: str, rounds: int, capture_repeats: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, loss_of, checkpointed = FAMILIES[name]()
+    model.train()
+    run = stepper(model, loss_of)
 
     steps: dict[str, Callable[[], None]] = {
         "plain": run(contextlib.nullcontext),
@@ -219,20 +230,13 @@ def predicted_only(name: str, capture_repeats: int) -> str:
     torch.manual_seed(0)
     model, loss_of, checkpointed = FAMILIES[name]()
     model.train()
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        with checkpointed():
-            loss_of(model).backward()
-
-    with remat.memory.track(timeline=False, allocator=True) as tracked:
-        step()
+    checkpointed_peak = peak(stepper(model, loss_of)(checkpointed))
     trace = trace_step(model, (), lambda m: loss_of(m), repeats=capture_repeats)
     key = block_key(model)
     found = frontier(trace, "auto", key)
     every = next(c for c in simple(found.step, found.chain) if c.notes == "every layer checkpointed")
     full = filled(found.step, every)
-    picked = plan_at(found, tracked.peak_bytes)
+    picked = plan_at(found, checkpointed_peak)
     base = every.pred.base_cost
 
     def figures(p: Prediction) -> str:
@@ -240,7 +244,7 @@ def predicted_only(name: str, capture_repeats: int) -> str:
 
     mib = 2**20
     return (
-        f"| {name} | {tracked.peak_bytes / mib:.1f} MiB | {every.pred.peak_bytes / mib:.1f} MiB, "
+        f"| {name} | {checkpointed_peak / mib:.1f} MiB | {every.pred.peak_bytes / mib:.1f} MiB, "
         f"{figures(every.pred)} | {figures(full.pred) if full else '-'} "
         f"| {picked.predicted_peak_bytes / mib:.1f} MiB, {picked.predicted_overhead:.3f} |"
     )

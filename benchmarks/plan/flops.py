@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from floor import DEFAULT, FAMILIES  # noqa: E402
+from floor import DEFAULT, FAMILIES, peak, stepper  # noqa: E402
 
-import remat  # noqa: E402
 from remat._flops import counted_flops  # noqa: E402
 from remat.planner import plan_trace, trace_step  # noqa: E402
 from remat.planner.api import block_key  # noqa: E402
@@ -35,20 +32,7 @@ def row(name: str, capture_repeats: int) -> str:
     torch.manual_seed(0)
     model, loss_of, checkpointed = FAMILIES[name]()
     model.train()
-
-    def step(ctx: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            model.zero_grad(set_to_none=True)
-            with ctx():
-                loss_of(model).backward()
-
-        return run
-
-    def peak(run: Callable[[], None]) -> int:
-        with remat.memory.track(timeline=False, allocator=True) as tracked:
-            run()
-        return tracked.peak_bytes
-
+    step = stepper(model, loss_of)
     ck_peak = peak(step(checkpointed))
     trace = trace_step(model, (), lambda m: loss_of(m), repeats=capture_repeats)
     key = block_key(model)
