@@ -43,11 +43,14 @@ class Fit(enum.StrEnum):
 
 
 class OutOfMemory(Exception):
-    """An allocation cannot fit even with every evictable storage evicted."""
+    """An allocation cannot fit even with every evictable storage evicted. ``whole``: ``request``
+    is a set that must be resident at once, checked before anything runs (an op's inputs and
+    outputs, what the program holds at its end), not one allocation of a recomputation."""
 
-    def __init__(self, request: int, pinned: int, capacity: int, layout: bool) -> None:
+    def __init__(self, request: int, pinned: int, capacity: int, layout: bool, whole: bool = False) -> None:
         self.request, self.pinned, self.capacity = request, pinned, capacity
         self.needed = request + pinned
+        self.whole = whole
         where = "contiguous " if layout else ""
         super().__init__(
             f"no {where}room for {request} bytes: {pinned} bytes are pinned or constant "

@@ -114,7 +114,7 @@ class Runtime(Residency):
         held = op.scratch + op.state + sum(info.nbytes for info in outputs if info.alias_of is None)
         held += sum(sizes[s] for s in inputs if not constants[s])
         if held + self._constant_bytes > self.pool.capacity:  # what no policy can run: say so now
-            raise OutOfMemory(held, self._constant_bytes, self.pool.capacity, False)
+            raise OutOfMemory(held, self._constant_bytes, self.pool.capacity, False, whole=True)
         frame = Frame()
         self._frames.append(frame)
         try:
@@ -210,7 +210,7 @@ class Runtime(Residency):
         needed = sum(self.graph.nbytes[s] for s in live if not self.graph.constant[s])
         self.telemetry.working_set = max(self.telemetry.working_set, needed + self._constant_bytes)
         if needed + self._constant_bytes > self.pool.capacity:
-            raise OutOfMemory(needed, self._constant_bytes, self.pool.capacity, False)
+            raise OutOfMemory(needed, self._constant_bytes, self.pool.capacity, False, whole=True)
         if self.compact:
             self.pool.compact()
         # In the order they were made, each restored (the earlier ones' chains are the later ones'

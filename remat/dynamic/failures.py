@@ -49,17 +49,23 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
             )
         )
     assert isinstance(failure, OutOfMemory)
-    what = f"op {engine.ops} ({engine.current}) needs" if engine.current else "the program holds at its end"
+    if engine.current:
+        what = f"what op {engine.ops} ({engine.current}) needs"
+    elif failure.whole:
+        what = "what the program holds at its end"
+    else:  # one allocation of a recomputation restoring it, beside what is pinned then
+        what = "a recomputation that restores what the program holds at its end, beside what it pins,"
     if failure.needed > region.capacity:
         least = region.least_budget(failure.needed)
+        later = "" if failure.whole or engine.current else " (or more: another recomputation may need more)"
         return RematValueError(
             message(
                 API,
-                f"the budget cannot hold what {what} at once: it needs at least "
+                f"the budget cannot hold {what} at once: it needs at least "
                 f"{failure.needed} bytes = {format_bytes(failure.needed)} beside the reserve",
                 f"budget {region.budget} bytes ({budget}), reserve {region.reserve} bytes"
                 + (f", {region.arriving} bytes set aside for arriving constants" if region.arriving else ""),
-                f"pass a budget of at least {least} bytes",
+                f"pass a budget of at least {least} bytes{later}",
             )
         )
     other = "" if region.policy.name.startswith("coop") else ", use policy 'coop'"

@@ -343,3 +343,49 @@ def test_a_thrash_while_handing_back_says_so() -> None:
     error = explain(Thrashed(), engine, region)  # type: ignore[arg-type]
     assert "stopped at the end of the region, handing back what the program holds" in str(error)
     assert "()" not in str(error)
+
+
+def test_a_recomputation_at_the_end_is_not_blamed_on_what_the_program_holds() -> None:
+    """At the region's end the program's holdings (here the gradients, 24,704 bytes beside 44,416
+    of constants) fit the pool; what did not was one allocation of a recomputation restoring an
+    evicted gradient (a convolution backward's scratch). The error said "what the program holds
+    at its end", and the budget it named failed again."""
+    from types import SimpleNamespace
+
+    from remat.core.pool import OutOfMemory
+    from remat.dynamic.failures import explain
+
+    engine = SimpleNamespace(ops=224, current="")
+    region = SimpleNamespace(
+        budget=104_384, reserve=5_219, arriving=0, capacity=99_165, least_budget=lambda n: n + 5_703
+    )
+    held = explain(OutOfMemory(120_000, 0, 99_165, False, whole=True), engine, region)  # type: ignore[arg-type]
+    assert "cannot hold what the program holds at its end at once" in str(held)
+    assert str(held).endswith("pass a budget of at least 125703 bytes")
+    one = explain(OutOfMemory(42_560, 64_512, 99_165, False), engine, region)  # type: ignore[arg-type]
+    assert "cannot hold a recomputation that restores what the program holds at its end" in str(one)
+    assert "pass a budget of at least 112775 bytes (or more: another recomputation may need more)" in str(one)
+
+
+def test_a_resnets_step_failing_at_the_end_names_the_recomputation() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, layer_type="basic"
+    )
+    model = transformers.ResNetForImageClassification(config).train()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 3, (4,))
+    free = remat.dynamic(None, "dtr", keep=model, cost="model")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with free:
+            model(pixel_values=x, labels=y).loss.backward()
+    model.zero_grad(set_to_none=True)
+    with (
+        pytest.raises(
+            RematValueError, match=r"cannot hold a recomputation that restores what the program holds"
+        ),
+        remat.dynamic(int(0.7 * free.stats.peak_bytes), "dtr", keep=model, cost="model"),
+    ):
+        model(pixel_values=x, labels=y).loss.backward()
+    assert all(p.grad is None for p in model.parameters())
