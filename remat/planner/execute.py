@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -52,7 +53,7 @@ from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
 from remat.planner.regions import Region
-from remat.planner.rerun import run_again
+from remat.planner.rerun import CallCheck, run_again, setting
 from remat.policy import Decision, OpContext, RecomputeAll
 from remat.trace.types import Op, Trace
 
@@ -64,6 +65,9 @@ __all__ = ["UNCOUNTED", "apply", "first_result"]
 # capture installs one everywhere, the executor only inside regions). They make no memory and are
 # neither counted nor checked, on either side.
 UNCOUNTED = frozenset({"aten.detach.default"})
+
+# module regions whose call was checked op by op, per module: (first op, ops, setting)
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -317,6 +321,8 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
     when the plan's block ends."""
     before = module.__dict__.get("forward")
     forward = module.forward
+    expected = [name for name in runner.ops[region.first : region.last + 1] if name not in UNCOUNTED]
+    ops = hash(tuple(expected))  # the region's ops, in a key of the checked calls
 
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not module:  # a copy made while the plan runs (``copy.deepcopy``) is not the plan's
@@ -341,7 +347,12 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
             return forward(*args, **kwargs)
         runner.__exit__(None, None, None)
         try:
-            out = run_again(module, forward, args, kwargs)
+            # NOTE [a call run bare is checked once] per module, region and setting
+            key = (region.first, ops, setting(module))
+            seen = _CHECKED.setdefault(module, set())
+            check = None if key in seen else CallCheck(expected, UNCOUNTED, region.rerun, region.first)
+            out = run_again(module, forward, args, kwargs, check)
+            seen.add(key)
         finally:
             runner.__enter__()
         runner.position = region.last + 1

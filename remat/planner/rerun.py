@@ -23,12 +23,13 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.backends.cuda as backends
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat import aten
@@ -37,7 +38,7 @@ from remat.manual import autocast
 from remat.manual.checks import TensorMeta
 from remat.manual.inputs import Inputs
 
-__all__ = ["run_again"]
+__all__ = ["CallCheck", "run_again", "setting"]
 
 
 class _Stop(Exception):
@@ -207,13 +208,71 @@ def _error(rule: str, given: str, todo: str) -> RecomputationError:
 
 
 def run_again(
-    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module,
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    check: CallCheck | None = None,
 ) -> Any:
     """Run one call of a module region: ``forward(*args, **kwargs)`` keeping a handle for each
-    tensor autograd saves, to be made again in backward (see the module doc)."""
+    tensor autograd saves, to be made again in backward (see the module doc); with ``check``, its
+    ops checked against the traced call's (NOTE [a call run bare is checked once])."""
     frame = _Frame(module, forward, args, kwargs)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
-            return forward(*args, **kwargs)
+        with (
+            torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack),
+            check if check is not None else contextlib.nullcontext(),
+        ):
+            out = forward(*args, **kwargs)
+        if check is not None:
+            check.done()
+        return out
     finally:
         frame.running = False
+
+
+class CallCheck(TorchDispatchMode):
+    """Checks the ops of one call run bare against the traced call's ``expected`` op names, counting
+    as the executor counts (``skip``: names not counted; ops inside autograd nodes and of skipped
+    namespaces pass).
+
+    NOTE [a call run bare is checked once] The call runs without the executor's op-by-op check, so
+    a call that takes another path than the traced one (dropout on where the plan was made in eval
+    mode, autocast on where it was off) would run unseen, holding what the plan did not count. Each
+    module region is checked op by op the first time it runs in each setting its path depends on
+    and the executor can see: the train or eval mode of its modules and the autocast state (the
+    key ``setting`` gives); later calls in the same setting run bare. A path that changes with the
+    data alone (a branch on a tensor's values) is not seen after the first check, as with
+    ``torch.utils.checkpoint``; the tape's regions check every call."""
+
+    def __init__(self, expected: Sequence[str], skip: frozenset[str], name: str, first: int) -> None:
+        super().__init__()
+        self.expected, self.skip, self.name, self.first = expected, skip, name, first
+        self.position = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        info = aten.facts(func)
+        if not (info.skipped or info.name in self.skip or torch._C._current_autograd_node() is not None):
+            i = self.position
+            self.position += 1
+            if i >= len(self.expected) or self.expected[i] != info.name:
+                want = self.expected[i] if i < len(self.expected) else "no more ops"
+                raise self._diverged(f"op #{self.first + i}: expected {want}, got {info.name}")
+        return func(*args, **(kwargs or {}))
+
+    def done(self) -> None:
+        if self.position != len(self.expected):
+            raise self._diverged(f"{self.position} of its {len(self.expected)} traced ops ran")
+
+    def _diverged(self, what: str) -> RecomputationError:
+        return _error(
+            "the model's forward diverged from the traced step",
+            f"{self.name}, run again as a module: {what}",
+            "plan again with inputs that take this path (control flow, shapes, train or eval mode)",
+        )
+
+
+def setting(module: nn.Module) -> tuple[object, ...]:
+    """What a module region's checked ops depend on (NOTE [a call run bare is checked once]):
+    each of its modules' train or eval mode, and the autocast state."""
+    return (tuple(m.training for m in module.modules()), autocast.capture_autocast())

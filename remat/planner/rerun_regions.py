@@ -29,12 +29,13 @@ re-run runs every op of the region before the op where the call's last save came
 each value living as long as the forward kept it (Python holds values as the code does, until the
 re-run stops) and the targets until backward lets them go; it holds the call's inputs, and the
 generators' states, until the last backward op that reads what it packed, and saves the states
-around its re-run. Its ops are not checked one by one in forward (the ops after it are; a forward
-pre-hook that runs ops is refused); running again, it checks that every tensor the call read (its
-arguments, the module's parameters, buffers and tensor attributes) is at the version it read, and
-each tensor it makes again against the forward's shape and dtype. Values it does not check: a
-module whose Python state changes what it computes between its calls breaks the contract, as it
-does ``torch.utils.checkpoint``'s.
+around its re-run. Its ops are checked one by one in forward only at its first call in each train
+or eval mode and autocast state (NOTE [a call run bare is checked once] in ``remat.planner.rerun``;
+the ops after it always are; a forward pre-hook that runs ops is refused); running again, it checks
+that every tensor the call read (its arguments, the module's parameters, buffers and tensor
+attributes) is at the version it read, and each tensor it makes again against the forward's shape
+and dtype. Values it does not check: a module whose Python state or data changes what it computes
+between its calls after the first breaks the contract, as it does ``torch.utils.checkpoint``'s.
 """
 
 from __future__ import annotations

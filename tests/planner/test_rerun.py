@@ -398,14 +398,40 @@ class _Rising(nn.Module):
         return self.drop(self.inner(x)).sin().sum(dim=1, keepdim=True)
 
 
-def test_a_module_drawing_where_its_trace_did_not_draws_the_same_numbers_again() -> None:
+def test_a_module_taking_another_path_than_traced_is_refused_at_its_first_call() -> None:
+    """NOTE [a call run bare is checked once]: a dropout whose rate rose from 0 after the plan was
+    made draws random numbers the traced call did not, and holds a mask the plan did not count
+    (a Llama planned in eval mode and trained ran 12% over its budget, unseen); the tape refuses
+    such a forward op by op, and so does the first call of a module run again."""
     torch.manual_seed(0)
     model, x = _Outer(_Rising()), torch.randn(4, 8)
     plan = _rerun_plan(model, x)
     model.block.drop.p = 0.5
+    got = r"\(block, run again as a module: op #2: expected aten\.sin\.default, got aten\.empty_like"
+    with pytest.raises(RecomputationError, match=r"diverged from the traced step " + got), plan.apply(model):
+        model(x)
+
+
+def test_a_module_run_again_is_checked_once_per_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first call in a train or eval mode and autocast state runs under the check; later calls
+    in the same setting run bare, with the same gradients as the plain model's."""
+    from remat.planner import execute
+
+    checks = []
+
+    class Counted(execute.CallCheck):
+        def __init__(self, *args: Any) -> None:
+            checks.append(args[2])
+            super().__init__(*args)
+
+    monkeypatch.setattr(execute, "CallCheck", Counted)
+    torch.manual_seed(0)
+    model, x = _Outer(_Rising()), torch.randn(4, 8)
+    plan = _rerun_plan(model, x)
     planned = twin(model)
-    ran = train(planned, lambda _: {"x": x}, steps=2, region=lambda: plan.apply(planned))
-    assert_same(train(twin(model), lambda _: {"x": x}, steps=2), ran)
+    ran = train(planned, lambda _: {"x": x}, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: {"x": x}, steps=3), ran)
+    assert checks == ["block"]
 
 
 def test_a_failed_apply_leaves_the_model_as_it_was() -> None:
@@ -448,8 +474,8 @@ def test_the_attention_kernels_the_forward_was_allowed_are_those_of_the_run_agai
 
     torch.manual_seed(0)
     model, x = _Outer(_Attending()), torch.randn(8, 8)
-    plan = _rerun_plan(model, x)
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH):  # the plan's path: another kernel is another path
+        plan = _rerun_plan(model, x)
         model(x).backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -519,3 +545,34 @@ def test_a_module_run_again_that_recomputes_nothing_holds_its_generator_state_as
     with remat.memory.track(timeline=False, allocator=True) as tracked, plan.apply(model):
         model(x).square().mean().backward()
     assert predicted - SCALARS <= tracked.peak_bytes <= predicted + SCALARS
+
+
+def test_a_llama_planned_in_eval_mode_and_trained_is_refused() -> None:
+    """``from_pretrained`` gives a model in eval mode: planned so and then trained, its attention
+    layers draw dropout masks the plan never counted. The tape's plan refuses the step op by op;
+    the plan running modules again did not (its gradients were right, its peak 12% over the
+    budget, 32 KB over its prediction); it refuses it now, at the first call."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
+        attention_dropout=0.5,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 96, (2, 24))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+    trace = trace_step(model, batch, repeats=1)
+    _, every = _every_layer(model, trace, rerun=True)
+    plan = _plan(trace, model, every)
+    assert [r.rerun for r in plan.regions] == ["model.layers.0", "model.layers.1"]
+    model.train()
+    refused = r"diverged from the traced step \(model\.layers\.0, run again as a module: op #\d+"
+    with pytest.raises(RecomputationError, match=refused), plan.apply(model):
+        model(**batch)
+    assert all(p.grad is None for p in model.parameters())
