@@ -27,8 +27,11 @@ wall time from a barrier before it to a barrier after it (the makespan; meaningf
 process has a core of its own).
 The largest micro-batch each of none and planned fits in the same budget is found by the plan's
 prediction (rows in steps of --row-step) and run once more to measure each rank's peak.
+With --rerun-modules the plans may run a block again as its module (remat.pipeline.plan's
+rerun_modules: no tape, as torch.utils.checkpoint runs it), and the predictions of always and
+except_last count their blocks run that way.
 Writes results<suffix>.json and planned<suffix>.png, the suffix naming the schedule if not 1f1b,
-and the model if not the 64x256 MLP chain (-256x1024, -gpt2).
+the model if not the 64x256 MLP chain (-256x1024, -gpt2), and -rerun with --rerun-modules.
 """
 
 from __future__ import annotations
@@ -209,6 +212,11 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b", choices=pp.SCHEDULES)
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/pipeline")
+    parser.add_argument(
+        "--rerun-modules",
+        action="store_true",
+        help="plans may run a block again as its module (remat.pipeline.plan's rerun_modules)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     gpt2 = args.model == "gpt2"
@@ -248,6 +256,7 @@ def main() -> None:
             boundaries=cut,
             checkpoint=mode,
             op_costs=costs,
+            rerun_modules=args.rerun_modules,
         )
 
     rows = args.rows
@@ -336,8 +345,16 @@ def main() -> None:
         "cut": plans["none"].boundaries,
         "args": vars(args),
     }
-    suffix = ("" if args.schedule == "1f1b" else f"-{args.schedule}") + (
-        "-gpt2" if gpt2 else "" if (args.width, args.hidden) == (64, 256) else f"-{args.width}x{args.hidden}"
+    suffix = (
+        ("" if args.schedule == "1f1b" else f"-{args.schedule}")
+        + (
+            "-gpt2"
+            if gpt2
+            else ""
+            if (args.width, args.hidden) == (64, 256)
+            else f"-{args.width}x{args.hidden}"
+        )
+        + ("-rerun" if args.rerun_modules else "")
     )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"results{suffix}.json").write_text(

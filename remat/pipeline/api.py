@@ -26,7 +26,6 @@ plans, and the rank's peak is checked with every stage's final plan.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -34,19 +33,13 @@ from torch import nn
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 from remat._units import format_bytes, parse_bytes
+from remat.pipeline.choose import choose
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import BALANCES, balance, chained, children_of, cut_points, profile, untied
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, walk
-from remat.planner.api import block_key, plan_at
-from remat.planner.frontier import Frontier, frontier
-from remat.planner.plan import Plan
-from remat.planner.predict import predict
-from remat.planner.search import Candidate, chain_regions, floor, predicted
-from remat.planner.single_level import chain_segments
-from remat.trace.types import Trace
 
 __all__ = ["CHECKPOINT_MODES", "OP_COSTS", "plan"]
 
@@ -99,135 +92,6 @@ def _cut(
     return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
 
 
-def _rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None]) -> int:
-    """The pipeline model's peak on ``sp``'s rank with ``sp`` for its stage and ``others[s]`` for
-    the other stages (a rank's memory depends on its own stages, and on its neighbours' outputs
-    for its receive buffers; where ``others[s]`` is None, ``sp``'s costs stand in)."""
-    m = order.n_microbatches
-    plans = [sp if s == sp.stage else (others[s] or sp) for s in range(order.n_stages)]
-    costs = tuple(tuple(each.cost(i, m) for i in range(m)) for each in plans)
-    return walk(order, costs).peak_bytes[sp.rank]
-
-
-def _per_block(found: Frontier, module: nn.Module) -> Candidate:
-    """Uniform per-block checkpointing of the stage as a plan: each block of ``module`` its own
-    region (what ``torch.utils.checkpoint`` around each block does). The blocks are the chain's
-    stages that name a module of ``module``: its children, or the members of its containers
-    (``nn.ModuleList``, ``nn.ModuleDict``, plain ``nn.Sequential``: ``remat.planner.block_key``)."""
-    modules = {name for name, _ in module.named_modules() if name}
-    blocks = [(k, k + 1) for k, stage in enumerate(found.chain.stages) if stage.name in modules]
-    regions = chain_regions(found.step, found.chain, chain_segments(found.chain, blocks))
-    return Candidate("auto", None, "every block checkpointed", regions, predicted(found.step, regions))
-
-
-def _candidates(found: Frontier, module: nn.Module) -> list[Candidate]:
-    """The plans weighed for a stage: the frontier's, plain checkpointing's and the chain DP's
-    plans near the smallest peak (``floor``), and uniform per-block checkpointing, less each one
-    another matches or beats in peak, held bytes and overhead at once (the first of equal ones
-    kept). NOTE [stage plans from the frontier] the frontier keeps only the plans no other beats
-    in one step's peak and overhead; on a rank holding several micro-batches the bytes a plan
-    holds from its forward to its backward count once per micro-batch, so a plan the frontier
-    drops (per-block checkpointing beside "every block but the last" at the same peak) may be the
-    only one that fits."""
-    tried = [*found.candidates, *floor(found.step, found.chain), _per_block(found, module)]
-
-    def figures(c: Candidate) -> tuple[int, int, float]:
-        return c.pred.peak_bytes, c.pred.held_bytes, c.pred.overhead
-
-    def beaten(k: int) -> bool:
-        mine = figures(tried[k])
-        for j, other in enumerate(tried):
-            theirs = figures(other)
-            if (
-                j != k
-                and all(a <= b for a, b in zip(theirs, mine, strict=True))
-                and (theirs != mine or j < k)
-            ):
-                return True
-        return False
-
-    return [c for k, c in enumerate(tried) if not beaten(k)]
-
-
-def _as_plan(found: Frontier, candidate: Candidate) -> Plan:
-    """``candidate`` as the ``remat.Plan`` the static planner returns for it, noted by who made it."""
-    one = plan_at(replace(found, candidates=(candidate,)), candidate.pred.peak_bytes)
-    return replace(one, notes=f"{candidate.solver}: {candidate.notes}")
-
-
-def _with_plan(base: StagePlan, plan: Plan, plain: Plan, later: int) -> StagePlan:
-    """``base`` (nothing planned) running ``plan`` on its micro-batches; ``plain``: the stage's plan
-    that recomputes nothing, from which the base's figures differ as the pipeline counts them;
-    ``later``: the plan's peak once the gradients exist (0: not known)."""
-    return replace(
-        base,
-        plan=plan,
-        recompute_s=max(plan.predicted_overhead - 1.0, 0.0) * (base.forward_s + base.backward_s),
-        # what a micro-batch in flight holds: the plain step's saved bytes (as the pipeline model
-        # counts them) less what the plan frees by the forward's end, or plus what its regions hold
-        # (their inputs, generator states)
-        saved_bytes=base.plain_saved_bytes + plan.predicted_held_bytes - plain.predicted_held_bytes,
-        peak_bytes=base.plain_peak_bytes + plan.predicted_peak_bytes - plain.predicted_peak_bytes,
-        later_peak_bytes=later,
-    )
-
-
-def _later(later: Trace | None, candidate: Candidate) -> int:
-    """The peak of ``candidate``'s regions on the step traced with the gradients there already
-    (NOTE [later backwards] in ``remat.pipeline.measure``): its forward ops are the same."""
-    return 0 if later is None else predict(later, [ops for _, ops in candidate.regions]).peak_bytes
-
-
-def _choose(
-    order: Schedule,
-    base: StagePlan,
-    traces: tuple[Trace, Trace | None],
-    module: nn.Module,
-    budget: int,
-    others: Sequence[StagePlan | None],
-    checkpoint: str,
-) -> tuple[StagePlan | None, int]:
-    """The stage's plan with the least predicted overhead that fits ``budget`` on its rank beside
-    ``others`` (the other stages' plans, as for ``_rank_peak``), or None, and the least peak found
-    on the rank, from ``base`` (nothing planned). Under a uniform ``checkpoint`` mode, that mode's
-    plan and its peak."""
-    lowest = _rank_peak(order, base, others)
-    if checkpoint == "never" or (checkpoint == "planned" and lowest <= budget):
-        return (base if lowest <= budget else None), lowest
-    trace, later = traces
-    found = frontier(trace, "auto", block_key(module))
-    plain = plan_at(found, found.baseline)
-    if checkpoint != "planned":
-        uniform = _per_block(found, module)
-        if not uniform.regions:
-            raise _fail(
-                f"checkpoint={checkpoint!r} checkpoints each block of a stage, and this one has none",
-                f"stage {base.stage}: {type(module).__name__}",
-                "pass stages made of child modules (an nn.Sequential, or blocks in an nn.ModuleList),"
-                " or checkpoint='planned'",
-            )
-        sp = replace(_with_plan(base, _as_plan(found, uniform), plain, _later(later, uniform)),
-                     except_last=checkpoint == "except_last")  # fmt: skip
-        need = _rank_peak(order, sp, others)
-        return (sp if need <= budget else None), need
-    # NOTE [stage plans from the frontier] every plan weighed (``_candidates``: found once, for any
-    # one-micro-batch budget) is run on the rank as the schedule runs it; the cheapest that fits
-    # wins. A rank budget that one plan meets is then met at every larger budget, and the least
-    # peak named in a refusal does not depend on the budget.
-    fits = []
-    for candidate in _candidates(found, module):
-        sp = _with_plan(base, _as_plan(found, candidate), plain, _later(later, candidate))
-        need = _rank_peak(order, sp, others)
-        lowest = min(lowest, need)
-        if need <= budget:
-            fits.append(sp)
-    if not fits:
-        return None, lowest
-    chosen = min(fits, key=lambda sp: sp.recompute_s)
-    last = replace(chosen, except_last=True)
-    return (last if _rank_peak(order, last, others) <= budget else chosen), lowest
-
-
 def _plan_stages(
     modules: Sequence[nn.Module],
     order: Schedule,
@@ -237,6 +101,7 @@ def _plan_stages(
     budget: int,
     checkpoint: str,
     op_costs: str,
+    rerun_modules: bool,
 ) -> tuple[list[StagePlan | None], list[int]]:
     """Each stage's plan (None where none fits) and the least peak found on its rank, the stages
     fed one after another from ``example``. Where a rank runs several stages, each is first planned
@@ -258,7 +123,7 @@ def _plan_stages(
                 o if o is not None or order.rank_of(k) == order.rank_of(s) else measured[k][0]
                 for k, o in enumerate(chosen if rounds else alike)
             ]
-            sp, needs[s] = _choose(order, base, traces, modules[s], budget, others, checkpoint)
+            sp, needs[s] = choose(order, base, traces, modules[s], budget, others, checkpoint, rerun_modules)
             chosen[s] = sp if sp is not None or not rounds else chosen[s]
     if all(sp is not None for sp in chosen):
         # a stage that found no plan beside the others kept its first one: check the whole rank
@@ -286,6 +151,7 @@ def plan(
     checkpoint: str = "planned",
     op_costs: str = "measured",
     action_cost: ActionCost | None = None,
+    rerun_modules: bool = False,
 ) -> PipelinePlan:
     """Plan a pipeline step of ``model_or_stages`` on ``n_stages`` ranks, ``stages_per_rank``
     stages each (more than one under ``"interleaved-1f1b"``: rank r runs stages r, r + P, ...;
@@ -317,6 +183,11 @@ def plan(
     ``remat.pipeline.calibrate`` measures it (NOTE [per-action cost] in
     ``remat.pipeline.timeline``); by default none, and the predicted makespan has op times only.
     It changes the predicted times, not the plans.
+
+    ``rerun_modules=True`` (as ``remat.plan``'s): a region that is exactly one call of one block of
+    a stage may run as that block called again, as ``torch.utils.checkpoint`` runs it, instead of
+    from remat's tape (no Python per op in backward); the plans are weighed both ways. Under a
+    uniform ``checkpoint`` mode, every block that qualifies runs again as its module.
     """
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
@@ -335,6 +206,13 @@ def plan(
         raise _fail("unknown checkpoint mode", repr(checkpoint), f"use one of {', '.join(CHECKPOINT_MODES)}")
     if op_costs not in OP_COSTS:
         raise _fail("unknown op costs", repr(op_costs), f"use one of {', '.join(OP_COSTS)}")
+    if not isinstance(rerun_modules, bool):
+        raise _fail(
+            "rerun_modules must be True or False",
+            f"got {rerun_modules!r}",
+            "pass rerun_modules=True, or leave it out",
+            RematTypeError,
+        )
     if action_cost is not None and not isinstance(action_cost, ActionCost):
         raise _fail(
             "action_cost must be an ActionCost",
@@ -358,7 +236,15 @@ def plan(
         untied(modules)
         with untouched(modules):
             chosen, needs = _plan_stages(
-                modules, order, example_microbatch, target, loss_fn, budget, checkpoint, op_costs
+                modules,
+                order,
+                example_microbatch,
+                target,
+                loss_fn,
+                budget,
+                checkpoint,
+                op_costs,
+                rerun_modules,
             )
     if any(sp is None for sp in chosen):
         most: dict[int, int] = {}  # per rank, the most one of its stages needs
@@ -367,7 +253,15 @@ def plan(
         if checkpoint != "planned" and order.n_stages > order.n_ranks:  # one plan per stage: walk it
             with one_thread(), untouched(modules):
                 every, _ = _plan_stages(
-                    modules, order, example_microbatch, target, loss_fn, 2**62, checkpoint, op_costs
+                    modules,
+                    order,
+                    example_microbatch,
+                    target,
+                    loss_fn,
+                    2**62,
+                    checkpoint,
+                    op_costs,
+                    rerun_modules,
                 )
             m = order.n_microbatches
             most = dict(

@@ -71,6 +71,11 @@ def register(subparsers: Any) -> None:
         choices=CHECKPOINT_MODES,
         help="planned per stage (default), or torchgpipe's uniform modes: every block checkpointed",
     )
+    parser.add_argument(
+        "--rerun-modules",
+        action="store_true",
+        help="run a region that is one block's call again as that block (remat.plan's rerun_modules)",
+    )
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (PipelinePlan.load reads it)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the schedule and per-rank memory")
     parser.set_defaults(func=run)
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         target=y,
         balance_by=args.balance,
         checkpoint=args.checkpoint,
+        rerun_modules=args.rerun_modules,
     )
     planned.explain()
     if args.save:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,33 @@ def test_a_size_of_the_other_model_is_refused(
     args = ["--model", model, flag, value, "--stages", "2", "--microbatches", "2", "--budget", "1MB"]
     assert main(["pipeline", *args]) == 2
     assert capsys.readouterr().err.startswith(f"remat.pipeline: {flag} does not apply to --model {model}")
+
+
+def test_gpt2_blocks_run_again_as_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rerun-modules``: under checkpoint="always" each GPT-2 block is one call of one module,
+    and its region runs again as that call (``torch.utils.checkpoint``'s way), not from the tape."""
+    saved = tmp_path / "plan.json"
+    args = [
+        "pipeline",
+        "--model",
+        "gpt2",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+    ]
+    extra = ["--budget", "1GB", "--checkpoint", "always", "--save", str(saved)]
+    for again in (False, True):
+        assert main([*args, *extra, *(["--rerun-modules"] if again else [])]) == 0
+        regions = [
+            r
+            for sp in json.loads(saved.read_text())["stage_plans"]
+            if sp["plan"]
+            for r in sp["plan"]["regions"]
+        ]
+        assert regions and all(bool(r.get("rerun")) is again for r in regions), regions
+    capsys.readouterr()

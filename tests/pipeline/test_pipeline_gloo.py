@@ -4,7 +4,9 @@ One spawn (one process group) runs every job of the module, to keep start-up cos
 1F1B, interleaved 1F1B and ZBV (two stages per rank, looped or in a V; under ZBV each stage runs a
 micro-batch's whole backward at I and nothing at W), after the calibration of the per-action cost
 (``remat.pipeline.calibrate``'s measurement, in the same processes), each under per-stage plans
-made for a budget below the plain pipeline's need, on a chain with batch norm and dropout. Each
+made for a budget below the plain pipeline's need, on a chain with batch norm and dropout, and
+1F1B once more with ``rerun_modules=True`` on a chain without batch norm (its blocks then qualify
+to run again as modules, as ``torch.utils.checkpoint`` runs them). Each
 rank reports its gradients, buffers, allocator peak, the forward ops it ran (``addmm``: the
 schedule's forwards and the plan's recomputations) and the order its stages ran forwards and
 backwards in.
@@ -23,6 +25,7 @@ the rank runs its forwards in, which only replaying the schedule reproduces.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -31,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat.pipeline as pp
 from remat.pipeline.chain import mlp_chain
@@ -42,13 +46,24 @@ M = 4
 RANKS = 2
 ROWS = 64
 ADDMM = "aten.addmm.default"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+# each case: its schedule, and whether blocks may run again as modules (``rerun_modules``: the
+# blocks of a chain without batch norm, whose running statistics a call run again would update twice,
+# qualify; those with it stay on the tape)
+CASES = {
+    "gpipe": ("gpipe", False),
+    "1f1b": ("1f1b", False),
+    "interleaved-1f1b": ("interleaved-1f1b", False),
+    "zbv": ("zbv", False),
+    "1f1b-modules-run-again": ("1f1b", True),
+}
+SCHEDULES = tuple(CASES)
 PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2}
 # a chain of two blocks per stage; interleaved and zbv run on a fixed cut (the memory balance finds
 # one that needs no recomputation at this budget) a little above the others' share of the plain need
 BUILDS = {
-    1: functools.partial(mlp_chain, 4, 32, 128, 0.1, True),
-    2: functools.partial(mlp_chain, 8, 32, 128, 0.1, True),
+    (1, False): functools.partial(mlp_chain, 4, 32, 128, 0.1, True),
+    (2, False): functools.partial(mlp_chain, 8, 32, 128, 0.1, True),
+    (1, True): functools.partial(mlp_chain, 4, 32, 128, 0.1, False),
 }
 PLAIN_CUTS = {1: [2], 2: [2, 4, 6]}
 SHARE = {1: 0.85, 2: 0.9}
@@ -61,6 +76,32 @@ def _recomputed(plan: Plan, name: str) -> int:
     return len({t.op for t in plan.tensors if t.action is Decision.RECOMPUTE and t.op_name == name})
 
 
+class _Counted(TorchDispatchMode):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.count = name, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += str(func) == self.name
+        return func(*args, **(kwargs or {}))
+
+
+def _run_again(plan: Plan, module: nn.Module, name: str) -> int:
+    """How many ``name`` ops a plan whose regions run their modules again runs again for one
+    micro-batch, counted on one forward and backward in this process: such a call runs every op
+    up to autograd's last save in it (``Rerun.stop``), which the plan does not list."""
+    counts = []
+    for planned in (False, True):
+        x = torch.randn(ROWS, 32, requires_grad=True)
+        with _Counted(name) as counted:
+            with plan.apply(module) if planned else contextlib.nullcontext():
+                y = module(x)
+            y.sum().backward()
+        counts.append(counted.count)
+    module.zero_grad(set_to_none=True)
+    return counts[1] - counts[0]
+
+
 @pytest.fixture(scope="module")
 def spawned(
     tmp_path_factory: pytest.TempPathFactory,
@@ -68,11 +109,13 @@ def spawned(
     torch.manual_seed(0)
     x, y = torch.randn(M * ROWS, 32), torch.randn(M * ROWS, 32)
     plans: list[pp.PipelinePlan] = []
+    builds = []
     plains: dict[int, pp.PipelinePlan] = {}
-    for schedule in SCHEDULES:
+    for schedule, again in CASES.values():
         per_rank = PER_RANK[schedule]
+        builds.append(BUILDS[per_rank, again])
         torch.manual_seed(0)
-        model = BUILDS[per_rank]()
+        model = builds[-1]()
         options: dict[str, Any] = dict(
             n_stages=RANKS,
             n_microbatches=M,
@@ -80,9 +123,16 @@ def spawned(
             stages_per_rank=per_rank,
             loss_fn=nn.functional.mse_loss,
             target=y[:ROWS],
+            rerun_modules=again,
         )
         cuts = PLAIN_CUTS[per_rank]
-        if schedule == "zbv":
+        if again:
+            need = max(
+                pp.plan(model, x[:ROWS], **options, budget_per_rank="1GB", boundaries=cuts)
+                .timeline()
+                .peak_bytes
+            )
+        elif schedule == "zbv":
             # the same cut of the same chain costs the same per stage as interleaved's: its plain
             # stages walked in zbv's order give the plain need (one planning less)
             order = pp.build(schedule, RANKS, M, per_rank)
@@ -96,7 +146,7 @@ def spawned(
         plans.append(pp.plan(model, x[:ROWS], **options, budget_per_rank=budget, boundaries=fixed))
     jobs = [
         Job(
-            BUILDS[len(p.stage_plans) // RANKS],
+            build,
             p.to_json(),
             x,
             y,
@@ -104,7 +154,7 @@ def spawned(
             seed=1,
             counted=(ADDMM,),
         )
-        for p in plans
+        for p, build in zip(plans, builds, strict=True)
     ]
     # the processes also measure the per-action cost, with messages of one micro-batch's activation
     results, per_action = run_calibrated(jobs, RANKS, tmp_path_factory.mktemp("gloo"), (ROWS, 32), rounds=3)
@@ -137,6 +187,8 @@ def test_the_calibration_in_the_same_processes_measures_each_figure(spawned) -> 
 def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> None:
     plan, job, results = runs[index]
     assert any(sp.plan is not None for sp in plan.stage_plans)
+    if CASES[SCHEDULES[index]][1]:  # some block runs again as its module
+        assert any(r.rerun for sp in plan.stage_plans if sp.plan for r in sp.plan.regions)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -179,7 +231,12 @@ def test_forwards_are_the_schedules_plus_the_planned_recomputations(runs, index:
         for sp in plan.stage_plans:
             if sp.rank == result.rank:
                 linears = sum(isinstance(m, nn.Linear) for m in modules[sp.stage].modules())
-                again = 0 if sp.plan is None else _recomputed(sp.plan, ADDMM)
+                if sp.plan is None:
+                    again = 0
+                elif any(r.rerun for r in sp.plan.regions):
+                    again = _run_again(sp.plan, modules[sp.stage], ADDMM)
+                else:
+                    again = _recomputed(sp.plan, ADDMM)
                 expected += M * linears + sum(sp.recomputes(i, M) for i in range(M)) * again
         assert result.counts[ADDMM] == expected
 

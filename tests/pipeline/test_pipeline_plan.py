@@ -113,6 +113,10 @@ def test_bad_arguments_fail_before_any_work(example) -> None:
         ({"n_microbatches": "4"}, r"n_microbatches is a whole number \(n_microbatches='4'\)"),
         ({"boundaries": [1.5]}, r"boundaries are whole numbers: .* \(boundaries=\[1\.5\]\)"),
         ({"boundaries": 2}, r"boundaries are whole numbers: .* \(boundaries=2\)"),
+        (
+            {"rerun_modules": "yes"},
+            r"rerun_modules must be True or False \(got 'yes'\); pass rerun_modules=True",
+        ),
     ],
 )
 def test_arguments_of_the_wrong_type_are_clear_errors(example, given: dict[str, Any], match: str) -> None:
@@ -285,6 +289,35 @@ def test_the_plan_at_per_block_checkpointings_need_fits_and_is_no_slower() -> No
         return [(sp.plan and sp.plan.regions, sp.except_last, sp.recompute_s) for sp in p.stage_plans]
 
     assert chosen(_four(need)) == chosen(joint)
+
+
+def test_blocks_run_again_as_modules_are_weighed_beside_the_tape() -> None:
+    """``rerun_modules=True``: a block checkpointed runs again as its module (no tape), holding
+    what the tape's plan holds but the generators' states of each call; the joint plan at that
+    mode's need weighs both ways and is no slower than either mode. A large budget still
+    recomputes nothing: the figures of a stage are counted from the plan that recomputes nothing,
+    not from the cheapest plan at the plain peak, which may run a module again (that made the
+    rank peaks of "always" 2.5 times the tape's)."""
+    tape = _four("1GB", checkpoint="always")
+    again = _four("1GB", checkpoint="always", rerun_modules=True)
+    for t, a in zip(tape.stage_plans, again.stage_plans, strict=True):
+        assert t.plan is not None and a.plan is not None
+        assert [(r.first, r.last) for r in a.plan.regions] == [(r.first, r.last) for r in t.plan.regions]
+        assert all(r.rerun for r in a.plan.regions) and not any(r.rerun for r in t.plan.regions)
+    # each call run again keeps the CPU generator's state: two blocks per stage, rank 0 holding up
+    # to four micro-batches (the tape keeps none here: no block draws random numbers)
+    state = torch.get_rng_state().nbytes
+    for t, a in zip(tape.timeline().peak_bytes, again.timeline().peak_bytes, strict=True):
+        assert t < a <= t + 2 * 4 * state and (a - t) % state == 0
+    need = max(again.timeline().peak_bytes)
+    joint = _four(need, rerun_modules=True)
+    assert max(joint.timeline().peak_bytes) <= need
+    for mode in (tape, again):
+        assert joint.timeline().makespan <= mode.timeline().makespan
+        assert all(
+            j.recompute_s <= m.recompute_s for j, m in zip(joint.stage_plans, mode.stage_plans, strict=True)
+        )
+    assert all(sp.plan is None for sp in _four("1GB", rerun_modules=True).stage_plans)
 
 
 def test_torchgpipes_uniform_modes(example) -> None:
