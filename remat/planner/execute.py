@@ -294,6 +294,12 @@ def _first(out: Any, written: Sequence[bool]) -> torch.Tensor | None:
     return None
 
 
+def _made(out: Any, info: aten.OpFacts) -> str | None:
+    """An op's first result's dtype and shape as ``_Runner._checked`` names them."""
+    got = _first(out, info.written_returns)
+    return None if got is None else aten.describe(got.dtype, got.shape)
+
+
 def first_result(trace: Trace, op: Op) -> str:
     """``op``'s first result as ``_Runner._checked`` names it (``float32[8, 64]``), from the trace;
     empty where the trace does not know it."""
@@ -321,8 +327,9 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
     when the plan's block ends."""
     before = module.__dict__.get("forward")
     forward = module.forward
-    expected = [name for name in runner.ops[region.first : region.last + 1] if name not in UNCOUNTED]
-    ops = hash(tuple(expected))  # the region's ops, in a key of the checked calls
+    expected = list(runner.ops[region.first : region.last + 1])
+    shapes = list(runner.shapes[region.first : region.last + 1]) if runner.shapes else []
+    ops = hash((tuple(expected), tuple(shapes)))  # the region's ops, in a key of the checked calls
 
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not module:  # a copy made while the plan runs (``copy.deepcopy``) is not the plan's
@@ -350,9 +357,15 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
             # NOTE [a call run bare is checked once] per module, region and setting
             key = (region.first, ops, setting(module))
             seen = _CHECKED.setdefault(module, set())
-            check = None if key in seen else CallCheck(expected, UNCOUNTED, region.rerun, region.first)
+            check = None
+            if key not in seen:
+                check = CallCheck(expected, shapes, _made, UNCOUNTED, region.rerun, region.first)
             out = run_again(module, forward, args, kwargs, check)
             seen.add(key)
+        except BaseException:
+            runner.stop()  # the forward is abandoned: the next one starts from its first op
+            runner.active = False
+            raise
         finally:
             runner.__enter__()
         runner.position = region.last + 1

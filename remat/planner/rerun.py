@@ -232,22 +232,34 @@ def run_again(
 
 
 class CallCheck(TorchDispatchMode):
-    """Checks the ops of one call run bare against the traced call's ``expected`` op names, counting
-    as the executor counts (``skip``: names not counted; ops inside autograd nodes and of skipped
-    namespaces pass).
+    """Checks the ops of one call run bare against the traced call's ``expected`` op names and the
+    dtype and shape of each one's first result (``shapes``, empty where not known; ``made`` reads
+    an op's result as the executor does), counting as the executor counts (``skip``: names not
+    counted; ops inside autograd nodes and of skipped namespaces pass).
 
     NOTE [a call run bare is checked once] The call runs without the executor's op-by-op check, so
     a call that takes another path than the traced one (dropout on where the plan was made in eval
     mode, autocast on where it was off) would run unseen, holding what the plan did not count. Each
     module region is checked op by op the first time it runs in each setting its path depends on
-    and the executor can see: the train or eval mode of its modules and the autocast state (the
-    key ``setting`` gives); later calls in the same setting run bare. A path that changes with the
-    data alone (a branch on a tensor's values) is not seen after the first check, as with
-    ``torch.utils.checkpoint``; the tape's regions check every call."""
+    and the executor can see (the key ``setting`` gives): the train or eval mode of its modules,
+    the rates of its dropout modules, the autocast state and the attention kernels allowed; later
+    calls in the same setting run bare. A path that changes with the data alone (a branch on a
+    tensor's values, another batch size inside the module: the ops after it are checked) or with
+    other Python state is not seen after the first check, as with ``torch.utils.checkpoint``; the
+    tape's regions check every call."""
 
-    def __init__(self, expected: Sequence[str], skip: frozenset[str], name: str, first: int) -> None:
+    def __init__(
+        self,
+        expected: Sequence[str],
+        shapes: Sequence[str],
+        made: Callable[[Any, aten.OpFacts], str | None],
+        skip: frozenset[str],
+        name: str,
+        first: int,
+    ) -> None:
         super().__init__()
-        self.expected, self.skip, self.name, self.first = expected, skip, name, first
+        self.expected, self.shapes, self.made = expected, shapes, made
+        self.skip, self.name, self.first = skip, name, first
         self.position = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -258,6 +270,16 @@ class CallCheck(TorchDispatchMode):
             if i >= len(self.expected) or self.expected[i] != info.name:
                 want = self.expected[i] if i < len(self.expected) else "no more ops"
                 raise self._diverged(f"op #{self.first + i}: expected {want}, got {info.name}")
+            out = func(*args, **(kwargs or {}))
+            want = self.shapes[i] if i < len(self.shapes) else ""
+            if want and (got := self.made(out, info)) is not None and got != want:
+                raise _error(
+                    "each op makes the dtype and shape of the traced step (the plan's memory is theirs)",
+                    f"{self.name}, run again as a module: op #{self.first + i} {info.name} made {got}, "
+                    f"planned {want}",
+                    "plan again for this batch size, model and dtype",
+                )
+            return out
         return func(*args, **(kwargs or {}))
 
     def done(self) -> None:
@@ -274,5 +296,11 @@ class CallCheck(TorchDispatchMode):
 
 def setting(module: nn.Module) -> tuple[object, ...]:
     """What a module region's checked ops depend on (NOTE [a call run bare is checked once]):
-    each of its modules' train or eval mode, and the autocast state."""
-    return (tuple(m.training for m in module.modules()), autocast.capture_autocast())
+    each of its modules' train or eval mode and dropout rate, the autocast state and the attention
+    kernels allowed."""
+    modes = tuple((m.training, m.p if isinstance(m, _DROPOUTS) else None) for m in module.modules())
+    kernels = tuple(getattr(backends, f"{k}_sdp_enabled")() for k in _ATTENTION)
+    return (modes, autocast.capture_autocast(), kernels)
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

@@ -5,6 +5,7 @@ the errors."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -232,6 +233,7 @@ def test_a_module_that_computes_other_shapes_when_run_again_is_refused() -> None
     torch.manual_seed(0)
     model, x = _Outer(_Growing()), torch.randn(4, 8)
     plan = _rerun_plan(model, x)
+    model.block.calls = 0  # the forward as traced (its first call is checked), the call again not
     with plan.apply(model):
         loss = model(x)
     with pytest.raises(RecomputationError, match="a tensor made again differs from the forward's"):
@@ -412,6 +414,60 @@ def test_a_module_taking_another_path_than_traced_is_refused_at_its_first_call()
         model(x)
 
 
+def test_a_refused_call_leaves_the_block_ready_for_a_forward_that_takes_the_traced_path() -> None:
+    """The refusal stops the forward, as the tape's does: one run again in the same block starts
+    from its first op (it was refused as "ran ops of its call before its forward": the count
+    stayed at the region's first op, past the ops before it)."""
+    torch.manual_seed(0)
+    model, x = _Outer(_Rising()), torch.randn(4, 8)
+    model.forward = lambda x: model.head(model.block(x * 2)).sum()  # an op before the region
+    plan = _rerun_plan(model, x)
+    assert plan.regions[0].first > 0
+    with plan.apply(model):
+        model.block.drop.p = 0.5
+        with pytest.raises(RecomputationError, match="run again as a module"):
+            model(x)
+        model.block.drop.p = 0.0
+        loss = model(x)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("change", ["dropout rate", "attention kernels"])
+def test_a_setting_changed_after_the_first_check_is_checked_again(change: str) -> None:
+    """The dropout rates of its modules and the attention kernels allowed are in the setting a
+    call is checked once for (NOTE [a call run bare is checked once])."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    model = _Outer(_Attending() if change == "attention kernels" else _Rising())
+    outer = sdpa_kernel(SDPBackend.MATH) if change == "attention kernels" else contextlib.nullcontext()
+    with outer:
+        plan = _rerun_plan(model, x)
+        with plan.apply(model):
+            model(x).backward()
+    if change == "dropout rate":
+        model.block.drop.p = 0.5
+    with (
+        pytest.raises(RecomputationError, match=r"run again as a module: op #\d+: expected"),
+        plan.apply(model),
+    ):
+        model(x)
+
+
+def test_the_first_call_checks_the_shapes_the_plan_was_made_for() -> None:
+    """As the executor checks each op's result outside the module regions."""
+    torch.manual_seed(0)
+    model = _Outer(_Rising())
+    plan = _rerun_plan(model, torch.randn(8, 8))
+    made = (
+        r"run again as a module: op #\d+ aten\.addmm\.default made float32\[4, 8\], planned float32\[8, 8\]"
+    )
+    with pytest.raises(RecomputationError, match=made), plan.apply(model):
+        model(torch.randn(4, 8))
+
+
 def test_a_module_run_again_is_checked_once_per_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its first call in a train or eval mode and autocast state runs under the check; later calls
     in the same setting run bare, with the same gradients as the plain model's."""
@@ -421,7 +477,7 @@ def test_a_module_run_again_is_checked_once_per_setting(monkeypatch: pytest.Monk
 
     class Counted(execute.CallCheck):
         def __init__(self, *args: Any) -> None:
-            checks.append(args[2])
+            checks.append(args[4])
             super().__init__(*args)
 
     monkeypatch.setattr(execute, "CallCheck", Counted)
