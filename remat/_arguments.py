@@ -45,7 +45,7 @@ def ratio_range(spec: str, api: str = "sim.cli") -> list[float]:
             ratios = [round(start + i * step, 10) for i in range(count)]
         else:
             ratios = [float(x) for x in spec.split(",")]
-    except ValueError:
+    except (ValueError, OverflowError):  # an infinite or vanishing range: no count
         raise argparse.ArgumentTypeError(
             message(api, "cannot read the ratios", f"got {spec!r}", "write START:STOP:STEP or a,b,c")
         ) from None

@@ -30,12 +30,13 @@ each value living as long as the forward kept it (Python holds values as the cod
 re-run stops) and the targets until backward lets them go; it holds the call's inputs, and the
 generators' states, until the last backward op that reads what it packed, and saves the states
 around its re-run. Its ops are checked one by one in forward only at its first call in each train
-or eval mode, dropout rate, autocast state and set of attention kernels (NOTE [a call run bare is checked once] in ``remat.planner.rerun``;
-the ops after it always are; a forward pre-hook that runs ops is refused); running again, it checks
-that every tensor the call read (its arguments, the module's parameters, buffers and tensor
-attributes) is at the version it read, and each tensor it makes again against the forward's shape
-and dtype. Values it does not check: a module whose Python state or data changes what it computes
-between its calls after the first breaks the contract, as it does ``torch.utils.checkpoint``'s.
+or eval mode, dropout rate, autocast state and set of attention kernels (NOTE [a call run bare is
+checked once] in ``remat.planner.rerun``; the ops after it always are; a forward pre-hook that runs
+ops is refused); running again, it checks that every tensor the call read (its arguments, the
+module's parameters, buffers and tensor attributes) is at the version it read, and each tensor it
+makes again against the forward's shape and dtype. Values it does not check: a module whose Python
+state or data changes what it computes between its calls after the first breaks the contract, as
+it does ``torch.utils.checkpoint``'s.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--policies",
         type=lambda spec: names_in(spec, names(), "sim.cli", "eviction policy"),
-        default=["dtr", "dte", "coop"],
-        help=f"comma-separated, from: {', '.join(names())} (default: dtr,dte,coop)",
+        default=None,
+        help=f"comma-separated, from: {', '.join(names())} (default: dtr,dte,coop; with --memory bytes "
+        "those of them that do not read addresses)",
     )
     parser.add_argument(
         "--ratios",
@@ -71,10 +72,19 @@ def run(args: argparse.Namespace) -> int:
 
     from remat._console import console, progress
     from remat._units import format_bytes
+    from remat.core.policies.registry import resolve
     from remat.sim.result import Outcome
+    from remat.sim.simulate import _thrash_limit as thrash_limit
     from remat.sim.simulate import sweep
     from remat.trace import load
 
+    layout = args.memory == "address"
+    if args.policies is None:  # the default three, less those that read addresses byte counting lacks
+        default = ("dtr", "dte", "coop")
+        args.policies = [p for p in default if layout or "layout" not in resolve(p, True, "sim.cli").needs]
+    for policy in args.policies:  # before any trace is read
+        resolve(policy, layout, "sim.cli")
+    thrash_limit(args.thrash_limit)
     traces = [load(path) for path in args.traces]
     links = [None] if args.link is None else [None, args.link]
     total = len(traces) * len(args.policies) * len(args.ratios) * len(links)
@@ -87,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 args.policies,
                 args.ratios,
                 args.thrash_limit,
-                layout=args.memory == "address",
+                layout=layout,
                 progress=lambda result: bar.update(
                     task, advance=1, description=f"{result.trace} {result.policy}"
                 ),

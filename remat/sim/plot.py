@@ -52,15 +52,20 @@ def plot_sweep(results: Sequence[SimResult], path: str | os.PathLike[str]) -> No
         bottom.set_xlabel("budget ratio")
         top.legend(fontsize="small", title="x thrashed, v OOM", title_fontsize="x-small")
     search = axes[0][-1]
+    drawn = False
     for policy in policies:
         points: dict[int, list[float]] = {}
         for r in results:
-            if r.label == policy and r.evicting_allocations:
+            if r.label == policy and r.evicting_allocations and r.search_per_allocation > 0:
                 points.setdefault(r.tensors, []).append(r.search_per_allocation)
         sizes = sorted(points)
         search.plot(sizes, [1e3 * sum(points[n]) / len(points[n]) for n in sizes], marker="o", label=policy)
-    search.set_xscale("log")
-    search.set_yscale("log")
+        drawn = drawn or bool(sizes)
+    if drawn:  # a log scale needs a positive value: no run that evicted, no search to draw
+        search.set_xscale("log")
+        search.set_yscale("log")
+    else:
+        search.text(0.5, 0.5, "no run evicted", ha="center", va="center", transform=search.transAxes)
     search.xaxis.set_minor_formatter(NullFormatter())
     search.set_xlabel("tensors in the trace")
     search.set_ylabel("search time per evicting allocation (ms)")

@@ -23,13 +23,14 @@ import contextlib
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from remat._errors import RematValueError, message
 from remat.trace.fields import count, fields, ids, is_count, number, typed
 from remat.trace.types import Event, Op, Phase, Release, TensorInfo, Trace
-from remat.trace.validator import Checker, Invalid, checked
+from remat.trace.validator import TOTAL_LIMIT, Checker, Invalid, checked
 
 __all__ = ["FORMAT", "VERSION", "load", "save"]
 
@@ -58,8 +59,14 @@ _PHASES = {p.value: p for p in Phase}
 
 
 def save(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Write ``trace`` to ``path`` (gzip-compressed if the name ends in ``.gz``), after validating it."""
-    checked(trace, "trace.save", trace.name or "trace")
+    """Write ``trace`` to ``path`` (gzip-compressed if the name ends in ``.gz``), after validating it;
+    a trace whose file would not read back is refused, and ``path`` left as it was."""
+    try:
+        checked(trace, "trace.save", trace.name if isinstance(trace.name, str) else "trace")
+    except (TypeError, ValueError, OverflowError) as err:
+        if isinstance(err, RematValueError):
+            raise
+        raise _mistyped(err) from None
     if Path(path).is_dir() or not Path(path).parent.is_dir():
         raise RematValueError(
             message(
@@ -69,7 +76,36 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
                 "pass a file path such as step.jsonl",
             )
         )
-    with _open(Path(path), "w") as f:
+    # written beside it, read back, and renamed over it: a trace that fails halfway (a field of a
+    # type the file cannot hold) or would not read back leaves a file already at ``path`` as it was
+    target = Path(path)
+    partial = target.with_name(f".partial-{target.name}")  # the same suffix: gzip or not
+    try:
+        _write(trace, partial)
+        _read(partial)
+        os.replace(partial, target)
+    except RematValueError as err:  # the file would not read back: what ``load`` says of it
+        said = str(err).removeprefix("remat.trace.load: ").replace(str(partial), "the file")
+        raise _mistyped(ValueError(said)) from None
+    except (AttributeError, TypeError, ValueError, OverflowError) as err:
+        raise _mistyped(err) from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _mistyped(err: Exception) -> RematValueError:
+    return RematValueError(
+        message(
+            "trace.save",
+            "every field of the trace must be of its documented type (the file must read back)",
+            f"{type(err).__name__}: {err}"[:300],
+            "build the trace's Op and TensorInfo records with the types remat.trace.types gives",
+        )
+    )
+
+
+def _write(trace: Trace, path: Path) -> None:
+    with _open(path, "w") as f:
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -104,7 +140,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
     try:
         with _open(p, "r") as f:
             first = f.readline()
-    except (OSError, UnicodeDecodeError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
         rule = "a trace is text (JSON lines), gzip-compressed where its name ends in .gz"
         raise RematValueError(
             message(
@@ -115,7 +151,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
             )
         ) from None
     header: object = None
-    with contextlib.suppress(json.JSONDecodeError):
+    with contextlib.suppress(ValueError, RecursionError):  # not JSON: a DTR log, or neither
         header = json.loads(first)
     if isinstance(header, dict) and "format" in header:
         return _read(p)
@@ -160,7 +196,7 @@ def _read(path: Path) -> Trace:
                     t = _tensor(record)
                     checker.tensor(t, where)
                     tensors.append(t)
-                    if record.get("saved", False):
+                    if typed(record, "saved", bool, f"tensor {t.id}", False):
                         saved.add(t.id)
                     saved_at.extend((t.id, position) for position in _positions(record, t.id))
                 elif "op" in record or "release" in record:
@@ -194,9 +230,18 @@ def _read(path: Path) -> Trace:
                 "fix the file or capture the step again",
             )
         ) from None
-    except (OSError, UnicodeDecodeError, EOFError) as err:
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as err:
         raise RematValueError(
             message("trace.load", "the file could not be read", f"{path} {where}: {err}", "check the file")
+        ) from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as err:  # a value no rule foresaw
+        raise RematValueError(
+            message(
+                "trace.load",
+                "a value of the file is of a type or size no field takes",
+                f"{path} {where}: {type(err).__name__}: {err}"[:300],
+                "fix the file or capture the step again",
+            )
         ) from None
     return Trace(
         tuple(tensors),
@@ -310,6 +355,8 @@ def _parse_line(line: str) -> dict[str, Any]:
         raise Invalid(
             "each line must be one JSON object", f"not JSON: {err.msg} at column {err.colno}"
         ) from None
+    except (ValueError, RecursionError) as err:  # an integer of over 4300 digits, nesting too deep
+        raise Invalid("each line must be one JSON object", f"not readable: {err}"[:200]) from None
     if not isinstance(record, dict):
         raise Invalid("each line must be one JSON object", f"got a {type(record).__name__}")
     return record
@@ -362,7 +409,7 @@ def _op(record: dict[str, Any]) -> Op:
     index = count(record, "op", "op line")
     what = f"op {index}"
     phase = record.get("phase", Phase.UNKNOWN.value)
-    if phase not in _PHASES:
+    if not isinstance(phase, str) or phase not in _PHASES:
         raise Invalid(f"phase must be one of {', '.join(_PHASES)}", f"{what} has phase {phase!r}")
     return Op(
         index=index,
@@ -375,9 +422,18 @@ def _op(record: dict[str, Any]) -> Op:
         phase=_PHASES[phase],
         module=typed(record, "module", str, what, ""),
         random=typed(record, "random", bool, what, False),
-        scratch=typed(record, "scratch", int, what, 0),
-        state=typed(record, "state", int, what, 0),
+        scratch=_bytes(record, "scratch", what),
+        state=_bytes(record, "state", what),
     )
+
+
+def _bytes(record: dict[str, Any], key: str, what: str) -> int:
+    """An op's bytes beside its outputs (its kernel's scratch, the state it keeps): a count no
+    larger than a step's tensors may own together."""
+    value = typed(record, key, int, what, 0)
+    if value > TOTAL_LIMIT:  # a negative count is the checker's to refuse
+        raise Invalid(f'"{key}" must be at most 2**60 bytes', f"{what} has {key} {value}")
+    return int(value)
 
 
 def _release(record: dict[str, Any]) -> Release:

@@ -62,10 +62,14 @@ def looks_like_dtr_log(path: str | os.PathLike[str]) -> bool:
 def load_dtr_log(path: str | os.PathLike[str]) -> Trace:
     """Read a DTR op log into a Trace (see the module docstring for the mapping)."""
     builder = _Builder()
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if line.strip():
-                builder.feed(number, _parse(number, line))
+    number = 0
+    try:
+        with open(path, encoding="utf-8") as file:
+            for number, line in enumerate(file, start=1):
+                if line.strip():
+                    builder.feed(number, _parse(number, line))
+    except UnicodeDecodeError as error:
+        raise _error(number + 1, f"not UTF-8 text ({error.reason} at byte {error.start})") from None
     builder.finish()
     return builder.trace(Path(path).stem, device="cuda", source="dtr")
 
@@ -73,8 +77,8 @@ def load_dtr_log(path: str | os.PathLike[str]) -> Trace:
 def _parse(number: int, line: str) -> dict[str, object]:
     try:
         record = json.loads(line)
-    except ValueError as error:
-        raise _error(number, f"not valid JSON ({error})") from None
+    except (ValueError, RecursionError) as error:  # RecursionError: nesting too deep
+        raise _error(number, f"not valid JSON ({error})"[:200]) from None
     if not isinstance(record, dict) or record.get("INSTRUCTION") not in _INSTRUCTIONS:
         raise _error(number, f"not a DTR instruction: {line.strip()[:80]!r}")
     return record
@@ -295,4 +299,10 @@ def _time(number: int, record: dict[str, object]) -> float:
     nanoseconds = _integer(number, record, "TIME")
     if nanoseconds < 0:
         raise _error(number, f"negative TIME {nanoseconds}")
+    if nanoseconds > _MOST_NS:
+        shown = str(nanoseconds) if nanoseconds < 10**40 else f"of {len(str(nanoseconds))} digits"
+        raise _error(number, f"TIME {shown} is more than 10**18 nanoseconds")
     return nanoseconds * _NS
+
+
+_MOST_NS = 10**18  # about 32 years

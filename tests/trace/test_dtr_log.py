@@ -205,6 +205,8 @@ def test_copy_from_into_a_released_handle_is_refused(tmp_path: Path) -> None:
             "argument positions",
         ),
         ([START, *const("c", 4), *call("relu", ["c"], [("y", 4, -1)], time=-3)], 4, "negative TIME"),
+        # a TIME past any float (a traceback: int too large to convert to float)
+        ([START, *const("c", 4), *call("relu", ["c"], [("y", 4, -1)], time=10**400)], 4, r"than 10\*\*18"),
         ([START, {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "MIDDLE"}], 2, "unknown annotation"),
         ([START, {"INSTRUCTION": "MEMORY", "NAME": "m", "MEMORY": "4"}], 2, "not a result of the CALL"),
         ([START, {"INSTRUCTION": "ALIAS", "NAME": "m", "ALIAS": "-1"}], 2, "not a result of the CALL"),

@@ -179,6 +179,29 @@ MALFORMED = {
         "tensor lines must come before",
     ),
     "truncated": (GOOD[:-1], None, "header's counts must match"),
+    # values no rule foresaw: each was a traceback from inside Python, or read silently
+    "saved not a bool": (
+        _replace(3, GOOD[2].replace('"saved":true', '"saved":1')),
+        3,
+        '"saved" must be of type bool',
+    ),
+    "phase a list": (_replace(5, GOOD[4].replace('"forward"', '["forward"]')), 5, "phase must be one of"),
+    "cost of 400 digits": (
+        _replace(5, GOOD[4].replace("1e-06", "1" * 400)),
+        5,
+        "of a type or size no field takes",
+    ),
+    "an int of 5000 digits": (
+        _replace(3, GOOD[2].replace("32", "9" * 5000)),
+        3,
+        "each line must be one JSON object",
+    ),
+    "nested too deep": (_replace(3, "[" * 100_000 + "]" * 100_000), 3, "each line must be one JSON object"),
+    "scratch past 2**60": (
+        _replace(5, GOOD[4].replace('"cost"', f'"scratch":{2**63},"cost"')),
+        5,
+        r"at most 2\*\*60 bytes",
+    ),
 }
 
 
@@ -221,6 +244,42 @@ def test_validate_and_save_name_the_event_at_fault(tmp_path: Path) -> None:
         validate(dataclasses.replace(good, saved_at=((1, 9),)))
     with pytest.raises(remat.RematValueError, match=r"saved_at must be a list of op counts .*line 3"):
         load(_write(tmp_path, _replace(3, '{"tensor":1,"nbytes":32,"saved":true,"saved_at":[-1]}')))
+
+
+def test_a_gzip_file_whose_stream_is_damaged_is_refused(tmp_path: Path) -> None:
+    import gzip
+
+    data = bytearray(gzip.compress(("\n".join(GOOD) + "\n").encode()))
+    data[20:30] = b"\xff" * 10  # the deflate stream, past the gzip header
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(remat.RematValueError, match=r"^remat\.trace\.load: "):
+        load(path)
+
+
+def test_save_refuses_a_trace_that_would_not_read_back_and_leaves_the_file(tmp_path: Path) -> None:
+    """A field of another type than documented (a phase given as a string, a size as a float)
+    made a file that ``load`` refused, or stopped halfway and cut a good file short."""
+    good = load(_write(tmp_path, GOOD))
+    path = tmp_path / "kept.jsonl.gz"
+    save(good, path)
+    before = path.read_bytes()
+    op = good.events[0]
+    assert isinstance(op, Op)
+    for bad in (
+        dataclasses.replace(good, events=(dataclasses.replace(op, phase="forward"), *good.events[1:])),  # type: ignore[arg-type]
+        dataclasses.replace(
+            good, tensors=(dataclasses.replace(good.tensors[0], nbytes=16.0), *good.tensors[1:])
+        ),  # type: ignore[arg-type]
+        dataclasses.replace(good, name=None),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(
+            remat.RematValueError, match=r"^remat\.trace\.save: every field of the trace must be"
+        ):
+            save(bad, path)
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.jsonl.gz", "t.jsonl"]
+    assert load(path) == good
 
 
 def test_version_1_files_still_read(tmp_path: Path) -> None:
