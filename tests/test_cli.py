@@ -155,3 +155,26 @@ def test_small_argument_slips_are_refused(tmp_path: object, capsys: pytest.Captu
         with pytest.raises(SystemExit):
             cli.main(argv)
     assert "a range gives at most 1000 ratios (got 7000001" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["plan", "--model", "gpt2", "--budget", "0.5", "--link", "25GB/s", "--host-budget", "abc"],
+            "argument --host-budget: remat.plan: cannot parse this byte size (got 'abc')",
+        ),
+        (
+            ["memory", "--model", "gpt2", "--thrash-limit", "0", "--out", "m.png"],
+            "argument --thrash-limit: remat.memory: --thrash-limit is an overhead: a finite number above 1",
+        ),
+    ],
+)
+def test_limits_are_read_before_any_step_runs(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were read after the step's capture (11 s) or the plain step."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err

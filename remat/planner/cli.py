@@ -77,7 +77,9 @@ def register(subparsers: Any) -> None:
         "--link", type=_link, help="offload too, over a link of this rate each way ('25GB/s')"
     )
     parser.add_argument(
-        "--host-budget", help="with --link: bytes the host may hold ('8GB'; default no limit)"
+        "--host-budget",
+        type=_host_budget,
+        help="with --link: bytes the host may hold ('8GB'; default no limit)",
     )
     parser.add_argument(
         "--pareto", action="store_true", help="sweep --points budgets x --solvers and measure each plan"
@@ -106,6 +108,15 @@ def _budget(text: str) -> int | float:
         return parse_budget(text, "plan")
     except RematError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _host_budget(text: str) -> str:
+    """The host budget, read before any work (the step is traced first); kept as given."""
+    try:
+        parse_bytes(text, "plan")
+    except RematError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _points(text: str) -> int:

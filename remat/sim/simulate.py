@@ -111,7 +111,10 @@ def sweep(
     progress: Callable[[SimResult], None] | None = None,
     link: Link | None = None,
 ) -> list[SimResult]:
-    """:func:`simulate` for every trace, policy and ratio, in that nesting order."""
+    """:func:`simulate` for every trace, policy and ratio, in that nesting order; ``policies`` may be
+    one name."""
+    if isinstance(policies, str):  # not its characters, one policy each
+        policies = [policies]
     for name in policies:
         _policy(name, layout)
     _link(link)

@@ -12,6 +12,7 @@ allocator peak (``remat.viz.steps``). The model is the zoo's tiny variant unless
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +58,26 @@ def register(subparsers: Any) -> None:
         help=f"eviction policies, from: {', '.join(policies())} (default dtr)",
     )
     parser.add_argument(
-        "--thrash-limit", type=float, default=3.0, help="stop a run past this overhead (default 3)"
+        "--thrash-limit",
+        type=_thrash_limit,
+        default=3.0,
+        help="stop a run past this overhead, finite and above 1 (default 3)",
     )
     parser.add_argument("--out", required=True, metavar="FILE.png", help="where to write the picture")
     parser.set_defaults(func=run)
+
+
+def _thrash_limit(text: str) -> float:
+    """The limit ``remat.dynamic`` takes, read before the plain step runs."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 1.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(
+            message("memory", "--thrash-limit is an overhead: a finite number above 1", repr(text), "pass 3")
+        )
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

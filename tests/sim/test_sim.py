@@ -205,3 +205,9 @@ def test_a_digest_is_the_same_in_every_process() -> None:
     assert len(digests) == 1 and simulate(log("lstm-128"), 10**12, "lru", layout=False).digest == int(
         digests.pop()
     )
+
+
+def test_sweep_takes_one_policy_name_as_well_as_a_list() -> None:
+    """A name was taken as a list of its letters ("unknown eviction policy (got 'd')")."""
+    results = sweep([training_step(10)], "dtr", [0.8])
+    assert [r.policy for r in results] == ["dtr"]
