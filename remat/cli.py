@@ -63,6 +63,17 @@ def _outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise RematValueError(
                 message(args.command, rule, path, "make the folder first, or pass another path")
             )
+        existed = Path(path).exists()
+        try:  # opened to append, which changes no file already there; one made here goes again
+            with open(path, "a"):
+                pass
+        except OSError as error:
+            rule = f"{flag} names a file this process may write"
+            given = f"{path}: {error.strerror}"
+            todo = "pass a path in a folder you can write"
+            raise RematValueError(message(args.command, rule, given, todo)) from None
+        if not existed:
+            Path(path).unlink()
         if str(action.metavar or "").upper().endswith(".PNG"):
             from matplotlib.figure import Figure
 
