@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -65,11 +65,11 @@ def _hf(model: Any, batch: dict[str, Any]) -> Step:
     return model, lambda m: m(**batch).loss, contextlib.contextmanager(switch)
 
 
-def llama() -> Step:
+def llama(layers: int = 8, batch: int = 4, seq: int = 256) -> Step:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=8,
+        num_hidden_layers=layers,
         hidden_size=256,
         intermediate_size=688,
         num_attention_heads=8,
@@ -77,46 +77,46 @@ def llama() -> Step:
         vocab_size=2000,
         max_position_embeddings=256,
     )
-    ids = torch.randint(0, 2000, (4, 256))
+    ids = torch.randint(0, 2000, (batch, seq))
     return _hf(LlamaForCausalLM(config), {"input_ids": ids, "labels": ids, "use_cache": False})
 
 
-def vit() -> Step:
+def vit(layers: int = 8, batch: int = 4, image: int = 128) -> Step:
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(
-        num_hidden_layers=8,
+        num_hidden_layers=layers,
         hidden_size=256,
         intermediate_size=1024,
         num_attention_heads=8,
-        image_size=128,
+        image_size=image,
         patch_size=8,
         num_labels=10,
     )
-    batch = {"pixel_values": torch.randn(4, 3, 128, 128), "labels": torch.randint(0, 10, (4,))}
-    return _hf(ViTForImageClassification(config), batch)
+    inputs = {"pixel_values": torch.randn(batch, 3, image, image), "labels": torch.randint(0, 10, (batch,))}
+    return _hf(ViTForImageClassification(config), inputs)
 
 
-def gpt2() -> Step:
+def gpt2(layers: int = 8, batch: int = 4, seq: int = 256) -> Step:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=8, n_embd=256, n_head=8, vocab_size=2000, n_positions=256)
-    ids = torch.randint(0, 2000, (4, 256))
+    config = GPT2Config(n_layer=layers, n_embd=256, n_head=8, vocab_size=2000, n_positions=256)
+    ids = torch.randint(0, 2000, (batch, seq))
     return _hf(GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids, "use_cache": False})
 
 
-def bert() -> Step:
+def bert(layers: int = 8, batch: int = 4, seq: int = 256) -> Step:
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        num_hidden_layers=8,
+        num_hidden_layers=layers,
         hidden_size=256,
         intermediate_size=1024,
         num_attention_heads=8,
         vocab_size=2000,
         max_position_embeddings=256,
     )
-    ids = torch.randint(0, 2000, (4, 256))
+    ids = torch.randint(0, 2000, (batch, seq))
     return _hf(BertForMaskedLM(config), {"input_ids": ids, "labels": ids})
 
 
@@ -154,6 +154,42 @@ def stepper(
         return step
 
     return run
+
+
+class AtCheckpointing(NamedTuple):
+    """A family built from the fixed seed, in train mode: ``run(ctx)`` makes its training step (as
+    ``stepper``), ``checkpointed`` per-layer checkpointing's context, ``peak`` the allocator's peak
+    of a step under it, ``trace`` the captured step and ``key`` the model's blocks."""
+
+    model: nn.Module
+    run: Callable[..., Callable[[], None]]
+    checkpointed: Callable[[], Any]
+    peak: int
+    trace: Any
+    key: Callable[[str], str]
+
+
+def at_checkpointing(build: Callable[[], Step], capture_repeats: int) -> AtCheckpointing:
+    """Build a family, measure per-layer checkpointing's peak and capture the step to plan at it."""
+    torch.manual_seed(0)
+    model, loss_of, checkpointed = build()
+    model.train()
+    run = stepper(model, loss_of)
+    ck_peak = peak(run(checkpointed))
+    trace = trace_step(model, (), lambda m: loss_of(m), repeats=capture_repeats)
+    return AtCheckpointing(model, run, checkpointed, ck_peak, trace, block_key(model))
+
+
+def environment() -> dict[str, str]:
+    """The versions a result was measured with."""
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+    }
 
 
 def peak(step: Callable[[], None]) -> int:
@@ -366,17 +402,7 @@ def main() -> None:
         for name in args.families:
             print(predicted_only(name, args.capture_repeats), flush=True)
         return
-    import transformers
-
-    results = {
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "machine": platform.machine(),
-        },
-        "families": [],
-    }
+    results: dict[str, Any] = {"environment": environment(), "families": []}
     for name in args.families:
         result = bench(name, args.rounds, args.capture_repeats)
         results["families"].append(result)

@@ -20,22 +20,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from floor import DEFAULT, FAMILIES, peak, stepper  # noqa: E402
+from floor import DEFAULT, FAMILIES, at_checkpointing, peak  # noqa: E402
 
 from remat._flops import counted_flops  # noqa: E402
-from remat.planner import plan_trace, trace_step  # noqa: E402
-from remat.planner.api import block_key  # noqa: E402
+from remat.planner import plan_trace  # noqa: E402
 
 
 def row(name: str, capture_repeats: int) -> str:
     """The family's table row: peak and added GFLOP of each strategy."""
-    torch.manual_seed(0)
-    model, loss_of, checkpointed = FAMILIES[name]()
-    model.train()
-    step = stepper(model, loss_of)
-    ck_peak = peak(step(checkpointed))
-    trace = trace_step(model, (), lambda m: loss_of(m), repeats=capture_repeats)
-    key = block_key(model)
+    model, step, checkpointed, ck_peak, trace, key = at_checkpointing(FAMILIES[name], capture_repeats)
     plans = [plan_trace(trace, ck_peak, block_key=key, rerun_modules=again) for again in (False, True)]
     plain = counted_flops(step(contextlib.nullcontext))
     cells = [f"{ck_peak / 2**20:.1f} MiB, {(counted_flops(step(checkpointed)) - plain) / 1e9:.2f}"]
