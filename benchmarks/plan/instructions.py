@@ -18,8 +18,8 @@ Overhead = instructions of the strategy's step ÷ the plain step's. One intra-op
     .venv/bin/python benchmarks/plan/instructions.py --out benchmarks/plan/instructions.json
     .venv/bin/python benchmarks/plan/instructions.py --table benchmarks/plan/instructions.json
 
-Needs ``valgrind`` on the PATH; under callgrind a step runs about 50 to 100 times slower, and the
-interpreter's start and imports take minutes: about ten minutes per family on one core.
+Needs ``valgrind`` on the PATH; under callgrind a step runs some hundreds of times slower, and the
+interpreter's start and imports take minutes: about 45 minutes per family on one core.
 ResNet-50 and U-Net are left out: there the plans recompute no convolution (``flops.py``).
 """
 
@@ -46,7 +46,7 @@ from floor import Step, at_checkpointing, environment, peak, stepper  # noqa: E4
 from remat.planner import Plan, plan_trace  # noqa: E402
 
 STRATEGIES = ("plain", "checkpoint per layer", "remat.plan", "remat.plan, modules run again")
-# floor.py's transformers at a size callgrind runs in minutes (a step there is 50-100 times slower):
+# floor.py's transformers at a size callgrind runs in minutes (a step there is hundreds of times slower):
 # 4 layers of width 256, batch 2 x 128 tokens (ViT: 4 images of 64 x 64 in patches of 8)
 FAMILIES: dict[str, Callable[[], Step]] = {
     "llama": lambda: floor.llama(layers=4, batch=2, seq=128),
