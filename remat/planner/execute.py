@@ -228,8 +228,8 @@ class _Runner(Unguarded):
         """``out``, where op ``i``'s first result has the dtype and shape the plan was made for
         (the memory it predicts is theirs): another batch size, width or dtype is refused."""
         want = self.shapes[i] if self.shapes else ""
-        got = _first(out, info.written_returns) if want else None
-        if got is None or (made := aten.describe(got.dtype, got.shape)) == want:
+        made = _made(out, info) if want else None
+        if made is None or made == want:
             return out
         self.stop()
         self.active = False
