@@ -20,9 +20,6 @@ from remat.planner.frontier import Frontier
 from remat.trace.types import Op, Trace
 
 MILP = {"time_limit": 10.0, "max_nodes": 12}
-# Python numbers passed to ops become 0-dim tensors before dispatch, so no trace sees them; the
-# allocator does (8 bytes each, a few alive at a time).
-SCALARS = 256
 
 
 def fixed_costs(trace: Trace) -> Trace:

@@ -27,6 +27,7 @@ from remat.aten.schema import (
     UNSAID_VIEWS,
     OpFacts,
     facts,
+    wrapped_numbers,
     writes_hidden,
     written_tensors,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "state_nbytes",
     "storage_of",
     "version_witness",
+    "wrapped_numbers",
     "same_counter",
     "overlaps",
     "writes_hidden",

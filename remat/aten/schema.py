@@ -5,6 +5,22 @@ NOTE [hidden writes] ``native_batch_norm`` and its cuDNN / MIOpen twins update `
 their schemas do not say so. Running such an op again would update the statistics twice (a
 long-standing problem of recomputation in PyTorch): whoever reruns one must hand it scratch copies,
 and no mode may treat it as pure.
+
+NOTE [wrapped numbers] A Python number given where an op's schema takes a tensor (``0.5 * x`` is
+``aten.mul.Tensor(x, 0.5)``) becomes a 0-dim CPU tensor, made by torch's argument parser before
+autograd and allocated by the CPU allocator (8 bytes for a float). Autograd may save it
+(``MulBackward0`` keeps ``other`` while ``x`` wants a gradient), and it then lives until that
+node's backward; but dispatch modes see the number, never the tensor, so a trace that counts only
+what ops make misses those bytes (GPT-2's GELU saves three a layer). Nor do saved-tensor hooks
+see it (autograd packs no wrapped number), so every form of remat keeps it as plain autograd does.
+The trace capture notes the arguments of an op given a number (``wrapped_numbers``) and, before
+the next op, looks them up on the op's autograd node (``_saved_other``): a 0-dim tensor found there
+is taken as made by the op and freed when its storage dies, as any other. Running such an op again
+(to learn its scratch) makes the 0-dim tensor anew, so its bytes leave the op's scratch where they
+are already counted: for a saved number, and in backward, where the op is handed the saved tensor
+(as a number again). Not found: a number given to an in-place op on a view (``lin(h).mul_(0.1)``
+with a 3-D ``h``), whose node autograd keeps inside the base's ``CopySlices``: its 8 bytes are
+missing from the trace.
 """
 
 from __future__ import annotations
@@ -71,6 +87,7 @@ class OpFacts:
     ``fresh_returns``: per return, whether it is a new tensor (not an alias of an argument).
     ``written_returns``: per return, whether it is a written argument handed back (``add_``).
     ``pointwise``: torch tags it pointwise: its results' sizes do not depend on its numbers.
+    ``tensor_places``: the arguments its schema types as one tensor, as (position, name).
     """
 
     name: str
@@ -85,6 +102,7 @@ class OpFacts:
     fresh_returns: tuple[bool, ...]
     written_returns: tuple[bool, ...]
     pointwise: bool = False
+    tensor_places: tuple[tuple[int, str], ...] = ()
 
     @property
     def skipped(self) -> bool:
@@ -170,6 +188,9 @@ def _facts(func: torch._ops.OpOverload) -> OpFacts:
         fresh_returns=tuple(r.alias_info is None for r in returns),
         written_returns=tuple(r.alias_info is not None and r.alias_info.is_write for r in returns),
         pointwise=torch.Tag.pointwise in func.tags,
+        tensor_places=tuple(
+            (i, a.name) for i, a in enumerate(arguments) if isinstance(a.type, torch._C.TensorType)
+        ),
     )
 
 
@@ -188,3 +209,19 @@ def written_tensors(
         value = args[i] if i < len(args) else kwargs.get(name)
         found.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return found
+
+
+_NUMBER_BYTES = {bool: 1, int: 8, float: 8, complex: 16}  # the 0-dim tensor's: bool, int64, double, cdouble
+
+
+def wrapped_numbers(
+    op: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[tuple[str, int], ...]:
+    """The arguments given a Python number in a tensor's place, each with the bytes of the 0-dim
+    tensor torch made of it before the op reached dispatch (NOTE [wrapped numbers])."""
+    found = []
+    for i, name in op.tensor_places:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if type(value) in _NUMBER_BYTES:
+            found.append((name, _NUMBER_BYTES[type(value)]))
+    return tuple(found)

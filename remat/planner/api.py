@@ -96,7 +96,7 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     loss head's) and the buffers of the modules ``loss_fn`` holds or is given. On CUDA an untimed
     step runs first: a kernel's first launch loads its module and the allocator is cold, which
     made the ops that run once in the capture (batch norm, in-place ReLU, dropout) cost 0.5 ms
-    each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.recorder``). The forward then runs
+    each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``). The forward then runs
     once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
     NOTE [let go] in ``remat.trace.let_go``)."""
     _check_step(loss_fn, repeats)

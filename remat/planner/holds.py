@@ -102,8 +102,11 @@ def tape_holds(
                     continue
                 holds.snapshots[i] = holds.snapshots.get(i, 0) + size
                 # the replay plan reads it, when it runs the op or reads what the op overwrote
-                # (NOTE [written from outside]); a blank write lets it go all the same
-                read = replayed or (t >= 0 and root[t] in plans.snapped[g])
+                # (NOTE [written from outside]), and the tape keeps that of a write into a view
+                # (instance norm's running statistics) to the replay; a blank write lets it go all the same
+                read = replayed or (
+                    t >= 0 and (root[t] in plans.snapped[g] or tensors[t].alias_of is not None)
+                )
                 after = last if t in blank or not read else death
                 holds.unsnap_after[after] = holds.unsnap_after.get(after, 0) + size
             outs = [root[t] for t in op.outputs if facts.maker.get(root[t]) == i]

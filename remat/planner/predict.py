@@ -268,6 +268,8 @@ class _Walk:
             self.made -= self.copies.pop(r, 0)
 
     def drop(self, r: int) -> None:
+        if r in self.trace.outliving:  # the program holds it still (NOTE [held past the step])
+            return
         if self.handles[r] > 0 and r not in self.dropped:
             self.made -= self.trace.tensors[r].nbytes
         self.dropped.add(r)

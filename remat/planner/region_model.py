@@ -17,8 +17,11 @@ made: the storage is one of the region's targets, dropped early where no other s
 the replay makes it again from the snapshot (a copy beside the original where it is still alive).
 Ops of the region that read the storage before its first write there read the snapshot, as the
 writer does; the ones after it read what the writer's replay makes. The snapshot, not the
-storage, is what the replay plan holds. Not modelled: a write into a view of such a storage
-(instance norm's running statistics), where the tape also keeps a snapshot of the whole storage.
+storage, is what the replay plan holds. A buffer counts as such a storage (spectral norm's ``u`` and
+``v``, which its power iteration writes with ``out=``): a replayed op that reads it after the write
+replays the write. A write into a view of such a storage (instance norm's running statistics) is
+not one of the region's targets; the tape keeps a snapshot of the whole storage beside the view's
+to the replay (``remat.planner.holds``).
 """
 
 from __future__ import annotations
@@ -293,10 +296,11 @@ def replay_ops(
             ops_needed.add(i)
             for t in op.inputs:
                 r = root[t]
-                if trace.tensors[r].constant:
-                    continue
-                if t in written[g]:  # after the region's first write of it, the writer's value
+                if t in written[g]:  # after the region's first write of it, the writer's value (a
+                    # buffer too: spectral norm's ``u``, which its power iteration writes in place)
                     (wanted if written[g][t] < i else snaps).add(r)
+                elif trace.tensors[r].constant:
+                    continue
                 elif facts.region_made(r) == g and r not in kept[g]:
                     wanted.add(r)
                 else:

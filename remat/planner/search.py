@@ -98,6 +98,8 @@ class Step:
         tensors = trace.tensors
         self.maker = {t: i for t, i in made if tensors[t].alias_of is None and not tensors[t].constant}
         self.makers = frozenset(self.maker.values())
+        kept = trace.outliving & trace.saved_roots  # NOTE [held past the step]
+        self.held = frozenset(i for t, i in self.maker.items() if t in kept)
 
     def region(
         self, name: str, ops: Sequence[int], save: Sequence[int] = ()
@@ -108,10 +110,12 @@ class Step:
         if not spots:
             return None
         first, last = spots[0], spots[-1]
-        keep = frozenset(self.position[i] for i in save if i in self.makers)
         members = tuple(self.forward[p].index for p in range(first, last + 1))
-        keep_ops = frozenset(self.forward[p].index for p in keep)
+        keep_ops = frozenset(i for i in save if i in self.makers)
         again = rerun_of(self.trace, members, keep_ops) if self.rerun_modules else None
+        if again is None:  # a tape keeps what the program holds anyway (NOTE [held past the step])
+            keep_ops |= self.held.intersection(members)
+        keep = frozenset(self.position[i] for i in keep_ops)
         module = again.module if again else ""  # NOTE [module re-run]
         return Region(name, first, last, keep, module), RegionOps(members, keep_ops, again)
 

@@ -56,9 +56,13 @@ def with_let_go(trace: Trace, forward: Callable[[], object]) -> Trace:
     roots, saved = trace.roots, trace.saved_roots
     let_go: dict[int, int] = {}
     for op, twin in zip(ops, again.ops, strict=True):
-        if len(op.outputs) != len(twin.outputs):
+        # beyond its results, an op may have a saved number (NOTE [wrapped numbers] in
+        # ``remat.aten.schema``) in one run only: the loss's, whose node the forward run again drops
+        n = min(len(op.outputs), len(twin.outputs))
+        beyond = [trace.tensors[t] for t in op.outputs[n:]] + [again.tensors[u] for u in twin.outputs[n:]]
+        if any(info.shape != () for info in beyond):
             return trace
-        for t, u in zip(op.outputs, twin.outputs, strict=True):
+        for t, u in zip(op.outputs[:n], twin.outputs[:n], strict=True):
             r, ru = roots[t], again.roots[u]
             if r == t and r in saved and ru == u and trace.tensors[t].alias_of is None:
                 let_go[r] = released.get(ru, len(ops) - 1)

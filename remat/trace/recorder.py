@@ -21,20 +21,6 @@ NOTE [trace identity]
   that still has the recorded storage and geometry, else by (storage, offset, shape, stride,
   dtype), else it is taken as the storage's owner.
 
-NOTE [CUDA op time]
-On CUDA the host launches kernels ahead of the device, so a step takes about the longer of the
-host's time and the device's, not their sum. Each op is timed both ways. The device's time: events
-around the op's first repeat, behind a sleeping kernel that keeps the device busy while the host
-launches it (so the launch is not in it). The host's time: around the call in the later repeats,
-the device idle and the allocator warm before each (the program's own run may wait on a fresh
-``cudaMalloc``). An op that runs once (not pure) gives both from its one run, behind the sleep (so
-its host time includes any wait of its own for the device). The trace takes the device's times
-where their sum is the larger (a device-bound step), else the host's. Measured on an H100 (torch
-2.11) with a plain timer on warm models: GPT-2 small at batch 8 x 512 ran in 93.2 ms against 90.7
-ms of device time and 71.6 of host; ResNet-50 at 32 x 224 in 26.0 ms against 20.6 and 28.5; GPT-2
-at 2 x 128 in 45.6 ms against 12.0 and 42.3; timing each op from a synchronize to a synchronize
-(a synchronization's latency and the launch added to every op) put the first at 151 ms.
-
 NOTE [CUDA block size]
 The CUDA caching allocator hands out blocks in multiples of 512 bytes and counts the blocks
 (``torch.cuda.memory_allocated``), so a storage on CUDA is recorded at its block's size: a tensor
@@ -53,10 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import statistics
-import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,12 +54,12 @@ from remat import aten
 from remat._allocator import measured, scratch_of
 from remat.aten.scratch import known, learn, signature
 from remat.trace.attribution import Attribution, phases
+from remat.trace.op_time import run_timed
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
 
 __all__ = ["Recorder"]
 
 CUDA_BLOCK = 512  # bytes: the CUDA allocator's smallest block and its rounding (NOTE [CUDA block size])
-CUDA_HEAD_START = 1_000_000  # GPU cycles (about 0.5 ms) the device sleeps while an op is launched
 
 
 @dataclass
@@ -124,6 +108,7 @@ class Recorder(TorchDispatchMode):
         self.impl: dict[int, int] = {}
         self.saved: set[int] = set()
         self.saved_at: list[tuple[int, int]] = []
+        self.wrapping: tuple[weakref.ref[torch.Tensor], _OpRecord, tuple[tuple[str, int], ...]] | None = None
         self.op_module: list[str] = []  # per tensor id: module path of the op that made it
         self.attribution = Attribution(self.called)
         self.call_inputs: dict[str, tuple[int, ...]] = {}  # per named module: its first call's
@@ -205,8 +190,11 @@ class Recorder(TorchDispatchMode):
         facts = aten.facts(func)
         if facts.skipped:
             return func(*args, **kwargs)
+        self._wrapped()
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        handles = [self.handle(t) for t in leaves]
+        # ``torch.tensor(0.5)`` in the step: the tensor it made just now is lifted's, not a constant
+        lifted = facts.packet == "aten.lift_fresh" and len(leaves) == 1 and not self._known(leaves[0])
+        handles = [None] if lifted else [self.handle(t) for t in leaves]
         written = [
             (t, h)
             for t in aten.written_tensors(facts.writes, args, kwargs)
@@ -222,20 +210,28 @@ class Recorder(TorchDispatchMode):
         key = signature(func, args, kwargs) if measures else None
         nbytes = known(key) if key is not None else None
         if key is None or nbytes is not None or pure:
-            out, seconds, on_device = self._run(func, args, kwargs, leaves, repeat=pure)
+            out, seconds, on_device = run_timed(func, args, kwargs, leaves, self.repeats if pure else 1)
             if key is not None and nbytes is None and seconds > 0:  # pure: one more run measures it
                 once = scratch_of(lambda: func(*args, **kwargs), leaves[0].device)
                 nbytes = None if once is None else learn(key, once)
             scratch = (nbytes or 0) if seconds > 0 else 0
         else:  # NOTE [scratch of a single run]
             (out, seconds, on_device), nbytes = measured(
-                lambda: self._run(func, args, kwargs, leaves, repeat=False), leaves[0].device
+                lambda: run_timed(func, args, kwargs, leaves, 1), leaves[0].device
             )
             scratch = 0 if nbytes is None or not seconds else learn(key, nbytes)
+        numbers = aten.wrapped_numbers(facts, args, kwargs)  # NOTE [wrapped numbers]
+        if (
+            numbers
+            and scratch
+            and torch._C._current_autograd_node() is not None
+            and leaves[0].device.type == "cpu"
+        ):
+            scratch = max(0, scratch - sum(n for _, n in numbers))  # the saved one, handed back
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
         returns = tuple(
-            (not fresh and not w, w)
+            (not fresh and not w and not lifted, w)
             for fresh, w in zip(facts.fresh_returns, facts.written_returns, strict=True)
         )
         outputs: list[int] = []
@@ -251,11 +247,13 @@ class Recorder(TorchDispatchMode):
             self.op_module[h] = module
         inputs = tuple(h for h in handles if h is not None)
         mutates = tuple(dict.fromkeys(h for _, h in written))
-        self.events.append(
-            _OpRecord(
-                str(func), inputs, tuple(outputs), mutates, seconds, phase, module, random, scratch, on_device
-            )
+        record = _OpRecord(
+            str(func), inputs, tuple(outputs), mutates, seconds, phase, module, random, scratch, on_device
         )
+        self.events.append(record)
+        first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        if numbers and torch.is_grad_enabled() and first is not None and first.device.type == "cpu":
+            self.wrapping = (weakref.ref(first), record, numbers)
         if phase in (Phase.FORWARD, None) and torch.is_grad_enabled():
             self.attribution.tag_nodes(
                 (t, self.op_module[h]) for t, h in zip(leaves, handles, strict=True) if h is not None
@@ -265,55 +263,30 @@ class Recorder(TorchDispatchMode):
             self.progress(self.n_ops)
         return out
 
+    def _wrapped(self) -> None:
+        """The numbers the op before was given in a tensor's place that its autograd node saved, as
+        made by that op (NOTE [wrapped numbers] in ``remat.aten.schema``)."""
+        if self.wrapping is None:
+            return
+        (ref, record, numbers), self.wrapping = self.wrapping, None
+        node = getattr(ref(), "grad_fn", None)
+        for name, _ in numbers if node is not None else ():
+            saved = None
+            with contextlib.suppress(RuntimeError):  # already freed, by a backward of its own
+                saved = getattr(node, f"_saved_{name}", None)
+            storage = aten.storage_of(saved) if isinstance(saved, torch.Tensor) and saved.dim() == 0 else None
+            if storage is not None and storage._cdata not in self.storages:
+                made = self._new_storage(saved, storage, constant=False)  # type: ignore[arg-type]
+                self.op_module[made] = record.module
+                record.outputs += (made,)
+                record.scratch = max(0, record.scratch - storage.nbytes())  # its run again made it too
+
     def _rebind(self, t: torch.Tensor, hid: int) -> None:
         rec = self.storages.get(self.storage_key[hid])
         if rec is not None:
             rec.by_geometry[aten.geometry(t)] = hid
             rec.impls.append(t._cdata)
             self.impl[t._cdata] = hid
-
-    def _run(
-        self,
-        func: Any,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        leaves: list[torch.Tensor],
-        repeat: bool,
-    ) -> tuple[Any, float, float | None]:
-        """Run the op: its result, the host's seconds and, on CUDA, the device's (NOTE [CUDA op
-        time])."""
-        cuda = any(t.is_cuda for t in leaves)
-        runs = self.repeats if repeat else 1
-        times, on_device = [], []
-        out = None
-        # The first call is the program's own; repeats (pure ATen ops only: no mutation, no RNG
-        # draw, no collective) run on the same inputs and their results are dropped at once.
-        for i in range(runs):
-            if cuda:  # NOTE [CUDA op time]
-                torch.cuda.synchronize()
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if i == min(1, runs - 1):
-                    torch.cuda._sleep(CUDA_HEAD_START)
-                begin.record()
-            start = time.perf_counter()
-            result = func(*args, **kwargs)
-            times.append(time.perf_counter() - start)
-            if cuda:
-                end.record()
-                end.synchronize()
-                on_device.append(begin.elapsed_time(end) / 1e3)
-            if i == 0:
-                out = result
-                if any(
-                    isinstance(t, torch.Tensor) and (is_fake(t) or t.is_meta)
-                    for t in (*leaves, *tree_leaves(out))
-                ):
-                    return out, 0.0, None  # nothing ran: fake and meta tensors have no time
-            del result
-        if not cuda:
-            return out, statistics.median(times), None
-        host = statistics.median(times[2:]) if runs > 2 else times[0]
-        return out, host, on_device[1] if runs > 1 else on_device[0]
 
     # -- saved tensors, hooks, the trace ------------------------------------------------------------
 
@@ -352,6 +325,7 @@ class Recorder(TorchDispatchMode):
             ):
                 yield
         finally:
+            self._wrapped()
             for fin in self.finalizers:
                 fin.detach()
 
@@ -359,7 +333,7 @@ class Recorder(TorchDispatchMode):
         """What was recorded, as a Trace named ``name`` (costs not yet estimated)."""
         ops = [e for e in self.events if isinstance(e, _OpRecord)]
         resolved = phases([e.phase for e in ops])
-        # NOTE [CUDA op time]: the device's times where the device is the step's bottleneck
+        # NOTE [CUDA op time] (``remat.trace.op_time``): the device's times where it is the bottleneck
         host_s = sum(e.cost for e in ops)
         device_s = sum(e.cost if e.device_cost is None else e.device_cost for e in ops)
         device_bound = device_s > host_s

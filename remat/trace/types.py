@@ -154,6 +154,20 @@ class Trace:
                     deaths[r] = last
         return deaths
 
+    @functools.cached_property
+    def outliving(self) -> frozenset[int]:
+        """The storages (roots) ops made that are still alive when the step ends; cached.
+
+        NOTE [held past the step] Something of the program's holds them past the step (a module
+        attribute: the weight ``torch.nn.utils.spectral_norm`` and ``weight_norm`` compute in a
+        forward pre-hook), not autograd, which lets go of its saves in backward. A region that
+        dropped one would free nothing and its replay would make a copy beside it (a tiny CNN's
+        plan measured 13 KB over its budget), so every region keeps those it saves
+        (``remat.planner.search.Step``)."""
+        roots, tensors = self.roots, self.tensors
+        made = {roots[t] for op in self.ops for t in op.outputs if not tensors[roots[t]].constant}
+        return frozenset(made - {roots[e.tensor] for e in self.events if isinstance(e, Release)})
+
     def root(self, tensor: int) -> int:
         """The tensor that owns ``tensor``'s storage (itself unless it is an alias)."""
         info = self.tensors[tensor]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from models import assert_close, build, train, twin
-from plans import SCALARS, _measured_peak, _plan
+from plans import _measured_peak, _plan
 from torch import nn
 
 import remat
@@ -201,7 +201,7 @@ def test_compiled_replay_stays_within_the_predicted_peak(name: str) -> None:
     model, batch, _ = build(name)
     _measured_peak(model, batch(0), plan, "compiled")  # compiles in the first backward
     compiled = _measured_peak(model, batch(0), plan, "compiled")
-    assert compiled <= plan.predicted_peak_bytes + SCALARS
+    assert compiled <= plan.predicted_peak_bytes
     assert compiled >= 0.99 * plan.predicted_peak_bytes
 
 

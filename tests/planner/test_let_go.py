@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from plans import SCALARS, fixed_costs
+from plans import fixed_costs
 from torch import nn
 
 import remat
@@ -95,8 +95,27 @@ def test_plans_hold_what_the_program_holds(traced: Traced, fraction: float) -> N
     plan = plan_trace(trace, fraction)
     assert plan.regions
     measured = _peak(copy.deepcopy(model), x, plan)
-    assert measured <= plan.budget_bytes + SCALARS
-    assert abs(measured - plan.predicted_peak_bytes) <= SCALARS
+    assert measured <= plan.budget_bytes
+    assert measured == plan.predicted_peak_bytes
+
+
+class _Scaled(_Net):
+    """A loss ending in a Python number (``loss / 4``, as in gradient accumulation): autograd saves
+    the number's 0-dim tensor (NOTE [wrapped numbers] in ``remat.aten.schema``), which only the
+    traced step, whose backward runs, sees."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / 4
+
+
+def test_a_loss_divided_by_a_number_keeps_let_go() -> None:
+    torch.manual_seed(0)
+    model, x = _Scaled().train(), torch.randn(4, 64, 16)
+    trace = fixed_costs(trace_step(model, (x,), repeats=1))
+    assert trace.let_go  # a plan over 13% above its budget had lost them
+    for fraction in (0.9, 0.7):
+        plan = plan_trace(trace, fraction)
+        assert _peak(copy.deepcopy(model), x, plan) == plan.predicted_peak_bytes <= plan.budget_bytes
 
 
 class _Alternating(nn.Module):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from models import assert_same, build, train, twin
-from plans import SCALARS, _measured_peak, _traced, trace_with_fixed_costs
+from plans import _measured_peak, _traced, trace_with_fixed_costs
 
 import remat
 from remat import Plan, RematTypeError, RematValueError
@@ -160,7 +160,7 @@ def test_an_applied_three_way_plan_is_transparent_and_measures_less(
     ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
     assert_same(plain, ran)
     peak = _measured_peak(planned, batch(0), plan)
-    assert peak <= plan.predicted_peak_bytes + SCALARS
+    assert peak <= plan.predicted_peak_bytes
     assert peak < _measured_peak(planned, batch(0), None)
     assert made and all(o.prefetch == offload_execute.PREFETCH for o in made)
     if sum(t.action is Decision.OFFLOAD for t in plan.tensors) > 1:
@@ -198,7 +198,7 @@ def test_the_cli_sweeps_three_way_plans_beside_recomputation(
     assert both
     for three, chain in both:  # at the same budget
         assert three["predicted_overhead"] <= chain["predicted_overhead"]
-        assert three["measured_peak"] <= three["predicted_peak"] + SCALARS
+        assert three["measured_peak"] <= three["predicted_peak"]
     assert png.stat().st_size > 10_000
     with pytest.raises(SystemExit):
         main([*args, "--link", "fast"])
@@ -220,7 +220,9 @@ def test_three_way_plans_measure_their_prediction(name: str) -> None:
         if plan.offloaded_bytes == 0 or key in seen:
             continue
         seen.add(key)
-        assert abs(_measured_peak(twin(model), batch(0), plan) - plan.predicted_peak_bytes) <= SCALARS
+        measured = _measured_peak(twin(model), batch(0), plan)
+        # never under; over by at most 256 bytes (144 on the tiny GPT-2's lowest three-way plan)
+        assert 0 <= plan.predicted_peak_bytes - measured <= 256
     assert seen
 
 

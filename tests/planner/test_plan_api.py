@@ -4,6 +4,7 @@ and refuses clearly what it cannot do."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import re
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from models import assert_same, build, train, twin
-from plans import SCALARS, _measured_peak, _plan, _traced, fixed_costs, trace_with_fixed_costs
+from plans import _measured_peak, _plan, _traced, fixed_costs, trace_with_fixed_costs
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -63,9 +64,40 @@ def test_measured_peak_is_the_predicted_one(name: str, solver: str) -> None:
     plan = _plan(name, solver)
     model, batch, _ = build(name)
     planned = _measured_peak(model, batch(0), plan)
-    assert planned <= plan.predicted_peak_bytes + SCALARS
+    assert planned <= plan.predicted_peak_bytes
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert planned >= 0.99 * plan.predicted_peak_bytes
+
+
+class _Gelu(nn.Module):
+    """GPT-2's tanh GELU: autograd keeps three of its Python numbers as 0-dim tensors."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return 0.5 * h * (1.0 + torch.tanh(0.79788 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+def test_the_floor_counts_the_numbers_autograd_keeps() -> None:
+    """NOTE [wrapped numbers] in ``remat.aten.schema``: 24 bytes a block that no dispatch mode
+    sees; the plan at the floor measured 24 bytes over it, the plain step 96 over its prediction."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), _Gelu(), nn.Linear(64, 16)) for _ in range(4)])
+    x = torch.randn(8, 16)
+
+    def measured(plan: Plan | None) -> int:
+        model.zero_grad(set_to_none=True)
+        with remat.memory.track(timeline=False, allocator=True) as tracked:
+            with plan.apply(model) if plan is not None else contextlib.nullcontext():
+                loss = model(x).square().mean()
+            loss.backward()
+        return tracked.peak_bytes
+
+    measured(None)  # a warm-up step
+    trace = fixed_costs(trace_step(model, (), lambda m: m(x).square().mean(), repeats=1))
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1000)
+    plan = plan_trace(trace, info.value.minimum_bytes)
+    assert measured(plan) == plan.predicted_peak_bytes <= info.value.minimum_bytes
+    assert measured(None) == plan.baseline_peak_bytes
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
@@ -372,7 +404,7 @@ def test_a_filled_plan_of_a_cnn_with_batch_norm_trains_exactly_and_measures_its_
     plain = train(model, batch, steps=2)
     ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
     assert_same(plain, ran)
-    assert _measured_peak(planned, batch(0), plan) <= full.pred.peak_bytes + SCALARS
+    assert _measured_peak(planned, batch(0), plan) <= full.pred.peak_bytes
 
 
 def test_filling_stops_when_its_predictions_run_out(monkeypatch: pytest.MonkeyPatch) -> None:
