@@ -3,9 +3,11 @@ step traced once with fixed op costs, a plan per solver, and the allocator's pea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -85,3 +87,13 @@ def assert_monotone(found: Frontier, name: str, fractions: list[float]) -> None:
     feasible = [o for o in overheads if o is not None]
     assert overheads[len(overheads) - len(feasible) :] == feasible
     assert all(a >= b for a, b in zip(feasible, feasible[1:], strict=False)), (budgets, overheads)
+
+
+def step_peak(model: nn.Module, loss: Callable[[nn.Module], Any], plan: Plan | None = None) -> int:
+    """The allocator's peak of one training step of ``model`` (``loss(model)``), under ``plan``."""
+    model.zero_grad(set_to_none=True)
+    with remat.memory.track(timeline=False, allocator=True) as tracked:
+        with plan.apply(model) if plan is not None else contextlib.nullcontext():
+            value = loss(model)
+        value.backward()
+    return tracked.peak_bytes

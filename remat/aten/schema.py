@@ -20,7 +20,8 @@ is taken as made by the op and freed when its storage dies, as any other. Runnin
 are already counted: for a saved number, and in backward, where the op is handed the saved tensor
 (as a number again). Not found: a number given to an in-place op on a view (``lin(h).mul_(0.1)``
 with a 3-D ``h``), whose node autograd keeps inside the base's ``CopySlices``: its 8 bytes are
-missing from the trace.
+missing from the trace. Nor counted: a dispatch mode that runs such an op (the plan's executor, in
+forward) makes one more 0-dim tensor for its call, which lives while the op runs.
 """
 
 from __future__ import annotations

@@ -100,9 +100,29 @@ def _capture(args: argparse.Namespace) -> int:
     return 0
 
 
-def _info(args: argparse.Namespace) -> int:
+# the capture's options and their defaults: ``info`` and ``models`` take none of them
+_CAPTURE: dict[str, object] = {"model": None, "batch": None, "seq": None, "image": None}
+_CAPTURE |= {"fake": False, "tiny": False, "optimizer": "none", "repeats": 3, "profile": None, "out": None}
 
+
+def _capture_options_unused(args: argparse.Namespace) -> None:
+    given = [f"--{name}" for name, default in _CAPTURE.items() if getattr(args, name) != default]
+    if given:
+        raise RematValueError(
+            message(
+                "trace",
+                f"the capture's options do not apply to `remat trace {args.trace_command}`",
+                f"got {', '.join(given)}",
+                f"run remat trace {args.trace_command} without them "
+                "(or capture with remat trace --model NAME --out FILE)",
+            )
+        )
+
+
+def _info(args: argparse.Namespace) -> int:
     from remat.trace.codec import load
+
+    _capture_options_unused(args)
 
     trace = load(args.file)  # a RematError prints as one line (remat.cli.main)
     _summary(trace, top=args.top)
@@ -115,6 +135,7 @@ def _models(args: argparse.Namespace) -> int:
     from remat import zoo
     from remat._console import console
 
+    _capture_options_unused(args)
     table = Table("name", "model", "input", "default batch", "default size")
     for name in zoo.names():
         spec = zoo.get(name)

@@ -4,7 +4,6 @@ and refuses clearly what it cannot do."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import re
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from models import assert_same, build, train, twin
-from plans import _measured_peak, _plan, _traced, fixed_costs, trace_with_fixed_costs
+from plans import _measured_peak, _plan, _traced, fixed_costs, step_peak, trace_with_fixed_costs
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -83,21 +82,16 @@ def test_the_floor_counts_the_numbers_autograd_keeps() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), _Gelu(), nn.Linear(64, 16)) for _ in range(4)])
     x = torch.randn(8, 16)
 
-    def measured(plan: Plan | None) -> int:
-        model.zero_grad(set_to_none=True)
-        with remat.memory.track(timeline=False, allocator=True) as tracked:
-            with plan.apply(model) if plan is not None else contextlib.nullcontext():
-                loss = model(x).square().mean()
-            loss.backward()
-        return tracked.peak_bytes
+    def loss(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
 
-    measured(None)  # a warm-up step
-    trace = fixed_costs(trace_step(model, (), lambda m: m(x).square().mean(), repeats=1))
+    step_peak(model, loss)  # a warm-up step
+    trace = fixed_costs(trace_step(model, (), loss, repeats=1))
     with pytest.raises(BudgetTooSmall) as info:
         plan_trace(trace, 1000)
     plan = plan_trace(trace, info.value.minimum_bytes)
-    assert measured(plan) == plan.predicted_peak_bytes <= info.value.minimum_bytes
-    assert measured(None) == plan.baseline_peak_bytes
+    assert step_peak(model, loss, plan) == plan.predicted_peak_bytes <= info.value.minimum_bytes
+    assert step_peak(model, loss) == plan.baseline_peak_bytes
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])

@@ -7,17 +7,14 @@ at or under its budget."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
-from plans import fixed_costs
+from plans import fixed_costs, step_peak
 from torch import nn
 
-import remat
-from remat import Plan
 from remat.planner import BudgetTooSmall, plan_trace, trace_step
 
 
@@ -41,20 +38,15 @@ def test_plans_measure_their_prediction(kind: str) -> None:
         model = nn.Sequential(*[nn.Sequential(BLOCKS[kind](), nn.ReLU()) for _ in range(6)])
     x = torch.randn(2, 8, 16, 16)
 
-    def measured(plan: Plan | None) -> int:
-        model.zero_grad(set_to_none=True)
-        with remat.memory.track(timeline=False, allocator=True) as tracked:
-            with plan.apply(model) if plan is not None else contextlib.nullcontext():
-                loss = model(x).square().mean()
-            loss.backward()
-        return tracked.peak_bytes
+    def loss(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
 
-    plain = measured(None)
-    trace = fixed_costs(trace_step(model, (), lambda m: m(x).square().mean(), repeats=1))
+    plain = step_peak(model, loss)
+    trace = fixed_costs(trace_step(model, (), loss, repeats=1))
     with pytest.raises(BudgetTooSmall) as info:
         plan_trace(trace, 1000)
     floor = info.value.minimum_bytes
     for solver in ("sqrt", "chain", "auto"):
         for budget in (floor, floor + (plain - floor) // 4, floor + (plain - floor) // 2):
             plan = plan_trace(trace, budget, solver=solver)
-            assert measured(plan) == plan.predicted_peak_bytes <= budget, (solver, budget, plan.notes)
+            assert step_peak(model, loss, plan) == plan.predicted_peak_bytes <= budget, (solver, budget)

@@ -43,3 +43,15 @@ def test_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["trace", "--model", "alexnet", "--out", "x"])
     assert "invalid choice: 'alexnet'" in capsys.readouterr().err
+
+
+def test_info_and_models_refuse_the_capture_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["trace", "--model", "gpt2", "--tiny", "info", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "remat.trace: the capture's options do not apply to `remat trace info` (got --model, --tiny)" in err
+    )
+    assert main(["trace", "--repeats", "5", "models"]) == 2
+    assert "(got --repeats)" in capsys.readouterr().err
