@@ -9,19 +9,20 @@ and no mode may treat it as pure.
 NOTE [wrapped numbers] A Python number given where an op's schema takes a tensor (``0.5 * x`` is
 ``aten.mul.Tensor(x, 0.5)``) becomes a 0-dim CPU tensor, made by torch's argument parser before
 autograd and allocated by the CPU allocator (8 bytes for a float). Autograd may save it
-(``MulBackward0`` keeps ``other`` while ``x`` wants a gradient), and it then lives until that
-node's backward; but dispatch modes see the number, never the tensor, so a trace that counts only
-what ops make misses those bytes (GPT-2's GELU saves three a layer). Nor do saved-tensor hooks
-see it (autograd packs no wrapped number), so every form of remat keeps it as plain autograd does.
-The trace capture notes the arguments of an op given a number (``wrapped_numbers``) and, before
-the next op, looks them up on the op's autograd node (``_saved_other``): a 0-dim tensor found there
-is taken as made by the op and freed when its storage dies, as any other. Running such an op again
-(to learn its scratch) makes the 0-dim tensor anew, so its bytes leave the op's scratch where they
-are already counted: for a saved number, and in backward, where the op is handed the saved tensor
-(as a number again). Not found: a number given to an in-place op on a view (``lin(h).mul_(0.1)``
-with a 3-D ``h``), whose node autograd keeps inside the base's ``CopySlices``: its 8 bytes are
-missing from the trace. Nor counted: a dispatch mode that runs such an op (the plan's executor, in
-forward) makes one more 0-dim tensor for its call, which lives while the op runs.
+(``MulBackward0`` keeps ``other`` while ``x`` wants a gradient), and it then lives until that node's
+backward; but dispatch modes see the number, never the tensor, so a trace that counts only what ops
+make misses those bytes (GPT-2's GELU saves three a layer). Nor do saved-tensor hooks see it
+(autograd packs no wrapped number), so every form of remat keeps it as plain autograd does. The
+trace capture notes the arguments of an op given a number (``wrapped_numbers``) and, before the next
+op, looks them up on the op's autograd node (``_saved_other``): a 0-dim tensor found there is taken
+as made by the op and freed when its storage dies, as any other. Running such an op again (to learn
+its scratch) makes the 0-dim tensor anew, so its bytes leave the op's scratch where they are already
+counted: for a saved number, and in a backward formula, where the op is handed the saved tensor (as
+a number again; a custom ``Function``'s backward makes its numbers anew). Not found: a number given
+to an in-place op on a view (``lin(h).mul_(0.1)`` with a 3-D ``h``), whose node autograd keeps
+inside the base's ``CopySlices``: its 8 bytes are missing from the trace. Nor counted: a dispatch
+mode that runs such an op (the plan's executor, in forward) makes one more 0-dim tensor for its
+call, which lives while the op runs.
 """
 
 from __future__ import annotations

@@ -40,13 +40,51 @@ class Holds:
     unsnap_after: dict[int, int]
 
 
-def _released(r: int, modules: set[str], last_read_in: dict[tuple[int, str], int], otherwise: int) -> int:
-    """When autograd lets go of storage ``r`` that a region with forward ops in ``modules``
-    packed: the save goes with its node, so after the last read by a backward op of those modules,
-    not by another region's node that saved the same storage (a rotary table, a mask); a storage
-    no backward op of the region reads is counted to ``otherwise``."""
-    mine = [last_read_in[r, m] for m in modules if (r, m) in last_read_in]
-    return max(mine) if mine else otherwise
+@dataclass(frozen=True)
+class _Backward:
+    """Where the backward reads and frees each storage: per (storage, module of the reading node)
+    its last reader; per backward op, the last op of its run of ops of one module (the node that
+    runs it ends there at the latest); per storage, the op after which the plain step frees it."""
+
+    last_read_in: dict[tuple[int, str], int]
+    run_end: dict[int, int]
+    freed: dict[int, int]
+
+    def released(self, r: int, modules: set[str], otherwise: int) -> int:
+        """When autograd lets go of storage ``r`` that a region with forward ops in ``modules``
+        packed: the save goes with its node, so after the last read by a backward op of those
+        modules (not by another region's node that saved the same storage: a rotary table, a mask)
+        and the rest of that node's ops, which the plain step's free of ``r`` bounds; a storage no
+        backward op of the region reads is counted to ``otherwise``."""
+        mine = [self.last_read_in[r, m] for m in modules if (r, m) in self.last_read_in]
+        if not mine:
+            return otherwise
+        last = max(mine)
+        return max(last, min(self.run_end[last], self.freed.get(r, self.run_end[last])))
+
+
+def _backward(trace: Trace, root: Sequence[int]) -> _Backward:
+    last_read_in: dict[tuple[int, str], int] = {}
+    run_end: dict[int, int] = {}
+    run: list[int] = []
+    for op in trace.ops:
+        if op.phase is not Phase.BACKWARD:
+            continue
+        for t in op.inputs:
+            last_read_in[root[t], op.module] = op.index
+        if run and trace.ops[run[-1]].module != op.module:
+            run_end.update(dict.fromkeys(run, run[-1]))
+            run = []
+        run.append(op.index)
+    run_end.update(dict.fromkeys(run, run[-1] if run else -1))
+    freed: dict[int, int] = {}
+    at = -1
+    for e in trace.events:
+        if isinstance(e, Op):
+            at = e.index
+        else:
+            freed[root[e.tensor]] = at
+    return _Backward(last_read_in, run_end, freed)
 
 
 def tape_holds(
@@ -54,13 +92,10 @@ def tape_holds(
 ) -> Holds:
     """Holds of the tapes and replay plans (NOTE [region model]), and the snapshots they take."""
     root, tensors = facts.root, trace.tensors
+    backward = _backward(trace, root)
     last_saved_read: dict[int, int] = {}
-    last_read_in: dict[tuple[int, str], int] = {}  # (storage, module of the reading node) -> op
-    for op in trace.ops:
-        if op.phase is Phase.BACKWARD:
-            for t in op.inputs:
-                last_saved_read[root[t]] = op.index
-                last_read_in[root[t], op.module] = op.index
+    for (r, _), i in backward.last_read_in.items():
+        last_saved_read[r] = max(i, last_saved_read.get(r, -1))
     holds = Holds({}, {}, {}, {})
     end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
     for g, region in enumerate(regions):
@@ -79,7 +114,7 @@ def tape_holds(
         modules = {trace.ops[i].module for i in region.ops}
         packs_until = max(
             (
-                _released(r, modules, last_read_in, last_saved_read.get(r, end))
+                backward.released(r, modules, last_saved_read.get(r, end))
                 for r in packed
                 if r in facts.saved_roots
             ),

@@ -26,7 +26,7 @@ to the replay (``remat.planner.holds``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat import aten
@@ -34,6 +34,7 @@ from remat.trace.types import Op, Phase, Trace
 
 __all__ = [
     "RegionOps",
+    "always_kept",
     "Rerun",
     "RegionPlans",
     "StepFacts",
@@ -122,6 +123,17 @@ def step_facts(trace: Trace, regions: Sequence[RegionOps]) -> StepFacts:
                 maker.setdefault(t, op.index)
     region_of = {i: g for g, region in enumerate(regions) for i in region.ops}
     return StepFacts(root, cost, {root[t] for t in trace.saved}, readers, maker, region_of)
+
+
+def always_kept(trace: Trace, maker: Mapping[int, int]) -> frozenset[int]:
+    """The ops (of ``maker``: storage -> the forward op that made it) whose results every region on
+    a tape keeps: what autograd saved and the program holds past the step anyway (NOTE [held past
+    the step] in ``remat.trace.types``), and what ``torch.tensor`` made in the step, which the tape
+    holds as an input from outside."""
+    kept = trace.outliving & trace.saved_roots
+    return frozenset(
+        i for t, i in maker.items() if t in kept or trace.ops[i].name == "aten.lift_fresh.default"
+    )
 
 
 def kept_values(trace: Trace, regions: Sequence[RegionOps], facts: StepFacts) -> list[set[int]]:

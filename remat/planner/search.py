@@ -20,7 +20,7 @@ from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost
 from remat.planner.execute import UNCOUNTED
 from remat.planner.lowering import stage_key
 from remat.planner.predict import Prediction, predict
-from remat.planner.region_model import RegionOps
+from remat.planner.region_model import RegionOps, always_kept
 from remat.planner.regions import Region, TensorDecision
 from remat.planner.rerun_regions import rerun_of
 from remat.planner.single_level import chain_segments, model_peak
@@ -98,8 +98,7 @@ class Step:
         tensors = trace.tensors
         self.maker = {t: i for t, i in made if tensors[t].alias_of is None and not tensors[t].constant}
         self.makers = frozenset(self.maker.values())
-        kept = trace.outliving & trace.saved_roots  # NOTE [held past the step]
-        self.held = frozenset(i for t, i in self.maker.items() if t in kept)
+        self.held = always_kept(trace, self.maker)
 
     def region(
         self, name: str, ops: Sequence[int], save: Sequence[int] = ()

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -221,13 +222,9 @@ class Recorder(TorchDispatchMode):
             )
             scratch = 0 if nbytes is None or not seconds else learn(key, nbytes)
         numbers = aten.wrapped_numbers(facts, args, kwargs)  # NOTE [wrapped numbers]
-        if (
-            numbers
-            and scratch
-            and torch._C._current_autograd_node() is not None
-            and leaves[0].device.type == "cpu"
-        ):
-            scratch = max(0, scratch - sum(n for _, n in numbers))  # the saved one, handed back
+        node = torch._C._current_autograd_node() if numbers and scratch else None
+        if node is not None and not isinstance(node, BackwardCFunction) and leaves[0].device.type == "cpu":
+            scratch = max(0, scratch - sum(n for _, n in numbers))  # a formula's: the saved one, handed back
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
         returns = tuple(
