@@ -97,3 +97,10 @@ def step_peak(model: nn.Module, loss: Callable[[nn.Module], Any], plan: Plan | N
             value = loss(model)
         value.backward()
     return tracked.peak_bytes
+
+
+def floor_of(trace: Trace, **options: Any) -> int:
+    """The smallest peak a plan of ``trace`` reaches: the figure ``BudgetTooSmall`` names."""
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1, **options)
+    return info.value.minimum_bytes
