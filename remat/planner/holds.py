@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from remat import aten
 from remat.planner.region_model import RegionOps, RegionPlans, StepFacts, writes
-from remat.trace.types import Op, Phase, Trace
+from remat.trace.types import Op, Trace
 
 __all__ = ["Holds", "tape_holds"]
 
@@ -40,51 +40,19 @@ class Holds:
     unsnap_after: dict[int, int]
 
 
-@dataclass(frozen=True)
-class _Backward:
-    """Where the backward reads and frees each storage: per (storage, module of the reading node)
-    its last reader; per backward op, the last op of its run of ops of one module (the node that
-    runs it ends there at the latest); per storage, the op after which the plain step frees it."""
-
-    last_read_in: dict[tuple[int, str], int]
-    run_end: dict[int, int]
-    freed: dict[int, int]
-
-    def released(self, r: int, modules: set[str], otherwise: int) -> int:
-        """When autograd lets go of storage ``r`` that a region with forward ops in ``modules``
-        packed: the save goes with its node, so after the last read by a backward op of those
-        modules (not by another region's node that saved the same storage: a rotary table, a mask)
-        and the rest of that node's ops, which the plain step's free of ``r`` bounds; a storage no
-        backward op of the region reads is counted to ``otherwise``."""
-        mine = [self.last_read_in[r, m] for m in modules if (r, m) in self.last_read_in]
-        if not mine:
-            return otherwise
-        last = max(mine)
-        return max(last, min(self.run_end[last], self.freed.get(r, self.run_end[last])))
-
-
-def _backward(trace: Trace, root: Sequence[int]) -> _Backward:
-    last_read_in: dict[tuple[int, str], int] = {}
-    run_end: dict[int, int] = {}
-    run: list[int] = []
-    for op in trace.ops:
-        if op.phase is not Phase.BACKWARD:
-            continue
-        for t in op.inputs:
-            last_read_in[root[t], op.module] = op.index
-        if run and trace.ops[run[-1]].module != op.module:
-            run_end.update(dict.fromkeys(run, run[-1]))
-            run = []
-        run.append(op.index)
-    run_end.update(dict.fromkeys(run, run[-1] if run else -1))
-    freed: dict[int, int] = {}
-    at = -1
-    for e in trace.events:
-        if isinstance(e, Op):
-            at = e.index
-        else:
-            freed[root[e.tensor]] = at
-    return _Backward(last_read_in, run_end, freed)
+def _released(trace: Trace, r: int, modules: set[str], otherwise: int) -> int:
+    """When autograd lets go of storage ``r`` that a region with forward ops in ``modules`` packed:
+    the save goes with its node, so after the last read by a backward op of those modules (not by
+    another region's node that saved the same storage: a rotary table, a mask) and the rest of that
+    node's ops, which the plain step's free of ``r`` bounds; a storage no backward op of the region
+    reads is counted to ``otherwise``."""
+    reads = trace.backward_reads
+    mine = [reads[r, m] for m in modules if (r, m) in reads]
+    if not mine:
+        return otherwise
+    last = max(mine)
+    node_end = trace.backward_runs[last]
+    return max(last, min(node_end, trace.released_after.get(r, node_end)))
 
 
 def tape_holds(
@@ -92,9 +60,8 @@ def tape_holds(
 ) -> Holds:
     """Holds of the tapes and replay plans (NOTE [region model]), and the snapshots they take."""
     root, tensors = facts.root, trace.tensors
-    backward = _backward(trace, root)
     last_saved_read: dict[int, int] = {}
-    for (r, _), i in backward.last_read_in.items():
+    for (r, _), i in trace.backward_reads.items():
         last_saved_read[r] = max(i, last_saved_read.get(r, -1))
     holds = Holds({}, {}, {}, {})
     end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
@@ -114,7 +81,7 @@ def tape_holds(
         modules = {trace.ops[i].module for i in region.ops}
         packs_until = max(
             (
-                backward.released(r, modules, last_saved_read.get(r, end))
+                _released(trace, r, modules, last_saved_read.get(r, end))
                 for r in packed
                 if r in facts.saved_roots
             ),

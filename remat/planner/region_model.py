@@ -20,8 +20,8 @@ writer does; the ones after it read what the writer's replay makes. The snapshot
 storage, is what the replay plan holds. A buffer counts as such a storage (spectral norm's ``u`` and
 ``v``, which its power iteration writes with ``out=``): a replayed op that reads it after the write
 replays the write. A write into a view of such a storage (instance norm's running statistics) is
-not one of the region's targets; the tape keeps a snapshot of the whole storage beside the view's
-to the replay (``remat.planner.holds``).
+not one of the region's targets; the tape keeps the view's snapshot to the replay
+(``remat.planner.holds``).
 """
 
 from __future__ import annotations

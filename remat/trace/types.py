@@ -155,6 +155,43 @@ class Trace:
         return deaths
 
     @functools.cached_property
+    def backward_reads(self) -> dict[tuple[int, str], int]:
+        """Per (storage, module of the reading backward op; NOTE in ``backward_modules``), the last
+        backward op that reads it; cached."""
+        roots, reads = self.roots, {}
+        for op in self.ops:
+            if op.phase is Phase.BACKWARD:
+                reads.update(dict.fromkeys(((roots[t], op.module) for t in op.inputs), op.index))
+        return reads
+
+    @functools.cached_property
+    def backward_runs(self) -> dict[int, int]:
+        """Per backward op, the last op of its run of backward ops of one module: the autograd node
+        that runs it ends there at the latest; cached."""
+        runs: dict[int, int] = {}
+        run: list[int] = []
+        for op in self.ops:
+            if op.phase is not Phase.BACKWARD:
+                continue
+            if run and self.ops[run[-1]].module != op.module:
+                runs.update(dict.fromkeys(run, run[-1]))
+                run = []
+            run.append(op.index)
+        runs.update(dict.fromkeys(run, run[-1] if run else -1))
+        return runs
+
+    @functools.cached_property
+    def released_after(self) -> dict[int, int]:
+        """Per storage (root) the step let go of, the op after which it went; cached."""
+        roots, at, after = self.roots, -1, {}
+        for e in self.events:
+            if isinstance(e, Op):
+                at = e.index
+            else:
+                after[roots[e.tensor]] = at
+        return after
+
+    @functools.cached_property
     def outliving(self) -> frozenset[int]:
         """The storages (roots) ops made that are still alive when the step ends; cached.
 
@@ -166,7 +203,7 @@ class Trace:
         (``remat.planner.search.Step``)."""
         roots, tensors = self.roots, self.tensors
         made = {roots[t] for op in self.ops for t in op.outputs if not tensors[roots[t]].constant}
-        return frozenset(made - {roots[e.tensor] for e in self.events if isinstance(e, Release)})
+        return frozenset(made - self.released_after.keys())
 
     def root(self, tensor: int) -> int:
         """The tensor that owns ``tensor``'s storage (itself unless it is an alias)."""
