@@ -292,14 +292,16 @@ class ArenaBackend(AccountingBackend):
 
         fresh = [s for s, old in zip(record.outputs, record.reuse, strict=True) if old == NO_REUSE]
         found = self._out(recipe.func)
+        if found is not None and len(found[1]) != len(fresh):
+            found = None
+        leaves = self._meta_leaves(recipe) if fresh and found is not None else None
         placed: dict[int, torch.UntypedStorage] = {}
         copies = 0
-        if found is None or len(found[1]) != len(fresh) or self._wraps(found[0]):
+        if found is None or leaves is None or self._wraps(found[0]):
             copies = sum(graph.nbytes[s] for s in fresh)
         self.beside(record.op.scratch + copies, record.op.name)
-        if fresh and found is not None and len(found[1]) == len(fresh):
+        if found is not None and leaves is not None:
             overload, names = found
-            leaves = [value for _, value in result_leaves(recipe.returns, recipe.meta())]
             outs = {}
             for name, storage, position in zip(names, fresh, recipe.outputs, strict=True):
                 outs[name] = self._tensor_at(storage, leaves[position])
@@ -326,6 +328,19 @@ class ArenaBackend(AccountingBackend):
                 content = self.block(storage, computed.nbytes())
                 content.copy_(computed)
             self._install(storage, content)
+
+    def _meta_leaves(self, recipe: Recipe) -> list[Any] | None:
+        """The recomputed op's results on meta tensors, to place them in the arena; None where no
+        meta kernel can tell them (sizes that depend on the data, ``nonzero``; an op of
+        ``NO_META``): then it runs beside the arena and its results are copied in."""
+        func = recipe.func
+        if torch.Tag.dynamic_output_shape in func.tags or not self.placeable(func):
+            return None
+        try:
+            out = recipe.meta()
+        except (NotImplementedError, RuntimeError):
+            return None
+        return [value for _, value in result_leaves(recipe.returns, out)]
 
     # -- the end --------------------------------------------------------------------------------
 

@@ -140,3 +140,40 @@ def test_an_out_form_without_its_own_kernel_holds_its_results_beside_the_arena()
     with pytest.raises(RematValueError, match=beside), region:
         step(model, x)
     assert all(p.grad is None for p in model.parameters())  # the step was undone
+
+
+def _data_dependent_step(weights: list[torch.Tensor], x: torch.Tensor) -> None:
+    h = x
+    for w in weights:
+        h = torch.tanh(h @ w)
+        where = (h > 0).nonzero()  # its size depends on the data: no meta kernel sizes it
+        h = h + h[where[:, 0], where[:, 1]].sum() * 1e-3
+    h.square().mean().backward()
+
+
+@pytest.mark.parametrize("policy", ["dtr", "dte"])
+def test_an_op_whose_size_depends_on_the_data_is_recomputed_beside_the_arena(policy: str) -> None:
+    """``nonzero`` recomputed: its ``out=`` form cannot be placed ahead (its meta kernel refuses),
+    so it runs beside the arena and its result is copied in (torch's NotImplementedError before)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+    x = torch.randn(256, 32)
+    _data_dependent_step(weights, x)
+    plain = [w.grad.clone() for w in weights]
+    free = remat.dynamic(None, keep=weights, cost="model")
+    for _ in range(2):
+        for w in weights:
+            w.grad = None
+        with free:
+            _data_dependent_step(weights, x)
+    budget = int(0.7 * free.stats.peak_bytes)
+    region = remat.dynamic(
+        budget, policy, backend="arena", keep=weights, cost="model", reserve=0.3, thrash_limit=50.0
+    )
+    for w in weights:
+        w.grad = None
+    with remat.memory.track(allocator=True) as measured, region:
+        _data_dependent_step(weights, x)
+    assert region.stats.recomputations > 0
+    assert measured.peak_bytes + region.stats.outside_bytes <= budget
+    assert all(torch.equal(w.grad, g) for w, g in zip(weights, plain, strict=True))
