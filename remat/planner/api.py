@@ -50,6 +50,7 @@ from remat.planner.solvers import get
 from remat.trace import capture
 from remat.trace.let_go import with_let_go
 from remat.trace.types import Trace
+from remat.trace.unseen import with_unseen
 
 __all__ = ["BudgetTooSmall", "LossFn", "block_key", "plan", "plan_at", "plan_trace", "trace_step"]
 
@@ -98,7 +99,9 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     made the ops that run once in the capture (batch norm, in-place ReLU, dropout) cost 0.5 ms
     each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``). The forward then runs
     once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
-    NOTE [let go] in ``remat.trace.let_go``)."""
+    NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the
+    allocator's account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in
+    ``remat.trace.types``)."""
     _check_step(loss_fn, repeats)
     given = (
         list(inputs.values())
@@ -121,7 +124,10 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
             repeats=repeats,
         )
     with untouched(modules):  # the same forward again, from the same state (NOTE [let go])
-        return with_let_go(trace, lambda: _call(model, inputs, loss_fn))
+        trace = with_let_go(trace, lambda: _call(model, inputs, loss_fn))
+    with untouched(modules, leaves):  # the allocator's own count of the step (NOTE [unseen bytes])
+        model.zero_grad(set_to_none=True)
+        return with_unseen(trace, lambda: leaves.note(_call(model, inputs, loss_fn)).backward())
 
 
 def block_key(model: nn.Module) -> Callable[[str], str]:

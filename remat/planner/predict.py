@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from remat._units import format_bytes
 from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, ExecutorWork
 from remat.planner.execute import UNCOUNTED
 from remat.planner.holds import Holds, tape_holds
@@ -159,14 +160,16 @@ def predict(
     )
     recorded = sum(len(r.ops) for r in regions if r.rerun is None)
     work = ExecutorWork(checked, recorded, walk.replayed, len(moved))
+    unseen = trace.unseen_bytes  # NOTE [unseen bytes] in ``remat.trace.types``: held throughout
+    peak_at = walk.peak_at + (f", with {format_bytes(unseen)} no op made (measured)" if unseen else "")
     return Prediction(
-        walk.peak,
+        walk.peak + unseen,
         walk.peak_op,
-        walk.peak_at,
+        peak_at,
         base,
         walk.recompute,
         recomputed,
-        walk.held,
+        walk.held + unseen,
         executor_cost=executor.seconds(work),
         work=work,
     )

@@ -167,6 +167,8 @@ def _summary(trace: Any, top: int) -> None:
     peak_at = f" at op {live.peak_op} ({ops[live.peak_op].name})" if live.peak_op >= 0 else ""
     facts.add_row("unconstrained peak", f"{format_bytes(live.peak_bytes)} with constants")
     facts.add_row("activation peak", f"{format_bytes(live.activation_peak_bytes)}{peak_at}")
+    if trace.unseen_bytes:  # NOTE [unseen bytes] in ``remat.trace.types``
+        facts.add_row("unseen bytes", f"{format_bytes(trace.unseen_bytes)} the allocator held beyond it")
     for label, seconds in (("measured cost", trace.total_cost), ("estimated cost", trace.total_est_cost)):
         facts.add_row(label, f"{seconds * 1e3:,.3f} ms" if seconds else "- (none in the trace)")
     screen = console()

@@ -100,6 +100,8 @@ def _write(trace: Trace, path: Path) -> None:
             header["call_inputs"] = {name: list(ids) for name, ids in trace.call_inputs}
         if trace.let_go:
             header["let_go"] = [list(pair) for pair in trace.let_go]
+        if trace.unseen_bytes:
+            header["unseen_bytes"] = trace.unseen_bytes
         f.write(_dumps(header))
         at: dict[int, list[int]] = {}
         for tid, position in trace.saved_at:
@@ -202,6 +204,7 @@ def _read(path: Path) -> Trace:
             let_go = records.let_go(
                 header.get("let_go", []), len(tensors), sum(isinstance(e, Op) for e in events)
             )
+            unseen = records.unseen_bytes(header.get("unseen_bytes", 0))
     except Invalid as err:
         raise RematValueError(
             message(
@@ -235,6 +238,7 @@ def _read(path: Path) -> Trace:
         calls=calls,
         call_inputs=call_inputs,
         let_go=let_go,
+        unseen_bytes=unseen,
     )
 
 

@@ -27,12 +27,17 @@ __all__ = [
     "positions",
     "release",
     "tensor",
+    "unseen_bytes",
 ]
 
 FORMAT = "remat-trace"
-VERSION = 2
-# version -> the optional header fields it adds
-_READS = {1: frozenset({"calls", "call_inputs"}), 2: frozenset({"calls", "call_inputs", "let_go"})}
+VERSION = 3
+# version -> the optional header fields it reads
+_READS = {
+    1: frozenset({"calls", "call_inputs"}),
+    2: frozenset({"calls", "call_inputs", "let_go"}),
+    3: frozenset({"calls", "call_inputs", "let_go", "unseen_bytes"}),
+}
 
 _TENSOR_FIELDS = {"tensor", "nbytes", "alias_of", "constant", "shape", "dtype", "saved", "saved_at"}
 _OP_FIELDS = {
@@ -189,3 +194,9 @@ def release(record: dict[str, Any]) -> Release:
     if not is_count(tensor):
         raise Invalid("a release names one tensor id", f"release {tensor!r}")
     return Release(tensor)
+
+
+def unseen_bytes(value: object) -> int:
+    if not is_count(value):
+        raise Invalid("unseen_bytes must be a whole number of bytes, 0 or more", f"{value!r}"[:200])
+    return int(value)  # type: ignore[arg-type]

@@ -15,6 +15,16 @@ Conventions:
 
 The parts of a Trace (Phase, TensorInfo, Op, Release) are defined in ``remat.trace.events`` and
 re-exported here; its live bytes with no budget come from ``remat.trace.liveness``.
+
+NOTE [unseen bytes] A trace counts the storages ops make (and their kernels' scratch); memory that
+no op makes is not in it: above all the copies of the random-number generator's state that
+``torch.utils.checkpoint`` takes in forward for each call that draws (``torch.get_rng_state()``,
+5,056 bytes on CPU, no ATen op) and keeps until its backward. ``unseen_bytes`` is what the CPU
+allocator held at the plain step's peak beyond the trace's own count (``activation_peak_bytes``),
+measured by ``remat.planner.trace_step`` on one more run of the step; every prediction of the
+planner counts it as held throughout (on the safe side where it is held for part of the step).
+0 where it was not measured: another profiler session was running, a CUDA step (such states live
+in host memory there), a trace made another way.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ class Trace:
     (empty: not known), and ``call_inputs`` names the tensors each one's first call was given.
     ``let_go``: per saved storage (root), the forward op after which the program itself held no
     tensor on it, autograd's saves aside (``remat.trace.let_go``), where the capture ran the forward
-    again (of a model; a step function's capture has none)."""
+    again (of a model; a step function's capture has none). ``unseen_bytes``: NOTE [unseen bytes]."""
 
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]
@@ -52,6 +62,7 @@ class Trace:
     calls: tuple[tuple[str, int], ...] = ()
     call_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     let_go: tuple[tuple[int, int], ...] = ()
+    unseen_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "saved_at", tuple(sorted(self.saved_at)))

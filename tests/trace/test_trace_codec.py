@@ -18,7 +18,7 @@ from remat.trace import Op, Phase, Release, TensorInfo, Trace, capture, load, sa
 DTR_LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
 
 GOOD = [
-    '{"format":"remat-trace","version":2,"name":"t","device":"cpu","source":"test","tensors":3,"events":4}',
+    '{"format":"remat-trace","version":3,"name":"t","device":"cpu","source":"test","tensors":3,"events":4}',
     '{"tensor":0,"nbytes":16,"constant":true,"shape":[4],"dtype":"float32"}',
     '{"tensor":1,"nbytes":32,"shape":[8],"dtype":"float32","saved":true}',
     '{"tensor":2,"nbytes":0,"alias_of":1,"shape":[2,4],"dtype":"float32"}',
@@ -77,10 +77,11 @@ def test_every_field_round_trips(tmp_path: Path) -> None:
         calls=(("a", 1), ("a.b", 2)),
         call_inputs=(("a", (0, 1)),),
         let_go=((2, 1),),
+        unseen_bytes=5056,
     )
     assert trace.saved_at == ((0, 0), (2, 1), (2, 2))  # kept sorted
     save(trace, tmp_path / "t.jsonl")
-    assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["version"] == 2
+    assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["version"] == 3
     assert load(tmp_path / "t.jsonl") == trace
 
 
@@ -95,9 +96,21 @@ MALFORMED = {
     "not an object": (_replace(3, "[1, 2]"), 3, "each line must be one JSON object"),
     "wrong format": (_replace(1, '{"format":"other","version":1}'), 1, "must be the header"),
     "bad version": (
-        _replace(1, GOOD[0].replace('"version":2', '"version":3')),
+        _replace(1, GOOD[0].replace('"version":3', '"version":4')),
         1,
         "unsupported format version",
+    ),
+    "negative unseen_bytes": (
+        _replace(1, GOOD[0].replace('"events"', '"unseen_bytes":-1,"events"')),
+        None,
+        "unseen_bytes must be a whole number",
+    ),
+    "unseen_bytes in a version 2 header": (
+        _replace(
+            1, GOOD[0].replace('"version":3', '"version":2').replace('"events"', '"unseen_bytes":8,"events"')
+        ),
+        1,
+        "unknown field in a version 2 header",
     ),
     "let_go out of range": (
         _replace(1, GOOD[0].replace('"events"', '"let_go":[[1,9]],"events"')),
@@ -106,7 +119,7 @@ MALFORMED = {
     ),
     "let_go in a version 1 header": (
         _replace(
-            1, GOOD[0].replace('"version":2', '"version":1').replace('"events"', '"let_go":[],"events"')
+            1, GOOD[0].replace('"version":3', '"version":1').replace('"events"', '"let_go":[],"events"')
         ),
         1,
         "unknown field in a version 1 header",
@@ -282,11 +295,12 @@ def test_save_refuses_a_trace_that_would_not_read_back_and_leaves_the_file(tmp_p
     assert load(path) == good
 
 
-def test_version_1_files_still_read(tmp_path: Path) -> None:
-    old = _replace(1, GOOD[0].replace('"version":2', '"version":1'))
-    assert load(_write(tmp_path, old)) == load(_write(tmp_path, GOOD))
+def test_version_1_and_2_files_still_read(tmp_path: Path) -> None:
+    for version in (1, 2):
+        old = _replace(1, GOOD[0].replace('"version":3', f'"version":{version}'))
+        assert load(_write(tmp_path, old)) == load(_write(tmp_path, GOOD))
     calls = '"calls":{"m":1},"call_inputs":{"m":[0]},'
-    later = _replace(1, GOOD[0].replace('"version":2,', f'"version":1,{calls}'))
+    later = _replace(1, GOOD[0].replace('"version":3,', f'"version":1,{calls}'))
     assert load(_write(tmp_path, later)).calls == (("m", 1),)  # version 1 files of later captures
 
 
