@@ -197,6 +197,6 @@ def release(record: dict[str, Any]) -> Release:
 
 
 def unseen_bytes(value: object) -> int:
-    if not is_count(value):
+    if not isinstance(value, int) or not is_count(value):
         raise Invalid("unseen_bytes must be a whole number of bytes, 0 or more", f"{value!r}"[:200])
-    return int(value)  # type: ignore[arg-type]
+    return value
