@@ -27,7 +27,6 @@ from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
 from remat.manual.buffers import reached
 from remat.planner.cost_model import ExecutorCost
-from remat.planner.execute import first_result
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.lowering import stage_key
 from remat.planner.offload_lowering import offload_problem
@@ -40,6 +39,7 @@ from remat.planner.offload_search import (
     offload_frontier,
 )
 from remat.planner.plan import Plan
+from remat.planner.results import first_result
 from remat.planner.search import (
     best,
     decisions,

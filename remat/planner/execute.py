@@ -43,21 +43,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch.utils._pytree import tree_leaves
 
 from remat import aten
 from remat._dispatch import Unguarded
-from remat._errors import RecomputationError, RematTypeError, message
+from remat._errors import RecomputationError, RematTypeError, RematValueError, message
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
+from remat.planner.results import expected, made
 from remat.policy import Decision, OpContext, RecomputeAll
-from remat.trace.types import Op, Trace
 
-__all__ = ["UNCOUNTED", "apply", "first_result"]
+__all__ = ["UNCOUNTED", "apply"]
 
 # Not ops of the program (as in the trace capture): profiler markers and metadata queries.
 # NOTE [uncounted ops] Autograd itself issues ``detach`` when it saves an op's output with no
@@ -130,6 +129,7 @@ class _Runner(Unguarded):
         # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is
         self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
         if not self.active and not self.aside:
+            _no_hooks_around()
             self.stop()
             self.position = 0
             self.active = True
@@ -231,10 +231,10 @@ class _Runner(Unguarded):
         if not want:
             return out
         single = type(out) is torch.Tensor and info.written_returns == (False,)  # most ops
-        if single and _expected(self.shapes)[i] == (out.dtype, out.shape):  # no string made
+        if single and expected(self.shapes)[i] == (out.dtype, out.shape):  # no string made
             return out
-        made = _made(out, info)
-        if made is None or made == want:
+        got = made(out, info)
+        if got is None or got == want:
             return out
         self.stop()
         self.active = False
@@ -242,8 +242,9 @@ class _Runner(Unguarded):
             message(
                 "plan",
                 "each op makes the dtype and shape of the traced step (the plan's memory is theirs)",
-                f"op #{i} {func} in {self._running_module()} made {made}, planned {want}",
-                "plan again for this batch size, model and dtype",
+                f"op #{i} {func} in {self._running_module()} made {got}, planned {want}",
+                "plan again for this batch size, model and dtype (where a size depends on the data, "
+                "as nonzero's does, for data like this)",
             )
         )
 
@@ -287,49 +288,23 @@ def apply(
                 module.forward = before
 
 
-_EXPECTED: dict[int, tuple[Sequence[str], list[tuple[torch.dtype, tuple[int, ...]] | None]]] = {}
-
-
-def _expected(shapes: Sequence[str]) -> list[tuple[torch.dtype, tuple[int, ...]] | None]:
-    """Each ``float32[8, 64]`` of ``shapes`` as its dtype and shape (None: not one), once per plan."""
-    entry = _EXPECTED.get(id(shapes))
-    if entry is None or entry[0] is not shapes:
-        parsed: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
-        for text in shapes:
-            name, _, dims = text.partition("[")
-            dtype = getattr(torch, name, None)
-            ok = isinstance(dtype, torch.dtype) and dims.endswith("]")
-            sizes = tuple(int(d) for d in dims[:-1].split(",") if d.strip()) if ok else ()
-            parsed.append((dtype, sizes) if ok and aten.describe(dtype, sizes) == text else None)
-        if len(_EXPECTED) > 64:  # plans come and go
-            _EXPECTED.clear()
-        entry = _EXPECTED[id(shapes)] = (shapes, parsed)
-    return entry[1]
-
-
-def _first(out: Any, written: Sequence[bool]) -> torch.Tensor | None:
-    """An op's first result tensor that is not a written argument handed back (the trace's first
-    output of the op: ``remat.trace.recorder``)."""
-    results = [out] if len(written) == 1 else list(out or ())
-    for is_write, result in zip(written, results, strict=False):
-        if not is_write:
-            for t in tree_leaves(result):
-                if isinstance(t, torch.Tensor):
-                    return t
-    return None
-
-
-def _made(out: Any, info: aten.OpFacts) -> str | None:
-    """An op's first result's dtype and shape as ``_Runner._checked`` names them."""
-    got = _first(out, info.written_returns)
-    return None if got is None else aten.describe(got.dtype, got.shape)
-
-
-def first_result(trace: Trace, op: Op) -> str:
-    """``op``'s first result as ``_Runner._checked`` names it (``float32[8, 64]``), from the trace;
-    empty where the trace does not know it."""
-    t = trace.tensors[op.outputs[0]] if op.outputs else None
-    return f"{t.dtype}{list(t.shape)}" if t is not None and t.shape is not None and t.dtype else ""
+def _no_hooks_around() -> None:
+    """Refuse a forward that starts under saved-tensor hooks (``remat.offload``, ``remat.scope``,
+    ``torch.autograd.graph.save_on_cpu``): they decide what autograd keeps, which the plan decides
+    for itself, and their own ops run among the model's (the check would name them diverged)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    owner = getattr(top[0], "__self__", top[0]) if top is not None else None
+    if top is not None and not getattr(owner, "steps_aside", False):  # a three-way plan's own hooks do
+        raise RematValueError(
+            message(
+                "plan",
+                "a plan runs the model's forward under no saved-tensor hooks of another (it decides "
+                "what autograd keeps)",
+                f"the forward started under {getattr(owner, '__qualname__', type(owner).__qualname__)}",
+                "apply the plan outside remat.offload, remat.scope and torch.autograd.graph hooks "
+                "(plan with link= to offload)",
+            )
+        )
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module:
@@ -352,9 +327,9 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
     when the plan's block ends."""
     before = module.__dict__.get("forward")
     forward = module.forward
-    expected = list(runner.ops[region.first : region.last + 1])
+    expected_ops = list(runner.ops[region.first : region.last + 1])
     shapes = list(runner.shapes[region.first : region.last + 1]) if runner.shapes else []
-    ops = hash((tuple(expected), tuple(shapes)))  # the region's ops, in a key of the checked calls
+    ops = hash((tuple(expected_ops), tuple(shapes)))  # the region's ops, in a key of the checked calls
 
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not module:  # a copy made while the plan runs (``copy.deepcopy``) is not the plan's
@@ -384,7 +359,7 @@ def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.M
             seen = _CHECKED.setdefault(module, set())
             check = None
             if key not in seen:
-                check = CallCheck(expected, shapes, _made, UNCOUNTED, region.rerun, region.first)
+                check = CallCheck(expected_ops, shapes, made, UNCOUNTED, region.rerun, region.first)
             out = run_again(module, forward, args, kwargs, check)
             seen.add(key)
         except BaseException:

@@ -5,6 +5,7 @@ damaged plan file is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -33,6 +34,36 @@ def _mlp(width: int = 64, hidden: int = 256) -> nn.Sequential:
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
+
+
+HOOKS: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {
+    "remat.offload": remat.offload,
+    "remat.scope": remat.scope,
+    "save_on_cpu": torch.autograd.graph.save_on_cpu,
+}
+
+
+@pytest.mark.parametrize("around", list(HOOKS))
+def test_a_plan_refuses_a_forward_under_saved_tensor_hooks_of_another(around: str) -> None:
+    """Inside ``remat.offload`` the plan named the offloader's own ops diverged from the traced
+    step ("plan again with inputs that take this path"): the hooks around decide what autograd
+    keeps, as the plan does. Refused, naming them, before the first op; the plan runs after."""
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.6, loss_fn=_loss, repeats=1)
+    rule = r"remat\.plan: a plan runs the model's forward under no saved-tensor hooks of another"
+    with (
+        pytest.raises(RematValueError, match=rule + r".*\(the forward started under \w"),
+        HOOKS[around](),
+        plan.apply(model),
+    ):
+        _loss(model, x)
+    model.zero_grad(set_to_none=True)
+    with plan.apply(model):
+        _loss(model, x).backward()
+    planned = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    _loss(model, x).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), planned, strict=True))
 
 
 @pytest.mark.parametrize(
