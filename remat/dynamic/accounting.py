@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 from remat._errors import RecomputationError
 from remat.aten import UNSAID_VIEWS, scratch
@@ -28,6 +27,7 @@ from remat.dynamic.backends import register
 from remat.dynamic.homes import Homes, aligned
 from remat.dynamic.op_bytes import resized
 from remat.dynamic.recipe import Recipe, result_leaves
+from remat.dynamic.sizing import BOUNDED, bound, meta, meta_results
 from remat.host.pool import HostPool
 
 # Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
@@ -48,34 +48,6 @@ ALIASING = {packet.replace(".", "::", 1) for packet in UNSAID_VIEWS}
 
 _METAS: dict[tuple[Any, ...], list[torch.Tensor | None] | None] = {}  # by op signature (``plan``)
 _UNKNOWN: Any = object()  # a signature not in _METAS yet
-
-
-def meta_results(
-    func: Any, args: Any, kwargs: Any, fresh_returns: tuple[bool, ...]
-) -> list[torch.Tensor | None] | None:
-    """``func``'s results on meta tensors, flat (None: not returned); None where no meta kernel tells."""
-    kwargs = tree_map(meta, dict(kwargs))
-    if not any(isinstance(x, torch.Tensor) for x in tree_leaves(args)):  # a factory
-        if not any(a.name == "device" for a in func._schema.arguments):
-            return None
-        kwargs["device"] = torch.device("meta")
-    try:
-        metas = func(*tree_map(meta, tuple(args)), **kwargs)
-    except Exception:  # no meta kernel, or results whose size depends on the data
-        return None
-    leaves = [value for _, value in result_leaves(fresh_returns, metas)]
-    sized = all(m is None or isinstance(m, torch.Tensor) and m.is_meta for m in leaves)
-    return leaves if sized and any(m is not None for m in leaves) else None
-
-
-def meta(x: Any) -> Any:
-    """``x`` as a meta tensor of the same geometry; a generator as a new one (a meta kernel may
-    still draw from it); anything else as it is."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, torch.Generator):
-        return torch.Generator(device=x.device)
-    return x
 
 
 class Pending:
@@ -116,6 +88,7 @@ class AccountingBackend:
 
     name = "accounting"
     places = False  # the pool's addresses are a model: PyTorch's allocator places the tensors
+    bounds = True  # an op sized by the most it can make is placed so (NOTE [bounded ops])
     unreturned = True  # an op with a result it does not return may be placed before it runs
 
     @classmethod
@@ -135,6 +108,7 @@ class AccountingBackend:
         self.recompute_seconds = 0.0  # recomputations: measured time of the ops themselves
         self.moments: list[tuple[int, str]] = []  # (time.time_ns(), "evict" | "recompute")
         self.host = HostPool()  # swapped storages' bytes (remat.core.swap), out of the device's count
+        self.made_less: dict[int, int] = {}  # storage -> the bytes its first run made, below its count
         self.on_host: dict[int, torch.Tensor] = {}
 
     # -- the core's side ------------------------------------------------------------------------
@@ -171,6 +145,8 @@ class AccountingBackend:
         metas = _METAS.get(key, _UNKNOWN)
         if metas is _UNKNOWN:
             metas = _METAS[key] = meta_results(func, args, kwargs, fresh_returns)
+        if metas is None and self.bounds:  # NOTE [bounded ops] in ``remat.dynamic.bounds``
+            metas = bound(func, args, kwargs)
         return None if metas and not self.unreturned and any(m is None for m in metas) else metas
 
     def learned(
@@ -239,7 +215,10 @@ class AccountingBackend:
                 NO_META.add(func._schema.name)
                 ALIASING.add(func._schema.name)
             elif (made := aligned(leaf.untyped_storage().nbytes())) != graph.nbytes[storage]:
-                NO_META.add(func._schema.name)  # counted high (eval batch norm's empty statistics): no risk
+                if made < graph.nbytes[storage]:  # counted high: no risk; a recomputation makes ``made``
+                    self.made_less[storage] = made
+                if made > graph.nbytes[storage] or func._schema.name not in BOUNDED:
+                    NO_META.add(func._schema.name)  # eval batch norm's empty statistics: run first
                 if made > graph.nbytes[storage]:
                     warnings.warn(
                         f"remat.dynamic: {func}'s meta kernel sized its result "
@@ -383,7 +362,7 @@ class AccountingBackend:
 
     def _install(self, storage: int, content: torch.UntypedStorage) -> None:
         expected = self.runtime.graph.nbytes[storage]
-        if aligned(content.nbytes()) != expected:
+        if aligned(content.nbytes()) not in (expected, self.made_less.get(storage)):
             raise RecomputationError(
                 f"recomputing storage {storage} gave {content.nbytes()} bytes instead of {expected}"
             )

@@ -41,10 +41,11 @@ from remat.aten import scratch as op_scratch
 from remat.core import owners
 from remat.core.graph import NO_REUSE, Record
 from remat.core.pool import AddressPool, Pool
-from remat.dynamic.accounting import AccountingBackend, Pending, meta_results
+from remat.dynamic.accounting import AccountingBackend, Pending
 from remat.dynamic.backends import register
 from remat.dynamic.homes import aligned, at, swap
 from remat.dynamic.recipe import Recipe, result_leaves
+from remat.dynamic.sizing import meta_results
 
 OutOverload = tuple[Any, tuple[str, ...]]
 
@@ -74,6 +75,7 @@ class ArenaBackend(AccountingBackend):
 
     name = "arena"
     places = True
+    bounds = False  # an out= result placed at a bound would be resized in the arena
     # an op with a result it does not return (a gradient its ``output_mask`` leaves out) runs
     # first: its ``out=`` overload takes every result
     unreturned = False

@@ -37,9 +37,9 @@ holds more than the pool counts: the op's results are first computed on meta ten
 sizes (``AccountingBackend.plan``), the core evicts and places them, and the backend runs the op. The
 generator states a random op's recipe keeps are taken then too, just before it runs (their size is
 known beforehand: ``remat.aten.state_nbytes``). An op whose results cannot be sized that way (no
-meta kernel, sizes that depend on the data, results on another device, the ops in ``NO_META``) runs
-first and is placed after (beyond the pool's count until the core evicts for them: the reserve's to
-cover); where a meta kernel refused the arguments, that run's results stand in for it (``learned``).
+meta kernel, data-dependent sizes with no bound: NOTE [bounded ops], results on another device,
+``NO_META``'s ops) runs first and is placed after (beyond the pool's count until the core evicts for
+them: the reserve's); where a meta kernel refused the arguments, that run's results stand in (``learned``).
 
 NOTE [same decisions] Each op is handed to the core as the simulator hands a trace op: ``call``
 with the outputs' sizes and the op's recorded cost. The clock of the core moves by recorded costs,
