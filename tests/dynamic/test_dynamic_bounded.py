@@ -12,6 +12,8 @@ import torch
 from budgeted import budgeted_step
 from torch import nn
 
+from remat.dynamic.accounting import AccountingBackend
+
 
 class _Selecting(nn.Module):
     """Each layer keeps what passes a test of its values: a third of a 256 x 128 activation."""
@@ -32,7 +34,18 @@ class _Selecting(nn.Module):
 
 @pytest.mark.parametrize("ratio", [0.8, 0.65])
 @pytest.mark.parametrize("policy", ["dtr", "coop"])
-def test_data_dependent_sizes_hold_the_budget(policy: str, ratio: float) -> None:
+def test_data_dependent_sizes_hold_the_budget(
+    policy: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remade: list[int] = []  # results recomputed at the size their first run made, below their count
+    install = AccountingBackend._install
+
+    def spy(self: AccountingBackend, storage: int, content: torch.UntypedStorage) -> None:
+        if storage in self.made_less:
+            remade.append(storage)
+        install(self, storage, content)
+
+    monkeypatch.setattr(AccountingBackend, "_install", spy)
     torch.manual_seed(0)
     model, x = _Selecting(), torch.randn(256, 128)
     with warnings.catch_warnings():
@@ -40,7 +53,7 @@ def test_data_dependent_sizes_hold_the_budget(policy: str, ratio: float) -> None
         run = budgeted_step(model, x, policy, ratio, free_cost="model", thrash_limit=50.0)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), run.plain, strict=True))
     assert run.allocator_peak + run.stats.outside_bytes <= run.budget
-    assert run.stats.recomputations > 0
+    assert run.stats.recomputations > 0 and remade
     comparison = run.stats.compare()
     assert comparison.same_evictions
     assert comparison.simulated_recomputations == run.stats.recomputations
