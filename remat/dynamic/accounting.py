@@ -27,7 +27,7 @@ from remat.dynamic.backends import register
 from remat.dynamic.homes import Homes, aligned
 from remat.dynamic.op_bytes import resized
 from remat.dynamic.recipe import Recipe, result_leaves
-from remat.dynamic.sizing import BOUNDED, bound, meta, meta_results
+from remat.dynamic.sizing import BOUNDED, bound, depends_on_data, meta, meta_results
 from remat.host.pool import HostPool
 
 # Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
@@ -150,15 +150,24 @@ class AccountingBackend:
         return None if metas and not self.unreturned and any(m is None for m in metas) else metas
 
     def learned(
-        self, func: Any, key: tuple[Any, ...], returns: tuple[bool, ...], out: Any, sizes: tuple[int, ...]
+        self,
+        func: Any,
+        key: tuple[Any, ...],
+        returns: tuple[bool, ...],
+        out: Any,
+        sizes: tuple[int, ...],
+        args: Any,
     ) -> None:
         """An op run before it was placed made results of ``sizes`` bytes, kept for the next call of
         its signature ``key``. Where its meta kernel refused it (``_grouped_mm`` in float32, which its
         meta kernel does not take) and its results' sizes do not depend on the data, their geometry
         stands in for its meta results from then on, so that the core places them before it runs
-        (NOTE [room first]); a size that turns out otherwise is caught when it runs."""
+        (NOTE [room first]); a size that turns out otherwise is caught when it runs. Sizes that
+        depend on the data (``args``' values) are not kept: the next call's may be larger."""
+        if depends_on_data(func, args):
+            return
         scratch.learn_results(key, sizes)
-        if key not in _METAS or _METAS[key] is not None or torch.Tag.dynamic_output_shape in func.tags:
+        if key not in _METAS or _METAS[key] is not None:
             return
         leaves = [value for _, value in result_leaves(returns, out)]
         kept = [t for t in leaves if t is not None]  # None: a result the op does not return

@@ -257,7 +257,7 @@ class Engine:
             fresh, positions_out = self._fresh(schema, out)
             made = tuple(tensors_info[h].nbytes for h in fresh)
             if len(fresh) == sum(v is not None for _, v in result_leaves(schema.fresh_returns, out)):
-                backend.learned(func, key, schema.fresh_returns, out, made)
+                backend.learned(func, key, schema.fresh_returns, out, made, args)
             self.unsized = max(self.unsized, (sum(made) + (op_scratch.known(key) or 0), schema.name))
         else:  # the backend runs it once the core has placed the outputs
             rng, generators, out, seconds = None, (), None, 0.0

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.dynamic.recipe import result_leaves
 
-__all__ = ["BOUNDED", "bound", "meta", "meta_results"]
+__all__ = ["BOUNDED", "bound", "depends_on_data", "meta", "meta_results"]
 
 _MASKS = (torch.bool, torch.uint8)
 
@@ -47,6 +47,15 @@ def _index(x: torch.Tensor, indices: Sequence[torch.Tensor | None]) -> list[torc
     if tuple(x.shape[k : k + mask.dim()]) != tuple(mask.shape):
         return None
     return [_meta((*x.shape[:k], mask.numel(), *x.shape[k + mask.dim() :]), x.dtype)]
+
+
+def depends_on_data(func: Any, args: Sequence[Any]) -> bool:
+    """Whether ``func``'s results' sizes may depend on its arguments' values (``nonzero``, ``x[mask]``)."""
+    if torch.Tag.dynamic_output_shape in func.tags:
+        return True
+    if func._schema.name != "aten::index" or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in _MASKS for i in args[1])
 
 
 BOUNDED = frozenset({"aten::nonzero", "aten::masked_select", "aten::index"})

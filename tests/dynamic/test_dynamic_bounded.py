@@ -57,3 +57,25 @@ def test_data_dependent_sizes_hold_the_budget(
     comparison = run.stats.compare()
     assert comparison.same_evictions
     assert comparison.simulated_recomputations == run.stats.recomputations
+
+
+def test_a_size_that_depends_on_the_data_is_not_learned_for_the_next_call() -> None:
+    """A run-first op's result sizes are kept for its next call of the same signature (to place it
+    ahead); for ``x[mask]`` that size was this call's data's, and a later call selecting more was
+    placed too small (the arena backend runs it first, as does an index with two masks)."""
+    import torch.utils._pytree as pytree
+
+    from remat.aten import scratch
+
+    x, mask = torch.randn(64, 8), torch.rand(64) > 0.5
+    func = torch.ops.aten.index.Tensor
+    out = func(x, [mask])
+    key = scratch.signature_of(str(func), pytree.tree_leaves(((x, [mask]), {})))
+    backend = AccountingBackend(torch.device("cpu"), 3.0)
+    backend.learned(func, key, (True,), out, (out.untyped_storage().nbytes(),), (x, [mask]))
+    assert scratch.results(key) is None
+    plain = torch.ops.aten.mm.default
+    y = plain(x.t(), x)
+    other = scratch.signature_of(str(plain), [x.t(), x])
+    backend.learned(plain, other, (True,), y, (y.untyped_storage().nbytes(),), (x.t(), x))
+    assert scratch.results(other) == (y.untyped_storage().nbytes(),)  # a size the data does not set
