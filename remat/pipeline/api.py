@@ -37,7 +37,7 @@ from remat.pipeline.choose import choose
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.split import BALANCES, balance, chained, children_of, cut_points, profile, untied
+from remat.pipeline.split import BALANCES, balance, chained, children_of, cut_points, loose, profile, untied
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, walk
 
@@ -70,10 +70,10 @@ def _cut(
             raise _fail(
                 "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
             )
-        chained(stages, example)
+        loose([s for s, dense in enumerate(chained(stages, example)) if not dense])
         return stages, ()
     children = children_of(model)
-    chained(children, example, model)
+    dense = chained(children, example, model)
     if boundaries is not None:
         cuts = (0, *boundaries, len(children))
         if len(cuts) != p + 1 or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False)):
@@ -89,6 +89,7 @@ def _cut(
         else:
             held = [order.in_flight(s) for s in range(p)]
             cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs])
+    loose([s for s in range(p) if not dense[cuts[s + 1] - 1]])
     return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
 
 
@@ -233,7 +234,7 @@ def plan(
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
     with one_thread():
         modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
-        untied(modules)
+        untied(modules, model_or_stages if isinstance(model_or_stages, nn.Module) else None, cuts)
         with untouched(modules):
             chosen, needs = _plan_stages(
                 modules,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
@@ -140,11 +141,15 @@ def children_of(model: nn.Module) -> list[nn.Module]:
     return [m for m in model._modules.values() if m is not None]
 
 
-def chained(children: Sequence[nn.Module], example: torch.Tensor, model: nn.Module | None = None) -> None:
+def chained(
+    children: Sequence[nn.Module], example: torch.Tensor, model: nn.Module | None = None
+) -> list[bool]:
     """Refuse a model whose children do not pass one tensor each to the next, or whose forward
     computes something else than its children in order (run without gradients from the same
-    generator state, the buffers and the RNG restored): the stages run the children."""
+    generator state, the buffers and the RNG restored): the stages run the children. Returns,
+    per child, whether the tensor it returns is contiguous (``loose``)."""
     x: object = example
+    dense: list[bool] = []
     with torch.no_grad(), untouched(children):
         for k, child in enumerate(children):
             try:
@@ -163,8 +168,9 @@ def chained(children: Sequence[nn.Module], example: torch.Tensor, model: nn.Modu
                     "wrap the child so that it returns its tensor (as remat.pipeline.zoo_chain does)",
                     RematTypeError,
                 )
+            dense.append(x.is_contiguous())
     if model is None:
-        return
+        return dense
     try:
         with torch.no_grad(), untouched(children):
             whole = model(example)
@@ -183,15 +189,35 @@ def chained(children: Sequence[nn.Module], example: torch.Tensor, model: nn.Modu
             f"{type(model).__name__}'s forward computes another result than its {len(children)} children",
             "pass a model whose forward is its children in order (nn.Sequential), or the stage modules",
         )
+    return dense
 
 
-def untied(stages: Sequence[nn.Module]) -> None:
+def loose(stages: Sequence[int]) -> None:
+    """Warn of stages whose output is not contiguous: torch sends a contiguous copy of it, so the
+    stages after it (and the loss) see another memory layout than one process does, and a kernel
+    may sum in another order there."""
+    if stages:
+        warnings.warn(
+            f"remat.pipeline.plan: stage {', '.join(map(str, stages))} returns a tensor that is not "
+            "contiguous (a transpose, a slice); torch sends a contiguous copy, so the gradients may "
+            "differ from a single process's by float rounding; end the stage with .contiguous() in "
+            "the model for bit-for-bit equality",
+            stacklevel=3,
+        )
+
+
+def untied(stages: Sequence[nn.Module], model: nn.Module | None = None, cuts: Sequence[int] = ()) -> None:
     """Refuse stages that share a parameter: torch's pipelining gives each stage its own, and
     nothing would sum a shared weight's gradients across stages (tied embeddings split from their
-    head trained on part of their gradient, with no error)."""
+    head trained on part of their gradient, with no error). Where the stages are ``model``'s
+    children cut at ``cuts``, the error names the parameters as the model does."""
+    names = list(model._modules) if model is not None else []
     owner: dict[int, tuple[int, str]] = {}
     for s, stage in enumerate(stages):
         for name, param in stage.named_parameters(remove_duplicate=False):
+            if names and cuts:  # ``0.weight`` of a stage is ``<its first child's name>.weight``
+                k, _, rest = name.partition(".")
+                name = f"{names[cuts[s] + int(k)]}.{rest}"
             first, where = owner.setdefault(id(param), (s, name))
             if first != s:
                 raise _refused(

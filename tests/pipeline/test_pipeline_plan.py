@@ -414,7 +414,9 @@ def test_a_ranks_receive_buffers_are_sized_by_the_stage_that_sends() -> None:
 
 
 def test_a_parameter_shared_by_two_stages_is_refused() -> None:
-    """Tied weights split across stages would each get part of their gradient, with no error."""
+    """Tied weights split across stages would each get part of their gradient, with no error. The
+    error names them as the model does (it named them within each stage: ``1.weight`` for the
+    model's ``3.weight``)."""
     torch.manual_seed(0)
     first, last = nn.Linear(16, 16), nn.Linear(16, 16)
     last.weight = first.weight
@@ -423,7 +425,7 @@ def test_a_parameter_shared_by_two_stages_is_refused() -> None:
     options = {"n_stages": 2, "n_microbatches": 2, "budget_per_rank": "1GB", "target": x}
     with pytest.raises(
         RematValueError,
-        match=r"stages must not share a parameter .*\(0\.weight of stage 0 is 1\.weight of stage 1\)",
+        match=r"stages must not share a parameter .*\(0\.weight of stage 0 is 3\.weight of stage 1\)",
     ):
         pp.plan(model, x, loss_fn=nn.functional.mse_loss, boundaries=[2], **options)
     plan = pp.plan(model, x, loss_fn=nn.functional.mse_loss, **{**options, "n_stages": 1})
