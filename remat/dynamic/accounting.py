@@ -145,7 +145,7 @@ class AccountingBackend:
         metas = _METAS.get(key, _UNKNOWN)
         if metas is _UNKNOWN:
             metas = _METAS[key] = meta_results(func, args, kwargs, fresh_returns)
-        if metas is None and self.bounds:  # NOTE [bounded ops] in ``remat.dynamic.bounds``
+        if metas is None and self.bounds:  # NOTE [bounded ops] in ``remat.dynamic.sizing``
             metas = bound(func, args, kwargs)
         return None if metas and not self.unreturned and any(m is None for m in metas) else metas
 

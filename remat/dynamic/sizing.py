@@ -68,12 +68,15 @@ def bound(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.
     if kwargs or not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
         return None
     name = func._schema.name
-    if name == "aten::nonzero" and func._overloadname == "default" and len(args) == 1:
-        return _nonzero(args[0])
-    if name == "aten::masked_select" and len(args) == 2 and isinstance(args[1], torch.Tensor):
-        return _masked_select(args[0], args[1])
-    if name == "aten::index" and func._overloadname == "Tensor" and len(args) == 2:
-        return _index(args[0], args[1])
+    try:  # arguments the op itself refuses (shapes that do not broadcast) are the op's to name
+        if name == "aten::nonzero" and func._overloadname == "default" and len(args) == 1:
+            return _nonzero(args[0])
+        if name == "aten::masked_select" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            return _masked_select(args[0], args[1])
+        if name == "aten::index" and func._overloadname == "Tensor" and len(args) == 2:
+            return _index(args[0], args[1])
+    except (RuntimeError, TypeError, ValueError):
+        return None
     return None
 
 
