@@ -1,5 +1,5 @@
-"""An op's first result as the plan's executor checks it against the traced step (NOTE [region
-end] and ``_Runner._checked`` in ``remat.planner.execute``): ``float32[8, 64]``, its dtype and shape.
+"""An op's first result as the plan's executor checks it against the traced step
+(``_Runner._checked`` in ``remat.planner.execute``): ``float32[8, 64]``, its dtype and shape.
 
 Why apart: the executor names a result on each forward op, the capture's side names the traced
 one (``first_result``), and a module run again checks its ops with the same names
