@@ -27,7 +27,7 @@ from remat.dynamic.backends import register
 from remat.dynamic.homes import Homes, aligned
 from remat.dynamic.op_bytes import resized
 from remat.dynamic.recipe import Recipe, result_leaves
-from remat.dynamic.sizing import BOUNDED, bound, depends_on_data, meta, meta_results
+from remat.dynamic.sizing import BOUNDED, bound, depends_on_data, meta, meta_results, room_for
 from remat.host.pool import HostPool
 
 # Run first, sized after: the oneDNN RNN layer, whose meta kernel reports an empty workspace;
@@ -147,6 +147,8 @@ class AccountingBackend:
             metas = _METAS[key] = meta_results(func, args, kwargs, fresh_returns)
         if metas is None and self.bounds:  # NOTE [bounded ops] in ``remat.dynamic.sizing``
             metas = bound(func, args, kwargs)
+            if metas is not None and not room_for(self.runtime, metas, args):
+                metas = None
         return None if metas and not self.unreturned and any(m is None for m in metas) else metas
 
     def learned(

@@ -333,10 +333,10 @@ class ArenaBackend(AccountingBackend):
 
     def _meta_leaves(self, recipe: Recipe) -> list[Any] | None:
         """The recomputed op's results on meta tensors, to place them in the arena; None where no
-        meta kernel can tell them (sizes that depend on the data, ``nonzero``; an op of
+        meta kernel can tell them (``nonzero``, whose size depends on the data; an op of
         ``NO_META``): then it runs beside the arena and its results are copied in."""
         func = recipe.func
-        if torch.Tag.dynamic_output_shape in func.tags or not self.placeable(func):
+        if not self.placeable(func):
             return None
         try:
             out = recipe.meta()

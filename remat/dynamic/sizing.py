@@ -7,8 +7,11 @@ elements come out depends on the data. Run before they are placed, they are the 
 reserve lacks. But each has a bound its arguments' sizes give (every element selected), and a
 result never larger than it: the core places that bound before the op runs, as it places any
 sized result, so the budget holds whatever the data. The pool counts the bound until the result is
-released, more than the allocator holds (on the safe side); a recomputation makes the size the
-first run made (``AccountingBackend`` checks it against that run, not against the bound).
+released, more than the allocator holds (on the safe side; a region's ``stats.peak_bytes`` counts
+it too); a recomputation makes the size the first run made (``AccountingBackend`` checks it
+against that run, not against the bound). A bound can be far larger than what comes out
+(``nonzero``'s: 8 bytes per input element and dimension): where it does not fit beside what the
+pool cannot evict (``room_for``), the op runs first as before, its results the reserve's.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from remat.dynamic.homes import aligned
 from remat.dynamic.recipe import result_leaves
 
-__all__ = ["BOUNDED", "bound", "depends_on_data", "meta", "meta_results"]
+__all__ = ["BOUNDED", "bound", "depends_on_data", "meta", "meta_results", "room_for"]
 
 _MASKS = (torch.bool, torch.uint8)
 
@@ -78,6 +82,16 @@ def bound(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.
     except (RuntimeError, TypeError, ValueError):
         return None
     return None
+
+
+def room_for(runtime: Any, metas: Sequence[torch.Tensor], args: Any) -> bool:
+    """Whether ``metas`` (a bound) fit in ``runtime``'s pool beside what it cannot evict and the
+    op's inputs, which it locks; where not, the op runs first, its results the reserve's."""
+    n = len(runtime.graph)
+    evictable = int(runtime.graph.nbytes_array[:n][runtime.evictable.array[:n]].sum())
+    tensors = [t for t in [*tree_leaves(args), *metas] if isinstance(t, torch.Tensor)]
+    need = sum(aligned(t.untyped_storage().nbytes()) for t in tensors)
+    return bool(runtime.pool.used - evictable + need <= runtime.pool.capacity)
 
 
 def meta_results(

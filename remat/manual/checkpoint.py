@@ -54,7 +54,7 @@ from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import under_compile
 from remat.policy import Policy, RecomputeAll
 
-__all__ = ["checkpoint", "run"]
+__all__ = ["checkpoint", "checkpointed", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -285,6 +285,11 @@ def _validate(fn: object) -> None:
     if not callable(fn):
         rule, hint = "fn must be callable", "pass a function or an nn.Module, then its arguments"
         raise RematTypeError(message("checkpoint", rule, f"got {type(fn).__name__}", hint))
+
+
+def checkpointed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is a checkpointed region (``remat.checkpoint(module)``)."""
+    return isinstance(module.__dict__.get("forward"), _Checkpointed)
 
 
 class _Checkpointed:

@@ -46,7 +46,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from remat import aten
 from remat._dispatch import Unguarded
-from remat._errors import RecomputationError, RematTypeError, RematValueError, message
+from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError, message
+from remat.manual.checkpoint import checkpointed
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
@@ -129,7 +130,8 @@ class _Runner(Unguarded):
         # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is
         self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
         if not self.active and not self.aside:
-            _no_hooks_around()
+            if (error := _hooks_of_another()) is not None:
+                raise error
             self.stop()
             self.position = 0
             self.active = True
@@ -176,7 +178,11 @@ class _Runner(Unguarded):
             frame = frame.f_back
         return self.top
 
-    def _diverged(self, position: int, func: Any) -> RecomputationError:
+    def _diverged(self, position: int, func: Any) -> RematError:
+        if (error := _hooks_of_another(self.region)) is not None:  # their ops, not the model's
+            self.stop()
+            self.active = False
+            return error
         self.stop()
         self.active = False
         where = self._running_module()
@@ -269,6 +275,8 @@ def apply(
                 "plan", "apply takes the model to run", f"got {type(model).__name__}", "pass an nn.Module"
             )
         )
+    if checkpointed(model):  # its hooks come inside the forward, after the plan's start
+        raise _hooks_refused("remat.checkpoint (the model's forward is one)")
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
     again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
@@ -288,23 +296,29 @@ def apply(
                 module.forward = before
 
 
-def _no_hooks_around() -> None:
-    """Refuse a forward that starts under saved-tensor hooks (``remat.offload``, ``remat.scope``,
-    ``torch.autograd.graph.save_on_cpu``): they decide what autograd keeps, which the plan decides
-    for itself, and their own ops run among the model's (the check would name them diverged)."""
+def _hooks_of_another(region: TapedRegion | None = None) -> RematValueError | None:
+    """The error for a forward under saved-tensor hooks not the plan's (``remat.offload``,
+    ``remat.scope``, ``torch.autograd.graph.save_on_cpu``): they decide what autograd keeps, which
+    the plan decides for itself, and their own ops run among the model's (the check would name them
+    diverged). ``region``: the plan's own, open now."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     owner = getattr(top[0], "__self__", top[0]) if top is not None else None
-    if top is not None and not getattr(owner, "steps_aside", False):  # a three-way plan's own hooks do
-        raise RematValueError(
-            message(
-                "plan",
-                "a plan runs the model's forward under no saved-tensor hooks of another (it decides "
-                "what autograd keeps)",
-                f"the forward started under {getattr(owner, '__qualname__', type(owner).__qualname__)}",
-                "apply the plan outside remat.offload, remat.scope and torch.autograd.graph hooks "
-                "(plan with link= to offload)",
-            )
+    if top is None or owner is region or getattr(owner, "steps_aside", False):  # a three-way plan's
+        return None
+    return _hooks_refused(getattr(owner, "__qualname__", type(owner).__qualname__))
+
+
+def _hooks_refused(owner: str) -> RematValueError:
+    return RematValueError(
+        message(
+            "plan",
+            "a plan runs the model's forward under no saved-tensor hooks of another (it decides "
+            "what autograd keeps)",
+            f"the forward started under {owner}",
+            "apply the plan outside remat.offload, remat.scope, remat.checkpoint and torch.autograd.graph "
+            "hooks (plan with link= to offload)",
         )
+    )
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module:

@@ -18,6 +18,8 @@ qualifies when
   values only, not an object that may hold tensors, such as a cache) and saw it draw no random
   number from a generator given to an op (a module's own ``torch.Generator``, which the call run
   again would draw from anew: the default generators' states are kept at every call);
+- the step holds no memory that no op made (``Trace.unseen_bytes``: the random-number states of a
+  ``torch.utils.checkpoint`` inside it, which a call run again would copy again, unseen);
 - no op of it writes a storage made before it (batch norm's running statistics, an in-place op
   on its input), which the call run again would see written, or write twice.
 
@@ -68,8 +70,8 @@ def _module(trace: Trace, first: int, last: int) -> str | None:
 def rerun_of(trace: Trace, ops: Sequence[int], save: frozenset[int]) -> Rerun | None:
     """How the region of trace ops ``ops`` that keeps the outputs of ``save`` runs again as its
     module (NOTE [module re-run]), or None where it cannot."""
-    if save or not ops or not trace.calls or not trace.saved_at:
-        return None
+    if save or not ops or not trace.calls or not trace.saved_at or trace.unseen_bytes:
+        return None  # unseen bytes: a module run again may make them again, unseen (NOTE in types)
     first, last = ops[0], ops[-1]
     module = _module(trace, first, last)
     given = dict(trace.call_inputs).get(module) if module is not None else None

@@ -22,7 +22,10 @@ no op makes is not in it: above all the copies of the random-number generator's 
 5,056 bytes on CPU, no ATen op) and keeps until its backward. ``unseen_bytes`` is what the CPU
 allocator held at the plain step's peak beyond the trace's own count (``activation_peak_bytes``),
 measured by ``remat.planner.trace_step`` on one more run of the step; every prediction of the
-planner counts it as held throughout (on the safe side where it is held for part of the step).
+planner counts it as held throughout (on the safe side where it is held for part of the step), and
+runs no region as its module called again (``remat.planner.rerun_regions``: the call run again in
+backward would make such memory again, beside what the plain step held). A model whose calls make
+more each time (a Python count it keeps) gets a figure from that too: on the safe side.
 0 where it was not measured: another profiler session was running, a CUDA step (such states live
 in host memory there), a trace made another way.
 """

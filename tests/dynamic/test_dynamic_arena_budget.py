@@ -177,3 +177,44 @@ def test_an_op_whose_size_depends_on_the_data_is_recomputed_beside_the_arena(pol
     assert region.stats.recomputations > 0
     assert measured.peak_bytes + region.stats.outside_bytes <= budget
     assert all(torch.equal(w.grad, g) for w, g in zip(weights, plain, strict=True))
+
+
+def test_an_integer_index_recomputed_is_placed_in_the_arena() -> None:
+    """``x[idx]`` carries torch's dynamic-output-shape tag, though its meta kernel sizes it from the
+    index: its recomputation is placed in the arena, not run beside it (which needed 512 KiB the
+    reserve did not have)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64, requires_grad=True)] + [
+        torch.randn(128, 64, requires_grad=True) for _ in range(3)
+    ]
+    x, v, idx = torch.randn(1024, 64), torch.randn(128, 1), torch.randint(0, 1024, (2048,))
+    keep = [*weights, x, v, idx]
+
+    def gathered() -> None:
+        h = x
+        for w in weights:
+            h = torch.tanh(h @ w)[idx].reshape(1024, 128)
+        (h @ v).square().mean().backward()
+
+    free = remat.dynamic(None, "dtr", keep=keep, cost="model")
+    for _ in range(2):
+        for w in weights:
+            w.grad = None
+        with free:
+            gathered()
+    plain = [w.grad.clone() for w in weights]
+    region = remat.dynamic(
+        int(0.8 * free.stats.peak_bytes),
+        "dtr",
+        backend="arena",
+        keep=keep,
+        cost="model",
+        reserve=0.1,
+        thrash_limit=50.0,
+    )
+    for w in weights:
+        w.grad = None
+    with region:
+        gathered()
+    assert region.stats.recomputations > 0
+    assert all(torch.equal(w.grad, g) for w, g in zip(weights, plain, strict=True))

@@ -66,6 +66,27 @@ def test_a_plan_refuses_a_forward_under_saved_tensor_hooks_of_another(around: st
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), planned, strict=True))
 
 
+def test_a_plan_refuses_a_model_run_inside_torch_utils_checkpoint() -> None:
+    """``torch.utils.checkpoint(model, x)`` under a plan: the checkpoint's hooks and the plan's both
+    took what autograd saves (the checkpoint refused its recomputation, or its gradients were off)."""
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.6, loss_fn=_loss, repeats=1)
+    rule = r"remat\.plan: a plan runs the model's forward under no saved-tensor hooks of another"
+    with pytest.raises(RematValueError, match=rule), plan.apply(model):
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+
+
+def test_a_plan_refuses_a_model_checkpointed_whole() -> None:
+    """``remat.checkpoint(model)`` pushes its hooks inside the forward, after the plan's start: its
+    own ops were named diverged from the traced step ("plan again with inputs that take this path")."""
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.6, loss_fn=_loss, repeats=1)
+    wrapped = remat.checkpoint(copy.deepcopy(model))
+    rule = r"remat\.plan: a plan runs the model's forward under no saved-tensor hooks of another"
+    with pytest.raises(RematValueError, match=rule), plan.apply(wrapped):
+        _loss(wrapped, x)
+
+
 @pytest.mark.parametrize(
     "change", ["batch", "width", "dtype"], ids=["another batch size", "another width", "another dtype"]
 )

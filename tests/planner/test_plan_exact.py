@@ -16,6 +16,7 @@ part of the prediction was once missing:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from torch import nn
 
 from remat import RematValueError
 from remat.planner import plan_trace, trace_step
+from remat.planner.cost_model import ExecutorCost
 
 
 def _conv() -> nn.Conv2d:
@@ -135,3 +137,25 @@ def test_plans_measure_their_prediction(name: str) -> None:
             assert measured == predicted or trace.unseen_bytes, (solver, budget)
             planned += 1
     assert planned >= 5
+
+
+def test_no_module_runs_again_where_the_step_holds_memory_no_op_made() -> None:
+    """A block with its own ``torch.utils.checkpoint``, run again as a module in backward, copies
+    the random-number state again, beside what the plain step held: plans with
+    ``rerun_modules=True`` measured 960 bytes over their prediction. They replay from the tape."""
+    torch.manual_seed(0)
+    model, x = MODELS["torch.utils.checkpoint"]()
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    trace = fixed_costs(trace_step(model, (), loss, repeats=1))
+    assert trace.unseen_bytes > 0
+    blind = dataclasses.replace(trace, unseen_bytes=0)  # the same step, its unseen bytes not known
+    budget = floor_of(blind) + 4096
+    taped = ExecutorCost(record=1e-3, replay=1e-3)  # a tape costs: where it may, a module runs again
+    assert any(r.rerun for r in plan_trace(blind, budget, rerun_modules=True, executor_cost=taped).regions)
+    budget += trace.unseen_bytes
+    plan = plan_trace(trace, budget, rerun_modules=True, executor_cost=taped)
+    assert plan.regions and not any(r.rerun for r in plan.regions)
+    assert step_peak(model, loss, plan) <= plan.predicted_peak_bytes <= budget
