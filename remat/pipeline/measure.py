@@ -137,6 +137,7 @@ def _later(
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         later = capture(lambda: step_loss(module, inputs).backward(), name=type(module).__name__, repeats=1)
         later = with_let_go(later, lambda: step_loss(module, inputs))
+    later = replace(later, unseen_bytes=trace.unseen_bytes)  # NOTE [unseen bytes]: as the first step's
     forward = [(op.index, op.name) for op in trace.ops if op.phase is Phase.FORWARD]
     return (
         later if [(op.index, op.name) for op in later.ops if op.phase is Phase.FORWARD] == forward else None

@@ -144,3 +144,29 @@ def test_stages_with_nothing_to_differentiate_or_no_tensor_to_send_are_refused()
         _plan(nn.Sequential(frozen, nn.Linear(8, 8)), x, y, boundaries=[1])
     with pytest.raises(remat.RematTypeError, match=r"returns one tensor, the next child's input"):
         _plan([_Pair(), nn.Linear(8, 8)], x, y)  # type: ignore[arg-type]
+
+
+class _CheckpointedInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def inner(t: torch.Tensor) -> torch.Tensor:
+            return self.b(nn.functional.dropout(torch.tanh(self.a(t)), 0.1))
+
+        return torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)
+
+
+def test_a_stages_later_steps_count_the_memory_no_op_made() -> None:
+    """A stage that checkpoints inside copies the random-number state (NOTE [unseen bytes] in
+    ``remat.trace.types``) in every step, not only in the first one the planner measured."""
+    from remat.pipeline.measure import measure
+    from remat.pipeline.schedule import build
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    order = build("1f1b", 2, 2, 1, api="pipeline.plan")
+    _, first, _, later = measure(order, 0, _CheckpointedInside(), x, x, nn.functional.mse_loss, "model")
+    assert later is not None and first.unseen_bytes > 0
+    assert later.unseen_bytes == first.unseen_bytes
