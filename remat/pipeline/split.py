@@ -211,7 +211,7 @@ def untied(stages: Sequence[nn.Module], model: nn.Module | None = None, cuts: Se
     nothing would sum a shared weight's gradients across stages (tied embeddings split from their
     head trained on part of their gradient, with no error). Where the stages are ``model``'s
     children cut at ``cuts``, the error names the parameters as the model does."""
-    names = list(model._modules) if model is not None else []
+    names = [n for n, m in model._modules.items() if m is not None] if model is not None else []
     owner: dict[int, tuple[int, str]] = {}
     for s, stage in enumerate(stages):
         for name, param in stage.named_parameters(remove_duplicate=False):
