@@ -188,9 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         "--no-pipeline", action="store_true", help="leave out the pipeline on 2 gloo processes"
     )
     args = parser.parse_args(argv)
+    # one intra-op thread: with two, a matmul's sums may split and round differently from run to run
+    # (seen once in many runs: 2.4e-07 on one gradient), which the bit-for-bit column would show
+    torch.set_num_threads(1)
     print(
         f"GPT-2: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens, "
-        f"{args.steps} SGD steps per strategy; torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{args.steps} SGD steps per strategy; torch {torch.__version__}, one intra-op thread"
     )
     base = build_gpt2(args.layers, args.width, args.seq)
     tokens = [
