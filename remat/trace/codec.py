@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import io
 import json
 import os
+import tempfile
 import zlib
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -46,21 +48,26 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
         if isinstance(err, RematValueError):
             raise
         raise _mistyped(err) from None
-    if Path(path).is_dir() or not Path(path).parent.is_dir():
+    target = Path(os.path.realpath(path))  # a link: the file it names is written, the link kept
+    if target.is_dir() or not target.parent.is_dir() or (target.exists() and not target.is_file()):
         raise RematValueError(
             message(
                 "trace.save",
-                "the path names a file in a folder that exists",
-                str(path),
+                "the path names a file (or none yet) in a folder that exists",
+                str(path) + (" (not a regular file)" if target.exists() and not target.is_dir() else ""),
                 "pass a file path such as step.jsonl",
             )
         )
     # written beside it, read back, and renamed over it: a trace that fails halfway (a field of a
     # type the file cannot hold) or would not read back leaves a file already at ``path`` as it was
-    target = Path(path)
-    partial = target.with_name(f".partial-{target.name}")  # the same suffix: gzip or not
+    handle, name = tempfile.mkstemp(prefix=".partial-", suffix=target.suffix, dir=target.parent)
+    os.close(handle)
+    partial = Path(name)  # the same suffix: gzip or not
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(partial, target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~umask)
     try:
-        _write(trace, partial)
+        _write(trace, partial, target.name)
         _read(partial)
         os.replace(partial, target)
     except RematValueError as err:  # the file would not read back: what ``load`` says of it
@@ -83,8 +90,8 @@ def _mistyped(err: Exception) -> RematValueError:
     )
 
 
-def _write(trace: Trace, path: Path) -> None:
-    with _open(path, "w") as f:
+def _write(trace: Trace, path: Path, name: str) -> None:
+    with _open(path, "w", name) as f:
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -291,9 +298,24 @@ def _op_record(op: Op) -> dict[str, Any]:
     return record
 
 
-def _open(path: Path, mode: Literal["r", "w"]) -> IO[str]:
+def _open(path: Path, mode: Literal["r", "w"], name: str = "") -> IO[str]:
+    """``path`` as text, through gzip if its name ends in ``.gz``; written, the gzip header names the
+    file ``name`` (the file it becomes, not the one written beside it)."""
     if path.suffix != ".gz":
         return open(path, mode, encoding="utf-8", newline="\n")
     if mode == "w":
-        return gzip.open(path, "wt", encoding="utf-8", newline="\n")
+        under = open(path, "wb")  # noqa: SIM115 (closed with the wrapper: ``_Closing``)
+        return _Closing(gzip.GzipFile(filename=name.removesuffix(".gz"), mode="wb", fileobj=under), under)
     return gzip.open(path, "rt", encoding="utf-8", newline="\n")
+
+
+class _Closing(io.TextIOWrapper):
+    """A text wrapper over a ``GzipFile`` that closes the file under it too."""
+
+    def __init__(self, raw: gzip.GzipFile, under: IO[bytes]) -> None:
+        super().__init__(raw, encoding="utf-8", newline="\n")  # type: ignore[arg-type]
+        self._under = under
+
+    def close(self) -> None:
+        super().close()
+        self._under.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,24 @@ def test_dtr_logs_load_and_validate(log: str) -> None:
     assert trace.source == "dtr" and trace.ops and validate(trace) is trace
     assert trace.total_cost > 0 and trace.peak_bytes > trace.constant_bytes > 0
     assert {op.phase for op in trace.ops} >= {Phase.FORWARD, Phase.BACKWARD}
+
+
+def test_a_save_writes_through_a_link_and_refuses_what_is_not_a_file(tmp_path: Path) -> None:
+    """The file was written beside the path and renamed over it: a link was replaced by a file (the
+    file it named left as it was), a device by a file, a ``.partial-`` file of the user's deleted,
+    and the gzip header named the file written beside it."""
+    trace = load(_write(tmp_path, GOOD))
+    (tmp_path / "target.jsonl").write_text("old")
+    (tmp_path / "link.jsonl").symlink_to("target.jsonl")
+    (tmp_path / ".partial-step.jsonl").write_text("mine")
+    save(trace, tmp_path / "link.jsonl")
+    assert (tmp_path / "link.jsonl").is_symlink() and load(tmp_path / "target.jsonl") == trace
+    save(trace, tmp_path / "step.jsonl")
+    assert (tmp_path / ".partial-step.jsonl").read_text() == "mine"
+    os.mkfifo(tmp_path / "pipe")
+    refused = r"remat\.trace\.save: the path names a file .*not a regular file"
+    with pytest.raises(remat.RematValueError, match=refused):
+        save(trace, tmp_path / "pipe")
+    save(trace, tmp_path / "step.jsonl.gz")
+    header = (tmp_path / "step.jsonl.gz").read_bytes()[10:30]  # FNAME follows the 10-byte header
+    assert header.startswith(b"step.jsonl\x00")
