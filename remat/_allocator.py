@@ -164,20 +164,20 @@ def account(timeline: bool = False) -> Iterator[Account]:
     _OPEN.append((threading.get_ident(), waiting))
     try:
         yield result
-    finally:
+    finally:  # counted also where the block raised
         _OPEN.pop()
         with _quiet_stderr():
             profile = _disable_profiler()
-    allocations = sorted(
-        (e for e in _events(profile.experimental_event_tree()) if e.tag == _EventType.Allocation),
-        key=lambda e: e.start_time_ns,
-    )
-    for e, size in _counted(allocations, {}):
-        result.current_bytes += size
-        result.peak_bytes = max(result.peak_bytes, result.current_bytes)
-        if result.timeline is not None:
-            result.timeline.append(AllocatorSample(e.start_time_ns, result.current_bytes))
-    _held_back(allocations, waiting)
+        allocations = sorted(
+            (e for e in _events(profile.experimental_event_tree()) if e.tag == _EventType.Allocation),
+            key=lambda e: e.start_time_ns,
+        )
+        for e, size in _counted(allocations, {}):
+            result.current_bytes += size
+            result.peak_bytes = max(result.peak_bytes, result.current_bytes)
+            if result.timeline is not None:
+                result.timeline.append(AllocatorSample(e.start_time_ns, result.current_bytes))
+        _held_back(allocations, waiting)
 
 
 def scratch_of(run: Any, device: torch.device) -> int | None:

@@ -27,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import _allocator, aten
 from remat._allocator import AllocatorSample
-from remat._errors import RematRuntimeError, RematTypeError, RematValueError, message
+from remat._arguments import device_of
+from remat._errors import RematRuntimeError, RematTypeError, message
 from remat._tracker import MemorySample, MemoryTracker
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.viz.memory import plot
@@ -158,24 +159,18 @@ def track(
             raise RematTypeError(
                 message("memory.track", f"{name} must be True or False", repr(flag), f"pass {name}=True")
             )
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if dev.type not in ("cpu", "cuda"):
-        raise RematValueError(
-            message(
-                "memory.track",
-                "only cpu and cuda devices can be measured",
-                f"got {dev}",
-                "pass 'cpu' or 'cuda'",
-            )
-        )
+    dev = device_of(device, "memory.track")
+    if dev.type == "cpu":  # tensors say ``cpu`` whatever index was given
+        dev = torch.device("cpu")
     if allocator and dev.type == "cpu" and not _allocator.available():
+        ours = _allocator.ours()  # an account of remat's own: a track, or a dynamic region's
         raise RematRuntimeError(
             message(
                 "memory.track",
                 "allocator=True on CPU needs PyTorch's profiler, which is already running",
-                "a torch.profiler session is active",
+                "another remat.memory.track(allocator=True) is measuring"
+                if ours
+                else "a torch.profiler session is active",
                 "measure outside that session, or pass allocator=False",
             )
         )
@@ -193,14 +188,18 @@ def track(
         mode = _StorageCounter(tracker, keep_timeline, base)
         note = _compiled_replay_note()
     if allocator and dev.type == "cpu":
-        with note, _allocator.account(timeline=True) as account, mode, _clock(tracker):
-            yield tracker
-        tracker.peak_bytes, tracker.current_bytes = account.peak_bytes, account.current_bytes
-        tracker.allocator_timeline = tuple(account.timeline or ())
+        try:  # the figures also where the block raised, as the counted ones are
+            with note, _allocator.account(timeline=True) as account, mode, _clock(tracker):
+                yield tracker
+        finally:
+            tracker.peak_bytes, tracker.current_bytes = account.peak_bytes, account.current_bytes
+            tracker.allocator_timeline = tuple(account.timeline or ())
         return
-    with note, mode, _clock(tracker):
-        yield tracker
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        tracker.peak_bytes = torch.cuda.max_memory_allocated(dev) - base
-        tracker.current_bytes = torch.cuda.memory_allocated(dev) - base
+    try:
+        with note, mode, _clock(tracker):
+            yield tracker
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            tracker.peak_bytes = torch.cuda.max_memory_allocated(dev) - base
+            tracker.current_bytes = torch.cuda.memory_allocated(dev) - base

@@ -93,12 +93,49 @@ def test_format_bytes() -> None:
     assert format_bytes(12) == "12 B"
 
 
-def test_track_rejects_unknown_device() -> None:
-    with (
-        pytest.raises(remat.RematValueError, match=r"remat\.memory\.track: only cpu and cuda"),
-        remat.memory.track("meta"),
-    ):
+@pytest.mark.parametrize(
+    ("device", "rule"),
+    [
+        ("meta", r"the device must be a CPU or a CUDA device \('meta'\)"),
+        ("CPU", r"unknown device \('CPU'\)"),
+        (None, r"device must be a torch\.device or its name \(None\)"),
+        (0, r"device must be a torch\.device or its name \(0\)"),
+    ],
+)
+def test_track_rejects_a_device_it_cannot_measure(device: object, rule: str) -> None:
+    """``"CPU"``, ``None`` or ``0`` raised torch's own errors."""
+    error = remat.RematTypeError if device in (None, 0) else remat.RematValueError
+    with pytest.raises(error, match=r"remat\.memory\.track: " + rule), remat.memory.track(device):  # type: ignore[arg-type]
         pass
+
+
+def test_track_counts_on_cpu_named_with_its_index() -> None:
+    """``"cpu:0"`` counted nothing: tensors say ``cpu``."""
+    with remat.memory.track("cpu:0") as m:
+        x = torch.zeros(1000)
+    assert m.peak_bytes == 4000
+    del x
+
+
+@pytest.mark.parametrize("allocator", [False, True])
+def test_track_keeps_its_figures_when_the_block_raises(allocator: bool) -> None:
+    """With ``allocator=True`` a block that raised left every figure at 0."""
+    with pytest.raises(KeyError), remat.memory.track(allocator=allocator) as m:
+        x = torch.zeros(1000)
+        raise KeyError
+    assert m.peak_bytes == 4000
+    del x
+
+
+def test_a_track_inside_another_says_so() -> None:
+    """It said a torch.profiler session was running, where the profiler was the outer track's."""
+    with (
+        remat.memory.track(allocator=True),
+        pytest.raises(
+            remat.RematRuntimeError, match=r"another remat\.memory\.track\(allocator=True\) is measuring"
+        ),
+    ):
+        remat.memory.track(allocator=True).__enter__()
 
 
 @pytest.mark.cuda
