@@ -24,7 +24,8 @@ def read_json(path: str | os.PathLike[str], api: str, writer: str) -> Any:
         raise RematValueError(
             message(api, "cannot read this file", f"{path}: {err}", f"pass the path {writer} wrote")
         ) from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # nested past Python's stack: not a plan
+        said = err if isinstance(err, json.JSONDecodeError) else "nested too deep"
         raise RematValueError(
-            message(api, "the plan file is not JSON", f"{path}: {err}", f"load a file {writer} wrote")
+            message(api, "the plan file is not JSON", f"{path}: {said}", f"load a file {writer} wrote")
         ) from None

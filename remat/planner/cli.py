@@ -156,6 +156,11 @@ def run(args: argparse.Namespace) -> int:
         raise RematValueError(
             message("plan", rule, f"got {' '.join(stray)}", "leave it out, or add --pareto")
         )
+    if args.pareto and not (args.out or args.json):  # its points go to a picture, a file, or both
+        rule = "--pareto writes its sweep to --out (a picture) or --json (every point)"
+        raise RematValueError(
+            message("plan", rule, "got neither", "add --out pareto.png or --json pareto.json")
+        )
 
     sizes = {k: getattr(args, k) for k in ("batch", "seq", "image") if getattr(args, k) is not None}
     if not args.full:

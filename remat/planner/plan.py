@@ -205,6 +205,11 @@ class Plan:
             fields["tensors"] = tuple(
                 TensorDecision(**{**t, "action": Decision(t["action"])}) for t in fields["tensors"]
             )
+            for key in ("ops", "modules"):
+                if not isinstance(fields[key], list) or not all(isinstance(x, str) for x in fields[key]):
+                    raise ValueError(f"{key} must list names: {fields[key]!r}"[:200])
+            if not all(isinstance(r.name, str) for r in fields["regions"]):
+                raise ValueError("a region's name must be a string")
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])
             fields["shapes"] = tuple(str(x) for x in fields.get("shapes", ()))

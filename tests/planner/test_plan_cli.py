@@ -97,3 +97,10 @@ def test_an_output_the_command_would_not_write_is_refused(
     assert capsys.readouterr().err.startswith(
         "remat.plan: --out and --json go with --pareto, --save without it"
     )
+
+
+def test_a_sweep_with_nowhere_to_go_is_refused_before_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pareto`` without ``--out`` or ``--json`` planned and measured every point, then wrote
+    nothing and exited 0."""
+    assert main(["plan", "--model", "gpt2", "--pareto"]) == 2
+    assert capsys.readouterr().err.startswith("remat.plan: --pareto writes its sweep to --out")

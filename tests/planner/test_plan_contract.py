@@ -309,6 +309,8 @@ def test_a_plan_file_with_kept_positions_outside_their_region_is_refused(save: s
         ("predicted_peak_bytes", -5, "predicted_peak_bytes must be a byte count"),
         ("gap", "x", "gap must be a number"),
         ("notes", 3, "notes must be text"),
+        ("modules", "ints", "modules must list names"),  # loaded, and explain() crashed on them
+        ("regions", "named 7", "a region's name must be a string"),
     ],
 )
 def test_a_plan_file_with_a_figure_of_another_type_is_refused(
@@ -317,6 +319,10 @@ def test_a_plan_file_with_a_figure_of_another_type_is_refused(
     """Such files loaded, and ``str(plan)`` crashed on them later."""
     plan = remat.plan(_mlp(), (torch.randn(256, 64),), 0.6, loss_fn=_loss)
     body = {**plan.to_json(), key: value}
+    if value == "ints":
+        body[key] = [1 for _ in plan.modules]
+    elif value == "named 7":
+        body[key] = [{**r, "name": 7} for r in plan.to_json()[key]]
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(body))
     with pytest.raises(
@@ -330,3 +336,13 @@ def _saved(plan: Plan, folder: Path) -> Path:
     path = folder / "good.json"
     plan.save(path)
     return path
+
+
+def test_a_plan_file_nested_past_the_stack_is_not_json(tmp_path: Path) -> None:
+    """It raised Python's RecursionError."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(
+        RematValueError, match=r"remat\.plan\.load: the plan file is not JSON .*nested too deep"
+    ):
+        Plan.load(path)
