@@ -29,3 +29,19 @@ def read_json(path: str | os.PathLike[str], api: str, writer: str) -> Any:
         raise RematValueError(
             message(api, "the plan file is not JSON", f"{path}: {said}", f"load a file {writer} wrote")
         ) from None
+
+
+def write_text(path: str | os.PathLike[str], text: str, api: str) -> None:
+    """Write ``text`` to ``path``; a RematValueError naming ``api`` where it cannot be written (a
+    missing folder, a folder in its place, no permission)."""
+    try:
+        Path(path).write_text(text)
+    except OSError as err:
+        raise RematValueError(
+            message(
+                api,
+                "the file could not be written",
+                f"{path}: {err.strerror or err}",
+                "pass a file path in a folder that exists and can be written",
+            )
+        ) from None

@@ -62,7 +62,7 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
                 "cannot parse this byte size",
                 f"got {value!r}",
                 "use a number with an optional unit: B, KB, MB, GB, TB (powers of 1000) "
-                "or KiB, MiB, GiB, TiB (powers of 1024)",
+                "or KiB, MiB, GiB, TiB, and K, M, G, T (powers of 1024)",
             )
         )
     number = float(match.group(1)) * _UNITS[unit]
@@ -70,11 +70,11 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
         raise RematValueError(
             message(api, "cannot parse this byte size", f"got {value!r}", "pass a finite size such as '2GB'")
         )
-    if not unit and number != math.floor(number):  # "0.5", "1.5": a ratio, or a typo, not bytes
+    if unit in ("", "b") and number != math.floor(number):  # "0.5", "1.5B": a ratio or a typo
         raise RematValueError(
             message(
                 api,
-                "a byte count with no unit is a whole number",
+                f"a byte count {'in B' if unit else 'with no unit'} is a whole number",
                 f"got {value!r}",
                 'pass bytes such as "4MB" (a ratio such as 0.5 is taken where a budget may be a fraction)',
             )

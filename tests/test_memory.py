@@ -64,7 +64,7 @@ def test_parse_bytes(text: object, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["two GB", "5 parsecs", "", "-3GB", "0", "1e-9", "1e9 parsecs"])
+@pytest.mark.parametrize("bad", ["two GB", "5 parsecs", "", "-3GB", "0", "1e-9", "1e9 parsecs", "1.5B"])
 def test_parse_bytes_rejects_unparsable(bad: str) -> None:
     with pytest.raises(remat.RematValueError, match=r"remat\.memory\.parse_bytes: "):
         parse_bytes(bad)

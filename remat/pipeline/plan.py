@@ -17,14 +17,13 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._files import read_json
+from remat._files import read_json, write_text
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import children_of
@@ -283,7 +282,7 @@ class PipelinePlan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        write_text(path, json.dumps(self.to_json(), indent=1) + "\n", "pipeline.save")
 
     @classmethod
     def load(

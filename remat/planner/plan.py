@@ -18,13 +18,12 @@ import math
 import os
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from remat._errors import RematValueError, message
-from remat._files import read_json
+from remat._files import read_json, write_text
 from remat._units import format_bytes
 from remat.host.link import Link
 from remat.manual.fused import ReplayMode
@@ -238,7 +237,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        write_text(path, json.dumps(self.to_json(), indent=1) + "\n", "plan.save")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:

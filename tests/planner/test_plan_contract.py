@@ -346,3 +346,10 @@ def test_a_plan_file_nested_past_the_stack_is_not_json(tmp_path: Path) -> None:
         RematValueError, match=r"remat\.plan\.load: the plan file is not JSON .*nested too deep"
     ):
         Plan.load(path)
+
+
+def test_a_plan_saved_where_no_file_can_be_is_refused(tmp_path: Path) -> None:
+    """It raised Python's FileNotFoundError."""
+    plan = remat.plan(_mlp(), (torch.randn(256, 64),), 0.6, loss_fn=_loss, repeats=1)
+    with pytest.raises(RematValueError, match=r"remat\.plan\.save: the file could not be written .*missing"):
+        plan.save(tmp_path / "missing" / "plan.json")
