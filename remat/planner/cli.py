@@ -156,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         raise RematValueError(
             message("plan", rule, f"got {' '.join(stray)}", "leave it out, or add --pareto")
         )
+    if args.host_budget is not None and args.link is None:  # before the step is traced
+        rule = "--host-budget bounds what goes to the host over --link"
+        raise RematValueError(message("plan", rule, "got no --link", "add --link 25GB/s, or leave it out"))
     if args.pareto and not (args.out or args.json):  # its points go to a picture, a file, or both
         rule = "--pareto writes its sweep to --out (a picture) or --json (every point)"
         raise RematValueError(

@@ -104,3 +104,13 @@ def test_a_sweep_with_nowhere_to_go_is_refused_before_it_runs(capsys: pytest.Cap
     nothing and exited 0."""
     assert main(["plan", "--model", "gpt2", "--pareto"]) == 2
     assert capsys.readouterr().err.startswith("remat.plan: --pareto writes its sweep to --out")
+
+
+def test_a_host_budget_without_a_link_is_refused_before_the_step_is_traced(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was refused after tracing, with the Python API's advice ("pass link=remat.Link(...)")."""
+    assert main(["plan", "--model", "gpt2", "--host-budget", "1GB"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "remat.plan: --host-budget bounds what goes to the host over --link"
+    )
