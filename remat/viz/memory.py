@@ -82,7 +82,11 @@ def plot(
     if title:
         fig.suptitle(title)
     if path is not None:
-        fig.savefig(path, dpi=120)
+        try:
+            fig.savefig(path, dpi=120)
+        except (ValueError, OSError) as err:  # a format matplotlib has no writer for, a missing folder
+            rule, todo = "the picture could not be written", "pass a .png path in a folder that exists"
+            raise RematValueError(message(_API, rule, f"{path}: {err}"[:300], todo)) from None
     return fig
 
 
@@ -156,9 +160,18 @@ def _panel(
 def _check(
     runs: object, budget: object, marks: object, notes: object
 ) -> tuple[dict[str, MemoryTracker], dict[str, int], dict[str, list[tuple[int, str]]], dict[str, str]]:
-    if not isinstance(runs, Mapping) or not runs:
+    if not isinstance(runs, Mapping):
+        raise RematTypeError(
+            message(
+                _API,
+                "runs map labels to trackers",
+                f"got {type(runs).__name__}",
+                "pass {label: tracker, ...}",
+            )
+        )
+    if not runs:
         raise RematValueError(
-            message(_API, "needs at least one run", f"got {runs!r}", "pass {label: tracker, ...}")
+            message(_API, "needs at least one run", "got none", "pass {label: tracker, ...}")
         )
     for label, tracker in runs.items():
         if not isinstance(tracker, MemoryTracker):

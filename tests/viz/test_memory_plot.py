@@ -126,6 +126,7 @@ def test_a_budget_for_every_panel() -> None:
     ("kwargs", "error", "match"),
     [
         ({"runs": {}}, remat.RematValueError, r"remat\.memory\.plot: needs at least one run"),
+        ({"runs": [None]}, remat.RematTypeError, r"runs map labels to trackers \(got list\)"),
         ({"runs": {"a": 3}}, remat.RematTypeError, r"each run is a MemoryTracker \(got int for 'a'\)"),
         (
             {"budget": {"b": 100}},
@@ -143,6 +144,17 @@ def test_plot_refuses_bad_arguments(kwargs: dict[str, object], error: type[Excep
     arguments: dict[str, object] = {"runs": {"a": m}, **kwargs}
     with pytest.raises(error, match=match):
         remat.memory.plot(**arguments)  # type: ignore[arg-type]
+
+
+def test_a_picture_that_cannot_be_written_is_refused(tmp_path: Path) -> None:
+    """A format matplotlib has no writer for, or a missing folder, raised matplotlib's or Python's
+    error."""
+    m, _ = _eight_mib()
+    for path in (tmp_path / "memory.txt", tmp_path / "missing" / "memory.png"):
+        with pytest.raises(
+            remat.RematValueError, match=r"remat\.memory\.plot: the picture could not be written"
+        ):
+            remat.memory.plot({"a": m}, path)
 
 
 def test_cli_writes_the_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
