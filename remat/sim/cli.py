@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from remat._console import console, progress
+    from remat._errors import RematValueError, message
     from remat._units import format_bytes
     from remat.core.policies.registry import resolve
     from remat.sim.result import Outcome
@@ -82,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
     if args.policies is None:  # the default three, less those that read addresses byte counting lacks
         default = ("dtr", "dte", "coop")
         args.policies = [p for p in default if layout or "layout" not in resolve(p, True, "sim.cli").needs]
-    for policy in args.policies:  # before any trace is read
-        resolve(policy, layout, "sim.cli")
+    for policy in args.policies:  # before any trace is read, in the command's words
+        if not layout and "layout" in resolve(policy, True, "sim.cli").needs:
+            rule = "this policy reads addresses, which --memory bytes does not model"
+            todo = "pass --memory address, or a policy without layout-aware parts (dtr-eq, coop-no-layout)"
+            raise RematValueError(message("sim.cli", rule, f"policy {policy!r}", todo))
     thrash_limit(args.thrash_limit)
     traces = [load(path) for path in args.traces]
     links = [None] if args.link is None else [None, args.link]

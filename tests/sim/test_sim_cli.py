@@ -95,6 +95,14 @@ def test_byte_counting_runs_the_default_policies_that_count_bytes(trace_file: Pa
     assert [r["policy"] for r in json.loads(out.read_text())] == ["dtr"]
 
 
+def test_a_policy_that_reads_addresses_under_byte_counting_is_refused_in_the_commands_words(
+    trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal gave the Python API's advice ("pass layout=True")."""
+    assert main(["sim", str(trace_file), "--memory", "bytes", "--policies", "coop"]) == 2
+    assert "pass --memory address" in capsys.readouterr().err
+
+
 def test_the_plot_of_runs_that_never_evicted(trace_file: Path, tmp_path: Path) -> None:
     """No victim search to draw on a log scale: matplotlib raised after the table."""
     png = tmp_path / "out.png"
