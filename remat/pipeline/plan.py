@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -257,6 +258,17 @@ class PipelinePlan:
 
     def with_model(self, model: nn.Module | Sequence[nn.Module]) -> PipelinePlan:
         """This plan holding ``model`` (a module to cut at ``boundaries``, or the stage modules)."""
+        if not isinstance(model, nn.Module) and (
+            not isinstance(model, (list, tuple)) or not all(isinstance(m, nn.Module) for m in model)
+        ):
+            raise RematTypeError(
+                message(
+                    "pipeline.PipelinePlan",
+                    "the model is an nn.Module, or a list of the stage modules",
+                    f"got {type(model).__name__} {reprlib.repr(model)}",
+                    "pass the model the plan was made for",
+                )
+            )
         if isinstance(model, nn.Module) and not self.boundaries:
             raise RematTypeError(
                 message(

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import statistics
 import time
 from typing import Any
@@ -38,6 +39,8 @@ _TINY_PARETO = "about 65 s of CPU time; longer wall time on a busy machine"
 _TINY_BATCH = 8
 # CPU seconds each timed round of the sweep lasts at least
 _ROUND_SECONDS = 0.05
+# --pareto's defaults
+_POINTS, _SOLVERS, _REPEATS = 6, ("chain", "greedy", "sqrt", "milp"), 3
 
 
 def register(subparsers: Any) -> None:
@@ -66,7 +69,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--budget", default=0.5, type=_budget, help="bytes ('2GB') or a ratio of the plain peak (0.5)"
     )
-    parser.add_argument("--solver", default="auto", choices=names(), help="solver (default auto)")
+    parser.add_argument("--solver", choices=names(), help="without --pareto: the solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
     parser.add_argument(
         "--rerun-modules",
@@ -87,16 +90,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--points",
         type=_points,
-        default=6,
-        help="with --pareto: budgets per solver, from the smallest feasible peak to the plain (default 6)",
+        help=f"with --pareto: budgets per solver, lowest feasible peak to plain (default {_POINTS})",
     )
     parser.add_argument(
         "--solvers",
-        default=["chain", "greedy", "sqrt", "milp"],
         type=_solvers,
-        help="comma-separated solvers",
+        help=f"with --pareto: comma-separated solvers (default {','.join(_SOLVERS)})",
     )
-    parser.add_argument("--repeats", type=positive, default=3, help="timing rounds per plan (default 3)")
+    parser.add_argument(
+        "--repeats", type=positive, help=f"with --pareto: timing rounds per plan (default {_REPEATS})"
+    )
     parser.add_argument("--out", metavar="FILE.png", help="with --pareto: plot the curve")
     parser.add_argument("--json", metavar="FILE", help="with --pareto: write every point as JSON")
     parser.set_defaults(func=run)
@@ -156,6 +159,14 @@ def run(args: argparse.Namespace) -> int:
         raise RematValueError(
             message("plan", rule, f"got {' '.join(stray)}", "leave it out, or add --pareto")
         )
+    wrong = [f"--{k}" for k in ("points", "solvers", "repeats") if getattr(args, k) is not None]
+    if args.pareto and args.solver is not None or not args.pareto and wrong:  # else left unused
+        rule = "--solver picks the plan's solver; --points, --solvers and --repeats shape the --pareto sweep"
+        given = "--solver with --pareto" if args.pareto else f"{' '.join(wrong)} without --pareto"
+        raise RematValueError(message("plan", rule, f"got {given}", "leave it out, or use the other form"))
+    args.solver = args.solver or "auto"
+    args.points, args.repeats = args.points or _POINTS, args.repeats or _REPEATS
+    args.solvers = args.solvers or list(_SOLVERS)
     if args.host_budget is not None and args.link is None:  # before the step is traced
         rule = "--host-budget bounds what goes to the host over --link"
         raise RematValueError(message("plan", rule, "got no --link", "add --link 25GB/s, or leave it out"))
@@ -178,14 +189,18 @@ def run(args: argparse.Namespace) -> int:
     with console(stderr=True).status(f"tracing one training step of {args.model}"):
         trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
-        plan = plan_trace(
-            trace,
-            args.budget,
-            solver=args.solver,
-            link=args.link,
-            host_budget=args.host_budget,
-            rerun_modules=args.rerun_modules,
-        )
+        try:
+            plan = plan_trace(
+                trace,
+                args.budget,
+                solver=args.solver,
+                link=args.link,
+                host_budget=args.host_budget,
+                rerun_modules=args.rerun_modules,
+            )
+        except RematError as error:  # its advice in the command's words, not the Python API's
+            error.args = tuple(_in_flags(a) if isinstance(a, str) else a for a in error.args)
+            raise
         plan.explain()
         if args.save:
             plan.save(args.save)
@@ -197,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         plot(points, args.model, args.out)
     return 0
+
+
+def _in_flags(text: str) -> str:
+    """A planner message's advice in this command's flags, not the Python API's arguments."""
+    text = re.sub(r"link=remat\.Link\([^)]*\)", "--link 25GB/s", text)
+    text = re.sub(r"solver='(\w+)'", r"--solver \1", text)
+    return text.replace("host_budget", "--host-budget").replace("without link", "without --link")
 
 
 def _measure(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> int:

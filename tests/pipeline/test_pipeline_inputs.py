@@ -17,7 +17,7 @@ from torch import nn
 
 import remat
 import remat.pipeline as pp
-from remat import RematValueError
+from remat import RematTypeError, RematValueError
 from remat.pipeline.execute import PlannedStage, sendable
 from remat.pipeline.timeline import walk
 
@@ -63,6 +63,11 @@ def test_a_saved_plan_fits_only_the_model_it_was_made_for(tmp_path: Path) -> Non
         RematValueError, match=r"the model is not the one planned \(5 children for a plan of 4\)"
     ):
         pp.PipelinePlan.load(path, bigger)
+    for wrong in ("abc", ["a", "b"], [model[0], 3]):
+        with pytest.raises(
+            RematTypeError, match=r"the model is an nn.Module, or a list of the stage modules \(got "
+        ):
+            pp.PipelinePlan.load(path, wrong)  # type: ignore[arg-type]
     body = json.loads(path.read_text())
     body["stage_plans"] = body["stage_plans"][:1]
     path.write_text(json.dumps(body))

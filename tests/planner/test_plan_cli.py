@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from plans import trace_with_fixed_costs
 
+import remat
 from remat import Plan
 from remat.cli import main
+from remat.planner.cli import _in_flags
 
 
 def test_plan_explains_and_saves(
@@ -113,4 +115,42 @@ def test_a_host_budget_without_a_link_is_refused_before_the_step_is_traced(
     assert main(["plan", "--model", "gpt2", "--host-budget", "1GB"]) == 2
     assert capsys.readouterr().err.startswith(
         "remat.plan: --host-budget bounds what goes to the host over --link"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "given"),
+    [
+        (["--points", "3"], "--points without --pareto"),
+        (["--solvers", "chain", "--repeats", "2"], "--solvers --repeats without --pareto"),
+        (["--pareto", "--json", "never.json", "--solver", "chain"], "--solver with --pareto"),
+    ],
+)
+def test_a_flag_of_the_other_form_is_refused_not_ignored(
+    args: list[str], given: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--points``, ``--solvers`` and ``--repeats`` without ``--pareto`` (and ``--solver`` with it)
+    were ignored in silence; now refused before the model is built."""
+    built = []
+    monkeypatch.setattr(remat.zoo, "build", lambda *a, **k: built.append(a))
+    assert main(["plan", "--model", "gpt2", *args]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"remat.plan: --solver picks the plan's solver; --points, --solvers and --repeats shape the "
+        f"--pareto sweep (got {given})"
+    )
+    assert not built
+
+
+def test_a_solvers_advice_names_the_commands_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner's advice came in the Python API's words ("solver='auto'", "pass link=...")."""
+    assert main(["plan", "--model", "gpt2", "--solver", "offload_greedy", "--budget", "0.3"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "remat.plan: offload needs a link model (--solver offload_greedy without --link); pass --link 25GB/s"
+    )
+    assert _in_flags(
+        "solver 'milp' itself reaches 9 bytes at least (solver='auto' reaches the minimum); raise the "
+        "budget or host_budget"
+    ) == (
+        "solver 'milp' itself reaches 9 bytes at least (--solver auto reaches the minimum); raise the "
+        "budget or --host-budget"
     )
