@@ -46,7 +46,7 @@ from remat.dynamic.failures import explain
 from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.op_bytes import warn_unmeasured, warn_unsized
 from remat.dynamic.stats import DynamicStats, Recorder
-from remat.dynamic.undo import Snapshot, abandon, rewind, take, write_back
+from remat.dynamic.undo import Snapshot, abandon, rewind, take, watch_steps, write_back
 from remat.dynamic.wanted import watch
 from remat.host.link import Link
 
@@ -182,6 +182,7 @@ class Dynamic:
             ) from None
         backend.open()
         engine.hooks += watch(listed, engine.wanted, engine.watched)  # those not read yet too
+        engine.hooks.append(watch_steps(self._snapshot))
         self._engine = engine
         self._mode = Interceptor(engine)
         self._depth = deepen()
@@ -262,7 +263,8 @@ class Dynamic:
         rewind(self._snapshot)
         said = (
             f"the step was undone: {restored} tensors from before the region written back to their "
-            "content at entry, optimizer state, gradients and generators as at entry"
+            "content at entry; the state of every optimizer in keep or stepped in the region, the "
+            "gradients of what keep holds and the generators as at entry"
         )
         if lost:
             said += f"; not restorable: {', '.join(lost)}"

@@ -13,8 +13,10 @@ and some optimizer states advanced. So the region undoes the step instead:
   the modules in ``keep`` are copied at entry (the region counts the copies in its budget) and
   written back;
 - each optimizer given in ``keep`` gets its state mapping back (entries the step created, such as
-  momentum buffers made at the first step, go), and each parameter of the modules and optimizers
-  in ``keep`` its ``.grad`` object;
+  momentum buffers made at the first step, go), and so does each other optimizer that steps inside
+  the region, as it was before its first step there (``watch_steps``: a retried step would find
+  the failed step's momentum otherwise); each parameter of the modules and optimizers in ``keep``
+  gets its ``.grad`` object back;
 - the global generators go back to their state at entry, so that running the step again draws the
   same random numbers.
 
@@ -32,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from remat import aten
 from remat.aten import RngState
@@ -47,6 +51,7 @@ class Snapshot:
     optimizers: tuple[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]]], ...]
     grads: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
     buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (buffer, its content at entry)
+    stepped: list[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]]]]  # ``watch_steps``'
 
 
 def take(members: list[object]) -> Snapshot:
@@ -67,13 +72,26 @@ def take(members: list[object]) -> Snapshot:
         tuple((opt, {p: dict(state) for p, state in opt.state.items()}) for opt in optimizers),
         tuple((p, p.grad) for p in params.values()),
         tuple((b, b.detach().clone()) for b in buffers.values()),
+        [],
     )
+
+
+def watch_steps(snapshot: Snapshot) -> RemovableHandle:
+    """Note in ``snapshot`` each optimizer not in it that steps from now on, with its state mapping
+    before its first step (see the module doc); remove the handle when the region closes."""
+
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        known = [opt for opt, _ in (*snapshot.optimizers, *snapshot.stepped)]
+        if not any(opt is optimizer for opt in known):
+            snapshot.stepped.append((optimizer, {p: dict(state) for p, state in optimizer.state.items()}))
+
+    return register_optimizer_step_pre_hook(before_step)
 
 
 def rewind(snapshot: Snapshot) -> None:
     """Put back what ``snapshot`` holds."""
     aten.restore(snapshot.rng)
-    for opt, state in snapshot.optimizers:
+    for opt, state in (*snapshot.optimizers, *snapshot.stepped):
         opt.state.clear()
         opt.state.update({p: dict(entries) for p, entries in state.items()})
     for p, grad in snapshot.grads:

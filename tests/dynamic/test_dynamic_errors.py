@@ -258,6 +258,44 @@ def test_a_failed_step_puts_back_the_programs_own_generators() -> None:
     assert torch.equal(own.get_state(), before) and torch.equal(torch.get_rng_state(), default)
 
 
+@pytest.mark.parametrize("keep_optimizer", [False, True])
+def test_a_failed_step_puts_back_the_state_of_an_optimizer_that_stepped_in_it(keep_optimizer: bool) -> None:
+    """An optimizer not given in ``keep`` kept the momentum its undone first step made (the error
+    said its state was as at entry): the step run again then trained other weights, in silence."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0))
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    plain, plain_opt = build()
+    step(plain, plain_opt)
+    model, opt = build()
+    keep = (model, opt) if keep_optimizer else (model,)
+    with (
+        pytest.raises(
+            RematValueError, match=r"the state of every optimizer in keep or stepped in the region"
+        ),
+        remat.dynamic(400_000, keep=keep, cost="model"),
+    ):
+        step(model, opt)
+        torch.ones(200_000).sum()  # past the budget, after the optimizer's step
+    assert not opt.state
+    step(model, opt)  # the step again, plainly
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert all(
+        torch.equal(opt.state[p]["momentum_buffer"], plain_opt.state[q]["momentum_buffer"])
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True)
+    )
+
+
 def test_a_module_whose_backward_fails_is_undone_at_once_and_closes_cleanly() -> None:
     """In a DynamicModule the region stays open past the forward: a failure in backward undoes the
     step when it happens, later ops run as plain PyTorch, and the next call opens a new region."""
