@@ -47,7 +47,7 @@ from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
-from remat.manual.inputs import Inputs
+from remat.manual.inputs import Inputs, Unwritten
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
 from remat.manual.selective import Recording, Replaying, SaveCache
@@ -90,6 +90,8 @@ class _Frame:
         self.check = check
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
+        self.modules = modules[0]  # their parameters, ``Unwritten`` once the call ends
+        self.parameters = Unwritten(())
         # a lazy module's first forward draws its initial weights from the generators the region's
         # random ops then draw from after it; its recomputation would not: that call runs plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
@@ -182,6 +184,7 @@ class _Frame:
         def unpack_again(kept: torch.Tensor) -> torch.Tensor:  # a backward inside the function
             return kept
 
+        self.parameters.check("checkpoint")
         args, kwargs = self.inputs()
         replay = Replaying(self.cache, "checkpoint") if self.cache is not None else None
         try:
@@ -273,7 +276,9 @@ def run(
                 forward.enter_context(frame.provenance.tracking(fn))
             if frame.cache is not None:
                 forward.enter_context(Recording(frame.cache))
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        frame.parameters = Unwritten(p for m in frame.modules for p in m.parameters(recurse=False))
+        return out
     finally:
         if frame.provenance is not None and frame.live is not None:  # the values the function left
             with _disable_current_modes():

@@ -12,16 +12,28 @@ the call; other values (numbers, modules, objects pytree does not know) are pass
 
 An inference tensor (made under ``torch.inference_mode``) cannot be saved for backward and has no
 version counter; no op outside inference mode can write it, so it is passed as it is.
+
+The call also reads what it is not given: its modules' parameters. Autograd keeps only those a
+backward needs (a first layer's weight is not saved where its input needs no gradient), so one
+written in place between the forward and the backward (an optimizer's step for another loss, a
+max-norm renorm) passes the plain step, which reads the forward's activations, and a recomputation
+would compute other values from it: ``Unwritten`` notes their versions when the call ends and
+refuses a recomputation from one written since.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Inputs", "SaveInputs"]
+from remat._errors import RecomputationError, message
+from remat.aten import describe
+
+__all__ = ["Inputs", "SaveInputs", "Unwritten"]
 
 
 class SaveInputs(torch.autograd.Function):
@@ -67,3 +79,26 @@ class Inputs:
                 leaves[slot] = fresh[k]
         args, kwargs = tree_unflatten(leaves, self.spec)
         return tuple(args), dict(kwargs)
+
+
+class Unwritten:
+    """``tensors`` (a call's parameters), each at its version now (see the module doc)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.read = [(weakref.ref(t), t._version) for t in tensors if not t.is_inference()]
+
+    def check(self, api: str) -> None:
+        """Refuse to recompute from a tensor written since, as ``api`` (``"checkpoint"``)."""
+        for ref, version in self.read:
+            t = ref()
+            if t is not None and t._version != version:
+                raise RecomputationError(
+                    message(
+                        api,
+                        "a parameter the function read was modified in place before backward "
+                        "recomputed from it",
+                        f"{describe(t.dtype, t.shape)} at version {t._version}, read at version {version}",
+                        "modify it after backward (an optimizer's step), or run this function "
+                        "without recomputation",
+                    )
+                )

@@ -1,6 +1,7 @@
-"""What a function can reach without running it: the values its closure holds and its code names
-as globals, and those of the functions it reaches that way, to ``FOLLOW_DEPTH`` calls deep
-(``step`` calling ``body`` which runs a model written at a script's top level), and the attributes
+"""What a function can reach without running it: the values its closure and its default arguments
+hold (``lambda h, layer=layer: layer(h)``) and its code names as globals, and those of the
+functions it reaches that way, to ``FOLLOW_DEPTH`` calls deep (``step`` calling ``body`` which
+runs a model written at a script's top level), and the attributes
 of the object a method is bound to, where that is not a module (``remat.checkpoint(runner.block,
 x)``: the modules ``runner`` holds).
 
@@ -26,7 +27,8 @@ CONTAINER_LIMIT = 256  # items: a larger list, tuple or dict found (a loss histo
 
 
 def held(fn: Any) -> list[Any]:
-    """The values ``fn`` (a function or a bound method) holds in its closure or names as globals,
+    """The values ``fn`` (a function or a bound method) holds in its closure or default arguments or
+    names as globals,
     and those of the functions among them, to ``FOLLOW_DEPTH`` calls deep; for a method of an
     object that is not a module, also the object's attributes."""
     found: list[Any] = []
@@ -38,6 +40,10 @@ def held(fn: Any) -> list[Any]:
             continue
         seen.add(id(f))
         values = [_content(cell) for cell in getattr(f, "__closure__", None) or ()]
+        values += [
+            *(getattr(f, "__defaults__", None) or ()),
+            *(getattr(f, "__kwdefaults__", None) or {}).values(),
+        ]
         owner = getattr(f, "__self__", None)  # a method of an object of the program's own
         if depth == 0 and not isinstance(owner, (nn.Module, types.ModuleType)):
             values += list(getattr(owner, "__dict__", {}).values())

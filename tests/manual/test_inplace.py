@@ -165,3 +165,53 @@ def test_a_parameter_written_between_forward_and_backward_is_refused_through_a_s
             lin.weight.mul_(2)
         with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified in place"):
             out.sum().backward()
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "module", "sequential", "closure"])
+def test_a_parameter_autograd_did_not_save_written_before_backward_is_refused(form: str) -> None:
+    """The first layer's weight is not saved where its input needs no gradient, so plain autograd
+    lets it be written between forward and backward (its gradient reads the forward's input); the
+    recomputation read the written weight and gave other gradients in silence (0.017 apart)."""
+
+    def build() -> tuple[torch.nn.Sequential, torch.nn.Linear]:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)
+        ), torch.nn.Linear(16, 1)
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for wrapped in (False, True):
+        block, head = build()
+        if not wrapped:
+            h = block(x)
+        elif form == "checkpoint":
+            h = remat.checkpoint(block, x)
+        elif form == "module":
+            h = remat.checkpoint(block)(x)
+        elif form == "sequential":
+            h = remat.checkpoint_sequential(block, 2, x)
+        else:
+            h = remat.checkpoint(lambda v, b=block: b(v), x)
+        loss = head(h).pow(2).mean()
+        with torch.no_grad():
+            block[0].weight.mul_(1.5)
+        if wrapped:
+            with pytest.raises(
+                remat.RecomputationError,
+                match=r"remat\.checkpoint: a parameter the function read was modified in place before "
+                r"backward recomputed from it \(float32\[32, 16\] at version 2, read at version 1\)",
+            ):
+                loss.backward()
+        else:
+            loss.backward()
+            grads.append(block[0].weight.grad)
+    block, head = build()  # written before the forward: read as the forward read it, exact
+    with torch.no_grad():
+        block[0].weight.mul_(1.5)
+    remat.checkpoint(block, x).sum().backward()
+    plain, _ = build()
+    with torch.no_grad():
+        plain[0].weight.mul_(1.5)
+    plain(x).sum().backward()
+    assert torch.equal(block[0].weight.grad, plain[0].weight.grad)
