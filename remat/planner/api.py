@@ -27,7 +27,8 @@ from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
 from remat.manual.buffers import reached
 from remat.planner.cost_model import ExecutorCost
-from remat.planner.frontier import Frontier, frontier
+from remat.planner.frontier import Frontier, floors, frontier
+from remat.planner.loss import Inputs, LossFn, step_loss
 from remat.planner.lowering import stage_key
 from remat.planner.offload_lowering import offload_problem
 from remat.planner.offload_model import OffloadProblem
@@ -44,7 +45,6 @@ from remat.planner.search import (
     best,
     decisions,
     fail,
-    floor,
 )
 from remat.planner.solvers import get
 from remat.trace import capture
@@ -53,9 +53,6 @@ from remat.trace.types import Trace
 from remat.trace.unseen import with_unseen
 
 __all__ = ["BudgetTooSmall", "LossFn", "block_key", "plan", "plan_at", "plan_trace", "trace_step"]
-
-LossFn = Callable[..., torch.Tensor]
-Inputs = torch.Tensor | Sequence[Any] | Mapping[str, Any]
 
 
 class BudgetTooSmall(RematValueError):
@@ -66,28 +63,6 @@ class BudgetTooSmall(RematValueError):
         super().__init__(text)
         self.minimum_bytes = minimum_bytes
         self.where = where
-
-
-def _call(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None) -> torch.Tensor:
-    """The step's loss: ``loss_fn(model, *inputs)`` (``**inputs`` for a mapping), or by default the
-    model's output itself or its ``.loss``."""
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if loss_fn is not None:
-        out = loss_fn(model, **inputs) if isinstance(inputs, Mapping) else loss_fn(model, *inputs)
-    else:
-        out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
-        out = getattr(out, "loss", out)
-    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
-        given = (
-            type(out).__name__ if not isinstance(out, torch.Tensor) else f"tensor of shape {list(out.shape)}"
-        )
-        raise fail(
-            "the step's loss must be a scalar tensor that requires grad",
-            f"got {given}",
-            "pass loss_fn(model, *inputs) returning the loss",
-        )
-    return out
 
 
 def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
@@ -115,19 +90,19 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     if any(p.is_cuda for p in model.parameters()):
         with untouched(modules, leaves):
             model.zero_grad(set_to_none=True)
-            leaves.note(_call(model, inputs, loss_fn)).backward()
+            leaves.note(step_loss(model, inputs, loss_fn)).backward()
     with untouched(modules, leaves):
         model.zero_grad(set_to_none=True)
         trace = capture(
-            lambda: leaves.note(_call(model, inputs, loss_fn)).backward(),
+            lambda: leaves.note(step_loss(model, inputs, loss_fn)).backward(),
             name=type(model).__name__,
             repeats=repeats,
         )
     with untouched(modules):  # the same forward again, from the same state (NOTE [let go])
-        trace = with_let_go(trace, lambda: _call(model, inputs, loss_fn))
+        trace = with_let_go(trace, lambda: step_loss(model, inputs, loss_fn))
     with untouched(modules, leaves):  # the allocator's own count of the step (NOTE [unseen bytes])
         model.zero_grad(set_to_none=True)
-        return with_unseen(trace, lambda: leaves.note(_call(model, inputs, loss_fn)).backward())
+        return with_unseen(trace, lambda: leaves.note(step_loss(model, inputs, loss_fn)).backward())
 
 
 def block_key(model: nn.Module) -> Callable[[str], str]:
@@ -263,7 +238,7 @@ def plan_at(
         problem = offload_problem(step.trace, link, host_budget=found.host_budget, key=step.key)
         check_host(step, problem, budget_bytes, baseline, solver, options or {})
     if not fits:
-        known = tried + floor(step, chain) if solver != "auto" else tried
+        known = tried + floors(step, chain) if solver != "auto" else tried
         lowest = min(known, key=lambda c: c.pred.peak_bytes).pred
         if budget_bytes < lowest.peak_bytes:
             own = min((c.pred.peak_bytes for c in tried), default=None)  # the solver's own plans

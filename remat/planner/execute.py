@@ -52,6 +52,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
+from remat.planner.foreign import hooks_of_another, hooks_refused
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
 from remat.planner.results import expected, made
@@ -108,6 +109,7 @@ class _Runner(Unguarded):
         self.model = model
         self.top = type(model).__name__
         self.pushed = False
+        self.began = False  # a forward of the model ran under the plan (``bypassed``)
 
     # -- regions ---------------------------------------------------------------------------------
 
@@ -130,14 +132,30 @@ class _Runner(Unguarded):
         # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is
         self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
         if not self.active and not self.aside:
-            if (error := _hooks_of_another()) is not None:
+            if (error := hooks_of_another()) is not None:
                 raise error
             self.stop()
             self.position = 0
-            self.active = True
+            self.active = self.began = True
             if not self.pushed:
                 self.__enter__()
                 self.pushed = True
+
+    def bypassed(self, module: nn.Module) -> None:
+        """A child of the model called before any forward of the model under the plan: the step
+        calls submodules itself (``model.body(x)``, ``model.forward(x)``), which the plan, counting
+        the ops of the model's call, would let run unplanned, over the budget."""
+        if self.began or self.active or torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            return
+        name = next((n for n, m in self.model.named_children() if m is module), type(module).__name__)
+        raise RematValueError(
+            message(
+                "plan",
+                "the plan runs inside a call of the model (model(...)), where it counts the step's ops",
+                f"{self.top}.{name} was called before any call of {self.top}",
+                "call the model itself, as the traced step did",
+            )
+        )
 
     def pop(self) -> None:
         """Leave the dispatch stack, if this mode is on top of it (a forward that raised may have
@@ -179,7 +197,7 @@ class _Runner(Unguarded):
         return self.top
 
     def _diverged(self, position: int, func: Any) -> RematError:
-        if (error := _hooks_of_another(self.region)) is not None:  # their ops, not the model's
+        if (error := hooks_of_another(self.region)) is not None:  # their ops, not the model's
             self.stop()
             self.active = False
             return error
@@ -276,11 +294,12 @@ def apply(
             )
         )
     if checkpointed(model):  # its hooks come inside the forward, after the plan's start
-        raise _hooks_refused("remat.checkpoint (the model's forward is one)")
+        raise hooks_refused("remat.checkpoint (the model's forward is one)")
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
     again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
     hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
+    hooks += [child.register_forward_pre_hook(_guard(runner, child)) for child in model.children()]
     wrapped = []
     try:
         wrapped += [_run_again(runner, region, module) for region, module in again]
@@ -296,29 +315,15 @@ def apply(
                 module.forward = before
 
 
-def _hooks_of_another(region: TapedRegion | None = None) -> RematValueError | None:
-    """The error for a forward under saved-tensor hooks not the plan's (``remat.offload``,
-    ``remat.scope``, ``torch.autograd.graph.save_on_cpu``): they decide what autograd keeps, which
-    the plan decides for itself, and their own ops run among the model's (the check would name them
-    diverged). ``region``: the plan's own, open now."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    owner = getattr(top[0], "__self__", top[0]) if top is not None else None
-    if top is None or owner is region or getattr(owner, "steps_aside", False):  # a three-way plan's
-        return None
-    return _hooks_refused(getattr(owner, "__qualname__", type(owner).__qualname__))
+def _guard(runner: _Runner, child: nn.Module) -> Callable[..., None]:
+    """``child``'s pre-hook for ``_Runner.bypassed``: a function, which ``copy.deepcopy`` shares
+    where it would copy a bound method and its runner, so that a copy's child is not the plan's."""
 
+    def hook(module: nn.Module, args: Any) -> None:
+        if module is child:
+            runner.bypassed(child)
 
-def _hooks_refused(owner: str) -> RematValueError:
-    return RematValueError(
-        message(
-            "plan",
-            "a plan runs the model's forward under no saved-tensor hooks of another (it decides "
-            "what autograd keeps)",
-            f"the forward started under {owner}",
-            "apply the plan outside remat.offload, remat.scope, remat.checkpoint and torch.autograd.graph "
-            "hooks (plan with link= to offload)",
-        )
-    )
+    return hook
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module:

@@ -227,6 +227,20 @@ def _one_block(step: Step, ops: Sequence[int]) -> bool:
     return len({step.key(step.trace.ops[i].module) for i in ops}) <= 1
 
 
+def _chains(step: Step, chain: Chain) -> list[Chain]:
+    """The chains the solvers plan on: ``chain`` (of ``step``'s blocks), and the chain of their
+    children where it has more stages, but not too many."""
+    fine = chain_from_trace(step.trace, key=finer_key(step.key))
+    return [chain] + ([fine] if len(chain) < len(fine) <= _FINE_STAGES else [])
+
+
+def floors(step: Step, chain: Chain) -> list[Candidate]:
+    """The plans near the smallest peak (``remat.planner.search.floor``) on each chain the solvers
+    plan on: the minimum an error names, whichever solver was asked (the chain solver's plans on
+    the finer chain reach lower than the coarse chain's floor)."""
+    return [c for problem in _chains(step, chain) for c in floor(step, problem)]
+
+
 def _candidates(
     step: Step, solver: str, chain: Chain, baseline: int, options: dict[str, Any]
 ) -> list[Candidate]:
@@ -234,8 +248,7 @@ def _candidates(
     trace = step.trace
     if solver not in ("auto", "chain"):  # before the solves, which refuse a budget alike
         check_options(solver, get(solver).function, options)
-    fine = chain_from_trace(trace, key=finer_key(step.key))
-    chains = [chain] + ([fine] if len(chain) < len(fine) <= _FINE_STAGES else [])
+    chains = _chains(step, chain)
     tried: list[Candidate] = []
     if solver == "auto":
         for problem in chains:

@@ -59,7 +59,7 @@ class _Hooks:
     """The pack and unpack hooks of ``remat.host``, with the executor's op count paused while a
     tensor moves: the copy's own ops are no ops of the model."""
 
-    steps_aside = True  # the executor lets these hooks run around the model (``_hooks_of_another``)
+    steps_aside = True  # the executor lets these hooks run around the model (``remat.planner.foreign``)
 
     def __init__(self, region: OffloadRegion) -> None:
         self.region = region

@@ -353,3 +353,52 @@ def test_a_plan_saved_where_no_file_can_be_is_refused(tmp_path: Path) -> None:
     plan = remat.plan(_mlp(), (torch.randn(256, 64),), 0.6, loss_fn=_loss, repeats=1)
     with pytest.raises(RematValueError, match=r"remat\.plan\.save: the file could not be written .*missing"):
         plan.save(tmp_path / "missing" / "plan.json")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp(16, 32)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_a_step_that_does_not_call_the_model_once_is_refused_when_planned() -> None:
+    """A loss_fn calling submodules (``m.head(m.body(x))``) was planned, and the plan applied to that
+    step ran nothing (the plan runs inside the model's call): the plain peak, 1.67 times the budget,
+    in silence. A loss_fn calling the model twice was planned, and its plan refused at every use."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        RematValueError, match=r"loss_fn calls the model once.*called 0 times: loss_fn called its submodules"
+    ):
+        remat.plan(_Net(), (x,), budget=0.6, loss_fn=lambda m, x: m.head(m.body(x)).pow(2).mean(), repeats=1)
+    with pytest.raises(
+        RematValueError, match=r"loss_fn calls the model once.*called 2 times\); .*wrap two calls"
+    ):
+        remat.plan(
+            _mlp(16, 32), (x, x), budget=0.6, loss_fn=lambda m, a, b: (m(a) - m(b)).pow(2).mean(), repeats=1
+        )
+
+
+@pytest.mark.parametrize("bypass", ["submodules", "forward"])
+def test_a_plan_refuses_a_step_that_calls_around_the_model(bypass: str) -> None:
+    """Applied to a step that calls the model's children itself, or ``model.forward`` (no hooks
+    run), a plan ran nothing, in silence; now the first child's call is refused."""
+    model = _Net()
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    plan = remat.plan(model, (x,), budget=0.6, loss_fn=lambda m, x: m(x).pow(2).mean(), repeats=1)
+    assert plan.regions
+    step = (lambda: model.head(model.body(x))) if bypass == "submodules" else (lambda: model.forward(x))
+    with (
+        pytest.raises(
+            RematValueError,
+            match=r"the plan runs inside a call of the model .*_Net.body was called before any call of _Net",
+        ),
+        plan.apply(model),
+    ):
+        step()
+    with plan.apply(model):  # a call of the model first: the children's calls after it are the step's own
+        model(x).pow(2).mean().backward()
+        model.head(model.body(x)).sum().backward()
