@@ -1,6 +1,7 @@
 """Work that runs a model and leaves it as it was: its buffers, its parameters' gradients and the
-CPU generator put back afterwards (tracing a step, profiling a chain, planning a pipeline), and
-the gradients of every other leaf its backward reaches (an input, a loss head's weights)."""
+CPU generator put back afterwards (tracing a step, profiling a chain, planning a pipeline), the
+gradients of every other leaf its backward reaches (an input, a loss head's weights), and the
+parameters its ops write in place (``ParametersBack``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from remat import aten
+from remat._dispatch import Unguarded
 
 
 class Leaves:
@@ -60,3 +65,35 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
         for p, g in grads:
             p.grad = g
         torch.random.set_rng_state(rng)
+
+
+class ParametersBack(Unguarded):
+    """A dispatch mode under which each parameter of ``modules`` that an op writes in place (an
+    embedding's ``max_norm`` renormalizes its weight's rows in forward) has its content copied just
+    before the first such write; ``restore`` writes it back. The copy runs outside every dispatch
+    mode (a capture's recorder below this one does not see it). Planning runs the step several
+    times: without this, each run left the weight renormalized again, and the trained model was
+    not the one given."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        super().__init__()
+        found = {id(p): p for m in modules for p in m.parameters() if p.layout == torch.strided}
+        self.params = {p.untyped_storage()._cdata: p for p in found.values()}
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        facts = aten.facts(func)
+        places = facts.all_writes(args) if facts.hidden_writes else facts.writes
+        for t in aten.written_tensors(places, args, kwargs) if places and self.params else ():
+            key = t.untyped_storage()._cdata if t.layout == torch.strided else None
+            if key in self.params and key not in self.copies:
+                with _disable_current_modes():
+                    self.copies[key] = (self.params[key], self.params[key].detach().clone())
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, content in self.copies.values():
+                p.copy_(content)
+        self.copies.clear()

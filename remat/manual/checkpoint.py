@@ -90,8 +90,8 @@ class _Frame:
         self.check = check
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
-        self.modules = modules[0]  # their parameters, ``Unwritten`` once the call ends
-        self.parameters = Unwritten(())
+        self.modules = modules[0]  # their parameters: ``Unwritten`` as the call starts, and ends
+        self.parameters = Unwritten(p for m in self.modules for p in m.parameters(recurse=False))
         # a lazy module's first forward draws its initial weights from the generators the region's
         # random ops then draw from after it; its recomputation would not: that call runs plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
@@ -277,7 +277,7 @@ def run(
             if frame.cache is not None:
                 forward.enter_context(Recording(frame.cache))
             out = fn(*args, **kwargs)
-        frame.parameters = Unwritten(p for m in frame.modules for p in m.parameters(recurse=False))
+        frame.parameters = frame.parameters.again()
         return out
     finally:
         if frame.provenance is not None and frame.live is not None:  # the values the function left

@@ -84,11 +84,27 @@ class Inputs:
 class Unwritten:
     """``tensors`` (a call's parameters), each at its version now (see the module doc)."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor], written: Iterable[torch.Tensor] = ()) -> None:
         self.read = [(weakref.ref(t), t._version) for t in tensors if not t.is_inference()]
+        self.written = list(written)  # by the call itself: its recomputation would write them again
+
+    def again(self) -> Unwritten:
+        """The same tensors at their versions now, noting those written since (by the call)."""
+        live = [(t, version) for ref, version in self.read if (t := ref()) is not None]
+        return Unwritten((t for t, _ in live), (t for t, version in live if t._version != version))
 
     def check(self, api: str) -> None:
-        """Refuse to recompute from a tensor written since, as ``api`` (``"checkpoint"``)."""
+        """Refuse to recompute where the call wrote one of them itself, or one was written since."""
+        for t in self.written:
+            raise RecomputationError(
+                message(
+                    api,
+                    "the function writes a parameter in place (an embedding's max_norm renormalizes "
+                    "its weight), which its recomputation would write again: other values",
+                    f"{describe(t.dtype, t.shape)} written by the forward",
+                    "leave the module that writes it out of the function, or use remat.scope",
+                )
+            )
         for ref, version in self.read:
             t = ref()
             if t is not None and t._version != version:

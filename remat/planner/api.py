@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._state import Leaves, untouched
+from remat._state import Leaves, ParametersBack, untouched
 from remat._units import format_bytes, parse_budget
 from remat.host.link import Link
 from remat.manual.buffers import reached
@@ -66,17 +66,16 @@ class BudgetTooSmall(RematValueError):
 
 
 def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
-    """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's
-    buffers, gradients and the RNG as they were (the step's batch-norm updates and dropout draws
-    are undone), and so the gradients of every other leaf the backward reaches (an input's, a
-    loss head's) and the buffers of the modules ``loss_fn`` holds or is given. On CUDA an untimed
-    step runs first: a kernel's first launch loads its module and the allocator is cold, which
-    made the ops that run once in the capture (batch norm, in-place ReLU, dropout) cost 0.5 ms
-    each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``). The forward then runs
-    once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
-    NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the
-    allocator's account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in
-    ``remat.trace.types``)."""
+    """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's buffers,
+    gradients, the RNG and the parameters its ops write in place as they were (the step's batch-norm
+    updates, dropout draws and an embedding's max_norm renorm are undone), and so the gradients of every
+    other leaf the backward reaches (an input's, a loss head's) and the buffers of the modules ``loss_fn``
+    holds or is given. On CUDA an untimed step runs first: a kernel's first launch loads its module and
+    the allocator is cold, which made the ops that run once in the capture (batch norm, in-place ReLU,
+    dropout) cost 0.5 ms each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``). The forward
+    then runs once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
+    NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the allocator's
+    account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in ``remat.trace.types``)."""
     _check_step(loss_fn, repeats)
     given = (
         list(inputs.values())
@@ -87,22 +86,31 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     )
     modules = [model, *(reached(loss_fn, given) if loss_fn is not None else ())]
     leaves = Leaves()  # an input's gradient, a loss head's weights': put back too
-    if any(p.is_cuda for p in model.parameters()):
+    back = ParametersBack(modules)  # the weights its ops write (an embedding's max_norm), at the end
+
+    def step() -> None:
+        with back:
+            leaves.note(step_loss(model, inputs, loss_fn)).backward()
+
+    def forward() -> torch.Tensor:
+        with back:
+            return step_loss(model, inputs, loss_fn)
+
+    try:
+        if any(p.is_cuda for p in model.parameters()):
+            with untouched(modules, leaves):
+                model.zero_grad(set_to_none=True)
+                step()
         with untouched(modules, leaves):
             model.zero_grad(set_to_none=True)
-            leaves.note(step_loss(model, inputs, loss_fn)).backward()
-    with untouched(modules, leaves):
-        model.zero_grad(set_to_none=True)
-        trace = capture(
-            lambda: leaves.note(step_loss(model, inputs, loss_fn)).backward(),
-            name=type(model).__name__,
-            repeats=repeats,
-        )
-    with untouched(modules):  # the same forward again, from the same state (NOTE [let go])
-        trace = with_let_go(trace, lambda: step_loss(model, inputs, loss_fn))
-    with untouched(modules, leaves):  # the allocator's own count of the step (NOTE [unseen bytes])
-        model.zero_grad(set_to_none=True)
-        return with_unseen(trace, lambda: leaves.note(step_loss(model, inputs, loss_fn)).backward())
+            trace = capture(step, name=type(model).__name__, repeats=repeats)
+        with untouched(modules):  # the same forward again, from the same state (NOTE [let go])
+            trace = with_let_go(trace, forward)
+        with untouched(modules, leaves):  # the allocator's own count of the step (NOTE [unseen bytes])
+            model.zero_grad(set_to_none=True)
+            return with_unseen(trace, step)
+    finally:
+        back.restore()
 
 
 def block_key(model: nn.Module) -> Callable[[str], str]:

@@ -215,3 +215,35 @@ def test_a_parameter_autograd_did_not_save_written_before_backward_is_refused(fo
         plain[0].weight.mul_(1.5)
     plain(x).sum().backward()
     assert torch.equal(block[0].weight.grad, plain[0].weight.grad)
+
+
+def test_a_parameter_the_function_itself_writes_is_refused_not_written_again() -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes its weight's rows in place in every forward: the
+    recomputation renormalized them again, and the weight and every gradient came out other than
+    the plain step's (2.9e-11 apart), in silence, ``check="values"`` included."""
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Embedding(50, 32, max_norm=1.0), torch.nn.Tanh(), torch.nn.Linear(32, 32)
+        )
+        with torch.no_grad():
+            m[0].weight.mul_(3)  # rows above max_norm
+        return m
+
+    idx = torch.randint(0, 50, (8, 64), generator=torch.Generator().manual_seed(1))
+    for check in ("shapes", "values"):
+        model = build()
+        out = remat.checkpoint(model, idx, check=check)
+        with pytest.raises(
+            remat.RecomputationError,
+            match=r"remat\.checkpoint: the function writes a parameter in place .*\(float32\[50, 32\] "
+            r"written by the forward\); leave the module that writes it out of the function",
+        ):
+            out.square().mean().backward()
+    plain, model = build(), build()  # the writing module outside the function: exact
+    plain(idx).square().mean().backward()
+    h = model[0](idx)
+    remat.checkpoint(model[1:], h).square().mean().backward()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)

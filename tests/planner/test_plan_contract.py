@@ -402,3 +402,32 @@ def test_a_plan_refuses_a_step_that_calls_around_the_model(bypass: str) -> None:
     with plan.apply(model):  # a call of the model first: the children's calls after it are the step's own
         model(x).pow(2).mean().backward()
         model.head(model.body(x)).sum().backward()
+
+
+def test_planning_puts_back_a_weight_the_step_writes() -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes its weight in every forward: planning ran the
+    step several times and left it renormalized again, so the planned step trained other weights
+    than the plain step (even a plan of no region)."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(50, 32, max_norm=1.0), nn.Tanh(), nn.Linear(32, 32))
+        with torch.no_grad():
+            m[0].weight.mul_(3)
+        return m
+
+    idx = torch.randint(0, 50, (8, 64), generator=torch.Generator().manual_seed(1))
+
+    def loss(m: nn.Module, i: torch.Tensor) -> torch.Tensor:
+        return m(i).square().mean()
+
+    plain, model = build(), build()
+    loss(plain, idx).backward()
+    before = model[0].weight.detach().clone()
+    plan = remat.plan(model, (idx,), budget=1.0, loss_fn=loss, repeats=1)
+    assert torch.equal(model[0].weight, before)
+    with plan.apply(model):
+        out = loss(model, idx)
+    out.backward()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
