@@ -23,6 +23,7 @@ from remat.aten.generators import (
 from remat.aten.schema import (
     GRAD_MODE_PACKETS,
     METADATA_PACKETS,
+    READ_OUTSIDE_OPS,
     SKIPPED_NAMESPACES,
     UNSAID_VIEWS,
     OpFacts,
@@ -48,6 +49,7 @@ from remat.aten.tensors import (
 __all__ = [
     "GRAD_MODE_PACKETS",
     "METADATA_PACKETS",
+    "READ_OUTSIDE_OPS",
     "SKIPPED_NAMESPACES",
     "UNSAID_VIEWS",
     "Geometry",

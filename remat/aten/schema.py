@@ -65,6 +65,13 @@ UNSAID_VIEWS = frozenset(
 """Packets whose schema promises a new tensor but whose result may share an argument's storage
 (NOTE [aliasing] in ``remat.manual.tape``)."""
 
+READ_OUTSIDE_OPS = {"aten._pack_padded_sequence": 1}
+"""Packets one of whose results (at this position) C++ code later reads through its data pointer,
+outside any op a dispatch mode sees: a packed sequence's ``batch_sizes``, which the packed LSTM,
+GRU and RNN (composites) read for the whole of their loop over time steps. Memory that evicts and
+restores tensors between ops must never evict it (``remat.dynamic``: garbage lengths, or torch's
+"data is not allocated yet")."""
+
 GRAD_MODE_PACKETS = frozenset({"aten.mkldnn_rnn_layer", "aten._cudnn_rnn", "aten.miopen_rnn"})
 """Packets whose results depend on whether grad mode is on: the recurrent kernels return the
 workspace their backward reads only then. A replay runs them with grad mode on (over detached

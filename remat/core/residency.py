@@ -32,6 +32,11 @@ from remat.core.neighbourhood import Neighbourhoods
 from remat.core.pool import Pool
 from remat.core.telemetry import Telemetry
 
+# the packets whose result holds no value an op gave it (NOTE [unfilled results])
+UNFILLED = frozenset(
+    {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+)
+
 
 class Frame:
     """One op being run or restored: the storages it has locked. (A plain class with slots: the
@@ -62,7 +67,8 @@ class Residency:
         self.locks: list[int] = []
         self.live: list[int] = []  # live handles per storage
         self.last = Column()  # last access per storage, in op time
-        self.evictable = Column(bool)  # resident, unlocked, not constant, not empty, not wanted
+        self.evictable = Column(bool)  # resident, unlocked, not constant, not empty, not wanted, not pinned
+        self.pinned: set[int] = set()  # NOTE [unfilled results]
         self.wanted: list[bool] = []  # NOTE [wanted at the end]
         self.compact = False  # the pool's addresses are a model (NOTE [model addresses] in ``runtime``)
         self.wants: list[tuple[int, int]] = []  # (ops run before the mark, handle), in order
@@ -127,6 +133,7 @@ class Residency:
             and not graph.constant[storage]
             and graph.nbytes[storage] > 0
             and not self.wanted[storage]
+            and storage not in self.pinned
         ):
             self.evictable.set(storage, True)
 
@@ -158,6 +165,7 @@ class Residency:
             and not graph.constant[storage]
             and graph.nbytes[storage] > 0
             and not self.wanted[storage]
+            and storage not in self.pinned
         )
 
     def _want(self, storage: int) -> None:
@@ -179,6 +187,7 @@ class Residency:
             and self.locks[s] == 0
             and self.graph.nbytes[s] > 0
             and not self.graph.constant[s]  # a constant is never evicted, wanted or not
+            and s not in self.pinned
         ]
         for storage in exposed:
             self.evictable.set(storage, True)
@@ -207,6 +216,15 @@ class Residency:
         self._members.append([])
         self._gatherers.append(0)
         return storage
+
+    def _pin_unfilled(self, name: str, storages: list[int]) -> None:
+        """NOTE [unfilled results] An ``empty`` op's result holds no value an op gave it: C++ code
+        may fill it through its data pointer between later ops (``_pad_packed_sequence`` writes
+        the lengths it returns so, while it copies the sequences with ops). Evicted in between, its
+        memory would be written after it was freed, and recomputed it would come back unfilled:
+        it is never evicted. An op that writes it makes a new version, evictable as any other."""
+        if name.rsplit(".", 1)[0] in UNFILLED:
+            self.pinned.update(storages)
 
     def _bind(self, handle: int, storage: int) -> None:
         self._storage_of[handle] = storage
@@ -280,6 +298,7 @@ class Residency:
                 and not constant[storage]
                 and nbytes[storage] > 0
                 and not wanted[storage]
+                and storage not in self.pinned
             ):
                 self.evictable.set(storage, True)
         frame.locked = []

@@ -115,8 +115,7 @@ class Runtime(Residency):
         held += sum(sizes[s] for s in inputs if not constants[s])
         if held + self._constant_bytes > self.pool.capacity:  # what no policy can run: say so now
             raise OutOfMemory(held, self._constant_bytes, self.pool.capacity, False, whole=True)
-        frame = Frame()
-        self._frames.append(frame)
+        self._frames.append(frame := Frame())
         try:
             self._gather(frame, inputs, touch=not prepared)
             if op.state > 0:  # kept from now on, like a constant of no handle
@@ -127,6 +126,7 @@ class Runtime(Residency):
             record = graph.add_record(op, inputs)
             new, rid = self._new_storage, record.id
             created = [new(info.nbytes, rid, False, inputs) for info in outputs if info.alias_of is None]
+            self._pin_unfilled(op.name, created)
             reuse = [NO_REUSE] * len(created)
             for old in (storage_of[h] for h in op.mutates):  # each gets a new version
                 created.append(new(graph.nbytes[old], rid, graph.constant[old], inputs))

@@ -36,6 +36,7 @@ from remat.host.pool import HostPool
 # kernels put them on the device; every op whose real results differed from its meta ones.
 NO_META = {
     "aten::mkldnn_rnn_layer",
+    "aten::_pack_padded_sequence",  # its batch_sizes is left out of the pool (``aten.READ_OUTSIDE_OPS``)
     "aten::_unsafe_view",
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_flash_attention",

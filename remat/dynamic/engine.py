@@ -321,12 +321,12 @@ class Engine:
 
     def _fresh(self, schema: OpFacts, out: Any) -> tuple[list[int], list[int]]:
         """Handles of the op's new storages, and their positions among :func:`result_leaves`."""
-        fresh: list[int] = []
-        positions: list[int] = []
+        fresh, positions = list[int](), list[int]()
+        outside = aten.READ_OUTSIDE_OPS.get(schema.packet, -1)  # not the pool's: a constant once read
         for index, (r, t) in enumerate(result_leaves(schema.fresh_returns, out)):
             is_fresh = schema.fresh_returns[r] if r < len(schema.fresh_returns) else True
             managed = isinstance(t, torch.Tensor) and self.managed(t)  # a sparse result has no storage
-            if managed and is_fresh and t.untyped_storage()._cdata not in self.handles:
+            if managed and is_fresh and index != outside and t.untyped_storage()._cdata not in self.handles:
                 fresh.append(handle := self.new_handle(t, t.untyped_storage().nbytes()))
                 self.bind(handle, t)
                 positions.append(index)

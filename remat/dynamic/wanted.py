@@ -39,5 +39,5 @@ def watch(
 
 
 def _accumulated(wanted: Callable[[torch.Tensor], None], leaf: torch.Tensor) -> None:
-    if leaf.grad is not None:
+    if leaf.grad is not None and leaf.grad.layout == torch.strided:  # a sparse one: not the pool's
         wanted(leaf.grad)
