@@ -86,7 +86,7 @@ class ParametersBack(Unguarded):
         facts = aten.facts(func)
         places = facts.all_writes(args) if facts.hidden_writes else facts.writes
         for t in aten.written_tensors(places, args, kwargs) if places and self.params else ():
-            key = t.untyped_storage()._cdata if t.layout == torch.strided else None
+            key = t.untyped_storage()._cdata if t.layout == torch.strided else -1
             if key in self.params and key not in self.copies:
                 with _disable_current_modes():
                     self.copies[key] = (self.params[key], self.params[key].detach().clone())

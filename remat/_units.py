@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from remat._errors import RematTypeError, RematValueError, message
@@ -180,6 +181,9 @@ def parse_seconds(value: object, api: str = "memory.parse_seconds") -> float:
 
 def format_bytes(n: float) -> str:
     """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n):
+        rule = "a byte count to format is a finite number"
+        raise RematTypeError(message("memory.format_bytes", rule, f"got {n!r}"[:80], "pass e.g. 3 * 2**20"))
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"

@@ -13,13 +13,17 @@ error must undo the step, run the step in ``with remat.dynamic(...)``, whose exi
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
+from remat._errors import RematTypeError, message
 from remat.dynamic.region import Dynamic, dynamic
 from remat.dynamic.stats import DynamicStats
+
+_API = "dynamic.DynamicModule"
 
 
 class DynamicModule(nn.Module):
@@ -36,6 +40,20 @@ class DynamicModule(nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise RematTypeError(
+                message(
+                    _API, "DynamicModule runs an nn.Module", f"got {type(module).__name__}", "pass the module"
+                )
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            rule, given = "optimizer is a torch.optim.Optimizer, or None", f"got {type(optimizer).__name__}"
+            raise RematTypeError(message(_API, rule, given, "pass the optimizer that steps the module"))
+        known = set(inspect.signature(dynamic).parameters) - {"budget", "policy", "keep"}
+        if unknown := sorted(set(options) - known):
+            rule = "its options are remat.dynamic's (it keeps the module and optimizer itself)"
+            given = f"got {', '.join(unknown)}"
+            raise RematTypeError(message(_API, rule, given, f"use {', '.join(sorted(known))}"))
         self.module = module
         self._region: Dynamic = dynamic(budget, policy, keep=(module, optimizer), **options)
         self._region.left_open = True

@@ -287,9 +287,10 @@ def run(
 
 
 def _validate(fn: object) -> None:
-    if not callable(fn):
+    if not callable(fn) or (isinstance(fn, type) and issubclass(fn, nn.Module)):  # a class: made, not run
         rule, hint = "fn must be callable", "pass a function or an nn.Module, then its arguments"
-        raise RematTypeError(message("checkpoint", rule, f"got {type(fn).__name__}", hint))
+        given = f"got the class {fn.__name__}" if isinstance(fn, type) else f"got {type(fn).__name__}"
+        raise RematTypeError(message("checkpoint", rule, given, hint + " (an instance, not its class)"))
 
 
 def checkpointed(module: nn.Module) -> bool:

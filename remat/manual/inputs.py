@@ -106,14 +106,15 @@ class Unwritten:
                 )
             )
         for ref, version in self.read:
-            t = ref()
-            if t is not None and t._version != version:
+            now = ref()
+            if now is not None and now._version != version:
                 raise RecomputationError(
                     message(
                         api,
                         "a parameter the function read was modified in place before backward "
                         "recomputed from it",
-                        f"{describe(t.dtype, t.shape)} at version {t._version}, read at version {version}",
+                        f"{describe(now.dtype, now.shape)} at version {now._version}, read at "
+                        f"version {version}",
                         "modify it after backward (an optimizer's step), or run this function "
                         "without recomputation",
                     )

@@ -187,6 +187,16 @@ def settings(
                 )
             )
         policy = policy if from_context is None else from_context
+    if (debug and check == "none") or (determinism == "none" and check == "values"):
+        given = "check='none' and debug=True" if debug else "check='values' and determinism_check='none'"
+        raise RematValueError(
+            message(
+                api,
+                "torch's debug= and determinism_check= set remat's check=: they disagree",
+                f"got {given}",
+                "keep one of them",
+            )
+        )
     if debug or check == "values":
         check = "values"
     elif determinism == "none":

@@ -100,12 +100,17 @@ def checkpoint_sequential(
     # iterating an nn.Sequential gives each entry as its forward runs them: a module it holds twice
     # (weights tied) twice, where ``children()`` gives it once
     layers = list(modules) if iterable else []
-    if not layers or not all(callable(m) for m in layers):
+    classes = [m.__name__ for m in layers if isinstance(m, type) and issubclass(m, torch.nn.Module)]
+    if not layers or not all(callable(m) for m in layers) or classes:
         raise RematTypeError(
             message(
                 "checkpoint_sequential",
-                "modules must be a non-empty sequence of callables",
-                f"got {len(layers)} items" if iterable else f"got a {type(modules).__name__}",
+                "modules must be a non-empty sequence of callables (modules, not their classes)",
+                f"got the classes {', '.join(classes)}"
+                if classes
+                else f"got {len(layers)} items"
+                if iterable
+                else f"got a {type(modules).__name__}",
                 "pass an nn.Sequential or a list of modules",
             )
         )

@@ -190,6 +190,22 @@ def plan(
     from remat's tape (no Python per op in backward); the plans are weighed both ways. Under a
     uniform ``checkpoint`` mode, every block that qualifies runs again as its module.
     """
+    stages = model_or_stages if isinstance(model_or_stages, (list, tuple)) else None
+    if not isinstance(model_or_stages, nn.Module) and (
+        stages is None or not all(isinstance(m, nn.Module) for m in stages)
+    ):
+        given = type(model_or_stages).__name__
+        if isinstance(model_or_stages, type):
+            given = f"the class {model_or_stages.__name__}"
+        elif stages is not None:
+            kinds = {f"the class {m.__name__}" if isinstance(m, type) else type(m).__name__ for m in stages}
+            given = f"a {given} of {', '.join(sorted(kinds))}"
+        raise _fail(
+            "model_or_stages is an nn.Module to cut, or a list of the stage modules",
+            f"got {given}",
+            "pass the model (an instance, not its class), or one module per stage",
+            RematTypeError,
+        )
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
             "example_microbatch and target must be tensors",

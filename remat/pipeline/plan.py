@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._files import read_json, write_text
+from remat._files import read_json, writable, write_text
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import children_of
@@ -97,6 +97,7 @@ class PipelinePlan:
         budget, micro-batches held, ops recomputed, predicted time. It returns nothing."""
         from remat.pipeline.explain import render
 
+        writable(file, "pipeline.explain")
         render(str(self), self.order, self.budget_bytes, self.stage_plans, self.timeline(), file)
 
     # -- running it ---------------------------------------------------------------------------
@@ -125,6 +126,23 @@ class PipelinePlan:
         stage's plan (``remat.pipeline.execute``)."""
         from remat.pipeline.execute import pipeline_stages
 
+        api = "pipeline.PipelinePlan.stages"
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise RematTypeError(
+                message(api, "rank is a whole number", f"got {rank!r}", "pass dist.get_rank()")
+            )
+        try:
+            where = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise RematValueError(
+                message(api, "device is a torch device", f"got {device!r}", "pass 'cpu' or 'cuda:0'")
+            ) from None
+        if where.type == "meta":
+            raise RematValueError(
+                message(
+                    api, "a stage runs on a device that computes", "got meta", "pass 'cpu' or 'cuda:<rank>'"
+                )
+            )
         mine = [sp for sp in self.stage_plans if sp.rank == rank]
         if not mine:
             raise RematValueError(
@@ -135,12 +153,16 @@ class PipelinePlan:
                     f"pass a rank below {self.order.n_ranks}",
                 )
             )
+        if group is None and not torch.distributed.is_initialized():
+            rule = "stages exchange activations over torch.distributed"
+            todo = "call torch.distributed.init_process_group first, or pass group="
+            raise RematValueError(message(api, rule, "no process group is initialized", todo))
         modules = self.stage_modules()
         return pipeline_stages(
             [(modules[sp.stage], sp) for sp in mine],
             self.order.n_stages,
             self.order.n_microbatches,
-            torch.device(device),
+            where,
             group,
             split_backward=self.order.split_backward,
         )

@@ -242,6 +242,9 @@ def _zbv(rank: int, p: int, m: int) -> list[Action]:
     return [a for a in out if a.microbatch < m]
 
 
+_MOST_ACTIONS = 3_000_000  # a schedule of this many actions takes seconds to build and walk
+
+
 def build(
     name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1, *, api: str = "pipeline"
 ) -> Schedule:
@@ -268,6 +271,16 @@ def build(
                 "stages and micro-batches must be positive",
                 f"n_stages={n_ranks}, n_microbatches={n_microbatches}",
                 "pass at least one of each",
+            )
+        )
+    if n_ranks * stages_per_rank * n_microbatches > _MOST_ACTIONS // 3:  # F, B and W of each
+        raise RematValueError(
+            message(
+                api,
+                f"a schedule holds at most {_MOST_ACTIONS} actions (each a stage's forward or backward "
+                "on one micro-batch)",
+                f"n_stages={n_ranks}, stages_per_rank={stages_per_rank}, n_microbatches={n_microbatches}",
+                "pass fewer micro-batches: a pipeline needs a few per stage",
             )
         )
     if name == "zbv" and stages_per_rank != 2:

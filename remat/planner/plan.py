@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from remat._errors import RematValueError, message
-from remat._files import read_json, write_text
+from remat._errors import RematTypeError, RematValueError, message
+from remat._files import read_json, writable, write_text
 from remat._units import format_bytes
 from remat.host.link import Link
 from remat.manual.fused import ReplayMode
@@ -95,6 +95,9 @@ class Plan:
 
     def region_of(self, position: int) -> Region | None:
         """The region op ``position`` runs in, or None."""
+        if isinstance(position, bool) or not isinstance(position, int):
+            rule = "an op's position is a whole number (its index among the traced forward's ops)"
+            raise RematTypeError(message("plan.region_of", rule, f"got {position!r}", "pass e.g. 0"))
         for region in self.regions:
             if position in region:
                 return region
@@ -129,6 +132,7 @@ class Plan:
         backward, what the plan keeps, recomputes and offloads, and the regions; then each
         offloaded tensor, when it goes to the host and comes back, and the predicted stall. It
         returns nothing, so that a REPL shows the table once."""
+        writable(file, "plan.explain")
         summary = self.offload_summary() if self.link is not None else ""
         render(
             str(self),

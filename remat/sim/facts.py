@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from remat._errors import RematTypeError, message
 from remat.core.pool import BytePool, End
 from remat.core.residency import Residency
 from remat.core.worst_case import worst_case
@@ -46,6 +47,15 @@ _CACHE: dict[tuple[int, bool], Facts] = {}
 def facts(trace: Trace, inplace: bool) -> Facts:
     """The figures of ``trace`` when mutations do (``inplace``) or do not reuse memory. Cached for
     as long as ``trace`` lives."""
+    if not isinstance(trace, Trace):
+        raise RematTypeError(
+            message(
+                "sim.facts",
+                "a trace is a remat.trace.Trace",
+                f"got {type(trace).__name__}",
+                "pass remat.trace.load's",
+            )
+        )
     key = (id(trace), inplace)
     found = _CACHE.get(key)
     if found is None:

@@ -61,6 +61,7 @@ def simulate(
                 "pass remat.trace.load(path) or a capture",
             )
         )
+    _flags(layout=layout, compact=compact)
     chosen = _policy(policy, layout)
     _link(link)
     limit = _thrash_limit(thrash_limit)
@@ -115,6 +116,15 @@ def sweep(
     one name."""
     if isinstance(policies, str):  # not its characters, one policy each
         policies = [policies]
+    for what, one, value in (
+        ("traces", "trace", traces),
+        ("policies", "policy", policies),
+        ("ratios", "ratio", ratios),
+    ):
+        if not isinstance(value, (list, tuple)):
+            rule = f"{what} is a list (every {one} is swept)"
+            raise RematTypeError(message(_API, rule, f"got {type(value).__name__}", f"pass [{one}, ...]"))
+    _flags(layout=layout)
     for name in policies:
         _policy(name, layout)
     _link(link)
@@ -127,6 +137,14 @@ def sweep(
                 if progress is not None:
                     progress(result)
     return results
+
+
+def _flags(**flags: object) -> None:
+    for what, value in flags.items():
+        if not isinstance(value, bool):
+            raise RematTypeError(
+                message(_API, f"{what} is True or False", f"got {value!r}", f"pass {what}=True")
+            )
 
 
 def _policy(policy: object, layout: bool) -> EvictionPolicy:

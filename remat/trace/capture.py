@@ -80,10 +80,7 @@ def capture(
     more run of the op, once per op signature and process; on CPU through the profiler, so not
     while another profiler runs (it is then 0).
     """
-    if repeats < 1:
-        raise RematValueError(
-            message("trace.capture", "repeats must be a positive integer", f"got {repeats}", "pass 1 or more")
-        )
+    _check(repeats, loss_fn, optimizer, name, progress, scratch)
     if isinstance(step, nn.Module):
         if inputs is None or loss_fn is None:
             raise RematTypeError(
@@ -117,6 +114,45 @@ def capture(
         with fake_mode if fake_mode is not None else contextlib.nullcontext(), untouched(models):
             trace = with_let_go(trace, forward)
     return trace
+
+
+def _check(
+    repeats: object, loss_fn: object, optimizer: object, name: object, progress: object, scratch: object
+) -> None:
+    """The keywords' types and ranges, before anything runs."""
+    whole = isinstance(repeats, int) and not isinstance(repeats, bool)
+    wrong = [
+        (
+            RematTypeError if not whole else RematValueError,
+            "repeats is a whole number of at least 1",
+            repeats,
+            "pass 1 or more",
+        )
+        if not whole or repeats < 1  # type: ignore[operator]
+        else None,
+        (RematTypeError, "loss_fn is callable", loss_fn, "pass loss_fn(output) returning the loss")
+        if loss_fn is not None and not callable(loss_fn)
+        else None,
+        (
+            RematTypeError,
+            "optimizer is a torch.optim.Optimizer",
+            optimizer,
+            "pass the model's optimizer, or None",
+        )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer)
+        else None,
+        (RematTypeError, "name is a string", name, "pass e.g. name='gpt2'")
+        if not isinstance(name, str)
+        else None,
+        (RematTypeError, "progress is callable", progress, "pass progress(n_ops), or None")
+        if progress is not None and not callable(progress)
+        else None,
+        (RematTypeError, "scratch is True or False", scratch, "pass scratch=False to skip measuring it")
+        if not isinstance(scratch, bool)
+        else None,
+    ]
+    for kind, rule, value, todo in (w for w in wrong if w is not None):
+        raise kind(message("trace.capture", rule, f"got {value!r}"[:120], todo))
 
 
 def _model_step(

@@ -29,7 +29,8 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
+from remat._files import path_of
 from remat.trace import records
 from remat.trace.fields import typed
 from remat.trace.records import FORMAT, VERSION
@@ -43,12 +44,12 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` to ``path`` (gzip-compressed if the name ends in ``.gz``), after validating it;
     a trace whose file would not read back is refused, and ``path`` left as it was."""
     try:
-        checked(trace, "trace.save", trace.name if isinstance(trace.name, str) else "trace")
+        checked(trace, "trace.save", trace.name if isinstance(getattr(trace, "name", None), str) else "trace")
     except (TypeError, ValueError, OverflowError) as err:
-        if isinstance(err, RematValueError):
+        if isinstance(err, (RematValueError, RematTypeError)):
             raise
         raise _mistyped(err) from None
-    target = Path(os.path.realpath(path))  # a link: the file it names is written, the link kept
+    target = Path(os.path.realpath(path_of(path, "trace.save")))  # a link: the file it names, written
     if target.is_dir() or not target.parent.is_dir() or (target.exists() and not target.is_file()):
         raise RematValueError(
             message(
@@ -121,7 +122,7 @@ def _write(trace: Trace, path: Path, name: str) -> None:
 
 def load(path: str | os.PathLike[str]) -> Trace:
     """Read a trace file written by ``save``, or a DTR op log; both are validated."""
-    p = Path(path)
+    p = path_of(path, "trace.load")
     if not p.is_file():
         rule = "a trace is a file, not a folder" if p.is_dir() else "no such file"
         raise RematValueError(message("trace.load", rule, str(p), "pass the path of a trace file"))

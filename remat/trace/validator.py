@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 from remat.trace.types import Event, Release, TensorInfo, Trace
 
 __all__ = ["TOTAL_LIMIT", "Checker", "Invalid", "checked", "validate"]
@@ -175,11 +175,20 @@ class Checker:
 def validate(trace: Trace) -> Trace:
     """Check that ``trace`` is consistent (see ``Checker``); return it unchanged, or raise
     ``RematValueError`` naming the tensor or event at fault."""
-    return checked(trace, "trace.validate", trace.name or "trace")
+    return checked(trace, "trace.validate", trace.name if isinstance(trace, Trace) else "trace")
 
 
 def checked(trace: Trace, api: str, label: str) -> Trace:
     """``validate`` for ``api`` (``"trace.save"``, ``"trace.load"``), naming ``label`` in errors."""
+    if not isinstance(trace, Trace):
+        raise RematTypeError(
+            message(
+                api,
+                "a trace is a remat.trace.Trace",
+                f"got {type(trace).__name__}",
+                "pass remat.trace.load's",
+            )
+        )
     checker = Checker()
     where = "tensor 0"
     try:

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._files import path_of
 from remat._tracker import MemoryTracker
 from remat._units import format_bytes, parse_bytes
 
@@ -82,6 +83,9 @@ def plot(
     if title:
         fig.suptitle(title)
     if path is not None:
+        if path_of(path, _API).is_dir():  # matplotlib would write "<folder>.png" beside it
+            rule, todo = "path names the picture's file, not a folder", "pass e.g. memory.png"
+            raise RematValueError(message(_API, rule, f"{path} is a folder", todo))
         try:
             fig.savefig(path, dpi=120)
         except (ValueError, OSError) as err:  # a format matplotlib has no writer for, a missing folder
@@ -188,7 +192,15 @@ def _check(
         budgets = {label: parse_bytes(b, _API) for label, b in _per_run("budget", budget, trackers).items()}
     else:
         budgets = dict.fromkeys(trackers, parse_bytes(budget, _API))
-    moments = {label: list(m) for label, m in _per_run("marks", marks, trackers).items()}
+    given_marks = _per_run("marks", marks, trackers)
+    for label, m in given_marks.items():
+        if not isinstance(m, (list, tuple)):
+            rule = "a run's marks are a list of (time_ns, kind) pairs"
+            given = f"got {type(m).__name__} for {label!r}"
+            raise RematTypeError(
+                message(_API, rule, given, "pass e.g. region.stats.moments of remat.dynamic")
+            )
+    moments = {label: list(m) for label, m in given_marks.items()}
     for label, pairs in moments.items():
         for pair in pairs:
             if not (isinstance(pair, Sequence) and len(pair) == 2 and pair[1] in KINDS):

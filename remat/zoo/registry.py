@@ -94,9 +94,23 @@ def build(
     random state.
     """
     spec = get(name)
+    for what, flag in (("fake", fake), ("tiny", tiny)):
+        if not isinstance(flag, bool):
+            raise RematTypeError(
+                message("zoo.build", f"{what} is True or False", f"got {flag!r}", f"pass {what}=True")
+            )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise RematTypeError(
+            message("zoo.build", "seed is a whole number", f"got {seed!r}", "pass e.g. seed=0")
+        )
     size = _check_sizes(spec, seq, image, tiny)
     n = _positive("batch", batch) if batch is not None else (2 if tiny else spec.batch)
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise RematValueError(
+            message("zoo.build", "device is a torch device", f"got {device!r}", "pass 'cpu' or 'cuda'")
+        ) from None
     mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
