@@ -1,0 +1,263 @@
+"""Bad input to the public API is refused in remat's words (``remat.<api>: <rule> (<given>);
+<what to do>``), not with an exception from deep inside torch or remat, a hang, or silence."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+import remat.pipeline as pp
+import remat.sim as sim
+import remat.trace as tr
+from remat import RematTypeError, RematValueError
+from remat.dynamic import DynamicModule
+from remat.memory import format_bytes
+from remat.sim.synthetic import training_step
+
+
+def _lin() -> nn.Linear:
+    return nn.Linear(4, 4)
+
+
+X = torch.randn(2, 4)
+
+CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    (
+        "checkpoint a class",
+        lambda: remat.checkpoint(nn.Linear, X),
+        RematTypeError,
+        r"remat\.checkpoint: fn must be callable \(got the class Linear\)",
+    ),
+    (
+        "sequential of classes",
+        lambda: remat.checkpoint_sequential([nn.Linear, nn.Tanh], 2, X),
+        RematTypeError,
+        r"remat\.checkpoint_sequential: .*\(got the classes Linear, Tanh\)",
+    ),
+    (
+        "debug against check",
+        lambda: remat.checkpoint(_lin(), X, check="none", debug=True),
+        RematValueError,
+        r"remat\.checkpoint: torch's debug= and determinism_check= set remat's check=: they disagree "
+        r"\(got check='none' and debug=True\)",
+    ),
+    (
+        "determinism against check",
+        lambda: remat.checkpoint(_lin(), X, check="values", determinism_check="none"),
+        RematValueError,
+        r"disagree \(got check='values' and determinism_check='none'\)",
+    ),
+    (
+        "DynamicModule keep",
+        lambda: DynamicModule(_lin(), "10MB", keep=()),
+        RematTypeError,
+        r"remat\.dynamic\.DynamicModule: its options are remat\.dynamic's .*\(got keep\)",
+    ),
+    (
+        "DynamicModule unknown",
+        lambda: DynamicModule(_lin(), "10MB", bogus=1),
+        RematTypeError,
+        r"\(got bogus\); use backend, cost",
+    ),
+    (
+        "DynamicModule no module",
+        lambda: DynamicModule(5, "10MB"),
+        RematTypeError,
+        r"DynamicModule runs an nn\.Module \(got int\)",
+    ),  # type: ignore[arg-type]
+    (
+        "DynamicModule optimizer",
+        lambda: DynamicModule(_lin(), "10MB", optimizer=5),
+        RematTypeError,
+        r"optimizer is a torch\.optim\.Optimizer, or None \(got int\)",
+    ),  # type: ignore[arg-type]
+    (
+        "Plan.load number",
+        lambda: remat.Plan.load(5),
+        RematTypeError,
+        r"remat\.plan\.load: a path is a string or a pathlib\.Path \(got int\)",
+    ),  # type: ignore[arg-type]
+    ("trace.load None", lambda: tr.load(None), RematTypeError, r"remat\.trace\.load: a path is a string"),  # type: ignore[arg-type]
+    (
+        "trace.save number",
+        lambda: tr.save(5, "t.jsonl"),
+        RematTypeError,
+        r"remat\.trace\.save: a trace is a remat\.trace\.Trace \(got int\)",
+    ),  # type: ignore[arg-type]
+    ("trace.validate number", lambda: tr.validate(5), RematTypeError, r"remat\.trace\.validate: a trace is"),  # type: ignore[arg-type]
+    ("sim.facts number", lambda: sim.facts(5, True), RematTypeError, r"remat\.sim\.facts: a trace is"),  # type: ignore[arg-type]
+    (
+        "sweep one trace",
+        lambda: sim.sweep(training_step(2), ["dtr"], [0.5]),
+        RematTypeError,
+        r"traces is a list \(every trace is swept\) \(got Trace\)",
+    ),  # type: ignore[arg-type]
+    (
+        "sweep one ratio",
+        lambda: sim.sweep([training_step(2)], ["dtr"], 0.5),
+        RematTypeError,
+        r"ratios is a list .*\(got float\); pass \[ratio, \.\.\.\]",
+    ),  # type: ignore[arg-type]
+    (
+        "simulate layout",
+        lambda: sim.simulate(training_step(2), 0.5, layout="x"),
+        RematTypeError,
+        r"layout is True or False \(got 'x'\)",
+    ),  # type: ignore[arg-type]
+    (
+        "simulate compact",
+        lambda: sim.simulate(training_step(2), 0.5, compact="x"),
+        RematTypeError,
+        r"compact is True or False \(got 'x'\)",
+    ),  # type: ignore[arg-type]
+    (
+        "capture repeats",
+        lambda: tr.capture(_lin(), (X,), lambda o: o.sum(), repeats=1.5),
+        RematTypeError,
+        r"remat\.trace\.capture: repeats is a whole number of at least 1 \(got 1\.5\)",
+    ),
+    (
+        "capture optimizer",
+        lambda: tr.capture(_lin(), (X,), lambda o: o.sum(), optimizer=5),
+        RematTypeError,
+        r"optimizer is a torch\.optim\.Optimizer \(got 5\)",
+    ),  # type: ignore[arg-type]
+    ("capture loss", lambda: tr.capture(_lin(), (X,), 5), RematTypeError, r"loss_fn is callable \(got 5\)"),  # type: ignore[call-overload]
+    (
+        "capture scratch",
+        lambda: tr.capture(_lin(), (X,), lambda o: o.sum(), scratch="x"),
+        RematTypeError,
+        r"scratch is True or False",
+    ),  # type: ignore[arg-type]
+    (
+        "zoo tiny",
+        lambda: remat.zoo.build("gpt2", tiny="yes"),
+        RematTypeError,
+        r"remat\.zoo\.build: tiny is True or False \(got 'yes'\)",
+    ),  # type: ignore[arg-type]
+    (
+        "zoo seed",
+        lambda: remat.zoo.build("gpt2", tiny=True, seed=1.5),
+        RematTypeError,
+        r"seed is a whole number \(got 1\.5\)",
+    ),  # type: ignore[arg-type]
+    (
+        "zoo device",
+        lambda: remat.zoo.build("gpt2", tiny=True, device="xyz"),
+        RematValueError,
+        r"device is a torch device \(got 'xyz'\)",
+    ),
+    (
+        "format_bytes nan",
+        lambda: format_bytes(float("nan")),
+        RematTypeError,
+        r"remat\.memory\.format_bytes: a byte count to format is a finite number \(got nan\)",
+    ),
+    ("format_bytes None", lambda: format_bytes(None), RematTypeError, r"\(got None\)"),  # type: ignore[arg-type]
+    (
+        "schedule too long",
+        lambda: pp.build("gpipe", 10**6, 10**6),
+        RematValueError,
+        r"remat\.pipeline: a schedule holds at most 3000000 actions",
+    ),
+    (
+        "pipeline plan number",
+        lambda: pp.plan(
+            5, X, n_stages=2, n_microbatches=2, budget_per_rank="1MB", loss_fn=lambda o, t: o.sum(), target=X
+        ),
+        RematTypeError,
+        r"remat\.pipeline\.plan: model_or_stages is an nn\.Module to cut, or a list of the stage modules "
+        r"\(got int\)",
+    ),  # type: ignore[arg-type]
+    (
+        "pipeline plan class",
+        lambda: pp.plan(
+            nn.Sequential,
+            X,
+            n_stages=2,
+            n_microbatches=2,
+            budget_per_rank="1MB",
+            loss_fn=lambda o, t: o.sum(),
+            target=X,
+        ),
+        RematTypeError,
+        r"\(got the class Sequential\)",
+    ),  # type: ignore[arg-type]
+    (
+        "pipeline plan classes",
+        lambda: pp.plan(
+            [nn.Linear, nn.Linear],
+            X,
+            n_stages=2,
+            n_microbatches=2,
+            budget_per_rank="1MB",
+            loss_fn=lambda o, t: o.sum(),
+            target=X,
+        ),
+        RematTypeError,
+        r"\(got a list of the class Linear\)",
+    ),  # type: ignore[list-item]
+]
+
+
+@pytest.mark.parametrize(("what", "call", "kind", "pattern"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_in_remats_words(
+    what: str, call: Callable[[], Any], kind: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(kind, match=pattern):
+        call()
+
+
+def test_a_plan_refuses_a_position_a_table_file_and_a_stage_device_that_are_not_one(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(64, 16)
+    plan = remat.plan(model, (x,), 0.9, loss_fn=lambda m, x: m(x).pow(2).sum(), repeats=1)
+    for position in ("a", None, 1.5):
+        with pytest.raises(
+            RematTypeError, match=r"remat\.plan\.region_of: an op's position is a whole number"
+        ):
+            plan.region_of(position)  # type: ignore[arg-type]
+    with pytest.raises(
+        RematTypeError, match=r"remat\.plan\.explain: file is where the table goes.*\(got int\)"
+    ):
+        plan.explain(file=5)
+    with pytest.raises(
+        RematValueError, match=r"remat\.memory\.plot: path names the picture's file, not a folder"
+    ):
+        with remat.memory.track() as tracked:
+            torch.randn(8).sum()
+        remat.memory.plot({"a": tracked}, tmp_path)
+    assert not os.path.exists(f"{tmp_path}.png")
+    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    y = torch.randn(4, 8)
+    pipe = pp.plan(
+        chain,
+        y,
+        n_stages=2,
+        n_microbatches=2,
+        budget_per_rank="1MB",
+        loss_fn=lambda o, t: (o - t).pow(2).mean(),
+        target=y,
+    )
+    for rank, device, pattern in (
+        ("0", "cpu", r"rank is a whole number \(got '0'\)"),
+        (0, "xyz", r"device is a torch device \(got 'xyz'\)"),
+        (0, "meta", r"a stage runs on a device that computes \(got meta\)"),
+        (
+            0,
+            "cpu",
+            r"stages exchange activations over torch\.distributed \(no process group is initialized\)",
+        ),
+    ):
+        with pytest.raises((RematTypeError, RematValueError), match=pattern):
+            pipe.stages(rank, device)  # type: ignore[arg-type]
+    with pytest.raises(RematTypeError, match=r"remat\.pipeline\.explain: file is where the table goes"):
+        pipe.explain(file=5)
