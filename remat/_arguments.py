@@ -61,9 +61,9 @@ def positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1 (got {text!r})") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1 (got {value})")
     return value
 
 

@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from remat._errors import RematError, RematValueError, message
 
@@ -20,8 +21,23 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a bad flag or value) as remat's: one line on stderr, exit code 2,
+    no usage block (``--help`` shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.split()[-1]  # "remat plan" -> "plan"
+        at = message.find("remat.")  # a value an argparse type of remat's refused, in its words
+        top = command == "remat"
+        where, flags = (
+            ("remat", "see remat --help") if top else (f"remat.{command}", f"see remat {command} --help")
+        )
+        text = message[at:] if at >= 0 else f"{where}: {message}; {flags}"
+        self.exit(2, text.splitlines()[0] + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remat", description="Rematerialization for PyTorch training.")
+    parser = _Parser(prog="remat", description="Rematerialization for PyTorch training.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:

@@ -164,11 +164,11 @@ def test_small_argument_slips_are_refused(tmp_path: object, capsys: pytest.Captu
     [
         (
             ["plan", "--model", "gpt2", "--budget", "0.5", "--link", "25GB/s", "--host-budget", "abc"],
-            "argument --host-budget: remat.plan: cannot parse this byte size (got 'abc')",
+            "remat.plan: cannot parse this byte size (got 'abc')",
         ),
         (
             ["memory", "--model", "gpt2", "--thrash-limit", "0", "--out", "m.png"],
-            "argument --thrash-limit: remat.memory: --thrash-limit is an overhead: a finite number above 1",
+            "remat.memory: --thrash-limit is an overhead: a finite number above 1",
         ),
     ],
 )
@@ -179,4 +179,34 @@ def test_limits_are_read_before_any_step_runs(
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)
     assert exited.value.code == 2
-    assert said in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(said)
+
+
+@pytest.mark.parametrize(
+    ("argv", "start"),
+    [
+        (
+            ["plan", "--model", "gpt2", "--repeats", "0"],
+            "remat.plan: argument --repeats: a whole number of at least 1 (got 0)",
+        ),
+        (["plan", "--model", "alexnet"], "remat.plan: argument --model: invalid choice: 'alexnet'"),
+        (
+            ["pipeline", "--stages", "x"],
+            "remat.pipeline: argument --stages: a whole number of at least 1 (got 'x')",
+        ),
+        (
+            ["plan", "--model", "gpt2", "--budget", "lots"],
+            "remat.plan: cannot parse this byte size (got 'lots')",
+        ),
+        ([], "remat: the following arguments are required: command; see remat --help"),
+    ],
+)
+def test_argparses_own_errors_are_one_line_in_remats_words(
+    argv: list[str], start: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They printed argparse's usage block and ``remat plan: error: argument --budget: remat.plan: ...``
+    (5 to 10 lines), and ``must be at least 1: 0`` with no advice."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and err.startswith(start), err
