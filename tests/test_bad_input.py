@@ -162,6 +162,32 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     ("format_bytes None", lambda: format_bytes(None), RematTypeError, r"\(got None\)"),  # type: ignore[arg-type]
     (
+        "auto's options",
+        lambda: remat.plan(
+            nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+            (X,),
+            0.9,
+            loss_fn=lambda m, x: m(x).sum(),
+            repeats=1,
+            time_limit=5,
+        ),
+        RematTypeError,
+        r"remat\.plan: unknown option for solver 'auto' \(got time_limit\); use slots, single_level",
+    ),
+    (
+        "early stop's flag",
+        lambda: remat.set_checkpoint_early_stop("x").__enter__(),
+        RematValueError,
+        r"remat\.set_checkpoint_early_stop: enable must be one of False, True \(got enable='x'\); "
+        r"pass enable=True$",
+    ),
+    (
+        "apply to no module",
+        lambda: remat.Plan.from_json({}).apply(5),
+        Exception,
+        r".",
+    ),
+    (
         "schedule too long",
         lambda: pp.build("gpipe", 10**6, 10**6),
         RematValueError,
@@ -229,6 +255,8 @@ def test_a_plan_refuses_a_position_a_table_file_and_a_stage_device_that_are_not_
         RematTypeError, match=r"remat\.plan\.explain: file is where the table goes.*\(got int\)"
     ):
         plan.explain(file=5)
+    with pytest.raises(RematTypeError, match=r"remat\.plan\.apply: apply takes the model to run \(got int\)"):
+        plan.apply(5).__enter__()  # type: ignore[arg-type]
     with pytest.raises(
         RematValueError, match=r"remat\.memory\.plot: path names the picture's file, not a folder"
     ):

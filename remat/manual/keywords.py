@@ -120,14 +120,14 @@ def _policy_of(api: str, context_fn: Any) -> Policy | None:
     )
 
 
-def _flag(api: str, name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
+def _flag(api: str, name: str, value: Any, allowed: tuple[Any, ...], required: bool = False) -> Any:
     if not any(value is a for a in allowed):
         raise RematValueError(
             message(
                 api,
                 f"{name} must be one of {', '.join(map(repr, allowed))}",
                 f"got {name}={value!r}",
-                f"pass {name}={allowed[-1]!r} or leave it out",
+                f"pass {name}={allowed[-1]!r}" + ("" if required else " or leave it out"),
             )
         )
     return value
@@ -218,5 +218,5 @@ def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
     """``torch.utils.checkpoint.set_checkpoint_early_stop``'s counterpart. remat's recomputation
     stops once the op making the last saved tensor again has run, which changes no result, so both
     values are accepted and behave the same."""
-    _flag("set_checkpoint_early_stop", "enable", enable, (False, True))
+    _flag("set_checkpoint_early_stop", "enable", enable, (False, True), required=True)
     yield

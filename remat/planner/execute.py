@@ -290,7 +290,10 @@ def apply(
     if not isinstance(model, nn.Module):
         raise RematTypeError(
             message(
-                "plan", "apply takes the model to run", f"got {type(model).__name__}", "pass an nn.Module"
+                "plan.apply",
+                "apply takes the model to run",
+                f"got {type(model).__name__}",
+                "pass an nn.Module",
             )
         )
     if checkpointed(model):  # its hooks come inside the forward, after the plan's start

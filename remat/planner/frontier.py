@@ -248,6 +248,8 @@ def _candidates(
     trace = step.trace
     if solver not in ("auto", "chain"):  # before the solves, which refuse a budget alike
         check_options(solver, get(solver).function, options)
+    elif solver == "auto":  # its options go to the chain DP's: named as the solver asked for
+        check_options(solver, chain_dp.plans, options)
     chains = _chains(step, chain)
     tried: list[Candidate] = []
     if solver == "auto":
