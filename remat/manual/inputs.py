@@ -85,7 +85,8 @@ class Unwritten:
     """``tensors`` (a call's parameters), each at its version now (see the module doc)."""
 
     def __init__(self, tensors: Iterable[torch.Tensor], written: Iterable[torch.Tensor] = ()) -> None:
-        self.read = [(weakref.ref(t), t._version) for t in tensors if not t.is_inference()]
+        live = [t for t in tensors if not torch.nn.parameter.is_lazy(t) and not t.is_inference()]
+        self.read = [(weakref.ref(t), t._version) for t in live]
         self.written = list(written)  # by the call itself: its recomputation would write them again
 
     def again(self) -> Unwritten:

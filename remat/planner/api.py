@@ -86,26 +86,27 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     )
     modules = [model, *(reached(loss_fn, given) if loss_fn is not None else ())]
     leaves = Leaves()  # an input's gradient, a loss head's weights': put back too
-    back = ParametersBack(modules)  # the weights its ops write (an embedding's max_norm), at the end
+    # the weights its ops write (an embedding's max_norm) are copied before the first write, in the
+    # first step, and written back at the end; the later runs write only what that one wrote
+    back = ParametersBack(modules)
+
+    def first() -> None:
+        with back:
+            step()
 
     def step() -> None:
-        with back:
-            leaves.note(step_loss(model, inputs, loss_fn)).backward()
-
-    def forward() -> torch.Tensor:
-        with back:
-            return step_loss(model, inputs, loss_fn)
+        leaves.note(step_loss(model, inputs, loss_fn)).backward()
 
     try:
         if any(p.is_cuda for p in model.parameters()):
             with untouched(modules, leaves):
                 model.zero_grad(set_to_none=True)
-                step()
+                first()
         with untouched(modules, leaves):
             model.zero_grad(set_to_none=True)
-            trace = capture(step, name=type(model).__name__, repeats=repeats)
+            trace = capture(first, name=type(model).__name__, repeats=repeats)
         with untouched(modules):  # the same forward again, from the same state (NOTE [let go])
-            trace = with_let_go(trace, forward)
+            trace = with_let_go(trace, lambda: step_loss(model, inputs, loss_fn))
         with untouched(modules, leaves):  # the allocator's own count of the step (NOTE [unseen bytes])
             model.zero_grad(set_to_none=True)
             return with_unseen(trace, step)
