@@ -19,6 +19,7 @@ pipeline model drawn with ``--plot``. Nothing is started: running it takes proce
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -111,20 +112,24 @@ def run(args: argparse.Namespace) -> int:
         model = mlp_chain(args.blocks or 8, width, args.hidden or 256)
         x, y = torch.randn(args.batch, width), torch.randn(args.batch, width)
         loss_fn = nn.functional.mse_loss
-    planned = plan(
-        model,
-        x,
-        n_stages=args.stages,
-        n_microbatches=args.microbatches,
-        schedule=args.schedule,
-        stages_per_rank=args.stages_per_rank,
-        budget_per_rank=args.budget,
-        loss_fn=loss_fn,
-        target=y,
-        balance_by=args.balance,
-        checkpoint=args.checkpoint,
-        rerun_modules=args.rerun_modules,
-    )
+    try:
+        planned = plan(
+            model,
+            x,
+            n_stages=args.stages,
+            n_microbatches=args.microbatches,
+            schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
+            budget_per_rank=args.budget,
+            loss_fn=loss_fn,
+            target=y,
+            balance_by=args.balance,
+            checkpoint=args.checkpoint,
+            rerun_modules=args.rerun_modules,
+        )
+    except RematError as error:  # its advice in the command's flags, not the Python API's arguments
+        error.args = tuple(_in_flags(a) if isinstance(a, str) else a for a in error.args)
+        raise
     planned.explain()
     if args.save:
         planned.save(args.save)
@@ -132,3 +137,21 @@ def run(args: argparse.Namespace) -> int:
         draw(planned, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+_FLAGS = {
+    "n_microbatches": "--microbatches",
+    "budget_per_rank": "--budget",
+    "stages_per_rank": "--stages-per-rank",
+    "n_stages": "--stages",
+    "balance_by": "--balance",
+}
+
+
+def _in_flags(text: str) -> str:
+    """A planner message's advice in this command's flags (``raise n_microbatches`` -> ``raise
+    --microbatches``)."""
+    text = re.sub(r"schedule='([\w-]+)'", r"--schedule \1", text)
+    for name, flag in _FLAGS.items():
+        text = re.sub(rf"\b{name}\b", flag, text)
+    return text

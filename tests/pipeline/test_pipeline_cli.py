@@ -26,7 +26,18 @@ def test_a_budget_too_small_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     args = ["--stages", "2", "--microbatches", "2", "--blocks", "2", "--width", "16", "--hidden", "32"]
     assert main(["pipeline", *args, "--batch", "16", "--budget", "100"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("remat.pipeline.plan: budget_per_rank below") and "\n" not in err
+    assert err.startswith("remat.pipeline.plan: --budget below") and "\n" not in err
+    assert err.endswith("raise --budget, or use more stages or smaller micro-batches")  # not budget_per_rank
+
+
+def test_the_plans_advice_names_the_commands_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """It advised "raise n_microbatches or use schedule='gpipe'", the Python API's arguments."""
+    args = ["--stages", "2", "--microbatches", "1", "--blocks", "2", "--width", "16", "--hidden", "32"]
+    assert main(["pipeline", *args, "--batch", "16", "--budget", "1MB"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "remat.pipeline.plan: 1f1b needs at least as many micro-batches as stages (1 < 2); raise "
+        "--microbatches or use --schedule gpipe"
+    )
 
 
 def test_plans_an_interleaved_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
