@@ -458,7 +458,7 @@ def test_solver_options_files_and_keys_that_cannot_work_are_clear_errors(tmp_pat
     trace, _, _ = _traced("gpt2")
     for solver, options, error, rule in [
         ("chain", {"time_limit": 5}, RematTypeError, r"unknown option for solver 'chain' \(got time_limit\)"),
-        ("auto", {"bogus": 1}, RematTypeError, r"unknown option for solver 'chain'"),
+        ("auto", {"bogus": 1}, RematTypeError, r"unknown option for solver 'auto' \(got bogus\)"),
         (
             "chain",
             {"slots": 0},
