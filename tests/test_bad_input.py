@@ -28,6 +28,13 @@ def _lin() -> nn.Linear:
 
 X = torch.randn(2, 4)
 
+
+def _pipeline(model: object) -> Any:
+    return pp.plan(
+        model, X, n_stages=2, n_microbatches=2, budget_per_rank="1MB", loss_fn=lambda o, t: o.sum(), target=X
+    )  # type: ignore[arg-type]
+
+
 CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     (
         "checkpoint a class",
@@ -204,29 +211,13 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),  # type: ignore[arg-type]
     (
         "pipeline plan class",
-        lambda: pp.plan(
-            nn.Sequential,
-            X,
-            n_stages=2,
-            n_microbatches=2,
-            budget_per_rank="1MB",
-            loss_fn=lambda o, t: o.sum(),
-            target=X,
-        ),
+        lambda: _pipeline(nn.Sequential),
         RematTypeError,
         r"\(got the class Sequential\)",
     ),  # type: ignore[arg-type]
     (
         "pipeline plan classes",
-        lambda: pp.plan(
-            [nn.Linear, nn.Linear],
-            X,
-            n_stages=2,
-            n_microbatches=2,
-            budget_per_rank="1MB",
-            loss_fn=lambda o, t: o.sum(),
-            target=X,
-        ),
+        lambda: _pipeline([nn.Linear, nn.Linear]),
         RematTypeError,
         r"\(got a list of the class Linear\)",
     ),  # type: ignore[list-item]

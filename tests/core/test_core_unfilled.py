@@ -4,26 +4,14 @@ it makes a new version that is evictable as any other. On hand-written programs.
 
 from __future__ import annotations
 
-from remat.core.graph import Record
+from test_core_relaxed import Recording
+
 from remat.core.policies import get
 from remat.core.pool import BytePool
 from remat.core.runtime import Runtime
-from remat.sim.backend import SimBackend, drive
+from remat.sim.backend import drive
 from remat.sim.synthetic import Builder
 from remat.trace.types import Trace
-
-
-class Evictions(SimBackend):
-    """The simulator's backend, remembering what it recomputed."""
-
-    def __init__(self) -> None:
-        super().__init__(1.0, 0, 100.0)
-        self.recomputed: list[str] = []
-
-    def materialize(self, record: Record, recompute: bool) -> float:
-        if recompute:
-            self.recomputed.append(record.op.name)
-        return super().materialize(record, recompute)
 
 
 def _program(first: str, write: bool) -> Trace:
@@ -44,8 +32,8 @@ def _program(first: str, write: bool) -> Trace:
     return p.trace("unfilled")
 
 
-def _run(trace: Trace) -> tuple[Runtime, Evictions]:
-    backend = Evictions()
+def _run(trace: Trace) -> tuple[Runtime, Recording]:
+    backend = Recording()
     runtime = Runtime(BytePool(24), get("lru"), backend)
     drive(runtime, trace, backend, finish=False)
     return runtime, backend
@@ -60,7 +48,7 @@ def test_an_empty_ops_result_is_never_evicted() -> None:
 
 
 def test_a_version_an_op_wrote_is_evictable() -> None:
-    backend = Evictions()
+    backend = Recording()
     runtime = Runtime(BytePool(100), get("lru"), backend)
     drive(runtime, _program("aten.empty.memory_format", write=True), backend, finish=False)
     written = runtime.storage_of(1)  # e, after fill_ wrote it
