@@ -74,7 +74,12 @@ def _outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if not isinstance(path, str) or not set(action.option_strings) & set(_OUTPUTS):
             continue
         flag = action.option_strings[0]
-        if Path(path).is_dir() or not Path(path).resolve().parent.is_dir():
+        if Path(path).is_dir():
+            rule = f"{flag} names a file, not a folder"
+            raise RematValueError(
+                message(args.command, rule, f"{path} is a folder", "pass a file path in it")
+            )
+        if not Path(path).resolve().parent.is_dir():
             rule = f"{flag} names a file in a folder that exists"
             raise RematValueError(
                 message(args.command, rule, path, "make the folder first, or pass another path")

@@ -57,6 +57,10 @@ def test_remat_errors_print_one_line_and_exit_2(capsys: pytest.CaptureFixture[st
             r"remat\.memory: --out is a picture",
         ),
         (["sim", str(LOG), "--plot", "o.txt"], r"remat\.sim: --plot is a picture, .*\.png"),
+        (
+            ["plan", "--model", "gpt2", "--save", "/tmp"],
+            r"remat\.plan: --save names a file, not a folder \(/tmp is a",
+        ),
         # a folder that exists but takes no new file: the error came after the whole sweep
         (["sim", str(LOG), "--json", "/proc/x.json"], r"remat\.sim: --json names a file this process may"),
     ],
