@@ -77,7 +77,8 @@ class ParametersBack(Unguarded):
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         super().__init__()
-        found = {id(p): p for m in modules for p in m.parameters() if p.layout == torch.strided}
+        made = [p for m in modules for p in m.parameters() if not nn.parameter.is_lazy(p)]
+        found = {id(p): p for p in made if p.layout == torch.strided}
         self.params = {p.untyped_storage()._cdata: p for p in found.values()}
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

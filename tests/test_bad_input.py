@@ -195,6 +195,15 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r".",
     ),
     (
+        "a lazy model planned",
+        lambda: remat.plan(
+            nn.Sequential(nn.LazyLinear(4), nn.Tanh()), (X,), 0.9, loss_fn=lambda m, x: m(x).sum()
+        ),
+        RematValueError,
+        r"remat\.plan: a model is planned with its parameters made .*\(Sequential has uninitialized "
+        r"parameters\); run one forward first",
+    ),
+    (
         "schedule too long",
         lambda: pp.build("gpipe", 10**6, 10**6),
         RematValueError,

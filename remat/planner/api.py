@@ -77,6 +77,12 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the allocator's
     account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in ``remat.trace.types``)."""
     _check_step(loss_fn, repeats)
+    if any(torch.nn.parameter.is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
+        raise fail(
+            "a model is planned with its parameters made (a lazy module makes them at its first call)",
+            f"{type(model).__name__} has uninitialized parameters",
+            "run one forward first (model(x)), then plan",
+        )
     given = (
         list(inputs.values())
         if isinstance(inputs, Mapping)
