@@ -93,14 +93,10 @@ class Dynamic:
         self.policy: EvictionPolicy = resolve(policy, layout, API)
         kind = backends.get(backend, API)
         if kind.places and self.budget == _UNLIMITED:
-            raise RematValueError(
-                message(
-                    API,
-                    f"the {backend} backend needs a budget in bytes before its first block",
-                    f"got budget={budget!r}" + (" with no peak" if self.ratio is not None else ""),
-                    'pass e.g. budget="2GB", or a ratio with peak= the plain step\'s peak',
-                )
-            )
+            rule = f"the {backend} backend needs a budget in bytes before its first block"
+            given = f"got budget={budget!r}" + (" with no peak" if self.ratio is not None else "")
+            hint = 'pass e.g. budget="2GB", or a ratio with peak= the plain step\'s peak'
+            raise RematValueError(message(API, rule, given, hint))
         if kind.places and not layout:
             rule = f"the {backend} backend places tensors at addresses"
             raise RematValueError(message(API, rule, "got layout=False", "pass layout=True"))
@@ -124,8 +120,7 @@ class Dynamic:
         self._engine: Engine | None = None
         self._mode: Interceptor | None = None
         self._recorder: Recorder | None = None
-        self._depth = sys.getrecursionlimit()
-        self._collecting = True
+        self._depth, self._collecting = sys.getrecursionlimit(), True
         self._snapshot: Snapshot | None = None
         self.arriving = 0  # NOTE [arriving constants] in ``keep``: of the last completed block
         self.left_open = False  # a DynamicModule's: open past the call, until a region after it
@@ -205,9 +200,14 @@ class Dynamic:
             elif error is None:
                 try:
                     engine.finish()
-                except (OutOfMemory, Thrashed, RematError) as failure:
-                    explained = failure if isinstance(failure, RematError) else explain(failure, engine, self)
+                except BaseException as failure:  # Ctrl-C or a kernel's error in the hand-over: undone too
+                    ours = isinstance(failure, (OutOfMemory, Thrashed)) and not isinstance(
+                        failure, RematError
+                    )
+                    explained = explain(failure, engine, self) if ours else failure
                     self._undo(engine, explained)
+                    if not ours:
+                        raise
                     raise explained from None
                 self._stats = self._make_stats(engine)
                 if self.budget != _UNLIMITED:
@@ -220,12 +220,12 @@ class Dynamic:
                 warn_unmeasured(self._stats.unmeasured_scratch, self.device)
             else:
                 self._undo(engine, error)
-        finally:
-            engine.close()
-            self._engine = self._mode = None
+        finally:  # the process's settings first: an interrupt in ``close`` must not keep them
             sys.setrecursionlimit(self._depth)
             if self._collecting:
                 gc.enable()
+            engine.close()
+            self._engine = self._mode = None
 
     @property
     def failed(self) -> bool:  # open after its failure, running the rest of the step as is

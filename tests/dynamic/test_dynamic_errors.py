@@ -427,3 +427,56 @@ def test_a_resnets_step_failing_at_the_end_names_the_recomputation() -> None:
     ):
         model(pixel_values=x, labels=y).loss.backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, RuntimeError])
+def test_an_error_of_another_kind_in_the_hand_over_undoes_the_step(
+    kind: type[BaseException], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only remat's own failures at the region's end undid the step: Ctrl-C, or a kernel's error,
+    in a recomputation of the hand-over left parameters changed and optimizer state with no memory
+    (a retried ``opt.step()`` then crashed the process)."""
+    from remat.core.runtime import Runtime
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2, self.bn = nn.Linear(16, 16), nn.Linear(16, 16), nn.BatchNorm1d(16)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.l2(self.drop(torch.tanh(self.bn(self.l1(x)))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(3)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(64, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    finish, restore = Runtime.finish, Runtime._restore
+    state = {"finishing": False, "fired": False}
+
+    def finishing(self: Runtime) -> None:
+        state["finishing"] = True
+        try:
+            finish(self)
+        finally:
+            state["finishing"] = False
+
+    def restoring(self: Runtime, storage: int) -> None:
+        if state["finishing"] and not state["fired"]:
+            state["fired"] = True
+            raise kind("arrives in the hand-over")
+        restore(self, storage)
+
+    monkeypatch.setattr(Runtime, "finish", finishing)
+    monkeypatch.setattr(Runtime, "_restore", restoring)
+    region = remat.dynamic(80_000, keep=(model, opt), cost="model")
+    with pytest.raises(kind, match="arrives in the hand-over") as failed, region:
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    assert state["fired"], "no recomputation in the hand-over at this budget"
+    assert any("the step was undone" in note for note in getattr(failed.value, "__notes__", []))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+    assert all(p.grad is None for p in model.parameters())
+    assert gc.isenabled()
