@@ -171,7 +171,9 @@ class _Runner(Unguarded):
         self.pop()
 
     def end(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.leave()
+        self.leave()  # also where the forward raised (``always_call``): the next one starts anew
+        if output is None and sys.exc_info()[0] is not None:
+            return
         if self.position != len(self.ops) and not self.aside:
             nxt = self.position
             raise RecomputationError(
@@ -301,7 +303,8 @@ def apply(
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
     again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
-    hooks = [model.register_forward_pre_hook(runner.begin), model.register_forward_hook(runner.end)]
+    hooks = [model.register_forward_pre_hook(runner.begin)]
+    hooks.append(model.register_forward_hook(runner.end, always_call=True))  # where it raised too
     hooks += [child.register_forward_pre_hook(_guard(runner, child)) for child in model.children()]
     wrapped = []
     try:

@@ -431,3 +431,35 @@ def test_planning_puts_back_a_weight_the_step_writes() -> None:
     out.backward()
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def test_a_forward_that_raised_under_the_plan_leaves_nothing_behind() -> None:
+    """An error out of the model's forward (a forward hook's), caught inside the ``with`` block,
+    left the plan's dispatch mode on the stack, its op count where it stopped and a region's
+    saved-tensor hooks pushed: the retried step was refused as diverged, and so was unrelated code."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = _mlp(16, 32)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    plan = remat.plan(model, (x,), budget=0.6, loss_fn=_loss, repeats=1)
+    assert plan.regions
+    plain = copy.deepcopy(model)
+    _loss(plain, x).backward()
+    failing = [True]
+
+    def hook(module: nn.Module, args: object, out: object) -> None:
+        if failing:
+            failing.clear()
+            raise ValueError("a forward hook's error")
+
+    handle = model[1][1].register_forward_hook(hook)  # mid-region: its hooks pushed
+    with plan.apply(model):
+        with pytest.raises(ValueError, match="a forward hook's error"):
+            _loss(model, x)
+        assert _get_current_dispatch_mode() is None
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()  # unrelated code runs as it is
+        _loss(model, x).backward()  # the step again: planned, and exact
+    handle.remove()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
