@@ -31,6 +31,12 @@ is not a module, a module held by an object in a global), and a module the regio
 reads, when recomputed, its buffers as they were before the first call. No module hook is added in
 the forward: ``torch.compile`` guards on the global hooks, and a new one at every call would
 compile the function again each time.
+
+NOTE [compiled regions] A region that is a ``torch.compile``d module or function runs its modules
+inside the compiled graph, which calls no forward pre-hook: found through the original it wraps,
+every one of its modules is a root, its buffers swapped for the copies before the recomputation
+starts (the graph reads a module's buffers when it runs). Before, the recomputation updated batch
+norm's statistics a second time and read buffers the forward had written: other gradients.
 """
 
 from __future__ import annotations
@@ -90,6 +96,12 @@ def reached(fn: Any, values: Sequence[Any] = ()) -> tuple[nn.Module, ...]:
 
 def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
     """The modules ``fn`` itself is or is bound to (see ``region_modules``), and its roots."""
+    original = fn._orig_mod if isinstance(getattr(fn, "_orig_mod", None), nn.Module) else fn
+    while callable(getattr(original, "_torchdynamo_orig_callable", None)):
+        original = original._torchdynamo_orig_callable
+    if original is not fn:  # NOTE [compiled regions]: every module is a root
+        found = _below([*_called(original)[0], *_closure(original)])
+        return found, found
     owner = getattr(fn, "__self__", None)
     if isinstance(fn, functools.partial) and fn.args:
         first = fn.args[0]
