@@ -7,6 +7,10 @@ wrong gradients). A call met while compiling becomes instead what torch compiles
 ``torch.utils.checkpoint`` (its higher-order op: the partitioner recomputes the region, saves its
 random ops' results, and updates buffers once) when nothing is to be kept, else the remat call run
 eagerly outside the graph (a graph break), exact but not compiled.
+
+Under ``torch.func``'s transforms (``vmap``, ``grad``, ``jvp``) and forward-mode AD, which carry
+their own derivatives, the call runs as it is (``transformed``), as under ``no_grad``: remat's
+anchor of the inputs is an ``autograd.Function`` those transforms refuse (torch's error, deep inside).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fw_ad
 import torch.utils.checkpoint
 
 from remat.policy import Policy, RecomputeAll
@@ -40,3 +45,8 @@ def under_compile(
 @torch.compiler.disable
 def _outside_the_graph(eager: Callable[[], Any]) -> Any:
     return eager()
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform or forward-mode AD is running (see the module doc)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or fw_ad._current_level >= 0

@@ -504,3 +504,34 @@ def test_a_compiled_region_updates_its_buffers_once_and_recomputes_from_what_the
         assert torch.equal(a, b)
     for a, b in zip(reference.parameters(), inner.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_torch_func_transforms_and_forward_ad_run_the_call_as_it_is() -> None:
+    """Under ``torch.func.vmap``/``grad``/``jvp`` and forward-mode AD a checkpointed call raised
+    torch's error about remat's anchor of the inputs (an ``autograd.Function`` without
+    ``setup_context`` or ``jvp``); ``torch.utils.checkpoint`` runs there."""
+    import torch.autograd.forward_ad as fw_ad
+    from torch.func import grad, jvp, vmap
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(x)).sin()
+
+    def checkpointed(x: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint(f, x)
+
+    x, v = torch.randn(3, 4), torch.randn(3, 4)
+
+    def forward_ad(fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        with fw_ad.dual_level():
+            return fw_ad.unpack_dual(fn(fw_ad.make_dual(x, v))).tangent
+
+    for transform in (
+        forward_ad,
+        lambda fn: vmap(fn)(x),
+        lambda fn: grad(lambda t: fn(t).sum())(x),
+        lambda fn: jvp(fn, (x,), (v,))[1],
+    ):
+        assert torch.equal(transform(checkpointed), transform(f))
