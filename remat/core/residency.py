@@ -140,6 +140,7 @@ class Residency:
     def _depart(self, storage: int) -> None:
         self.resident[storage] = False
         self.evictable.set(storage, False)
+        self.pinned.discard(storage)  # gone with its last handle: restored, no C++ holds it
         self._count_nearby(storage, 1.0)
         if self.classes is not None:
             self.classes.evicted(storage, self.graph, self.resident)
@@ -222,7 +223,9 @@ class Residency:
         may fill it through its data pointer between later ops (``_pad_packed_sequence`` writes
         the lengths it returns so, while it copies the sequences with ops). Evicted in between, its
         memory would be written after it was freed, and recomputed it would come back unfilled:
-        it is never evicted. An op that writes it makes a new version, evictable as any other."""
+        it is never evicted while the program holds it. An op that writes it makes a new version,
+        evictable as any other; the old one, freed with its last handle and restored later only as
+        an input of a recomputation (a dropout mask's ``bernoulli_``), is evictable too."""
         if name.rsplit(".", 1)[0] in UNFILLED:
             self.pinned.update(storages)
 

@@ -436,7 +436,7 @@ def test_an_error_of_another_kind_in_the_hand_over_undoes_the_step(
     """Only remat's own failures at the region's end undid the step: Ctrl-C, or a kernel's error,
     in a recomputation of the hand-over left parameters changed and optimizer state with no memory
     (a retried ``opt.step()`` then crashed the process)."""
-    from remat.core.runtime import Runtime
+    from remat.dynamic.accounting import AccountingBackend
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -452,30 +452,23 @@ def test_an_error_of_another_kind_in_the_hand_over_undoes_the_step(
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x = torch.randn(64, 16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    finish, restore = Runtime.finish, Runtime._restore
-    state = {"finishing": False, "fired": False}
+    hand_over = AccountingBackend.hand_over
+    state = {"handed": 0, "fired": False}
 
-    def finishing(self: Runtime) -> None:
-        state["finishing"] = True
-        try:
-            finish(self)
-        finally:
-            state["finishing"] = False
-
-    def restoring(self: Runtime, storage: int) -> None:
-        if state["finishing"] and not state["fired"]:
+    def handing(self: AccountingBackend, storage: int) -> None:
+        state["handed"] += 1
+        if state["handed"] == 3:  # some storages handed back already, the others not
             state["fired"] = True
             raise kind("arrives in the hand-over")
-        restore(self, storage)
+        hand_over(self, storage)
 
-    monkeypatch.setattr(Runtime, "finish", finishing)
-    monkeypatch.setattr(Runtime, "_restore", restoring)
+    monkeypatch.setattr(AccountingBackend, "hand_over", handing)
     region = remat.dynamic(80_000, keep=(model, opt), cost="model")
     with pytest.raises(kind, match="arrives in the hand-over") as failed, region:
         opt.zero_grad()
         model(x).pow(2).sum().backward()
         opt.step()
-    assert state["fired"], "no recomputation in the hand-over at this budget"
+    assert state["fired"]
     assert any("the step was undone" in note for note in getattr(failed.value, "__notes__", []))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
     assert all(p.grad is None for p in model.parameters())
