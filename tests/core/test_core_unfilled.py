@@ -52,4 +52,5 @@ def test_a_version_an_op_wrote_is_evictable() -> None:
     runtime = Runtime(BytePool(100), get("lru"), backend)
     drive(runtime, _program("aten.empty.memory_format", write=True), backend, finish=False)
     written = runtime.storage_of(1)  # e, after fill_ wrote it
-    assert runtime.pinned and written not in runtime.pinned and runtime.evictable.values[written]
+    assert written not in runtime.pinned and runtime.evictable.values[written]
+    assert not runtime.pinned  # the empty's version went with its last handle: nothing stays pinned
