@@ -32,9 +32,24 @@ from remat.core.neighbourhood import Neighbourhoods
 from remat.core.pool import Pool
 from remat.core.telemetry import Telemetry
 
-# the packets whose result holds no value an op gave it (NOTE [unfilled results])
+# NOTE [unfilled results] An ``empty`` op's result holds no value an op gave it: C++ code may fill
+# it through its data pointer between later ops (``_pad_packed_sequence`` writes the lengths it
+# returns so, while it copies the sequences with ops). Evicted in between, its memory would be
+# written after it was freed, and recomputed it would come back unfilled: it is never evicted
+# while the program holds it (``pinned``, from its first run until it departs). An op that writes
+# it makes a new version, evictable as any other; the old one, freed with its last handle and
+# restored later only as an input of a recomputation (a dropout mask's ``bernoulli_``), is too.
+# the ops whose result holds no value an op gave it (NOTE [unfilled results]), by overload
 UNFILLED = frozenset(
-    {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+    {
+        "aten.empty.memory_format",
+        "aten.empty.names",
+        "aten.empty_like.default",
+        "aten.empty_strided.default",
+        "aten.empty_permuted.default",
+        "aten.new_empty.default",
+        "aten.new_empty_strided.default",
+    }
 )
 
 
@@ -217,17 +232,6 @@ class Residency:
         self._members.append([])
         self._gatherers.append(0)
         return storage
-
-    def _pin_unfilled(self, name: str, storages: list[int]) -> None:
-        """NOTE [unfilled results] An ``empty`` op's result holds no value an op gave it: C++ code
-        may fill it through its data pointer between later ops (``_pad_packed_sequence`` writes
-        the lengths it returns so, while it copies the sequences with ops). Evicted in between, its
-        memory would be written after it was freed, and recomputed it would come back unfilled:
-        it is never evicted while the program holds it. An op that writes it makes a new version,
-        evictable as any other; the old one, freed with its last handle and restored later only as
-        an input of a recomputation (a dropout mask's ``bernoulli_``), is evictable too."""
-        if name.rsplit(".", 1)[0] in UNFILLED:
-            self.pinned.update(storages)
 
     def _bind(self, handle: int, storage: int) -> None:
         self._storage_of[handle] = storage

@@ -52,7 +52,7 @@ from remat.core.backend import Backend
 from remat.core.graph import NO_REUSE, Record
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import End, OutOfMemory, Pool
-from remat.core.residency import Frame, Residency
+from remat.core.residency import UNFILLED, Frame, Residency
 from remat.core.swap import Swap
 from remat.trace.types import Op, TensorInfo
 
@@ -84,8 +84,7 @@ class Runtime(Residency):
         # The pool's addresses are a model, not the memory (an eager runtime whose tensors live in
         # PyTorch's allocator): when only their pieces stand in the way, pack them (NOTE [model
         # addresses]).
-        self.compact = compact
-        self.swap = swap
+        self.compact, self.swap = compact, swap
         self._constant_bytes = 0  # constants never leave the pool
 
     # -- the program's side ---------------------------------------------------------------------
@@ -126,7 +125,8 @@ class Runtime(Residency):
             record = graph.add_record(op, inputs)
             new, rid = self._new_storage, record.id
             created = [new(info.nbytes, rid, False, inputs) for info in outputs if info.alias_of is None]
-            self._pin_unfilled(op.name, created)
+            if op.name in UNFILLED:  # NOTE [unfilled results] in ``residency``
+                self.pinned.update(created)
             reuse = [NO_REUSE] * len(created)
             for old in (storage_of[h] for h in op.mutates):  # each gets a new version
                 created.append(new(graph.nbytes[old], rid, graph.constant[old], inputs))
