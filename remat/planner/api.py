@@ -304,6 +304,7 @@ def plan_at(
         notes=notes,
         predicted_held_bytes=chosen.pred.held_bytes,
         link=link,
+        host_budget=found.host_budget if link is not None else None,
         predicted_stall=chosen.stall if isinstance(chosen, OffloadCandidate) else 0.0,
         predicted_executor_overhead=chosen.pred.executor_overhead,
     )

@@ -107,11 +107,13 @@ def apply_offload(
     positions: frozenset[int],
     link: Link | None,
     shapes: Sequence[str] = (),
+    host_budget: int | None = None,
 ) -> Iterator[None]:
     """``remat.planner.execute.apply`` with the saved outputs of the forward ops at ``positions``
-    offloaded over ``link``."""
+    offloaded over ``link``, the host holding at most ``host_budget`` bytes (None: no limit)."""
     makers = _PlannedMakers(None)
-    hooks = _Hooks(OffloadRegion(makers, Offloader(link=link, prefetch=PREFETCH), demanded=True))
+    offloader = Offloader(link=link, prefetch=PREFETCH, host_budget=host_budget)
+    hooks = _Hooks(OffloadRegion(makers, offloader, demanded=True))
     make = functools.partial(_OffloadRunner, positions=positions, makers=makers, hooks=hooks)
     with (
         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack),

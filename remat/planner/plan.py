@@ -75,6 +75,7 @@ class Plan:
     predicted_stall: float = 0.0
     predicted_executor_overhead: float = 0.0
     shapes: tuple[str, ...] = ()
+    host_budget: int | None = None  # with ``link``: the host bytes the plan keeps to, and its run
 
     # -- reading it ---------------------------------------------------------------------------
 
@@ -162,9 +163,8 @@ class Plan:
         host memory and come back when backward needs them (``remat.planner.offload_execute``)."""
         moved = frozenset(t.op for t in self.tensors if t.action is Decision.OFFLOAD)
         if moved:
-            return apply_offload(
-                self.regions, self.ops, self.modules, model, replay, moved, self.link, self.shapes
-            )
+            where = (self.regions, self.ops, self.modules, model, replay, moved, self.link, self.shapes)
+            return apply_offload(*where, host_budget=self.host_budget)
         return apply(self.regions, self.ops, self.modules, model, replay, shapes=self.shapes)
 
     # -- storing it ---------------------------------------------------------------------------
@@ -282,3 +282,6 @@ def _scalars(fields: dict[str, Any]) -> None:
     for key in _TEXTS:
         if key in fields and not isinstance(fields[key], str):
             raise ValueError(f"{key} must be text: {fields[key]!r}"[:200])
+    host = fields.get("host_budget")
+    if host is not None and (type(host) is not int or host <= 0):
+        raise ValueError(f"host_budget must be a byte count or null: {host!r}"[:200])

@@ -4,6 +4,7 @@ table), and refuse clearly what they cannot do."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -242,3 +243,25 @@ def test_the_host_budget_counts_what_the_executor_moves_beside_the_planned_outpu
     train(planned, batch, steps=1, region=lambda: plan.apply(planned))
     assert made and made[-1].stats().host_peak_bytes <= host
     assert made[-1].stats().bytes_out == plan.offloaded_bytes
+
+
+def test_a_plans_host_budget_is_kept_in_its_file_and_held_when_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan kept to ``host_budget`` when it was made, but did not store it: a saved plan lost
+    it, and ``plan.apply``'s offloader ran with no limit on the host."""
+    trace, _, low = _traced("gpt2")
+    free = plan_trace(trace, low, link=FAST, solver="offload_greedy")
+    plan = plan_trace(trace, low, link=FAST, solver="offload_greedy", host_budget=free.offloaded_bytes)
+    assert plan.host_budget == free.offloaded_bytes and free.host_budget is None
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    made = _noted_offloaders(monkeypatch)
+    model, batch, _ = build("gpt2")
+    planned = twin(model)
+    train(planned, batch, steps=1, region=lambda: plan.apply(planned))
+    assert made[-1].pool.budget == plan.host_budget
+    short = dataclasses.replace(plan, host_budget=plan.offloaded_bytes // 2)
+    other = twin(model)
+    with pytest.raises(remat.RematError, match=r"host_budget"):
+        train(other, batch, steps=1, region=lambda: short.apply(other))
