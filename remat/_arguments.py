@@ -1,15 +1,17 @@
 """Argument types the command line's subcommands share (lists of registered names, budget ratios),
-and the device an API is given."""
+the device an API is given, and a library error's advice in a command's flags."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from remat._errors import RematTypeError, RematValueError, message
+from remat._errors import RematError, RematTypeError, RematValueError, message
 
 
 def names_in(spec: str, known: Sequence[str], api: str, what: str) -> list[str]:
@@ -86,3 +88,22 @@ def device_of(value: object, api: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def in_flags(text: str, rewrites: Sequence[tuple[str, str]]) -> str:
+    """``text`` with each ``(pattern, replacement)`` of ``rewrites`` applied in turn (``re.sub``)."""
+    for pattern, replacement in rewrites:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+@contextlib.contextmanager
+def advice_in_flags(rewrites: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """A remat error raised inside has its text ``in_flags``: the Python API's arguments it names
+    (``n_microbatches``, ``solver='auto'``) as the command's flags (``--microbatches``,
+    ``--solver auto``)."""
+    try:
+        yield
+    except RematError as error:
+        error.args = tuple(in_flags(a, rewrites) if isinstance(a, str) else a for a in error.args)
+        raise

@@ -277,7 +277,7 @@ def run(
             if frame.cache is not None:
                 forward.enter_context(Recording(frame.cache))
             out = fn(*args, **kwargs)
-        frame.parameters = frame.parameters.again()
+        frame.parameters.again()
         return out
     finally:
         if frame.provenance is not None and frame.live is not None:  # the values the function left

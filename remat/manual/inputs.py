@@ -84,15 +84,16 @@ class Inputs:
 class Unwritten:
     """``tensors`` (a call's parameters), each at its version now (see the module doc)."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor], written: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         live = [t for t in tensors if not torch.nn.parameter.is_lazy(t) and not t.is_inference()]
         self.read = [(weakref.ref(t), t._version) for t in live]
-        self.written = list(written)  # by the call itself: its recomputation would write them again
+        self.written: list[torch.Tensor] = []  # by the call itself: its recomputation would write them again
 
-    def again(self) -> Unwritten:
-        """The same tensors at their versions now, noting those written since (by the call)."""
-        live = [(t, version) for ref, version in self.read if (t := ref()) is not None]
-        return Unwritten((t for t, _ in live), (t for t, version in live if t._version != version))
+    def again(self) -> None:
+        """Take the versions now (the call has ended), noting the tensors the call wrote."""
+        now = [(ref, t, version) for ref, version in self.read if (t := ref()) is not None]
+        self.written = [t for _, t, version in now if t._version != version]
+        self.read = [(ref, t._version) for ref, t, _ in now]
 
     def check(self, api: str) -> None:
         """Refuse to recompute where the call wrote one of them itself, or one was written since."""

@@ -37,7 +37,17 @@ from remat.pipeline.choose import choose
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.split import BALANCES, balance, chained, children_of, cut_points, loose, profile, untied
+from remat.pipeline.split import (
+    BALANCES,
+    balance,
+    chained,
+    check_modules,
+    children_of,
+    cut_points,
+    loose,
+    profile,
+    untied,
+)
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, walk
 
@@ -66,7 +76,7 @@ def _cut(
     p = order.n_stages
     if not isinstance(model, nn.Module):
         stages = list(model)
-        if len(stages) != p or not all(isinstance(s, nn.Module) for s in stages):
+        if len(stages) != p:  # modules: ``check_modules``
             raise _fail(
                 "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
             )
@@ -190,22 +200,9 @@ def plan(
     from remat's tape (no Python per op in backward); the plans are weighed both ways. Under a
     uniform ``checkpoint`` mode, every block that qualifies runs again as its module.
     """
-    stages = model_or_stages if isinstance(model_or_stages, (list, tuple)) else None
-    if not isinstance(model_or_stages, nn.Module) and (
-        stages is None or not all(isinstance(m, nn.Module) for m in stages)
-    ):
-        given = type(model_or_stages).__name__
-        if isinstance(model_or_stages, type):
-            given = f"the class {model_or_stages.__name__}"
-        elif stages is not None:
-            kinds = {f"the class {m.__name__}" if isinstance(m, type) else type(m).__name__ for m in stages}
-            given = f"a {given} of {', '.join(sorted(kinds))}"
-        raise _fail(
-            "model_or_stages is an nn.Module to cut, or a list of the stage modules",
-            f"got {given}",
-            "pass the model (an instance, not its class), or one module per stage",
-            RematTypeError,
-        )
+    todo = "pass the model (an instance, not its class), or one module per stage"
+    rule = "model_or_stages is an nn.Module to cut, or a list of the stage modules"
+    check_modules(model_or_stages, "pipeline.plan", rule, todo)
     if not isinstance(example_microbatch, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise _fail(
             "example_microbatch and target must be tensors",

@@ -19,11 +19,10 @@ pipeline model drawn with ``--plot``. Nothing is started: running it takes proce
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
 from typing import Any
 
-from remat._arguments import positive
+from remat._arguments import advice_in_flags, positive
 from remat._errors import RematError, RematValueError, message
 from remat._units import parse_bytes
 
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         model = mlp_chain(args.blocks or 8, width, args.hidden or 256)
         x, y = torch.randn(args.batch, width), torch.randn(args.batch, width)
         loss_fn = nn.functional.mse_loss
-    try:
+    with advice_in_flags(_ADVICE):
         planned = plan(
             model,
             x,
@@ -127,9 +126,6 @@ def run(args: argparse.Namespace) -> int:
             checkpoint=args.checkpoint,
             rerun_modules=args.rerun_modules,
         )
-    except RematError as error:  # its advice in the command's flags, not the Python API's arguments
-        error.args = tuple(_in_flags(a) if isinstance(a, str) else a for a in error.args)
-        raise
     planned.explain()
     if args.save:
         planned.save(args.save)
@@ -139,19 +135,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_FLAGS = {
-    "n_microbatches": "--microbatches",
-    "budget_per_rank": "--budget",
-    "stages_per_rank": "--stages-per-rank",
-    "n_stages": "--stages",
-    "balance_by": "--balance",
-}
-
-
-def _in_flags(text: str) -> str:
-    """A planner message's advice in this command's flags (``raise n_microbatches`` -> ``raise
-    --microbatches``)."""
-    text = re.sub(r"schedule='([\w-]+)'", r"--schedule \1", text)
-    for name, flag in _FLAGS.items():
-        text = re.sub(rf"\b{name}\b", flag, text)
-    return text
+# the planner's advice in this command's flags (``raise n_microbatches`` -> ``raise --microbatches``)
+_ADVICE = (
+    (r"schedule='([\w-]+)'", r"--schedule \1"),
+    (r"\bn_microbatches\b", "--microbatches"),
+    (r"\bbudget_per_rank\b", "--budget"),
+    (r"\bstages_per_rank\b", "--stages-per-rank"),
+    (r"\bn_stages\b", "--stages"),
+    (r"\bbalance_by\b", "--balance"),
+)

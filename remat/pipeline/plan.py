@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -27,7 +26,7 @@ from remat._errors import RematTypeError, RematValueError, message
 from remat._files import read_json, writable, write_text
 from remat._units import format_bytes
 from remat.pipeline.schedule import Schedule, build
-from remat.pipeline.split import children_of
+from remat.pipeline.split import check_modules, children_of
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, Timeline, walk
 from remat.planner.plan import Plan
@@ -280,17 +279,8 @@ class PipelinePlan:
 
     def with_model(self, model: nn.Module | Sequence[nn.Module]) -> PipelinePlan:
         """This plan holding ``model`` (a module to cut at ``boundaries``, or the stage modules)."""
-        if not isinstance(model, nn.Module) and (
-            not isinstance(model, (list, tuple)) or not all(isinstance(m, nn.Module) for m in model)
-        ):
-            raise RematTypeError(
-                message(
-                    "pipeline.PipelinePlan",
-                    "the model is an nn.Module, or a list of the stage modules",
-                    f"got {type(model).__name__} {reprlib.repr(model)}",
-                    "pass the model the plan was made for",
-                )
-            )
+        rule = "the model is an nn.Module, or a list of the stage modules"
+        check_modules(model, "pipeline.PipelinePlan", rule, "pass the model the plan was made for")
         if isinstance(model, nn.Module) and not self.boundaries:
             raise RematTypeError(
                 message(

@@ -136,6 +136,19 @@ def cut_points(boundaries: object) -> list[int] | None:
     return [int(b) for b in listed]  # type: ignore[arg-type]
 
 
+def check_modules(given: object, api: str, rule: str, todo: str) -> None:
+    """Refuse ``given`` (by ``rule``) unless it is an ``nn.Module`` (to cut) or a list or tuple of
+    them (the stages), naming a module class given for an instance."""
+    stages = given if isinstance(given, (list, tuple)) else None
+    if isinstance(given, nn.Module) or (stages is not None and all(isinstance(m, nn.Module) for m in stages)):
+        return
+    what = f"the class {given.__name__}" if isinstance(given, type) else type(given).__name__
+    if stages is not None:
+        kinds = {f"the class {m.__name__}" if isinstance(m, type) else type(m).__name__ for m in stages}
+        what = f"a {what} of {', '.join(sorted(kinds))}"
+    raise RematTypeError(message(api, rule, f"got {what}", todo))
+
+
 def children_of(model: nn.Module) -> list[nn.Module]:
     """The model's children in order, one registered twice listed twice (``children()`` lists it once)."""
     return [m for m in model._modules.values() if m is not None]

@@ -22,12 +22,11 @@ import argparse
 import contextlib
 import json
 import math
-import re
 import statistics
 import time
 from typing import Any
 
-from remat._arguments import names_in, positive
+from remat._arguments import advice_in_flags, in_flags, names_in, positive
 from remat._errors import RematError, RematValueError, message
 from remat._units import parse_budget, parse_bytes
 from remat.planner.solvers import names
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     with console(stderr=True).status(f"tracing one training step of {args.model}"):
         trace = trace_step(wl.model, wl.inputs, loss_fn)
     if not args.pareto:
-        try:
+        with advice_in_flags(_ADVICE):
             plan = plan_trace(
                 trace,
                 args.budget,
@@ -198,9 +197,6 @@ def run(args: argparse.Namespace) -> int:
                 host_budget=args.host_budget,
                 rerun_modules=args.rerun_modules,
             )
-        except RematError as error:  # its advice in the command's words, not the Python API's
-            error.args = tuple(_in_flags(a) if isinstance(a, str) else a for a in error.args)
-            raise
         plan.explain()
         if args.save:
             plan.save(args.save)
@@ -214,11 +210,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# the planner's advice in this command's flags, not the Python API's arguments
+_ADVICE = (
+    (r"link=remat\.Link\([^)]*\)", "--link 25GB/s"),
+    (r"solver='(\w+)'", r"--solver \1"),
+    ("host_budget", "--host-budget"),
+    ("without link", "without --link"),
+)
+
+
 def _in_flags(text: str) -> str:
-    """A planner message's advice in this command's flags, not the Python API's arguments."""
-    text = re.sub(r"link=remat\.Link\([^)]*\)", "--link 25GB/s", text)
-    text = re.sub(r"solver='(\w+)'", r"--solver \1", text)
-    return text.replace("host_budget", "--host-budget").replace("without link", "without --link")
+    """A planner message's advice in this command's flags (``_ADVICE``)."""
+    return in_flags(text, _ADVICE)
 
 
 def _measure(model: Any, inputs: Any, loss_fn: Any, plan: Any) -> int:

@@ -120,39 +120,24 @@ def _check(
     repeats: object, loss_fn: object, optimizer: object, name: object, progress: object, scratch: object
 ) -> None:
     """The keywords' types and ranges, before anything runs."""
-    whole = isinstance(repeats, int) and not isinstance(repeats, bool)
-    wrong = [
-        (
-            RematTypeError if not whole else RematValueError,
-            "repeats is a whole number of at least 1",
-            repeats,
-            "pass 1 or more",
-        )
-        if not whole or repeats < 1  # type: ignore[operator]
-        else None,
-        (RematTypeError, "loss_fn is callable", loss_fn, "pass loss_fn(output) returning the loss")
-        if loss_fn is not None and not callable(loss_fn)
-        else None,
-        (
-            RematTypeError,
-            "optimizer is a torch.optim.Optimizer",
-            optimizer,
-            "pass the model's optimizer, or None",
-        )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer)
-        else None,
-        (RematTypeError, "name is a string", name, "pass e.g. name='gpt2'")
-        if not isinstance(name, str)
-        else None,
-        (RematTypeError, "progress is callable", progress, "pass progress(n_ops), or None")
-        if progress is not None and not callable(progress)
-        else None,
-        (RematTypeError, "scratch is True or False", scratch, "pass scratch=False to skip measuring it")
-        if not isinstance(scratch, bool)
-        else None,
-    ]
-    for kind, rule, value, todo in (w for w in wrong if w is not None):
-        raise kind(message("trace.capture", rule, f"got {value!r}"[:120], todo))
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise _wrong("repeats is a whole number of at least 1", repeats, "pass 1 or more")
+    if repeats < 1:
+        raise _wrong("repeats is a whole number of at least 1", repeats, "pass 1 or more", RematValueError)
+    if loss_fn is not None and not callable(loss_fn):
+        raise _wrong("loss_fn is callable", loss_fn, "pass loss_fn(output) returning the loss")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise _wrong("optimizer is a torch.optim.Optimizer", optimizer, "pass the model's optimizer, or None")
+    if not isinstance(name, str):
+        raise _wrong("name is a string", name, "pass e.g. name='gpt2'")
+    if progress is not None and not callable(progress):
+        raise _wrong("progress is callable", progress, "pass progress(n_ops), or None")
+    if not isinstance(scratch, bool):
+        raise _wrong("scratch is True or False", scratch, "pass scratch=False to skip measuring it")
+
+
+def _wrong(rule: str, value: object, todo: str, kind: type[Exception] = RematTypeError) -> Exception:
+    return kind(message("trace.capture", rule, f"got {value!r}"[:120], todo))
 
 
 def _model_step(
