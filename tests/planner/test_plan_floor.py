@@ -277,14 +277,21 @@ def test_a_region_asked_to_keep_views_measures_what_it_predicts(name: str) -> No
 
 
 def test_the_chain_solvers_notes_speak_bytes_within_the_budget() -> None:
-    """A chain plan's notes say its model's peak in bytes, at most the solver's budget; the DP's
-    rounded units (whose row may pass the budget's, NOTE [chain DP gap]) are not what users read."""
+    """A chain plan's notes say, in bytes, what its schedule needs of what it was solved for, and
+    name them as the chain model's (not the step's peak, which the plan predicts apart); the DP's
+    rounded units (whose row may pass the budget's, NOTE [chain DP gap]) are not what users read.
+    So does ``auto``'s note when it picks a chain plan."""
     model, _, trace, checkpointed, _ = _family("llama")
-    plan = plan_trace(trace, checkpointed, solver="chain", block_key=block_key(model))
-    assert "units of" in plan.notes and " of the solver's budget " in plan.notes
-    words = plan.notes.split()
-    peak, budget = int(words[words.index("peak") + 1]), int(words[words.index("budget") + 1])
-    assert peak <= budget
+    for solver in ("chain", "auto"):
+        plan = plan_trace(trace, checkpointed, solver=solver, block_key=block_key(model))
+        if "chain DP" not in plan.notes:
+            assert solver == "auto", plan.notes
+            continue
+        assert "in its chain model" in plan.notes and "units of" in plan.notes, plan.notes
+        words = plan.notes.split()
+        needing = words.index("needing")
+        peak, limit = int(words[needing + 1]), int(words[needing + 4])
+        assert words[needing + 2 : needing + 4] == ["of", "the"] and peak <= limit
 
 
 def test_on_llama_the_plain_checkpointing_plans_measure_what_they_predict() -> None:

@@ -72,10 +72,7 @@ def solve(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
             gap = (cost - bound) / cost if cost > 0 else 0.0
             # the table row m may pass m_max (NOTE [chain DP gap]): rounded units are the DP's, the
             # user reads bytes of the chain model, where the plan fits
-            note = (
-                f"chain model's peak {peak} of the solver's budget {budget_bytes} bytes "
-                f"(sizes rounded up to units of {unit} bytes while solving)"
-            )
+            note = _note(peak, budget_bytes, unit)
             return solution(chain, schedule, "chain", budget_bytes, gap, note)
     if single_level:
         raise RematValueError(
@@ -119,10 +116,7 @@ def plans(chain: Chain, budget_bytes: int, *, slots: int = 500, single_level: bo
         if peak <= budget_bytes:
             room = min(m, m_max)  # the rows above the budget's hold plans checked against it
             limit = budget_bytes if m > m_max else m * unit
-            note = (
-                f"chain model's peak {peak} of the solver's budget {limit} bytes "
-                f"(sizes rounded up to units of {unit} bytes while solving)"
-            )
+            note = _note(peak, limit, unit)
             # NOTE [chain DP gap]: no plan truly within ``room`` units costs less than row room + 2n + 3
             cost, bound = float(final[m]), float(final[room + 2 * sizes.n + 3])
             gap = (cost - bound) / cost if cost > 0 else 0.0
@@ -181,3 +175,13 @@ def _tables(
                 choice[better] = split
             opt[s, t], what[s, t] = best, choice
     return opt, what
+
+
+def _note(peak: int, limit: int, unit: int) -> str:
+    """What a chain plan's notes say of its memory, in bytes of the chain model (what the DP
+    solves on) and named as such: the step's peak, the plan's, is predicted on the whole trace."""
+    return (
+        f"chain DP schedule needing {peak} of the {limit} bytes it was solved for, in its chain "
+        f"model (block outputs, their gradients and what each block saves, sizes rounded up to units of "
+        f"{unit} bytes while solving; the plan's peak is the whole step's, predicted apart)"
+    )
