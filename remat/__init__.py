@@ -17,6 +17,7 @@ from remat.host.offloader import Offloader
 from remat.host.region import offload
 from remat.manual.checkpoint import checkpoint
 from remat.manual.keywords import set_checkpoint_early_stop
+from remat.manual.plainly import plainly
 from remat.manual.scope import scope
 from remat.manual.sequential import checkpoint_sequential
 from remat.planner.api import plan
@@ -60,6 +61,7 @@ __all__ = [
     "memory",
     "offload",
     "pipeline",
+    "plainly",
     "plan",
     "policy",
     "scope",

@@ -37,6 +37,7 @@ from remat.aten import describe, version_witness
 from remat.host.link import Link
 from remat.host.offloader import Offloader
 from remat.host.parcel import Parcel, unmovable
+from remat.manual.plainly import plain
 from remat.policy import Decision, OpContext, Policy, checked, decided
 
 __all__ = ["offload"]
@@ -241,7 +242,7 @@ def offload(
     """
     policy = checked("offload", policy)
     offloader = Offloader(link=link, prefetch=prefetch, host_budget=host_budget, min_bytes=min_bytes)
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain():
         yield offloader
         return
     makers = Makers(policy)

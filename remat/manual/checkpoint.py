@@ -50,6 +50,7 @@ from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
 from remat.manual.inputs import Inputs, Unwritten
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
+from remat.manual.plainly import plain
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import transformed, under_compile
 from remat.policy import Policy, RecomputeAll
@@ -260,7 +261,7 @@ def run(
     offloader: Offloader | None = None,
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or transformed():
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or transformed() or plain():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():  # NOTE [under torch.compile]
         again = functools.partial(run, fn, args, kwargs, policy, check, preserve_rng, offloader)

@@ -44,6 +44,7 @@ from remat.host.offloader import Offloader
 from remat.host.parcel import Parcel
 from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
+from remat.manual.plainly import plain
 from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error, written_from
 from remat.policy import Policy, RecomputeAll, checked
@@ -289,7 +290,7 @@ def scope(
     """
     execute = executor("scope", replay)
     policy = checked("scope", policy)
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _recording():
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _recording() or plain():
         yield
         return
     if offloader is not None and not isinstance(offloader, Offloader):

@@ -6,12 +6,14 @@ planner's ``remat.Plan``) within its rank's budget, given how many micro-batches
 torch.distributed.pipelining (``stages``, ``schedule``), and its pipeline model
 (``remat.pipeline.timeline``) predicts the step's makespan and each rank's memory over time: the
 makespan from the stages' op times and what each action costs a rank beyond them (``calibrate``
-measures it: an ``ActionCost``).
+measures it: an ``ActionCost``). ``ManualStage`` runs a stage with remat's manual forms instead,
+in torchgpipe's modes (``always``, ``except_last``, ``never``).
 torch.distributed.pipelining is imported only when stages are built.
 """
 
 from remat.pipeline.api import plan
 from remat.pipeline.calibrate import calibrate
+from remat.pipeline.manual import ManualStage
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import SCHEDULES, Action, Schedule, build
 from remat.pipeline.stage_plan import StagePlan
@@ -22,6 +24,7 @@ __all__ = [
     "Action",
     "ActionCost",
     "Cost",
+    "ManualStage",
     "PipelinePlan",
     "Schedule",
     "Span",

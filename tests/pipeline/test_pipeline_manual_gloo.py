@@ -1,0 +1,130 @@
+"""``remat.pipeline.ManualStage`` on 2 CPU processes over gloo: torch's ``PipelineStage`` and
+schedules running stages that recompute with remat's manual forms in torchgpipe's modes
+(``always``, ``except_last``, ``never``), checked against a single-process run
+(``remat.pipeline.launch.reference``, as in ``test_pipeline_gloo``): gradients and buffers bit for
+bit, the matmuls each rank runs (the schedule's forwards and the recomputations of the mode), and
+each rank's allocator peak under GPipe, where a rank holds every micro-batch at once. One spawn runs
+every job."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat.pipeline as pp
+from remat.pipeline.chain import mlp_chain
+from remat.pipeline.launch import Job, RankResult, reference, run
+
+M = 4
+RANKS = 2
+ROWS = 64
+ADDMM = "aten.addmm.default"
+BUILD = functools.partial(mlp_chain, 4, 32, 128, 0.1, True)
+# (schedule, torchgpipe's mode, the manual form the stage adds)
+CASES = [
+    ("gpipe", "never", "checkpoint"),
+    ("gpipe", "except_last", "checkpoint"),
+    ("gpipe", "always", "checkpoint"),
+    ("1f1b", "except_last", "scope"),
+]
+IDS = [f"{s}-{mode}-{form}" for s, mode, form in CASES]
+
+
+class _Counted(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += str(func) == ADDMM
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[pp.PipelinePlan, Job, list[RankResult]]]:
+    torch.manual_seed(0)
+    x, y = torch.randn(M * ROWS, 32), torch.randn(M * ROWS, 32)
+    jobs, plans = [], []
+    for schedule, mode, form in CASES:
+        torch.manual_seed(0)
+        plan = pp.plan(
+            BUILD(),
+            x[:ROWS],
+            n_stages=RANKS,
+            n_microbatches=M,
+            schedule=schedule,
+            loss_fn=nn.functional.mse_loss,
+            target=y[:ROWS],
+            budget_per_rank="1GB",
+            boundaries=[2],
+        )
+        wrap = functools.partial(pp.ManualStage, n_microbatches=M, checkpoint=mode, form=form)
+        jobs.append(
+            Job(BUILD, plan.to_json(), x, y, nn.functional.mse_loss, seed=1, wrap=wrap, counted=(ADDMM,))
+        )
+        plans.append(plan)
+    results = run(jobs, RANKS, tmp_path_factory.mktemp("manual-gloo"))
+    return list(zip(plans, jobs, results, strict=True))
+
+
+def _again(stage: nn.Module, form: str) -> int:
+    """The matmuls one micro-batch's recomputation runs on ``stage`` (counted in this process)."""
+    counts = []
+    for mode in ("never", "always"):
+        x = torch.randn(ROWS, 32, requires_grad=True)
+        with _Counted() as counted:
+            pp.ManualStage(stage, 1, mode, form=form)(x).sum().backward()  # type: ignore[arg-type]
+        counts.append(counted.count)
+    return counts[1] - counts[0]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> None:
+    _, job, results = runs[index]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = reference(job)
+    finally:
+        torch.set_num_threads(threads)
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    buffers = dict(ref.named_buffers())
+    seen = set()
+    for result in results:
+        for name, grad in result.grads.items():
+            assert torch.equal(grad, grads[name]), name
+            seen.add(name)
+        for name, value in result.buffers.items():
+            assert torch.equal(value, buffers[name]), name
+    assert seen == set(grads)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_each_rank_runs_the_schedules_forwards_and_its_modes_recomputations(runs, index: int) -> None:
+    plan, _, results = runs[index]
+    _, mode, form = CASES[index]
+    recomputed = {"never": 0, "except_last": M - 1, "always": M}[mode]
+    torch.manual_seed(0)
+    modules = plan.stage_modules()
+    for result in results:
+        (stage,) = [modules[sp.stage] for sp in plan.stage_plans if sp.rank == result.rank]
+        linears = sum(isinstance(m, nn.Linear) for m in stage.modules())
+        again = _again(stage, form)
+        assert again > 0
+        assert result.counts[ADDMM] == M * linears + recomputed * again
+
+
+def test_under_gpipe_each_rank_holds_less_the_more_micro_batches_recompute(runs) -> None:
+    """GPipe runs every forward before any backward: ``always`` holds each micro-batch's block
+    inputs only, ``except_last`` the last one's activations besides, ``never`` all of them."""
+    peaks = {
+        mode: [r.peak_bytes for r in results]
+        for (s, mode, _), (_, _, results) in zip(CASES, runs, strict=True)
+        if s == "gpipe"
+    }
+    for rank in range(RANKS):
+        assert peaks["always"][rank] < peaks["except_last"][rank] < peaks["never"][rank]
