@@ -12,7 +12,7 @@ block its own region, as ``torch.utils.checkpoint`` per block) are always among 
 a rank budget that uniform per-block checkpointing meets is met. Where the budget allows, the
 last micro-batch runs without recomputation (torchgpipe's ``except_last``: its backward follows at
 once). A budget that no plan meets on some rank raises before any process starts, naming what
-each rank needs. ``checkpoint="always" | "except_last" | "never"`` gives uniform per-block
+each rank needs under the cut (the cut is not searched again for the budget: ``boundaries=``). ``checkpoint="always" | "except_last" | "never"`` gives uniform per-block
 checkpointing instead, in torchgpipe's micro-batch patterns: every block of every stage
 checkpointed in every micro-batch, in all but the last, or in none. (torchgpipe itself checkpoints
 a whole stage as one region; per block is what ``torch.utils.checkpoint`` around each layer does.)
@@ -287,12 +287,15 @@ def plan(
             )
         each = ", ".join(f"rank {r} needs {n} bytes ({format_bytes(n)})" for r, n in sorted(most.items()))
         planned = checkpoint == "planned"
+        # the needs are this cut's: another cut may need less (``boundaries=`` fixes one)
+        how = f"balanced by {balance_by}" if boundaries is None else "given"
+        cut = f"; the cut before children {list(cuts[1:-1])} ({how})"
         raise _fail(
-            "budget_per_rank below what some rank needs under any plan"
+            "budget_per_rank below what some rank needs under any plan of the stages"
             if planned
             else f"budget_per_rank below what some rank needs with checkpoint={checkpoint!r}",
-            f"budget {budget} bytes; {each}",
-            "raise budget_per_rank, or use more stages or smaller micro-batches"
+            f"budget {budget} bytes; {each}" + (cut if cuts else ""),
+            "raise budget_per_rank, cut elsewhere (boundaries=), or use more stages or smaller micro-batches"
             + ("" if planned else ", or checkpoint='planned'"),
         )
     plans = tuple(sp for sp in chosen if sp is not None)
