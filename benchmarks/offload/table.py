@@ -16,7 +16,11 @@ def main(paths: list[str]) -> None:
         tuple[Any, ...], dict[str, Any]
     ] = {}  # files of partial runs may repeat a row: the first is kept
     for path in paths:
-        for row in json.loads(Path(path).read_text()):
+        rows = json.loads(Path(path).read_text())
+        if not all("costs" in row and "link_GBps" in row for row in rows):  # gpu.py's rows
+            print(f"{path}: not run.py's results (gpu.py's: see the README); skipped", file=sys.stderr)
+            continue
+        for row in rows:
             seen.setdefault((row["model"], row["costs"], row["fraction"], row["link_GBps"]), row)
     rows = sorted(
         seen.values(),
