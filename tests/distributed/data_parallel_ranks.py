@@ -291,13 +291,15 @@ CHECKS = [
     ("fsdp-visible", "gpt2", "whole-scope"),
     ("fsdp-keep", "gpt2", "whole-scope"),
     *[("ddp", "cnn", f) for f in ("plain", "checkpoint", "scope", "plan", "whole-scope")],
-    *[("fsdp", "cnn", f) for f in ("checkpoint", "scope", "plan", "merged-plan")],
+    *[("fsdp", "cnn", f) for f in ("plain", "checkpoint", "scope", "plan", "merged-plan")],
+    # DDP as most code runs it: no static graph (its hooks find the ready buckets step by step)
+    *[("ddp-dynamic", "gpt2", f) for f in ("checkpoint", "scope", "plan")],
 ]
 
 
 def run_check(parallelism: str, case: Case, form: str, rank: int) -> tuple[list[Step], list[int]]:
-    if parallelism == "ddp":
-        return ddp(case, form, rank, static_graph=True, find_unused_parameters=False)
+    if parallelism.startswith("ddp"):
+        return ddp(case, form, rank, static_graph=parallelism == "ddp", find_unused_parameters=False)
     return fsdp(case, form, rank, reshard=parallelism != "fsdp-keep", hidden=parallelism != "fsdp-visible")
 
 
@@ -311,7 +313,7 @@ def worker(rank: int, folder: str) -> None:
     try:
         for parallelism, model, form in CHECKS:
             case = CASES[model]
-            key = (model, parallelism == "ddp")  # DDP broadcasts rank 0's buffers at each forward
+            key = (model, parallelism.startswith("ddp"))  # DDP broadcasts rank 0's buffers at each forward
             if key not in references:
                 references[key] = reference(case, rank, key[1])
             try:

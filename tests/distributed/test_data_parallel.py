@@ -4,7 +4,8 @@ every rank with per-block recomputation.
 
 One spawn runs every check (``data_parallel_ranks.CHECKS``) and writes each rank's results; the
 tests here read them. DDP runs with ``static_graph=True, find_unused_parameters=False`` and two
-steps (the static graph is built in the first and used in the second); FSDP2 shards every block and
+steps (the static graph is built in the first and used in the second), and ``ddp-dynamic`` without
+the static graph; FSDP2 shards every block and
 the root, resharding after forward unless the check says ``fsdp-keep``.
 """
 
