@@ -51,6 +51,7 @@ from remat.manual.inputs import Inputs, Unwritten
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
 from remat.manual.plainly import plain
+from remat.manual.reach import held
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import transformed, under_compile
 from remat.policy import Policy, RecomputeAll
@@ -92,7 +93,7 @@ class _Frame:
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
         self.modules = modules[0]  # their parameters: ``Unwritten`` as the call starts, and ends
-        self.parameters = Unwritten(p for m in self.modules for p in m.parameters(recurse=False))
+        self.parameters = Unwritten(self.modules, held(fn))
         # a lazy module's first forward draws its initial weights from the generators the region's
         # random ops then draw from after it; its recomputation would not: that call runs plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
@@ -193,6 +194,7 @@ class _Frame:
                 aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext(),
                 autocast.autocast_replayed(self.autocast),
                 self.buffers.shielded(),
+                self.parameters.restored("checkpoint"),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
             ):

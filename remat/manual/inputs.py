@@ -13,18 +13,23 @@ the call; other values (numbers, modules, objects pytree does not know) are pass
 An inference tensor (made under ``torch.inference_mode``) cannot be saved for backward and has no
 version counter; no op outside inference mode can write it, so it is passed as it is.
 
-The call also reads what it is not given: its modules' parameters. Autograd keeps only those a
-backward needs (a first layer's weight is not saved where its input needs no gradient), so one
-written in place between the forward and the backward (an optimizer's step for another loss, a
-max-norm renorm) passes the plain step, which reads the forward's activations, and a recomputation
-would compute other values from it: ``Unwritten`` notes their versions when the call ends and
-refuses a recomputation from one written since.
+The call also reads what it is not given: its modules' parameters and plain tensor attributes, and
+the tensors its closure, default arguments and globals hold (``remat.manual.reach``). Autograd keeps
+only those a backward needs (a first layer's weight is not saved where its input needs no
+gradient), so one written in place between the forward and the backward (an optimizer's step for
+another loss, a max-norm renorm) passes the plain step, which reads the forward's activations, and a
+recomputation would compute other values from it: ``Unwritten`` notes their versions when the call
+ends and refuses a recomputation from one written since. A module attribute may also hold another
+tensor by then (``torch.func.functional_call`` put its own in for the forward and took them out;
+``layer.weight = nn.Parameter(...)``): the recomputation runs with the forward's tensors put back
+(``Unwritten.restored``), as long as they live.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -82,18 +87,53 @@ class Inputs:
 
 
 class Unwritten:
-    """``tensors`` (a call's parameters), each at its version now (see the module doc)."""
+    """What a call reads besides its arguments (see the module doc): the parameters and plain tensor
+    attributes of ``modules``, by module and name, and ``loose`` tensors, each at its version now."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        live = [t for t in tensors if not torch.nn.parameter.is_lazy(t) and not t.is_inference()]
+    def __init__(self, modules: Iterable[torch.nn.Module], loose: Iterable[Any] = ()) -> None:
+        self.places = [(weakref.ref(m), name) for m in modules for name in _tensor_names(m)]
+        found = {id(t): t for m in modules for t in _tensors(m)}
+        found.update((id(t), t) for t in loose if isinstance(t, torch.Tensor) and id(t) not in found)
+        live = [t for t in found.values() if not torch.nn.parameter.is_lazy(t) and not t.is_inference()]
         self.read = [(weakref.ref(t), t._version) for t in live]
+        self.held: list[weakref.ref[torch.Tensor] | None] = []  # per place, the tensor the call ended with
         self.written: list[torch.Tensor] = []  # by the call itself: its recomputation would write them again
 
     def again(self) -> None:
-        """Take the versions now (the call has ended), noting the tensors the call wrote."""
+        """Take the versions now (the call has ended), noting the tensors the call wrote and the
+        tensor each module attribute holds."""
         now = [(ref, t, version) for ref, version in self.read if (t := ref()) is not None]
         self.written = [t for _, t, version in now if t._version != version]
         self.read = [(ref, t._version) for ref, t, _ in now]
+        self.held = [_ref(_attribute(m(), name)) for m, name in self.places]
+
+    @contextlib.contextmanager
+    def restored(self, api: str) -> Iterator[None]:
+        """The recomputation's block: each module attribute holding another tensor than when the
+        call ended holds that one again (refused where it is gone), and is given back after."""
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for (module_ref, name), was in zip(self.places, self.held, strict=True):
+                module, then = module_ref(), was() if was is not None else None
+                if module is None or _attribute(module, name) is then:
+                    continue
+                if then is None:
+                    raise RecomputationError(
+                        message(
+                            api,
+                            "a module attribute the function read holds another tensor since the "
+                            "forward, and the forward's tensor is gone",
+                            f"{type(module).__name__}.{name}",
+                            "replace it after backward, or run this function without recomputation",
+                        )
+                    )
+                box = module._parameters if name in module._parameters else module.__dict__
+                swapped.append((box, name, box[name]))
+                box[name] = then
+            yield
+        finally:
+            for box, name, value in reversed(swapped):
+                box[name] = value
 
     def check(self, api: str) -> None:
         """Refuse to recompute where the call wrote one of them itself, or one was written since."""
@@ -101,8 +141,9 @@ class Unwritten:
             raise RecomputationError(
                 message(
                     api,
-                    "the function writes a parameter in place (an embedding's max_norm renormalizes "
-                    "its weight), which its recomputation would write again: other values",
+                    "the function writes in place a parameter or tensor it reads besides its "
+                    "arguments (an embedding's max_norm renormalizes its weight), which its "
+                    "recomputation would write again: other values",
                     f"{describe(t.dtype, t.shape)} written by the forward",
                     "leave the module that writes it out of the function, or use remat.scope",
                 )
@@ -113,11 +154,32 @@ class Unwritten:
                 raise RecomputationError(
                     message(
                         api,
-                        "a parameter the function read was modified in place before backward "
-                        "recomputed from it",
+                        "a parameter or tensor the function read (not one of its arguments) was "
+                        "modified in place before backward recomputed from it",
                         f"{describe(now.dtype, now.shape)} at version {now._version}, read at "
                         f"version {version}",
                         "modify it after backward (an optimizer's step), or run this function "
                         "without recomputation",
                     )
                 )
+
+
+def _tensor_names(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s own parameters and plain tensor attributes (buffers apart: the
+    buffer shield keeps what the forward saw of them, ``remat.manual.buffers``)."""
+    names = [n for n, p in module._parameters.items() if p is not None]
+    return names + [n for n, v in vars(module).items() if isinstance(v, torch.Tensor)]
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for n in _tensor_names(module) if isinstance(t := _attribute(module, n), torch.Tensor)]
+
+
+def _attribute(module: torch.nn.Module | None, name: str) -> Any:
+    if module is None:
+        return None
+    return module._parameters[name] if name in module._parameters else vars(module).get(name)
+
+
+def _ref(value: Any) -> weakref.ref[torch.Tensor] | None:
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else None

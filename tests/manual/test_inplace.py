@@ -199,8 +199,9 @@ def test_a_parameter_autograd_did_not_save_written_before_backward_is_refused(fo
         if wrapped:
             with pytest.raises(
                 remat.RecomputationError,
-                match=r"remat\.checkpoint: a parameter the function read was modified in place before "
-                r"backward recomputed from it \(float32\[32, 16\] at version 2, read at version 1\)",
+                match=r"remat\.checkpoint: a parameter or tensor the function read \(not one of its "
+                r"arguments\) was modified in place before backward recomputed from it \(float32\[32, 16\] "
+                r"at version 2, read at version 1\)",
             ):
                 loss.backward()
         else:
@@ -237,7 +238,8 @@ def test_a_parameter_the_function_itself_writes_is_refused_not_written_again() -
         out = remat.checkpoint(model, idx, check=check)
         with pytest.raises(
             remat.RecomputationError,
-            match=r"remat\.checkpoint: the function writes a parameter in place .*\(float32\[50, 32\] "
+            match=r"remat\.checkpoint: the function writes in place a parameter or tensor it reads besides "
+            r"its arguments .*\(float32\[50, 32\] "
             r"written by the forward\); leave the module that writes it out of the function",
         ):
             out.square().mean().backward()
@@ -247,3 +249,94 @@ def test_a_parameter_the_function_itself_writes_is_refused_not_written_again() -
     remat.checkpoint(model[1:], h).square().mean().backward()
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def _twice(
+    block: torch.nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``block`` run on ``params`` swapped in (MAML's fast weights), the gradients for them."""
+    y = torch.func.functional_call(block, params, (x,))
+    return (y, *torch.autograd.grad(y.square().sum(), list(params.values())))
+
+
+def test_a_checkpointed_module_under_functional_call_recomputes_with_the_tensors_its_forward_read() -> None:
+    """``torch.func.functional_call`` puts its tensors in for the forward and takes them out before
+    the backward; the recomputation runs with them put back (``torch.utils.checkpoint``'s reads
+    the module's own and gives other gradients)."""
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        if wrap:
+            remat.checkpoint(block)
+        fast = {k: (v.detach() * 2).requires_grad_() for k, v in block.named_parameters()}
+        results.append(_twice(block, fast, torch.randn(5, 8)))
+        assert all(p is q for p, q in zip(block.parameters(), block.parameters(), strict=True))
+    for plain, recomputed in zip(*results, strict=True):
+        assert torch.equal(plain, recomputed)
+
+
+def test_a_parameter_replaced_between_forward_and_backward_is_put_back_for_the_recomputation() -> None:
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        if wrap:
+            remat.checkpoint(block)
+        y = block(torch.randn(5, 8))
+        old = block[0].weight
+        block[0].weight = torch.nn.Parameter(old.detach() * 3)  # averaged weights swapped in
+        replacement = block[0].weight
+        y.square().sum().backward()
+        assert block[0].weight is replacement and replacement.grad is None
+        grads.append(old.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+class _Shifted(torch.nn.Module):
+    """A plain tensor attribute (no buffer), read by the forward, or written by it (``count``)."""
+
+    def __init__(self, count: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.shift = torch.full((8,), 0.5)
+        self.count = count
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.count:
+            self.shift.add_(1.0)
+        return torch.tanh(self.lin(h) + self.shift)
+
+
+@pytest.mark.parametrize("where", ["module attribute", "closure"])
+def test_a_tensor_read_besides_the_arguments_written_before_backward_is_refused(where: str) -> None:
+    """Neither saved by autograd nor a parameter of the function's modules: a plain tensor attribute,
+    a parameter held by the function's closure only (``mm`` does not save it where its input needs
+    no gradient). The recomputation would read the new values; it is refused, as ``remat.scope``
+    refuses it."""
+    torch.manual_seed(0)
+    if where == "closure":
+        w = torch.nn.Parameter(torch.randn(8, 8))
+        out = remat.checkpoint(lambda h: torch.tanh(h @ w.t()), torch.randn(5, 8))
+        written, shape = w, r"float32\[8, 8\]"
+    else:
+        module = remat.checkpoint(_Shifted())
+        out = module(torch.randn(5, 8, requires_grad=True))
+        written, shape = module.shift, r"float32\[8\]"
+    with torch.no_grad():
+        written.mul_(1.5)
+    with pytest.raises(
+        remat.RecomputationError,
+        match=r"remat\.checkpoint: a parameter or tensor the function read \(not one of its arguments\) "
+        rf"was modified in place before backward recomputed from it \({shape} at version 1, read at "
+        r"version 0\)",
+    ):
+        out.square().sum().backward()
+
+
+def test_a_plain_tensor_attribute_the_function_writes_is_refused_not_written_again() -> None:
+    module = remat.checkpoint(_Shifted(count=True))
+    out = module(torch.randn(5, 8, requires_grad=True))
+    with pytest.raises(remat.RecomputationError, match=r"writes in place a parameter or tensor it reads"):
+        out.square().sum().backward()
+    assert module.shift[0].item() == 1.5  # written once, by the forward
