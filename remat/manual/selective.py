@@ -92,6 +92,11 @@ class SaveCache:
     def decision(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
         if not _cacheable(func):
             return Decision.RECOMPUTE
+        if aten.facts(func).packet in aten.UNSAID_VIEWS and any(  # new tensors on an argument's
+            isinstance(o, torch.Tensor) and aten.sharing(o, args) >= 0  # storage (``unsafe_chunk``):
+            for o in (out if isinstance(out, (tuple, list)) else (out,))  # the storage is not theirs
+        ):  # to keep or move, and running them again costs nothing
+            return Decision.RECOMPUTE
         ctx = OpContext(
             op=str(func),
             packet=str(func.overloadpacket),

@@ -9,12 +9,12 @@ peak of a whole step by those bytes less what prefetch brings back ahead of time
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from models import build, loss_of
+from models import build, loss_of, twin
 from torch import nn
 
 import remat
@@ -76,21 +76,22 @@ def test_the_step_peak_is_lower_by_the_bytes_moved_less_those_prefetched(prefetc
 
 
 @contextlib.contextmanager
-def _scoped_blocks(net: nn.Sequential, policy: remat.Policy, offloader: remat.Offloader) -> Iterator[None]:
-    forwards = [block.forward for block in net]
-    for block, forward in zip(net, forwards, strict=True):
+def _scoped_blocks(
+    blocks: Iterable[nn.Module], policy: remat.Policy, offloader: remat.Offloader
+) -> Iterator[None]:
+    blocks = list(blocks)
+    forwards = [block.forward for block in blocks]
+    for block, forward in zip(blocks, forwards, strict=True):
 
-        def scoped(
-            x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor] = forward
-        ) -> torch.Tensor:
+        def scoped(*args: Any, forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
             with remat.scope(policy, offloader=offloader):
-                return forward(x)
+                return forward(*args, **kwargs)
 
         block.forward = scoped  # type: ignore[method-assign]
     try:
         yield
     finally:
-        for block, forward in zip(net, forwards, strict=True):
+        for block, forward in zip(blocks, forwards, strict=True):
             block.forward = forward  # type: ignore[method-assign]
 
 
@@ -131,3 +132,41 @@ def test_on_real_models_the_forward_leaves_less_by_exactly_the_bytes_moved(name:
     moved = offloader.stats().bytes_out
     assert moved > 0.9 * plain.current_bytes  # nearly all of it: every activation, mask and view
     assert plain.current_bytes - m.current_bytes == moved
+
+
+POLICY_PAIRS = {  # a policy that saves some ops' outputs, and one that moves the same outputs instead
+    "compute-intensive": (remat.SaveComputeIntensive(), remat.OffloadComputeIntensive()),
+    "ops": (
+        remat.SaveOps(frozenset({"aten.addmm", "aten.convolution", "aten.gelu"})),
+        remat.OffloadOps(frozenset({"aten.addmm", "aten.convolution", "aten.gelu"})),
+    ),
+}
+
+
+@pytest.mark.parametrize("pair", POLICY_PAIRS.values(), ids=POLICY_PAIRS.keys())
+@pytest.mark.parametrize("form", ["checkpoint", "scope"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+def test_on_real_models_offload_decisions_leave_less_than_save_decisions_by_the_bytes_moved(
+    name: str, form: str, pair: tuple[remat.Policy, remat.Policy]
+) -> None:
+    """Each layer in ``remat.checkpoint`` or ``remat.scope``: the forward under the offload policy
+    leaves exactly the bytes it moved less than under the saving one."""
+    model, batch, blocks = build(name)
+    leaves: list[int] = []
+    moved = 0
+    for policy in pair:
+        wrapped, offloader = twin(model), remat.Offloader()
+        if form == "checkpoint":
+            for block in blocks(wrapped):
+                remat.checkpoint(block, policy=policy, offloader=offloader)
+            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        else:
+            ctx = _scoped_blocks(blocks(wrapped), policy, offloader)
+        torch.manual_seed(0)
+        with remat.memory.track(allocator=True) as m, ctx:
+            loss = loss_of(wrapped(**batch(0)))
+        del loss
+        leaves.append(m.current_bytes)
+        moved = offloader.stats().bytes_out
+    assert moved > 0
+    assert leaves[0] - leaves[1] == moved

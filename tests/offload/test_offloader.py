@@ -3,15 +3,19 @@ decide OFFLOAD, and the errors (a bad link, a host budget too small, a tensor th
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from models import assert_same, build, train, twin
 from torch import nn
 
 import remat
-from remat.host import HostPool, Offloader, unmovable
+from remat.host import HostPool, Offloader, Parcel, unmovable
 from remat.policy import Decision, OpContext
 
 TENSORS = {
@@ -301,3 +305,138 @@ def test_a_copy_is_held_only_for_the_reads_left_after_reads_of_the_live_storage(
     again = offloader.back(second)
     assert torch.equal(again, expected)
     assert second.cargo.held is None
+
+
+FORMS = ["offload", "checkpoint", "scope"]
+
+
+def _exps(*leaves: torch.Tensor) -> torch.Tensor:
+    return sum((leaf.exp().sum() for leaf in leaves), torch.zeros(()))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_tensors_under_min_bytes_stay_and_those_at_or_over_it_move(form: str) -> None:
+    """``exp`` saves its output: of outputs of 4096, 1024, 1020 and 64 bytes (and scalar sums), a
+    ``min_bytes`` of 1 KiB moves exactly the first two, under a policy that offloads every op."""
+    torch.manual_seed(0)
+    leaves = [torch.randn(n, requires_grad=True) for n in (1024, 256, 255, 16)]
+    expected = torch.autograd.grad(_exps(*leaves), leaves)
+    policy = remat.OffloadLarger(0)  # OFFLOAD for every op
+    if form == "offload":
+        with remat.offload(policy, min_bytes="1KiB") as offloader:
+            loss = _exps(*leaves)
+    else:
+        offloader = Offloader(min_bytes="1KiB")
+        if form == "checkpoint":
+            loss = remat.checkpoint(_exps, *leaves, policy=policy, offloader=offloader)
+        else:
+            with remat.scope(policy, offloader=offloader):
+                loss = _exps(*leaves)
+    assert (offloader.stats().moved, offloader.stats().bytes_out) == (2, 4096 + 1024)
+    grads = torch.autograd.grad(loss, leaves)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    assert offloader.stats().bytes_back == 4096 + 1024
+
+
+class _Noted(Offloader):
+    """An offloader that notes the storage of every tensor ``out`` is given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given: list[int] = []
+
+    def out(self, t: torch.Tensor, *args: Any, **kwargs: Any) -> Parcel:
+        self.given.append(t.untyped_storage().data_ptr())
+        return super().out(t, *args, **kwargs)
+
+
+def _wrapped_in(
+    form: str, blocks: list[nn.Module], policy: remat.Policy, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Callable[[], contextlib.AbstractContextManager[Any]] | None, list[_Noted]]:
+    """``blocks`` in ``remat.checkpoint`` or ``remat.scope`` with ``policy``, or a
+    ``remat.offload(policy)`` region for each step; and the offloaders they use, noting."""
+    made: list[_Noted] = []
+    if form == "offload":
+
+        class Made(_Noted):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                made.append(self)
+
+        monkeypatch.setattr(sys.modules["remat.host.region"], "Offloader", Made)
+        return lambda: remat.offload(policy), made
+    made.append(offloader := _Noted())
+    for block in blocks:
+        if form == "checkpoint":
+            remat.checkpoint(block, policy=policy, offloader=offloader)
+            continue
+        forward = block.forward
+
+        @functools.wraps(forward)
+        def scoped(*args: Any, forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            with remat.scope(policy, offloader=offloader):
+                return forward(*args, **kwargs)
+
+        block.forward = scoped  # type: ignore[method-assign]
+    return None, made
+
+
+def _never_moved(name: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two training steps of ``name`` under a policy that offloads every op, equal to plain bit for
+    bit; something moved, and no storage of a parameter or buffer."""
+    model, batch, blocks = MODELS[name]()
+    wrapped = twin(model)
+    region, made = _wrapped_in(form, blocks(wrapped), remat.OffloadLarger(0), monkeypatch)
+    assert_same(train(model, batch, steps=2), train(wrapped, batch, steps=2, region=region))
+    held = {
+        t.untyped_storage().data_ptr(): n for n, t in [*wrapped.named_parameters(), *wrapped.named_buffers()]
+    }
+    assert made and all(o.stats().moved > 0 for o in made)
+    assert [held[ptr] for o in made for ptr in o.given if ptr in held] == []
+
+
+class _Chunked(nn.Module):
+    """A linear layer, batch norm, and a parameter and a buffer read through ``unsafe_chunk`` (whose
+    schema promises new tensors: its results lie on the parameter's and the buffer's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.pair = nn.Parameter(torch.randn(64, 32))
+        self.register_buffer("scales", torch.rand(2, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.linear(x)))
+        a, b = self.pair.unsafe_chunk(2)
+        s, t = self.scales.unsafe_chunk(2)
+        return ((h @ a * s).tanh() * (h @ b * t)).sum()
+
+
+def _chunked() -> tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[nn.Module], list[nn.Module]]]:
+    torch.manual_seed(0)
+
+    def batch(step: int) -> dict[str, Any]:
+        return {"x": torch.randn(8, 32, generator=torch.Generator().manual_seed(step))}
+
+    return _Chunked().train(), batch, lambda m: [m]
+
+
+MODELS = {"chunked": _chunked, **{name: functools.partial(build, name) for name in ("gpt2", "bert", "cnn")}}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
+def test_parameters_and_buffers_never_move_under_a_policy_that_offloads_every_op(
+    name: str, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole model in ``remat.offload``, each layer in ``remat.checkpoint`` or ``remat.scope``."""
+    _never_moved(name, form, monkeypatch)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_parameter_and_a_buffer_read_through_unsafe_chunk_never_move(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``unsafe_chunk`` results on a parameter's storage, under a policy that offloads every op."""
+    _never_moved("chunked", form, monkeypatch)
