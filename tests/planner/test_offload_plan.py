@@ -139,6 +139,7 @@ def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) ->
     [
         ("gpt2", FAST, True, False),
         ("cnn", FAST, True, False),
+        ("bert", FAST, True, False),
         ("cnn", remat.Link("2GB/s", "2GB/s"), False, True),  # GPT-2's floor plan recomputes only
     ],
 )
@@ -160,10 +161,10 @@ def test_an_applied_three_way_plan_is_transparent_and_measures_less(
     plain = train(model, batch, steps=2)
     ran = train(planned, batch, steps=2, region=lambda: plan.apply(planned))
     assert_same(plain, ran)
+    assert made and sum(o.stats().bytes_out for o in made) > 0  # the executor moved something
     peak = _measured_peak(planned, batch(0), plan)
-    assert peak <= plan.predicted_peak_bytes
-    assert peak < _measured_peak(planned, batch(0), None)
-    assert made and all(o.prefetch == offload_execute.PREFETCH for o in made)
+    assert peak <= plan.predicted_peak_bytes < _measured_peak(planned, batch(0), None)
+    assert all(o.prefetch == offload_execute.PREFETCH for o in made)
     if sum(t.action is Decision.OFFLOAD for t in plan.tensors) > 1:
         assert sum(o.stats().prefetched for o in made) > 0
 
