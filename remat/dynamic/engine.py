@@ -108,8 +108,6 @@ class Engine:
         self.watched: set[int] = set()  # the leaves they watch, by id
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # the program's, at entry
 
-    # -- identity -------------------------------------------------------------------------------
-
     def managed(self, t: torch.Tensor) -> bool:
         if self.on_cpu:  # the same test, cheaper: on every tensor argument of every op
             return t.is_cpu and t.layout == torch.strided
@@ -372,9 +370,8 @@ class Engine:
 
 
 _OPS: dict[int, tuple[Any, OpFacts, bool]] = {}
-"""``id(overload)`` -> the overload, its facts, and whether it reads no data or is no op of the program
-(then it passes straight through). Keyed by ``id``: an overload's ``__hash__`` is Python code, run on
-every op otherwise; the entry holds the overload, so its ``id`` is never another's."""
+"""``id(overload)`` -> the overload, its facts, whether it reads no data or is no op of the program
+(then it passes straight through). By ``id``: an overload's ``__hash__`` is Python code."""
 
 
 def _plain(failure: BaseException) -> Exception:  # an engine's ``explain`` until its region sets one
@@ -387,7 +384,9 @@ def _same_device(a: torch.device | str, b: torch.device) -> bool:
 
 
 class Interceptor(Unguarded):
-    """Hands every ATen op of the region to its engine."""
+    """Hands every ATen op of the region to its engine, whose storages an offloader must not copy."""
+
+    owns_storages = True  # (``remat.host.offloader``)
 
     def __init__(self, engine: Engine) -> None:
         super().__init__()

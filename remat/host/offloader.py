@@ -37,15 +37,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from remat._errors import RematTypeError, RematValueError, message
+from remat._errors import RematRuntimeError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_bytes
 from remat.aten import describe, same_counter, version_witness
 from remat.host.link import Link
 from remat.host.parcel import Cargo, Parcel, rebuilt, unmovable
 from remat.host.pool import HostPool
 
-__all__ = ["OffloadStats", "Offloader"]
+__all__ = ["OffloadStats", "Offloader", "movable_here"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class Offloader:
         reads the device storage instead of the copy while the program still holds it (NOTE [read
         where it lives]): for a caller whose backward reads what autograd's saved tensor would."""
         self.check(t)
+        movable_here(t)
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         with self._lock:
@@ -327,3 +329,19 @@ class Offloader:
             if known is not None and known[1]() is None:
                 del self._same[key]
         self.pool.give(buffer, pinned, read[0])
+
+
+def movable_here(t: torch.Tensor) -> None:
+    """Raise where ``t`` is made inside ``remat.dynamic``, whose runtime evicts and moves the
+    storages an offloader would copy (its dispatch mode says so: ``owns_storages``)."""
+    if any(getattr(mode, "owns_storages", False) for mode in _get_current_dispatch_mode_stack()):
+        raise RematRuntimeError(
+            message(
+                "offload",
+                "nothing moves to host memory inside remat.dynamic, whose runtime evicts and moves "
+                "the storages an offloader would copy",
+                f"{describe(t.dtype, t.shape)} to offload",
+                "let the region swap its victims to the host (remat.dynamic(..., swap=remat.Link())), "
+                "or offload outside the region",
+            )
+        )

@@ -19,8 +19,7 @@ recomputed tensors. Differences from torch's version, each a bug report there:
 Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient
 penalty, MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is
 unchanged. A saved tensor written in place after it was saved is refused, as autograd refuses it.
-The recomputation runs once per backward pass (per autograd graph task), however many saved
-tensors are unpacked, and stops once the op making the last saved tensor again has run::
+The recomputation runs once per backward (graph task) and stops after the last saved tensor's op::
 
     forward:   x ──fn (pack: tensor -> handle i)──> y          frame keeps: inputs, RNG, autocast
     backward:  node.unpack(handle i) ─> frame.recompute() ─> fn(x') under the same state,
@@ -42,12 +41,12 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
-from remat._errors import RecomputationError, RematRuntimeError, RematTypeError, message
+from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, message
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
-from remat.manual.inputs import Inputs, Unwritten
+from remat.manual.inputs import Inputs, Unwritten, failed_again
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
 from remat.manual.plainly import plain
@@ -94,8 +93,7 @@ class _Frame:
         modules = region_modules(fn, args, kwargs)
         self.modules = modules[0]  # their parameters: ``Unwritten`` as the call starts, and ends
         self.parameters = Unwritten(self.modules, held(fn))
-        # a lazy module's first forward draws its initial weights from the generators the region's
-        # random ops then draw from after it; its recomputation would not: that call runs plainly
+        # a lazy module's first forward draws its weights from the region's generators: run plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
         self.rng = aten.capture_all(own_generators(fn, args, kwargs, modules[0])) if preserve_rng else None
@@ -122,7 +120,6 @@ class _Frame:
         except RuntimeError as error:  # autograd's version check on the inputs
             raise _written("an input of the checkpointed function", str(error)) from error
 
-    # forward side -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Handle:
         self.metas.append(TensorMeta.of(t))
         self.written.append((weakref.ref(t), None if t._base is None else weakref.ref(t._base), t._version))
@@ -132,7 +129,6 @@ class _Frame:
             self.origins.append(self.provenance.describe(t))
         return _Handle(self, len(self.metas) - 1)
 
-    # backward side ------------------------------------------------------------------------
     def unpack(self, handle: _Handle) -> torch.Tensor:
         # NOTE [saved and then written]: autograd refuses a saved tensor written in place after it
         # was saved; the recomputation would hide the write, so remat checks the version itself:
@@ -205,6 +201,10 @@ class _Frame:
                     self.fn(*args, **kwargs)
         except _StopRecomputation:
             pass
+        except RematError:
+            raise
+        except RuntimeError as error:  # from torch, in the function run again: NOTE [inputs cut]
+            raise failed_again("checkpoint", error) from error
         if self.prints:  # once the ops have run: an op may write what it saved after the save
             with _disable_current_modes():
                 compare_values(self.prints, self.origins, store)

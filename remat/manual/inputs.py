@@ -75,7 +75,13 @@ class Inputs:
 
     def again(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments as they were at the call, each tensor detached and requiring grad as it
-        did; raises autograd's RuntimeError where one was written in place since."""
+        did; raises autograd's RuntimeError where one was written in place since.
+
+        NOTE [inputs cut] Detached, so that what the function does to its inputs when run again
+        (a hook registered, a gradient retained) stays on copies, not on the program's tensors. A
+        function that differentiates with respect to a tensor made before its inputs
+        (``torch.autograd.grad(u, coords)`` with the input computed from ``coords``) finds no path
+        there: torch's error is given back as ``failed_again``'s."""
         leaves = list(self.leaves)
         if self.saver is not None:
             saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
@@ -183,3 +189,18 @@ def _attribute(module: torch.nn.Module | None, name: str) -> Any:
 
 def _ref(value: Any) -> weakref.ref[torch.Tensor] | None:
     return weakref.ref(value) if isinstance(value, torch.Tensor) else None
+
+
+def failed_again(api: str, error: RuntimeError) -> RecomputationError:
+    """torch's ``error`` in a function run again in backward, said as remat's (NOTE [inputs cut])."""
+    return RecomputationError(
+        message(
+            api,
+            "the function raised when run again in backward, where its inputs are detached from "
+            "what made them (a torch.autograd.grad with respect to a tensor made before its inputs "
+            "finds no path)",
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            "keep a function that differentiates with respect to earlier tensors out of the "
+            "checkpoint, or make it run the same when called again",
+        )
+    )

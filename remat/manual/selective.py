@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat import aten
-from remat.host.offloader import Offloader
+from remat.host.offloader import Offloader, movable_here
 from remat.host.parcel import Parcel
 from remat.policy import Decision, OpContext, Policy, decided
 
@@ -115,6 +115,9 @@ class SaveCache:
             if _strided(o):
                 self.storages.setdefault(o.untyped_storage()._cdata, position)
         if decision is Decision.OFFLOAD:
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor):  # moved at ``seal``, where the modes are off
+                    movable_here(o)
             self.offloaded.add(position)
 
     def alias(self, out: Any) -> None:

@@ -473,3 +473,38 @@ def test_an_error_of_another_kind_in_the_hand_over_undoes_the_step(
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
     assert all(p.grad is None for p in model.parameters())
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("form", ["offload", "checkpoint"])
+def test_offloading_inside_a_dynamic_region_is_refused_and_the_step_then_runs_plainly(form: str) -> None:
+    """The runtime evicts and moves the storages an offloader would copy (torch's "data pointer on
+    an invalid python storage" came out of the offloader before): refused, naming the region's own
+    way to the host; the same step then runs outside it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)]
+    )
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def step() -> None:
+        h = x
+        for block in model:
+            if form == "offload":
+                with remat.offload(min_bytes=0):
+                    h = h + block(h)
+            else:
+                h = h + remat.checkpoint(block, h, policy=remat.OffloadLarger(0))
+        h.square().mean().backward()
+
+    with (
+        pytest.raises(
+            remat.RematRuntimeError,
+            match=r"remat\.offload: nothing moves to host memory inside remat\.dynamic, .*\(float32\[64, 128\] "
+            r"to offload\); let the region swap its victims to the host \(remat\.dynamic\(\.\.\., swap=",
+        ),
+        remat.dynamic(budget="700KB" if form == "offload" else "4MB", keep=(model,), cost="model"),
+    ):
+        step()
+    model.zero_grad()
+    step()
+    assert all(p.grad is not None for p in model.parameters())

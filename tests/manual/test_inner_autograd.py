@@ -85,3 +85,26 @@ def test_nested_checkpoint_inside_a_gradient_penalty() -> None:
     got = torch.autograd.grad(remat.checkpoint(loss, x), params)
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
+
+
+def test_a_derivative_with_respect_to_a_tensor_made_before_the_inputs_is_refused_with_remats_error() -> None:
+    """A PINN-style derivative of the block's output with respect to the coordinates its input was
+    computed from: run again on inputs cut from what made them (NOTE [inputs cut]), torch finds no
+    path; remat says so, where torch's own error came out of the backward before."""
+    torch.manual_seed(0)
+    embed, head = nn.Linear(2, 8), nn.Linear(8, 1)
+    coords = torch.randn(16, 2, requires_grad=True)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        u = head(h)
+        (du,) = torch.autograd.grad(u.sum(), coords, create_graph=True)
+        return u * du.square().sum(1, keepdim=True)
+
+    y = remat.checkpoint(block, torch.tanh(embed(coords)))
+    with pytest.raises(
+        remat.RecomputationError,
+        match=r"remat\.checkpoint: the function raised when run again in backward, where its inputs are "
+        r"detached from what made them .*\(RuntimeError: .*not have been used in the graph.*\); keep a "
+        r"function that differentiates",
+    ):
+        y.square().sum().backward()
