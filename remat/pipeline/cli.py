@@ -143,4 +143,5 @@ _ADVICE = (
     (r"\bstages_per_rank\b", "--stages-per-rank"),
     (r"\bn_stages\b", "--stages"),
     (r"\bbalance_by\b", "--balance"),
+    (r"cut elsewhere \(boundaries=\), ", ""),  # no flag fixes the cut
 )

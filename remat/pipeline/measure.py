@@ -103,7 +103,8 @@ def measure(
     plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
-    held_out = out.untyped_storage().nbytes()  # a contiguous slice keeps its whole storage
+    # a contiguous slice keeps its whole storage: so does the send that holds it (``transfer_bytes``)
+    held_out = out.untyped_storage().nbytes()
     peak = plain.predicted_peak_bytes
     later = _later(module, x, stage, step_loss, trace)
     outputs.clear()
@@ -111,7 +112,7 @@ def measure(
     base = StagePlan(
         stage, order.rank_of(stage), order.in_flight(stage), None, False, f, b, 0.0,
         saved, peak, saved, peak,
-        held_out, grads, (0 if last else sizes[1]) + (sizes[0] if stage > 0 else 0),
+        held_out, grads, (0 if last else held_out) + (sizes[0] if stage > 0 else 0),
         shapes[0], shapes[1], later_peak, later_peak, sizes[1],
     )  # fmt: skip
     return base, trace, out, later

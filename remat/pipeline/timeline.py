@@ -220,8 +220,8 @@ def _sent(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...], action: Actio
     live bytes). The works go before the step returns, so the last stage's concatenation of its
     outputs no longer sees them."""
     stage, m = action.stage, action.microbatch
-    out = costs[stage][m].sent if stage < schedule.n_stages - 1 else 0
-    return out + (costs[stage - 1][m].sent if stage > 0 else 0)
+    out = costs[stage][m].output_bytes if stage < schedule.n_stages - 1 else 0  # the tensor sent, all
+    return out + (costs[stage - 1][m].sent if stage > 0 else 0)  # of its storage (a slice's too)
 
 
 def _buffers(schedule: Schedule, costs: tuple[tuple[Cost, ...], ...]) -> list[int]:
