@@ -287,5 +287,16 @@ def test_a_plan_refuses_a_position_a_table_file_and_a_stage_device_that_are_not_
     ):
         with pytest.raises((RematTypeError, RematValueError), match=pattern):
             pipe.stages(rank, device)  # type: ignore[arg-type]
+    # a group of another size than the plan's ranks: gloo aborted the process at the first message
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        with pytest.raises(
+            RematValueError,
+            match=r"remat\.pipeline\.PipelinePlan\.stages: the process group has a process per rank of the "
+            r"plan \(the plan runs on 2 ranks, the group has 1\); start 2 processes",
+        ):
+            pipe.stages(0, "cpu")
+    finally:
+        torch.distributed.destroy_process_group()
     with pytest.raises(RematTypeError, match=r"remat\.pipeline\.explain: file is where the table goes"):
         pipe.explain(file=5)

@@ -156,6 +156,11 @@ class PipelinePlan:
             rule = "stages exchange activations over torch.distributed"
             todo = "call torch.distributed.init_process_group first, or pass group="
             raise RematValueError(message(api, rule, "no process group is initialized", todo))
+        if (size := torch.distributed.get_world_size(group)) != self.order.n_ranks:  # gloo aborts later
+            rule = "the process group has a process per rank of the plan"
+            given = f"the plan runs on {self.order.n_ranks} ranks, the group has {size}"
+            todo = f"start {self.order.n_ranks} processes, or plan n_stages for {size} ranks"
+            raise RematValueError(message(api, rule, given, todo))
         modules = self.stage_modules()
         return pipeline_stages(
             [(modules[sp.stage], sp) for sp in mine],
