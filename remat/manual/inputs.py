@@ -133,7 +133,7 @@ class Unwritten:
                             "replace it after backward, or run this function without recomputation",
                         )
                     )
-                box = module._parameters if name in module._parameters else module.__dict__
+                box: dict[str, Any] = module._parameters if name in module._parameters else module.__dict__
                 swapped.append((box, name, box[name]))
                 box[name] = then
             yield

@@ -12,10 +12,13 @@ block its own region, as ``torch.utils.checkpoint`` per block) are always among 
 a rank budget that uniform per-block checkpointing meets is met. Where the budget allows, the
 last micro-batch runs without recomputation (torchgpipe's ``except_last``: its backward follows at
 once). A budget that no plan meets on some rank raises before any process starts, naming what
-each rank needs under the cut (the cut is not searched again for the budget: ``boundaries=``). ``checkpoint="always" | "except_last" | "never"`` gives uniform per-block
-checkpointing instead, in torchgpipe's micro-batch patterns: every block of every stage
-checkpointed in every micro-batch, in all but the last, or in none. (torchgpipe itself checkpoints
-a whole stage as one region; per block is what ``torch.utils.checkpoint`` around each layer does.)
+each rank needs under the cut (the cut is not searched again for the budget: ``boundaries=``).
+No stage after the first starts with a module that writes its input in place (NOTE [a stage's
+input is a leaf] in ``remat.pipeline.split``): the cut avoids one, a given cut is refused.
+``checkpoint="always" | "except_last" | "never"`` gives uniform per-block checkpointing instead, in
+torchgpipe's micro-batch patterns: every block of every stage checkpointed in every micro-batch, in
+all but the last, or in none. (torchgpipe itself checkpoints a whole stage as one region; per block
+is what ``torch.utils.checkpoint`` around each layer does.)
 
 Under interleaved 1F1B a rank runs several stages, each holding its own count of micro-batches
 (``Schedule.in_flight``), and shares one budget among them: the stages are planned twice, first
@@ -44,6 +47,7 @@ from remat.pipeline.split import (
     check_modules,
     children_of,
     cut_points,
+    leaf_safe,
     loose,
     profile,
     untied,
@@ -80,10 +84,14 @@ def _cut(
             raise _fail(
                 "stages must be n_stages modules", f"{len(stages)} for {p} stages", "pass one per stage"
             )
-        loose([s for s, dense in enumerate(chained(stages, example)) if not dense])
+        dense, writes = chained(stages, example)
+        loose([s for s, d in enumerate(dense) if not d])
+        leaf_safe(
+            [(s, f"stage {s} ({type(stages[s]).__name__}) writes its input") for s in range(1, p)], writes
+        )
         return stages, ()
     children = children_of(model)
-    dense = chained(children, example, model)
+    dense, writes = chained(children, example, model)
     if boundaries is not None:
         cuts = (0, *boundaries, len(children))
         if len(cuts) != p + 1 or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False)):
@@ -92,13 +100,18 @@ def _cut(
                 f"{list(boundaries)} for {p} stages of {len(children)} children",
                 f"pass {p - 1} increasing indices between 1 and {len(children) - 1}",
             )
+        named = [
+            (k, f"stage {s + 1} starts with child {k} ({type(children[k]).__name__})")
+            for s, k in enumerate(boundaries)
+        ]
+        leaf_safe(named, writes)
     else:
         costs = profile(children, example)
         if by == "time":
-            cuts = balance([c.seconds for c in costs], [1] * p)
+            cuts = balance([c.seconds for c in costs], [1] * p, barred=writes)
         else:
             held = [order.in_flight(s) for s in range(p)]
-            cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs])
+            cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes)
     loose([s for s in range(p) if not dense[cuts[s + 1] - 1]])
     return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
 

@@ -27,7 +27,7 @@ from torch import nn
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 
-__all__ = ["BALANCES", "ChildCost", "balance", "chained", "children_of", "profile", "untied"]
+__all__ = ["BALANCES", "ChildCost", "balance", "chained", "children_of", "leaf_safe", "profile", "untied"]
 
 BALANCES: tuple[str, ...] = ("time", "memory")
 
@@ -66,8 +66,8 @@ def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int =
             x = x.detach().requires_grad_(x.is_floating_point())
             times = []
             for _ in range(repeats):
-                start = time.process_time()
-                y, saved = _saved_bytes(child, x)
+                start = time.process_time()  # a child that writes its input needs one with history
+                y, saved = _saved_bytes(child, x.clone() if x.requires_grad else x)
                 if y.requires_grad:
                     y.backward(torch.ones_like(y))
                 times.append(time.process_time() - start)
@@ -78,11 +78,15 @@ def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int =
 
 
 def balance(
-    costs: Sequence[float], weights: Sequence[int], fixed: Sequence[float] | None = None
+    costs: Sequence[float],
+    weights: Sequence[int],
+    fixed: Sequence[float] | None = None,
+    barred: Sequence[bool] = (),
 ) -> tuple[int, ...]:
     """The cut points (``len(weights) + 1`` of them, first 0, last ``len(costs)``) that minimize
     the largest ``weights[s] * sum(costs of stage s) + sum(fixed of stage s)``, every stage
-    non-empty."""
+    non-empty, no stage after the first starting at a child ``barred`` (NOTE [a stage's input is a
+    leaf])."""
     n, parts = len(costs), len(weights)
     if parts > n:
         raise RematValueError(
@@ -105,9 +109,18 @@ def balance(
     for s in range(1, parts + 1):
         for i in range(s, n - (parts - s) + 1):
             for j in range(s - 1, i):
+                if s > 1 and j < len(barred) and barred[j]:
+                    continue
                 value = max(best[s - 1][j], weights[s - 1] * (prefix[i] - prefix[j]) + once[i] - once[j])
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
+    if best[parts][n] == inf:
+        raise _refused(
+            "no stage but the first starts with a module that writes its input in place (NOTE [a "
+            "stage's input is a leaf] in remat.pipeline.split)",
+            f"{parts} stages of {n} children, children {[k for k, b in enumerate(barred) if b]} write theirs",
+            "pass fewer stages, or make those modules out of place (inplace=False)",
+        )
     bounds = [n]
     for s in range(parts, 0, -1):
         bounds.append(cut[s][bounds[-1]])
@@ -156,15 +169,20 @@ def children_of(model: nn.Module) -> list[nn.Module]:
 
 def chained(
     children: Sequence[nn.Module], example: torch.Tensor, model: nn.Module | None = None
-) -> list[bool]:
+) -> tuple[list[bool], list[bool]]:
     """Refuse a model whose children do not pass one tensor each to the next, or whose forward
     computes something else than its children in order (run without gradients from the same
-    generator state, the buffers and the RNG restored): the stages run the children. Returns,
-    per child, whether the tensor it returns is contiguous (``loose``)."""
-    x: object = example
+    generator state, the buffers and the RNG restored, on a copy of ``example``): the stages run
+    the children. Returns, per child, whether the tensor it returns is contiguous (``loose``) and
+    whether it writes the tensor it is given in place (``ReLU(inplace=True)``: no stage can start
+    with it, NOTE [a stage's input is a leaf])."""
+    x: object = example.clone()
     dense: list[bool] = []
+    writes: list[bool] = []
     with torch.no_grad(), untouched(children):
         for k, child in enumerate(children):
+            version = x._version if isinstance(x, torch.Tensor) else 0
+            given = x
             try:
                 x = child(x)
             except Exception as error:
@@ -182,11 +200,12 @@ def chained(
                     RematTypeError,
                 )
             dense.append(x.is_contiguous())
+            writes.append(isinstance(given, torch.Tensor) and given._version != version)
     if model is None:
-        return dense
+        return dense, writes
     try:
         with torch.no_grad(), untouched(children):
-            whole = model(example)
+            whole = model(example.clone())
     except Exception as error:  # a container without a forward (nn.ModuleList), or one that fails
         raise _refused(
             "the model's forward runs its children in order, each once, as the stages will",
@@ -202,7 +221,24 @@ def chained(
             f"{type(model).__name__}'s forward computes another result than its {len(children)} children",
             "pass a model whose forward is its children in order (nn.Sequential), or the stage modules",
         )
-    return dense
+    return dense, writes
+
+
+def leaf_safe(starts: Sequence[tuple[int, str]], writes: Sequence[bool]) -> None:
+    """Refuse stages after the first that start with a module writing its input in place.
+
+    NOTE [a stage's input is a leaf] torch's ``PipelineStage`` hands a stage the tensor it received
+    as a leaf that requires grad, which autograd refuses to write in place (one process runs the
+    same module on a tensor with history, which it may write). ``starts``: per such stage, the
+    index of its first module among ``writes``, and the stage said in words."""
+    for k, name in starts:
+        if writes[k]:
+            raise _refused(
+                "no stage but the first starts with a module that writes its input in place (torch's "
+                "stage receives its input as a leaf that requires grad, which autograd refuses to write)",
+                name,
+                "cut elsewhere (boundaries=), or make that module out of place (inplace=False)",
+            )
 
 
 def loose(stages: Sequence[int]) -> None:

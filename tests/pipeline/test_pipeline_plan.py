@@ -458,3 +458,55 @@ def test_the_zoo_gpt2_chain_owns_its_head() -> None:
     chain, _, _ = gpt2_chain(2, 16)
     assert chain[-1].lm_head.weight is not chain[0].wte.weight
     assert torch.equal(chain[-1].lm_head.weight, chain[0].wte.weight)
+
+
+def _in_place_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 16)
+    )
+
+
+@pytest.mark.parametrize("balance_by", ["memory", "time"])
+def test_a_chain_of_in_place_modules_is_cut_where_no_stage_starts_writing_its_input(balance_by: str) -> None:
+    """torch's stage receives its input as a leaf that requires grad, which ``ReLU(inplace=True)``
+    may not write (NOTE [a stage's input is a leaf]): the cut avoids it, and the example is left as
+    it was (the checks ran a copy)."""
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    before = x.clone()
+    for stages in (2, 3):
+        plan = pp.plan(
+            _in_place_chain(),
+            x,
+            n_stages=stages,
+            n_microbatches=stages,
+            budget_per_rank="1GB",
+            loss_fn=nn.functional.mse_loss,
+            target=y,
+            balance_by=balance_by,
+            op_costs="model",
+        )
+        assert not any(isinstance(_in_place_chain()[k], nn.ReLU) for k in plan.boundaries[1:-1])
+    assert torch.equal(x, before)
+
+
+def test_a_cut_or_stages_starting_with_a_module_that_writes_its_input_are_refused() -> None:
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    options: dict[str, Any] = dict(
+        n_stages=2, n_microbatches=2, budget_per_rank="1GB", loss_fn=nn.functional.mse_loss, target=y
+    )
+    rule = (
+        r"remat\.pipeline\.plan: no stage but the first starts with a module that writes its input in place"
+    )
+    with pytest.raises(
+        RematValueError, match=rule + r".*\(stage 1 starts with child 1 \(ReLU\)\); cut elsewhere"
+    ):
+        pp.plan(_in_place_chain(), x, boundaries=[1], **options)
+    chain = _in_place_chain()
+    stages = [chain[:1], nn.Sequential(*chain[1:])]
+    with pytest.raises(RematValueError, match=rule + r".*\(stage 1 \(Sequential\) writes its input\)"):
+        pp.plan(stages, x, **options)
+    with pytest.raises(
+        RematValueError, match=rule + r".*\(2 stages of 2 children, children \[1\] write theirs\)"
+    ):
+        pp.plan(_in_place_chain()[:2], x, **options)
