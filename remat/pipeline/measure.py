@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.stage_plan import StagePlan
@@ -83,7 +83,7 @@ def measure(
         # backward has run: so does the traced step, whether autograd saved the output or not
         # what the stage sends, as torch holds it: one contiguous tensor (``execute.sendable``)
         outputs.append(out := m(x).contiguous())
-        return loss_fn(out, target) if last else out.sum()
+        return _loss(loss_fn, out, target) if last else out.sum()
 
     if op_costs == "measured":
         # NOTE [an untimed trace first] an op's first run in a process, and the capture's first sight
@@ -176,3 +176,36 @@ def _held(
             loss_fn(out, target)
     seen.pop(out.untyped_storage().data_ptr(), None)
     return sum(seen.values()), out.detach()
+
+
+def _loss(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], out: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """``loss_fn(out, target)``, refused in the pipeline's words where it is not a micro-batch's
+    scalar loss (the planner would name its own ``loss_fn(model, *inputs)``)."""
+    try:
+        loss = loss_fn(out, target)
+    except TypeError as error:
+        raise RematTypeError(
+            message(
+                "pipeline.plan",
+                "loss_fn(output, target) takes the last stage's output and the micro-batch's target",
+                f"{type(error).__name__}: {error}",
+                "pass a function of two tensors, such as torch.nn.functional.mse_loss",
+            )
+        ) from error
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        given = (
+            type(loss).__name__
+            if not isinstance(loss, torch.Tensor)
+            else f"tensor of shape {list(loss.shape)}"
+        )
+        raise RematValueError(
+            message(
+                "pipeline.plan",
+                "loss_fn(output, target) returns the micro-batch's loss, a scalar tensor that requires grad",
+                f"got {given}",
+                "reduce it to one number (reduction='mean' or 'sum')",
+            )
+        )
+    return loss

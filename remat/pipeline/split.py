@@ -136,9 +136,8 @@ def cut_points(boundaries: object) -> list[int] | None:
     else is refused."""
     if boundaries is None:
         return None
-    listed = (
-        list(boundaries) if isinstance(boundaries, Sequence) and not isinstance(boundaries, str) else [None]
-    )
+    given = boundaries.tolist() if callable(getattr(boundaries, "tolist", None)) else boundaries  # an array
+    listed = list(given) if isinstance(given, Sequence) and not isinstance(given, str) else [None]
     if not all(isinstance(b, Integral) and not isinstance(b, bool) for b in listed):
         raise _refused(
             "boundaries are whole numbers: the first child of each stage after the first",

@@ -42,10 +42,11 @@ def step_loss(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None) -> torch
         given = (
             type(out).__name__ if not isinstance(out, torch.Tensor) else f"tensor of shape {list(out.shape)}"
         )
+        off = isinstance(out, torch.Tensor) and not torch.is_grad_enabled()
         raise fail(
             "the step's loss must be a scalar tensor that requires grad",
-            f"got {given}",
-            "pass loss_fn(model, *inputs) returning the loss",
+            f"got {given}" + (", made with grad disabled (torch.no_grad)" if off else ""),
+            "plan outside torch.no_grad()" if off else "pass loss_fn(model, *inputs) returning the loss",
         )
     if loss_fn is not None and len(calls) != 1:
         raise fail(

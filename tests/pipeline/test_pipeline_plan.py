@@ -510,3 +510,47 @@ def test_a_cut_or_stages_starting_with_a_module_that_writes_its_input_are_refuse
         RematValueError, match=rule + r".*\(2 stages of 2 children, children \[1\] write theirs\)"
     ):
         pp.plan(_in_place_chain()[:2], x, **options)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "error", "match"),
+    [
+        (
+            lambda out: out.sum(),
+            RematTypeError,
+            r"loss_fn\(output, target\) takes the last stage's output and the ",
+        ),
+        (
+            lambda out, target: nn.functional.mse_loss(out, target, reduction="none"),
+            RematValueError,
+            r"returns the micro-batch's loss, a scalar tensor that requires grad \(got tensor of shape "
+            r"\[32, 16\]\)",
+        ),
+        (lambda out, target: 1.0, RematValueError, r"a scalar tensor that requires grad \(got float\)"),
+    ],
+)
+def test_a_loss_fn_of_another_form_is_refused_in_the_pipelines_words(
+    loss_fn: Any, error: type, match: str
+) -> None:
+    """Not the planner's ``loss_fn(model, *inputs)`` advice, nor a bare TypeError."""
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    with pytest.raises(error, match=r"remat\.pipeline\.plan: " + r".*" + match):
+        pp.plan(
+            nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)),
+            x,
+            n_stages=2,
+            n_microbatches=2,
+            budget_per_rank="1GB",
+            loss_fn=loss_fn,
+            target=y,
+        )
+
+
+def test_boundaries_may_be_an_array() -> None:
+    np = pytest.importorskip("numpy")
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    options: dict[str, Any] = dict(
+        n_stages=2, n_microbatches=2, budget_per_rank="1GB", loss_fn=nn.functional.mse_loss, target=y
+    )
+    for given in (np.array([2]), np.cumsum([2]), torch.tensor([2])):
+        assert pp.plan(_in_place_chain(), x, boundaries=given, **options).boundaries == (0, 2, 5)

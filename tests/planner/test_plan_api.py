@@ -320,6 +320,18 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], text: str
         remat.plan(args.pop("model"), args.pop("example_inputs"), **args)
 
 
+def test_planning_under_no_grad_says_grad_is_off() -> None:
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            RematValueError,
+            match=r"remat\.plan: the step's loss must be a scalar tensor that requires grad \(got tensor of "
+            r"shape \[\], made with grad disabled \(torch\.no_grad\)\); plan outside torch\.no_grad\(\)",
+        ),
+    ):
+        remat.plan(Branchy(), (torch.randn(64, 16),), budget=0.5, loss_fn=lambda m, x: m(x).sum())
+
+
 def test_the_two_steps_refuse_what_they_cannot_take() -> None:
     model = Branchy()
     with pytest.raises(
