@@ -46,6 +46,7 @@ __all__ = [
     "read_back",
     "step_facts",
     "writes",
+    "written_after",
 ]
 
 
@@ -340,3 +341,28 @@ def read_back(trace: Trace, r: int, module: str) -> tuple[bool, bool]:
     prefix = module + "."
     inside = [m == module or m.startswith(prefix) for m in trace.backward_modules.get(r, ())]
     return any(inside), not all(inside)
+
+
+def written_after(
+    trace: Trace, last_write: Mapping[int, int], maker: Mapping[int, int], members: Sequence[int]
+) -> tuple[frozenset[int], frozenset[int]]:
+    """NOTE [written after the region] A storage the program writes in place after a region has
+    ended (``last_write``: per storage, the last forward op writing it) holds another value by
+    backward: the replay can neither read it (a value from before the region, which a tape keeps
+    with its version and a call run again holds as its input) nor keep it (a value the region
+    makes). So the ops of ``members`` that read such a storage made before the region keep their
+    outputs (the first set: the replay stops there), and those that make one are not kept (the
+    second: the replay makes the value again)."""
+    root, end = trace.roots, members[-1]
+    later = {r for r, i in last_write.items() if i > end and not trace.tensors[r].constant}
+    if not later:
+        return frozenset(), frozenset()
+    inside = set(members)
+    stale = {
+        i
+        for i in members
+        for t in trace.ops[i].inputs
+        if root[t] in later and maker.get(root[t], -1) not in inside
+    }
+    fixed = {i for i in members if any(root[t] in later for t in trace.ops[i].outputs)}
+    return frozenset(stale), frozenset(fixed)

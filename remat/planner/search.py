@@ -1,11 +1,10 @@
 """How ``remat.plan`` turns solver answers into regions of the step and picks one: the search.
 
-Why apart from the API: a solver answers over a coarse model of the step (NOTE [chain model],
-NOTE [DAG model]), and a Plan must hold for the step itself. This module maps a Solution to
-regions of the model's forward ops, predicts each candidate on the captured step
-(``remat.planner.predict``), corrects the solver's budget while the step's peak is over the
-budget, finds the smallest peak any plan reaches (the figure a too-small budget is told), and
-picks the plan to return (``best``, NOTE [plan ties]).
+Why apart from the API: a solver answers over a coarse model of the step (NOTE [chain model], [DAG
+model]), and a Plan must hold for the step itself. This module maps a Solution to regions of the
+model's forward ops (NOTE [written after the region]), predicts each candidate on the step
+(``remat.planner.predict``), corrects the solver's budget while the step's peak is over it, finds
+the smallest peak any plan reaches (told for too small a budget), picks the plan (NOTE [plan ties]).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost
 from remat.planner.execute import UNCOUNTED
 from remat.planner.lowering import stage_key
 from remat.planner.predict import Prediction, predict
-from remat.planner.region_model import RegionOps, always_kept
+from remat.planner.region_model import RegionOps, always_kept, writes, written_after
 from remat.planner.regions import Region, TensorDecision
 from remat.planner.rerun_regions import rerun_of
 from remat.planner.single_level import chain_segments, model_peak
@@ -30,20 +29,8 @@ from remat.planner.types import Chain, ChainOp, ChainSchedule, Problem, Solution
 from remat.policy import COMPUTE_INTENSIVE_OPS, Decision
 from remat.trace.types import Phase, Trace
 
-__all__ = [
-    "Candidate",
-    "Step",
-    "best",
-    "decisions",
-    "fail",
-    "floor",
-    "keeping_compute",
-    "layers",
-    "predicted",
-    "search",
-    "simple",
-    "untied",
-]
+__all__ = ["Candidate", "Step", "best", "decisions", "fail", "floor", "keeping_compute", "layers"]
+__all__ += ["predicted", "search", "simple", "untied"]
 
 _ATTEMPTS = 6
 _REFINE_STEPS = 6
@@ -94,11 +81,11 @@ class Step:
         # region keeps: an output sharing its input's storage though the schema does not say so
         # (``_unsafe_view``) is new to the tape, which keeps it and its base's whole storage, that
         # the prediction counts as dropped and replayed; replayed from its base it costs nothing
-        made = [(t, op.index) for op in self.forward for t in op.outputs]
-        tensors = trace.tensors
+        made, tensors = [(t, op.index) for op in self.forward for t in op.outputs], trace.tensors
         self.maker = {t: i for t, i in made if tensors[t].alias_of is None and not tensors[t].constant}
         self.makers = frozenset(self.maker.values())
         self.held = always_kept(trace, self.maker)
+        self.last_write = {trace.roots[t]: op.index for op in self.forward for t in writes(op)}
 
     def region(
         self, name: str, ops: Sequence[int], save: Sequence[int] = ()
@@ -110,10 +97,13 @@ class Step:
             return None
         first, last = spots[0], spots[-1]
         members = tuple(self.forward[p].index for p in range(first, last + 1))
-        keep_ops = frozenset(i for i in save if i in self.makers)
-        again = rerun_of(self.trace, members, keep_ops) if self.rerun_modules else None
+        stale, fixed = written_after(self.trace, self.last_write, self.maker, members)
+        if stale - self.makers or stale & fixed:
+            return None  # an op the replay would run on a stale value, and that cannot be kept
+        keep_ops = frozenset(i for i in save if i in self.makers) - fixed
+        again = rerun_of(self.trace, members, keep_ops) if self.rerun_modules and not stale else None
         if again is None:  # a tape keeps what the program holds anyway (NOTE [held past the step])
-            keep_ops |= self.held.intersection(members)
+            keep_ops = (keep_ops | self.held.intersection(members) | stale) - fixed
         keep = frozenset(self.position[i] for i in keep_ops)
         module = again.module if again else ""  # NOTE [module re-run]
         return Region(name, first, last, keep, module), RegionOps(members, keep_ops, again)
