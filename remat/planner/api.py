@@ -41,11 +41,7 @@ from remat.planner.offload_search import (
 )
 from remat.planner.plan import Plan
 from remat.planner.results import first_result
-from remat.planner.search import (
-    best,
-    decisions,
-    fail,
-)
+from remat.planner.search import Step, best, decisions, fail
 from remat.planner.solvers import get
 from remat.trace import capture
 from remat.trace.let_go import with_let_go
@@ -253,7 +249,8 @@ def plan_at(
         problem = offload_problem(step.trace, link, host_budget=found.host_budget, key=step.key)
         check_host(step, problem, budget_bytes, baseline, solver, options or {})
     if not fits:
-        known = tried + floors(step, chain) if solver != "auto" else tried
+        # another solver than auto names auto's minimum too: the step's, whoever plans it
+        known = tried if solver == "auto" else [*tried, *floors(step, chain), *_auto(step).candidates]
         lowest = min(known, key=lambda c: c.pred.peak_bytes).pred
         if budget_bytes < lowest.peak_bytes:
             own = min((c.pred.peak_bytes for c in tried), default=None)  # the solver's own plans
@@ -385,4 +382,12 @@ def plan(
         rerun_modules=rerun_modules,
         within_blocks=within_blocks,
         **options,
+    )
+
+
+def _auto(step: Step) -> Frontier:
+    """``auto``'s candidates on ``step``'s trace, as ``step`` plans (its blocks, executor figures
+    and module re-runs): where another solver was asked, what its error names as the minimum."""
+    return frontier(
+        step.trace, "auto", step.key, executor_cost=step.executor, rerun_modules=step.rerun_modules
     )
