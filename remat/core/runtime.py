@@ -128,7 +128,8 @@ class Runtime(Residency):
             if op.name in UNFILLED:  # NOTE [unfilled results] in ``residency``
                 self.pinned.update(created)
             reuse = [NO_REUSE] * len(created)
-            for old in (storage_of[h] for h in op.mutates):  # each gets a new version
+            mutated = list(dict.fromkeys(storage_of[h] for h in op.mutates))  # a tensor and its view: one
+            for old in mutated:  # each storage written gets a new version
                 created.append(new(graph.nbytes[old], rid, graph.constant[old], inputs))
                 reuse.append(old)
             record.outputs, record.reuse = tuple(created), tuple(reuse)
@@ -155,8 +156,7 @@ class Runtime(Residency):
             storage_of[handle] = storage
             members[storage].append(handle)
             live[storage] += 1
-        for handle, version in zip(op.mutates, made, strict=True):
-            old = storage_of[handle]
+        for old, version in zip(mutated, made, strict=True):
             if graph.constant[version] and self.resident[old]:  # a copied constant: both stay
                 self._constant_bytes += graph.nbytes[version]
             self._move_handles(old, version)

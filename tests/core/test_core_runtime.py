@@ -134,6 +134,24 @@ def test_recomputation_after_mutation_reads_the_old_version(policy: str) -> None
     assert runtime.telemetry.peak_bytes <= 230  # and the backend checked every value it computed
 
 
+@pytest.mark.parametrize("policy", ["dtr", "coop-no-layout", "coop"])
+def test_one_op_writing_a_tensor_and_its_view_makes_one_new_version(policy: str) -> None:
+    """``torch._foreach_add_([x, x.view(-1)], 1)``: two handles of one storage written by one op
+    (the pool was asked to hand the old memory over twice: a KeyError)."""
+    p = Builder()
+    w = p.tensor(16, constant=True)
+    x = p.tensor(64)
+    p.op("mul", (w,), (x,), 1.0)
+    view = p.tensor(64, alias_of=x)
+    p.op("view", (x,), (view,), 0.0)
+    p.op("_foreach_add_", (x, view), (), 1.0, mutates=(x, view))
+    y = p.tensor(4)
+    p.op("sum", (x,), (y,), 1.0)
+    runtime, backend = run(p.trace("foreach"), capacity=10_000, policy=policy, layout=policy == "coop")
+    assert [name for name, again in backend.runs] == ["mul", "view", "_foreach_add_", "sum"]
+    assert runtime.storage_of(x) == runtime.storage_of(view)
+
+
 def test_released_storage_is_freed_but_kept_for_recomputation() -> None:
     p = Builder()
     x = p.tensor(10, constant=True)
