@@ -184,7 +184,10 @@ def format_bytes(n: float) -> str:
     if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n):
         rule = "a byte count to format is a finite number"
         raise RematTypeError(message("memory.format_bytes", rule, f"got {n!r}"[:80], "pass e.g. 3 * 2**20"))
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+    if abs(round(n)) < 2**10:
+        return f"{round(n)} B"
+    for k, unit in enumerate(("KiB", "MiB", "GiB", "TiB", "PiB"), start=1):
+        value = n / 2 ** (10 * k)
+        if abs(round(value, 2)) < 1024 or unit == "PiB":  # 1023.999 KiB shows as 1.00 MiB
+            return f"{value:.2f} {unit}"
+    raise AssertionError("unreachable")

@@ -26,12 +26,9 @@ class _Parser(argparse.ArgumentParser):
     no usage block (``--help`` shows it)."""
 
     def error(self, message: str) -> NoReturn:
-        command = self.prog.split()[-1]  # "remat plan" -> "plan"
+        words = self.prog.split()  # "remat trace info" -> remat.trace.info, see remat trace info --help
         at = message.find("remat.")  # a value an argparse type of remat's refused, in its words
-        top = command == "remat"
-        where, flags = (
-            ("remat", "see remat --help") if top else (f"remat.{command}", f"see remat {command} --help")
-        )
+        where, flags = ".".join(words), f"see {' '.join(words)} --help"
         text = message[at:] if at >= 0 else f"{where}: {message}; {flags}"
         self.exit(2, text.splitlines()[0] + "\n")
 

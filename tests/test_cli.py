@@ -203,6 +203,14 @@ def test_limits_are_read_before_any_step_runs(
             "remat.plan: cannot parse this byte size (got 'lots')",
         ),
         ([], "remat: the following arguments are required: command; see remat --help"),
+        (  # a nested command is named whole: it said "remat.info ... see remat info --help"
+            ["trace", "info"],
+            "remat.trace.info: the following arguments are required: file; see remat trace info --help",
+        ),
+        (  # before the model was built and its capture had started
+            ["trace", "--model", "gpt2", "--repeats", "0"],
+            "remat.trace: argument --repeats: a whole number of at least 1 (got 0); see remat trace --help",
+        ),
     ],
 )
 def test_argparses_own_errors_are_one_line_in_remats_words(

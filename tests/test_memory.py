@@ -91,6 +91,15 @@ def test_parse_budget_accepts_ratio_or_bytes() -> None:
 def test_format_bytes() -> None:
     assert format_bytes(3 * 2**20) == "3.00 MiB"
     assert format_bytes(12) == "12 B"
+    # rounding carries into the next unit, and terabytes have theirs (1024.00 KiB, 1048576.00 GiB,
+    # and 1023.9 cut to 1023 B, before)
+    assert [format_bytes(n) for n in (2**20 - 1, 2**40, 1023.9, 1023.4, -2048)] == [
+        "1.00 MiB",
+        "1.00 TiB",
+        "1.00 KiB",
+        "1023 B",
+        "-2.00 KiB",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -136,7 +136,8 @@ def cut_points(boundaries: object) -> list[int] | None:
     else is refused."""
     if boundaries is None:
         return None
-    given = boundaries.tolist() if callable(getattr(boundaries, "tolist", None)) else boundaries  # an array
+    tolist = getattr(boundaries, "tolist", None)  # an array's
+    given = tolist() if callable(tolist) else boundaries
     listed = list(given) if isinstance(given, Sequence) and not isinstance(given, str) else [None]
     if not all(isinstance(b, Integral) and not isinstance(b, bool) for b in listed):
         raise _refused(

@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
         "--tiny", action="store_true", help="shrink the model (2 layers, small width) for quick tries"
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="none", help="optimizer step to include")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per op (median); default 3")
+    parser.add_argument("--repeats", type=positive, default=3, help="timed runs per op (median); default 3")
     parser.add_argument("--profile", choices=sorted(PROFILES), help="device profile of the cost estimates")
     parser.add_argument("--out", help="trace file to write (.jsonl, or .jsonl.gz to compress)")
     parser.set_defaults(func=_capture)

@@ -61,7 +61,10 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
         )
     # written beside it, read back, and renamed over it: a trace that fails halfway (a field of a
     # type the file cannot hold) or would not read back leaves a file already at ``path`` as it was
-    handle, name = tempfile.mkstemp(prefix=".partial-", suffix=target.suffix, dir=target.parent)
+    try:
+        handle, name = tempfile.mkstemp(prefix=".partial-", suffix=target.suffix, dir=target.parent)
+    except OSError as err:  # a folder this process may not write in
+        raise _unwritten(path, err) from None
     os.close(handle)
     partial = Path(name)  # the same suffix: gzip or not
     umask = os.umask(0)
@@ -71,6 +74,8 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
         _write(trace, partial, target.name)
         _read(partial)
         os.replace(partial, target)
+    except OSError as err:  # the disk full, the file not ours to replace
+        raise _unwritten(path, err) from None
     except RematValueError as err:  # the file would not read back: what ``load`` says of it
         said = str(err).removeprefix("remat.trace.load: ").replace(str(partial), "the file")
         raise _mistyped(ValueError(said)) from None
@@ -78,6 +83,17 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
         raise _mistyped(err) from None
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _unwritten(path: object, err: OSError) -> RematValueError:
+    return RematValueError(
+        message(
+            "trace.save",
+            "the trace is written to its path",
+            f"{path}: {err.strerror or type(err).__name__}",
+            "pass a path in a folder this process may write in, on a disk with room",
+        )
+    )
 
 
 def _mistyped(err: Exception) -> RematValueError:

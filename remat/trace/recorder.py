@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import aten
 from remat._allocator import measured, scratch_of
+from remat._errors import RematRuntimeError, message
 from remat.aten.scratch import known, learn, signature
 from remat.trace.attribution import Attribution, phases
 from remat.trace.op_time import run_timed
@@ -287,13 +288,14 @@ class Recorder(TorchDispatchMode):
 
     # -- saved tensors, hooks, the trace ------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor | None:
-        """Saved-tensor hook: note that autograd saved ``t`` now; keep it unless not ``hold_saved``."""
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """Saved-tensor hook: note that autograd saved ``t`` now; keep it, with its version, unless
+        not ``hold_saved``."""
         h = self.handle(t)
         if h is not None:
             self.saved.add(h)
             self.saved_at.append((h, self.n_ops))
-        return t if self.hold_saved else None
+        return (t, t._version) if self.hold_saved else None
 
     def called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Forward hook: note the tensors a named module's first call was given (what running the
@@ -317,7 +319,7 @@ class Recorder(TorchDispatchMode):
         try:
             with (
                 self.attribution.hooks(),
-                torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t),
+                torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack),
                 self,
             ):
                 yield
@@ -356,3 +358,22 @@ class Recorder(TorchDispatchMode):
             tuple(self.attribution.calls.items()),
             tuple((k, v) for k, v in self.call_inputs.items() if k not in self.own_generator),
         )
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    """A saved tensor back for backward, refused as autograd refuses it where an in-place op wrote
+    it since it was saved (hooks take autograd's own check away): the step would fail unrecorded."""
+    if packed is None:  # not held (``hold_saved``): nothing to give back
+        return packed  # type: ignore[return-value]
+    t, version = packed
+    if t._version != version:
+        raise RematRuntimeError(
+            message(
+                "trace.capture",
+                "a tensor autograd saved for backward was modified by an in-place operation since, "
+                "which autograd refuses",
+                f"{aten.describe(t.dtype, t.shape)} at version {t._version}, saved at version {version}",
+                "clone it before modifying it, as the step must without remat too",
+            )
+        )
+    return t

@@ -274,3 +274,27 @@ def test_batch_norm_runs_once_so_its_statistics_move_once() -> None:
     capture(lambda: twin(x).sum().backward(), repeats=3)
     assert torch.equal(net.running_mean, twin.running_mean) and torch.equal(net.running_var, twin.running_var)
     assert int(net.num_batches_tracked) == int(twin.num_batches_tracked) == 1
+
+
+def test_a_step_autograd_refuses_is_refused_not_recorded() -> None:
+    """A tensor autograd saved, written in place before backward: the plain step raises, and so
+    does its capture (its saved-tensor hook took autograd's version check away: the step was
+    recorded, and the gradient came from the written values)."""
+    w = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        h = (x @ w).sigmoid()  # sigmoid saves its output
+        h.mul_(2)
+        h.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step()
+    w.grad = None
+    with pytest.raises(
+        remat.RematRuntimeError,
+        match=r"remat\.trace\.capture: a tensor autograd saved for backward was modified by an in-place "
+        r"operation since, which autograd refuses \(float32\[4, 4\] at version 1, saved at version 0\)",
+    ):
+        capture(step, repeats=1)
+    assert w.grad is None

@@ -343,3 +343,15 @@ def test_a_save_writes_through_a_link_and_refuses_what_is_not_a_file(tmp_path: P
     save(trace, tmp_path / "step.jsonl.gz")
     header = (tmp_path / "step.jsonl.gz").read_bytes()[10:30]  # FNAME follows the 10-byte header
     assert header.startswith(b"step.jsonl\x00")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, a folder no file can be made in")
+def test_a_save_into_a_folder_it_cannot_write_in_says_so_of_the_path_given() -> None:
+    """It raised the OS's error, naming the temporary file it writes first."""
+    trace = capture(lambda: (torch.randn(4, requires_grad=True) * 2).sum().backward(), repeats=1)
+    with pytest.raises(
+        remat.RematValueError,
+        match=r"remat\.trace\.save: the trace is written to its path \(/proc/step\.jsonl: .+\); pass a path "
+        r"in a folder this process may write in",
+    ):
+        save(trace, "/proc/step.jsonl")
