@@ -303,6 +303,8 @@ class Recorder(TorchDispatchMode):
         name = self.attribution.names.get(module)
         if name is None or module in self.attribution.roots or name in self.call_inputs:
             return
+        if _hooked(module, self.called):  # its call runs more than its forward: not run again
+            return
         leaves = tree_leaves((args, kwargs))
         if not all(isinstance(x, _PLAIN) for x in leaves):  # an object may hold tensors unseen
             return
@@ -377,3 +379,22 @@ def _unpack(packed: Any) -> torch.Tensor:
             )
         )
     return t
+
+
+def _hooked(module: nn.Module, ours: Any) -> bool:
+    """Whether the program hooks ``module``'s calls (besides ``ours``, the capture's own): a
+    pre-hook's ops or a backward hook's wrapping are part of its call in the trace but not of its
+    ``forward``, which a module run again calls alone (NOTE [module re-run] in
+    ``remat.planner.rerun_regions``), so such a call is not noted for it."""
+    module_hooks = nn.modules.module
+    others = [h for h in module._forward_hooks.values() if h != ours]
+    return bool(
+        module._forward_pre_hooks
+        or others
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or module_hooks._global_backward_pre_hooks
+        or len(module_hooks._global_forward_pre_hooks) > 1  # the capture's own is one
+        or len(module_hooks._global_forward_hooks) > 1
+    )

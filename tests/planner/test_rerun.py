@@ -381,12 +381,17 @@ def test_a_copy_made_while_the_plan_runs_computes_with_its_own_weights() -> None
 
 
 def test_a_forward_pre_hook_running_ops_is_refused() -> None:
-    """Its ops are the module's in the trace, but run before the forward the plan wraps."""
+    """Its ops would be the module's in the trace, but run before the forward the plan wraps: one
+    registered before planning keeps the module from being run again (``_Hooked`` below), one
+    registered after is refused when the plan runs."""
     torch.manual_seed(0)
     model, x = _Outer(_Scaled(torch.zeros(8))), torch.randn(4, 8)
-    model.block.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
     plan = _rerun_plan(model, x)
-    with pytest.raises(RecomputationError, match="ran ops of its call before its forward"), plan.apply(model):
+    model.block.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    with (
+        pytest.raises(RecomputationError, match=r"diverged from the traced step \(op #0: .* got aten\.add"),
+        plan.apply(model),
+    ):
         model(x)
 
 
@@ -634,3 +639,47 @@ def test_a_llama_planned_in_eval_mode_and_trained_is_refused() -> None:
     with pytest.raises(RecomputationError, match=refused), plan.apply(model):
         model(**batch)
     assert all(p.grad is None for p in model.parameters())
+
+
+class _Hooked(nn.Module):
+    """Blocks whose calls run more than their forward: a pre-hook scaling the input, or a full
+    backward hook (torch wraps the call's input and output in ops of its own)."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+            for _ in range(4)
+        )
+        self.head = nn.Linear(32, 1)
+        for block in self.blocks:
+            if hook == "pre":
+                block.register_forward_pre_hook(lambda module, args: (args[0] * 0.9,))
+            else:
+                block.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("hook", ["pre", "backward"])
+def test_a_module_whose_calls_the_program_hooks_is_not_run_again(hook: str) -> None:
+    """Its hooks' ops are part of its call in the trace and not of its ``forward``: the planner
+    made plans running it again, which ``plan.apply`` then refused at the first forward."""
+    model, x = _Hooked(hook), torch.randn(8, 16, 32)
+    trace = fixed_costs(trace_step(model, (x,), repeats=1))
+    assert not any(name.startswith("blocks.") and name.count(".") == 1 for name, _ in trace.call_inputs)
+    plain = twin(model)
+    plain(x).backward()
+    for budget in (0.5, 0.7):
+        plan = plan_trace(trace, budget, block_key=block_key(model), rerun_modules=True)
+        assert plan.regions and not any(r.rerun for r in plan.regions)
+        model.zero_grad(set_to_none=True)
+        with plan.apply(model):
+            loss = model(x)
+        loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
