@@ -81,7 +81,7 @@ def plot(
         axes[i // columns][i % columns].set_visible(False)
     axes[0][0].set_ylim(bottom=0)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, parse_math=False)  # a "$" in a label is a dollar, not math
     if path is not None:
         if path_of(path, _API).is_dir():  # matplotlib would write "<folder>.png" beside it
             rule, todo = "path names the picture's file, not a folder", "pass e.g. memory.png"
@@ -155,8 +155,10 @@ def _panel(
     if note:
         # wrapped to the panel's width: matplotlib's own wrap goes to the figure's edge
         text = textwrap.fill(note, _NOTE_WIDTH)
-        ax.text(0.02, 0.97, text, transform=ax.transAxes, va="top", fontsize="small", gid="note")
-    ax.set_title(heading, fontsize="medium")
+        ax.text(
+            0.02, 0.97, text, transform=ax.transAxes, va="top", fontsize="small", gid="note", parse_math=False
+        )
+    ax.set_title(heading, fontsize="medium", parse_math=False)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
 

@@ -199,3 +199,15 @@ def test_measured_runs_are_drawn_with_their_budget_marks_and_failure() -> None:
     gids = [[line.get_gid() for line in ax.lines] for ax in fig.axes[:3]]
     assert gids == [["held"], ["held", "evict", "budget"], ["held", "budget"]]
     assert [t.get_text() for t in fig.axes[2].texts] == ["stopped: too small"]
+
+
+def test_a_dollar_in_a_label_a_note_or_the_title_is_drawn_as_written(tmp_path: Path) -> None:
+    """matplotlib reads text between two "$" as math: "cost $5 and $1" came out in italics."""
+    with remat.memory.track(allocator=True) as tracked:
+        torch.randn(64).sum()
+    label = "cost $5 and $1"
+    fig = remat.memory.plot({label: tracked}, tmp_path / "p.png", notes={label: "a $x$ note"}, title="t $1$")
+    ax = fig.axes[0]
+    note = next(t for t in ax.texts if t.get_gid() == "note")
+    assert ax.title.get_text().startswith(label) and note.get_text() == "a $x$ note"
+    assert not ax.title.get_parse_math() and not note.get_parse_math()
