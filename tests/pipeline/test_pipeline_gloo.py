@@ -33,12 +33,12 @@ from typing import Any
 
 import pytest
 import torch
+from pipelines import Counted, assert_equal_to_one_process
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat.pipeline as pp
 from remat.pipeline.chain import mlp_chain
-from remat.pipeline.launch import Job, RankResult, reference, run_calibrated
+from remat.pipeline.launch import Job, RankResult, run_calibrated
 from remat.planner.plan import Plan
 from remat.policy import Decision
 
@@ -77,16 +77,6 @@ def _recomputed(plan: Plan, name: str) -> int:
     return len({t.op for t in plan.tensors if t.action is Decision.RECOMPUTE and t.op_name == name})
 
 
-class _Counted(TorchDispatchMode):
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name, self.count = name, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += str(func) == self.name
-        return func(*args, **(kwargs or {}))
-
-
 def _run_again(plan: Plan, module: nn.Module, name: str) -> int:
     """How many ``name`` ops a plan whose regions run their modules again runs again for one
     micro-batch, counted on one forward and backward in this process: such a call runs every op
@@ -94,7 +84,7 @@ def _run_again(plan: Plan, module: nn.Module, name: str) -> int:
     counts = []
     for planned in (False, True):
         x = torch.randn(ROWS, 32, requires_grad=True)
-        with _Counted(name) as counted:
+        with Counted(name) as counted:
             with plan.apply(module) if planned else contextlib.nullcontext():
                 y = module(x)
             y.sum().backward()
@@ -187,22 +177,7 @@ def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> N
     assert any(sp.plan is not None for sp in plan.stage_plans)
     if CASES[SCHEDULES[index]][1]:  # every block runs again as its module
         assert all(r.rerun for sp in plan.stage_plans if sp.plan for r in sp.plan.regions)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = reference(job)
-    finally:
-        torch.set_num_threads(threads)
-    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    buffers = dict(ref.named_buffers())
-    seen = set()
-    for result in results:
-        for name, grad in result.grads.items():
-            assert torch.equal(grad, grads[name]), name
-            seen.add(name)
-        for name, value in result.buffers.items():
-            assert torch.equal(value, buffers[name]), name
-    assert seen == set(grads)
+    assert_equal_to_one_process(job, results)
 
 
 @pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)

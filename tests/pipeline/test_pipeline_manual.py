@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from pipelines import Counted
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.pipeline.chain import mlp_chain
@@ -20,22 +20,12 @@ M = 4
 ADDMM = "aten.addmm.default"
 
 
-class _Counted(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += str(func) == ADDMM
-        return func(*args, **(kwargs or {}))
-
-
 def _step(stage: nn.Module, chain: nn.Module, seed: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
     """Every micro-batch's forward, then their backwards last first (GPipe's order): the matmuls
     run, and the gradients and buffers by the chain's names."""
     torch.manual_seed(seed)
     xs = [torch.randn(16, 8) for _ in range(M)]
-    with _Counted() as counted:
+    with Counted(ADDMM) as counted:
         outs = [stage(x) for x in xs]
         for out in reversed(outs):
             out.square().mean().backward()
@@ -135,12 +125,12 @@ def test_plainly_switches_every_manual_form_off_and_nests() -> None:
         }
 
     moved: list[int] = []
-    with _Counted() as counted:
+    with Counted(ADDMM) as counted:
         chain(x).sum().backward()
     plain = counted.count
     for name, run in forms().items():
         for switched in (False, True):
-            with _Counted() as counted:
+            with Counted(ADDMM) as counted:
                 if switched:
                     with remat.plainly(), remat.plainly():
                         y = run()

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from pipelines import Counted, assert_equal_to_one_process
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat.pipeline as pp
 from remat.pipeline.chain import mlp_chain
-from remat.pipeline.launch import Job, RankResult, reference, run
+from remat.pipeline.launch import Job, RankResult, run
 
 M = 4
 RANKS = 2
@@ -34,16 +34,6 @@ CASES = [
     ("1f1b", "except_last", "scope"),
 ]
 IDS = [f"{s}-{mode}-{form}" for s, mode, form in CASES]
-
-
-class _Counted(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += str(func) == ADDMM
-        return func(*args, **(kwargs or {}))
 
 
 class _SliceOut(nn.Module):
@@ -123,7 +113,7 @@ def _again(stage: nn.Module, form: str) -> int:
     counts = []
     for mode in ("never", "always"):
         x = torch.randn(ROWS, 32, requires_grad=True)
-        with _Counted() as counted:
+        with Counted(ADDMM) as counted:
             pp.ManualStage(stage, 1, mode, form=form)(x).sum().backward()  # type: ignore[arg-type]
         counts.append(counted.count)
     return counts[1] - counts[0]
@@ -132,22 +122,7 @@ def _again(stage: nn.Module, form: str) -> int:
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_gradients_and_buffers_equal_a_single_process_run(runs, index: int) -> None:
     _, job, results = runs[index]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = reference(job)
-    finally:
-        torch.set_num_threads(threads)
-    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    buffers = dict(ref.named_buffers())
-    seen = set()
-    for result in results:
-        for name, grad in result.grads.items():
-            assert torch.equal(grad, grads[name]), name
-            seen.add(name)
-        for name, value in result.buffers.items():
-            assert torch.equal(value, buffers[name]), name
-    assert seen == set(grads)
+    assert_equal_to_one_process(job, results)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
