@@ -262,14 +262,21 @@ def _candidates(
     chains = [c for c in every if c is chain or len(c) <= _FINE_STAGES]
     tried: list[Candidate] = []
     if solver == "auto":
-        for problem in chains:
-            tried += ladder(step, "chain", problem, {"single_level": True, **options})
-        for problem in every:
-            tried += ladder(step, "greedy", problem, {})
-            tried += segment_counts(step, problem)  # sqrt's plans, every segment count
-        tried += simple(step, chain) + floor(step, chain)
-        tried += keeping_compute(step, pareto(tried))
-        tried += filled_all(step, pareto(tried))
+        # the plans of a finer chain than the DP takes are kept and filled apart: filling only
+        # what no other plan beats before filling would drop a block plan that a fill makes the
+        # cheapest at its peak (a Llama's chain DP plan at per-layer checkpointing's peak)
+        beyond: list[Candidate] = []
+        for group, problems in ((tried, chains), (beyond, [c for c in every if c not in chains])):
+            for problem in problems:
+                if group is tried:  # the chain DP's, cubic in the stages
+                    group += ladder(step, "chain", problem, {"single_level": True, **options})
+                group += ladder(step, "greedy", problem, {})
+                group += segment_counts(step, problem)  # sqrt's plans, every segment count
+            if group is tried:
+                group += simple(step, chain) + floor(step, chain)
+            group += keeping_compute(step, pareto(group))
+            group += filled_all(step, pareto(group))
+        tried += beyond
     elif solver in ("chain", "greedy"):
         extra = {"single_level": True} if solver == "chain" else {}
         for problem in chains if solver == "chain" else every:
