@@ -71,6 +71,12 @@ def simulate(
     amount = parse_budget(budget, _API)
     known = facts(trace, chosen.inplace)
     nbytes = math.floor(amount * known.peak_bytes) if isinstance(amount, float) else amount
+    if known.peak_bytes <= 0 and isinstance(amount, float):
+        rule, todo = (
+            "a ratio is of the trace's peak, and this trace holds no bytes",
+            "simulate a step that makes tensors",
+        )
+        raise RematValueError(message(_API, rule, f"trace {trace.name or '(unnamed)'}, peak 0 bytes", todo))
     if nbytes <= 0:
         raise RematValueError(
             message(_API, "the budget comes to no bytes", f"{budget!r} of {known.peak_bytes}", "raise it")

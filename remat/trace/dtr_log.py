@@ -30,10 +30,12 @@ the tensor that owns the storage. Every line must be one of these; anything else
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from remat._errors import RematValueError, message
 from remat.trace.builder import TraceBuilder
@@ -46,15 +48,22 @@ _INSTRUCTIONS = frozenset(
 _NS = 1e-9
 
 
+def _open(path: str | os.PathLike[str]) -> IO[str]:
+    """The log's text, through gzip where its name ends in ``.gz`` (as ``remat.trace.load`` reads)."""
+    if os.fspath(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def looks_like_dtr_log(path: str | os.PathLike[str]) -> bool:
     """True when the first non-empty line of ``path`` is a DTR log instruction. Never raises."""
     try:
-        with open(path, encoding="utf-8") as file:
+        with _open(path) as file:
             for line in file:
                 if line.strip():
                     record = json.loads(line)
                     return isinstance(record, dict) and record.get("INSTRUCTION") in _INSTRUCTIONS
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, EOFError, UnicodeDecodeError, ValueError):
         return False
     return False
 
@@ -64,7 +73,7 @@ def load_dtr_log(path: str | os.PathLike[str]) -> Trace:
     builder = _Builder()
     number = 0
     try:
-        with open(path, encoding="utf-8") as file:
+        with _open(path) as file:
             for number, line in enumerate(file, start=1):
                 if line.strip():
                     builder.feed(number, _parse(number, line))

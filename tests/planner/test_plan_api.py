@@ -297,6 +297,11 @@ def test_fewer_ops_are_refused() -> None:
             RematValueError,
             r"remat.plan: unknown solver \(got 'rotor'\); use one of auto",
         ),
+        (
+            {"solver": 3},
+            RematTypeError,
+            r"remat.plan: a solver is named by a string \(got 3\); use one of auto",
+        ),
         ({"example_inputs": 3}, RematTypeError, r"remat.plan: example_inputs must be a tensor"),
         ({"loss_fn": "mse"}, RematTypeError, r"remat.plan: loss_fn must be callable"),
         (

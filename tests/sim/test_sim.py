@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from remat import RematValueError
 from remat.sim import Outcome, SimResult, facts, simulate, sweep
 from remat.sim.synthetic import training_step
-from remat.trace import Trace, load
+from remat.trace import Trace, capture, load
 from remat.trace.types import Op, Release, TensorInfo
 
 LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
@@ -211,3 +212,14 @@ def test_sweep_takes_one_policy_name_as_well_as_a_list() -> None:
     """A name was taken as a list of its letters ("unknown eviction policy (got 'd')")."""
     results = sweep([training_step(10)], "dtr", [0.8])
     assert [r.policy for r in results] == ["dtr"]
+
+
+def test_a_ratio_of_a_trace_that_holds_no_bytes_says_so() -> None:
+    """It said the budget came to no bytes and to raise it, which no ratio could."""
+    empty = capture(lambda: None, repeats=1)
+    with pytest.raises(
+        RematValueError,
+        match=r"remat\.sim\.simulate: a ratio is of the trace's peak, and this trace holds no bytes "
+        r"\(trace .*, peak 0 bytes\); simulate a step that makes tensors",
+    ):
+        simulate(empty, 0.5, "dtr")

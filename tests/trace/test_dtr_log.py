@@ -247,3 +247,19 @@ def test_reference_logs_load_and_validate(name: str) -> None:
     assert phases == {Phase.FORWARD, Phase.BACKWARD}
     assert all(op.cost > 0 or op.name == "alias" for op in trace.ops)
     assert 0.1 < trace.total_cost < 2.0  # seconds: the logs hold ns from a Titan V
+
+
+def test_a_gzipped_log_loads_as_the_plain_one(tmp_path: Path) -> None:
+    """``remat.trace.load`` reads a ``.gz`` name through gzip; the DTR importer read it as text
+    and the load said line 1 must be a header "or the file a DTR op log", quoting a DTR line."""
+    import gzip
+
+    plain = LOGS / f"{NAMES[0]}.log"
+    packed = tmp_path / f"{NAMES[0]}.log.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert looks_like_dtr_log(packed)
+    a, b = load(plain), load(packed)
+    assert a.ops == b.ops and a.tensors == b.tensors
+    broken = tmp_path / "broken.log.gz"
+    broken.write_bytes(gzip.compress(plain.read_bytes())[:40])
+    assert not looks_like_dtr_log(broken)

@@ -141,10 +141,17 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> Solver:
-    """The solver registered as ``name``; a RematValueError listing the known names otherwise."""
+    """The solver registered as ``name``; a RematValueError listing the known names otherwise (a
+    RematTypeError where ``name`` is no string)."""
+    if not isinstance(name, str):
+        raise RematTypeError(
+            message(
+                "plan", "a solver is named by a string", f"got {name!r}", f"use one of {', '.join(names())}"
+            )
+        )
     try:
         return _SOLVERS[name]
-    except (KeyError, TypeError):
+    except KeyError:
         raise RematValueError(
             message("plan", "unknown solver", f"got {name!r}", f"use one of {', '.join(names())}")
         ) from None
