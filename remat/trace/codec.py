@@ -216,13 +216,13 @@ def _read(path: Path) -> Trace:
             where = "end of file"
             if not header:
                 raise Invalid("the file must start with a header line", "the file is empty")
-            checker.saved(frozenset(saved), tuple(saved_at), sum(isinstance(e, Op) for e in events))
-            for key, got in (("tensors", len(tensors)), ("events", len(events))):
+            for key, got in (("tensors", len(tensors)), ("events", len(events))):  # a cut file first
                 if header[key] != got:
                     raise Invalid(
                         "the header's counts must match the file (is it truncated?)",
                         f"header announces {header[key]} {key}, the file has {got}",
                     )
+            checker.saved(frozenset(saved), tuple(saved_at), sum(isinstance(e, Op) for e in events))
             calls = records.calls(header.get("calls", {}))
             call_inputs = records.call_inputs(header.get("call_inputs", {}), len(tensors))
             let_go = records.let_go(

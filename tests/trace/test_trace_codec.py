@@ -355,3 +355,18 @@ def test_a_save_into_a_folder_it_cannot_write_in_says_so_of_the_path_given() -> 
         r"in a folder this process may write in",
     ):
         save(trace, "/proc/step.jsonl")
+
+
+def test_a_file_cut_short_is_said_to_be_truncated(tmp_path: Path) -> None:
+    """Its saves, pointing past the ops the file still holds, were blamed first."""
+    w = torch.randn(8, 8, requires_grad=True)
+    trace = capture(lambda: (torch.tanh(w @ w) * 2).sum().backward(), repeats=1)
+    save(trace, tmp_path / "t.jsonl")
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    for keep in range(2, len(lines)):
+        cut.write_text("\n".join(lines[:keep]) + "\n")
+        with pytest.raises(
+            remat.RematValueError, match=r"the header's counts must match the file \(is it truncated\?\)"
+        ):
+            load(cut)
