@@ -499,8 +499,9 @@ def test_offloading_inside_a_dynamic_region_is_refused_and_the_step_then_runs_pl
     with (
         pytest.raises(
             remat.RematRuntimeError,
-            match=r"remat\.offload: nothing moves to host memory inside remat\.dynamic, .*\(float32\[64, 128\] "
-            r"to offload\); let the region swap its victims to the host \(remat\.dynamic\(\.\.\., swap=",
+            match=r"remat\.offload: nothing moves to host memory inside remat\.dynamic, .*"
+            r"\(float32\[64, 128\] to offload\); let the region swap its victims to the host "
+            r"\(remat\.dynamic\(\.\.\., swap=",
         ),
         remat.dynamic(budget="700KB" if form == "offload" else "4MB", keep=(model,), cost="model"),
     ):
