@@ -22,6 +22,7 @@ import math
 import os
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from remat._errors import RematTypeError, RematValueError, message
@@ -87,7 +88,8 @@ def plot(
             rule, todo = "path names the picture's file, not a folder", "pass e.g. memory.png"
             raise RematValueError(message(_API, rule, f"{path} is a folder", todo))
         try:
-            fig.savefig(path, dpi=120)
+            # a name without an extension is written as named, a PNG (matplotlib would add ".png")
+            fig.savefig(path, dpi=120, format=None if Path(path).suffix else "png")
         except (ValueError, OSError) as err:  # a format matplotlib has no writer for, a missing folder
             rule, todo = "the picture could not be written", "pass a .png path in a folder that exists"
             raise RematValueError(message(_API, rule, f"{path}: {err}"[:300], todo)) from None
