@@ -211,3 +211,11 @@ def test_a_dollar_in_a_label_a_note_or_the_title_is_drawn_as_written(tmp_path: P
     note = next(t for t in ax.texts if t.get_gid() == "note")
     assert ax.title.get_text().startswith(label) and note.get_text() == "a $x$ note"
     assert not ax.title.get_parse_math() and not note.get_parse_math()
+
+
+def test_a_path_without_an_extension_is_written_as_named(tmp_path: Path) -> None:
+    """matplotlib wrote ``p`` to ``p.png``."""
+    with remat.memory.track(allocator=True) as tracked:
+        torch.randn(64).sum()
+    remat.memory.plot({"run": tracked}, tmp_path / "p")
+    assert (tmp_path / "p").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "p.png").exists()
