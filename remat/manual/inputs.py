@@ -97,8 +97,9 @@ class Unwritten:
     attributes of ``modules``, by module and name, and ``loose`` tensors, each at its version now."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], loose: Iterable[Any] = ()) -> None:
-        self.places = [(weakref.ref(m), name) for m in modules for name in _tensor_names(m)]
-        found = {id(t): t for m in modules for t in _tensors(m)}
+        named = [(m, name) for m in modules for name in _tensor_names(m)]  # one walk of the modules
+        self.places = [(weakref.ref(m), name) for m, name in named]
+        found = {id(t): t for m, name in named if isinstance(t := _attribute(m, name), torch.Tensor)}
         found.update((id(t), t) for t in loose if isinstance(t, torch.Tensor) and id(t) not in found)
         live = [t for t in found.values() if not torch.nn.parameter.is_lazy(t) and not t.is_inference()]
         self.read = [(weakref.ref(t), t._version) for t in live]
@@ -175,10 +176,6 @@ def _tensor_names(module: torch.nn.Module) -> list[str]:
     buffer shield keeps what the forward saw of them, ``remat.manual.buffers``)."""
     names = [n for n, p in module._parameters.items() if p is not None]
     return names + [n for n, v in vars(module).items() if isinstance(v, torch.Tensor)]
-
-
-def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [t for n in _tensor_names(module) if isinstance(t := _attribute(module, n), torch.Tensor)]
 
 
 def _attribute(module: torch.nn.Module | None, name: str) -> Any:
