@@ -27,9 +27,19 @@ _UNITS: dict[str, int] = {
 _SIZE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def whole(value: object) -> object:
+    """``value`` as a Python int where it is a whole number of another integer type (NumPy's
+    ``int64``, a 0-dim integer tensor's ``item()`` is one already); anything else as it is, bools
+    included, for the caller's own check to refuse."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
     """Return a positive byte count from an int or a string such as ``"2GB"`` (10^9), ``"512MiB"``
     (2^20), ``"1.5 GiB"`` or ``"1e9"``. Floats are refused: a ratio is not a byte count."""
+    value = whole(value)
     if isinstance(value, (bool, float)):
         raise RematTypeError(
             message(

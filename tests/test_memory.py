@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import remat
 from remat.memory import format_bytes, parse_budget, parse_bytes
+from remat.pipeline.schedule import build
 
 
 def test_counts_each_storage_once_until_it_dies() -> None:
@@ -77,6 +79,27 @@ def test_parse_bytes_rejects_ratios_and_wrong_types() -> None:
         parse_bytes([1])
     with pytest.raises(remat.RematValueError, match=r"must be positive \(got -1\)"):
         parse_bytes(-1)
+
+
+def test_numpy_whole_numbers_are_byte_counts_and_counts() -> None:
+    """A budget or a count computed with NumPy (``np.int64``) is a whole number like an int; NumPy's
+    floats stay ratios and bools stay refused."""
+    assert parse_bytes(np.int64(4096)) == 4096
+    assert type(parse_bytes(np.uint16(100))) is int
+    assert parse_budget(np.int32(2**20)) == 2**20
+    assert parse_budget(np.float64(0.5)) == 0.5
+    with pytest.raises(remat.RematValueError, match=r"must be positive \(got -3\)"):
+        parse_bytes(np.int64(-3))
+    with pytest.raises(remat.RematTypeError, match=r"not a ratio or a bool \(got True\)"):
+        parse_bytes(True)
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.testing.assert_close(remat.checkpoint_sequential(layers, np.int64(2), x), layers(x), rtol=0, atol=0)
+    schedule = build("1f1b", np.int64(2), np.int64(4))
+    assert (schedule.n_ranks, schedule.n_microbatches) == (2, 4) and type(schedule.n_ranks) is int
+    with remat.dynamic(budget=np.int64(10**8)) as region:
+        layers(x).sum().backward()
+    assert region.stats.ops > 0
 
 
 def test_parse_budget_accepts_ratio_or_bytes() -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._units import whole
 from remat.host.offloader import Offloader
 from remat.manual import keywords
 from remat.manual.checkpoint import run
@@ -30,6 +31,7 @@ __all__ = ["checkpoint_sequential", "segment_bounds"]
 
 def segment_bounds(n: int, segments: int | Literal["sqrt"]) -> list[tuple[int, int]]:
     """Split ``n`` modules into ``segments`` contiguous, near-equal ``[start, stop)`` ranges."""
+    segments = whole(segments)
     if segments == "sqrt":
         count = max(1, round(math.sqrt(n)))
     elif isinstance(segments, int) and not isinstance(segments, bool):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._units import whole
 from remat.manual.checkpoint import run
 from remat.manual.plainly import plainly
 from remat.manual.scope import scope
@@ -54,6 +55,7 @@ class ManualStage(nn.Module):
         if not isinstance(module, nn.Module):
             rule, given = "the stage is an nn.Module", f"got {type(module).__name__}"
             raise RematTypeError(message(_API, rule, given, "pass the stage's module"))
+        n_microbatches = whole(n_microbatches)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             rule, given = "n_microbatches is a whole number of at least 1", f"got {n_microbatches!r}"
             raise RematValueError(message(_API, rule, given, "pass the schedule's number of micro-batches"))

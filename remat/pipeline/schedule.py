@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._units import whole
 
 __all__ = ["SCHEDULES", "Action", "Schedule", "build"]
 
@@ -251,6 +252,8 @@ def build(
     """The schedule ``name`` (one of ``SCHEDULES``) for ``n_ranks`` ranks, ``stages_per_rank``
     stages each (more than one for ``interleaved-1f1b``; two, in a V, for ``zbv``), and
     ``n_microbatches`` micro-batches; a refusal names ``api`` (the caller: ``remat.<api>: ...``)."""
+    n_ranks, n_microbatches = whole(n_ranks), whole(n_microbatches)
+    stages_per_rank = whole(stages_per_rank)
     if name not in SCHEDULES:
         raise RematValueError(
             message(api, "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
