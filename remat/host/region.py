@@ -38,6 +38,7 @@ from remat.host.link import Link
 from remat.host.offloader import Offloader
 from remat.host.parcel import Parcel, unmovable
 from remat.manual.plainly import plain
+from remat.manual.traced import transformed
 from remat.policy import Decision, OpContext, Policy, checked, decided
 
 __all__ = ["offload"]
@@ -238,11 +239,12 @@ def offload(
     ``host_budget``: the bytes host memory may hold; offloading past it raises
     ``RematRuntimeError`` (NOTE [host budget] in ``remat.host.pool``). Yields the ``Offloader``
     (``.stats()``), which ``remat.checkpoint`` and ``remat.scope`` also take as ``offloader=``.
-    With grad disabled or in inference mode the block runs as is.
+    With grad disabled, in inference mode, or under a ``torch.func`` transform or forward-mode AD, the
+    block runs as is.
     """
     policy = checked("offload", policy)
     offloader = Offloader(link=link, prefetch=prefetch, host_budget=host_budget, min_bytes=min_bytes)
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain():
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain() or transformed():
         yield offloader
         return
     makers = Makers(policy)

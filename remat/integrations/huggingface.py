@@ -99,7 +99,8 @@ def enable(
                 "pass one of them",
             )
         )
-    given = activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {}
+    named = (activation_checkpointing_kwargs, gradient_checkpointing_kwargs)
+    given = next((k for k in named if k is not None), {})  # ``[]`` is refused too, not taken for none
     if not isinstance(given, dict):
         name = "activation" if activation_checkpointing_kwargs is not None else "gradient"
         rule = f"{name}_checkpointing_kwargs must be a dict of torch's checkpoint keywords"

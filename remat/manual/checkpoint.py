@@ -1,25 +1,25 @@
 """``remat.checkpoint``: run a function without keeping its insides, recompute them in backward.
 
-Like ``torch.utils.checkpoint(use_reentrant=False)``, the function runs once in forward with
-autograd recording as usual, but every tensor autograd saves for backward is replaced by a small
-handle (a saved-tensors pack hook). When backward first asks for one of them, the function runs
-again from its inputs and the handles are filled in; the original autograd graph then uses the
-recomputed tensors. Differences from torch's version, each a bug report there:
+Like ``torch.utils.checkpoint(use_reentrant=False)``, the function runs once in forward with autograd
+recording as usual, but every tensor autograd saves for backward is replaced by a small handle (a
+saved-tensors pack hook). When backward first asks for one of them, the function runs again from its
+inputs and the handles are filled in; the original autograd graph then uses the recomputed tensors.
+Differences from torch's version, each a bug report there:
 
-- module buffers (batch-norm running statistics, ``num_batches_tracked``) are updated once, by the
-  forward pass only (see ``remat.manual.buffers``);
-- the RNG of the CPU and of every CUDA device is replayed, and the caller's stream is left where
-  it was; autocast settings are replayed;
-- ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them, on the
-  device (SAVE) or in host memory (OFFLOAD, see ``remat.manual.selective``);
-- ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names
-  the op and module that diverged; shapes and dtypes are always checked;
+- module buffers (batch-norm running statistics, ``num_batches_tracked``) are updated once, by the forward
+  pass only (see ``remat.manual.buffers``);
+- the RNG of the CPU and of every CUDA device is replayed, and the caller's stream is left where it was;
+  autocast settings are replayed;
+- ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them, on the device
+  (SAVE) or in host memory (OFFLOAD, see ``remat.manual.selective``);
+- ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names the op
+  and module that diverged; shapes and dtypes are always checked;
 - the recomputation stops early only after an op's kernel has run (RReLU as a last op).
 
-Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient
-penalty, MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is
-unchanged. A saved tensor written in place after it was saved is refused, as autograd refuses it.
-The recomputation runs once per backward (graph task) and stops after the last saved tensor's op::
+Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient penalty,
+MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is unchanged. A
+saved tensor written in place after it was saved is refused, as autograd refuses it. The recomputation
+runs once per backward (graph task) and stops after the last saved tensor's op::
 
     forward:   x ──fn (pack: tensor -> handle i)──> y          frame keeps: inputs, RNG, autocast
     backward:  node.unpack(handle i) ─> frame.recompute() ─> fn(x') under the same state,
@@ -92,7 +92,7 @@ class _Frame:
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
         self.modules = modules[0]  # their parameters: ``Unwritten`` as the call starts, and ends
-        self.parameters = Unwritten(self.modules, held(fn))
+        self.parameters = Unwritten(self.modules, [*held(fn), *self.given.carried])
         # a lazy module's first forward draws its weights from the region's generators: run plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
@@ -147,7 +147,9 @@ class _Frame:
             if store is None and task >= 0:  # what this backward leaves unread goes with it
                 forget = functools.partial(_forget, weakref.ref(self), task)
                 torch.autograd.Variable._execution_engine.queue_callback(forget)
-            store = self.recomputed[task] = {}
+            store = {}
+            if task >= 0:  # outside a backward (a saved tensor read by a tool): kept by none
+                self.recomputed[task] = store
             self.recompute(store)
         again = store.pop(handle.index)
         self.unwritten(handle.index, again if source is None else None, self.again[handle.index])
@@ -209,14 +211,9 @@ class _Frame:
             with _disable_current_modes():
                 compare_values(self.prints, self.origins, store)
         if counter[0] < total:
-            raise RecomputationError(
-                message(
-                    "checkpoint",
-                    "the recomputation saved fewer tensors for backward than the forward",
-                    f"{counter[0]} of {total}",
-                    "make the checkpointed function compute the same ops in forward and backward",
-                )
-            )
+            rule = "the recomputation saved fewer tensors for backward than the forward"
+            hint = "make the checkpointed function compute the same ops in forward and backward"
+            raise RecomputationError(message("checkpoint", rule, f"{counter[0]} of {total}", hint))
 
     def verify(self, i: int, t: torch.Tensor) -> None:
         meta = TensorMeta.of(t)

@@ -22,12 +22,21 @@ recomputation would compute other values from it: ``Unwritten`` notes their vers
 ends and refuses a recomputation from one written since. A module attribute may also hold another
 tensor by then (``torch.func.functional_call`` put its own in for the forward and took them out;
 ``layer.weight = nn.Parameter(...)``): the recomputation runs with the forward's tensors put back
-(``Unwritten.restored``), as long as they live.
+(``Unwritten.restored``), as long as they live. An attribute the call itself set (a weight norm's
+pre-hook computes ``weight`` at every call; ``self.attn_map = a.detach()``) is the call's own
+output, which its recomputation sets again: it is not put back. One whose tensor is gone is taken
+away while the recomputation runs, which is refused if it reads it: a closure over a whole model
+reaches every block's attributes, and a block that does not run in this call does not read its own.
+
+Objects pytree does not know (a dataclass batch, a ``SimpleNamespace``) are passed as they are, so
+the recomputation reads their tensors by reference: ``carried`` finds those (``CARRIED_DEPTH``
+attributes deep) for ``Unwritten``'s version check, which refuses one written in place since.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,8 +46,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat._errors import RecomputationError, message
 from remat.aten import describe
+from remat.manual.reach import CONTAINER_LIMIT
 
-__all__ = ["Inputs", "SaveInputs", "Unwritten"]
+__all__ = ["CARRIED_DEPTH", "Inputs", "SaveInputs", "Unwritten", "carried"]
+
+CARRIED_DEPTH = 2  # attributes followed from an argument pytree passed as it is
 
 
 class SaveInputs(torch.autograd.Function):
@@ -69,6 +81,7 @@ class Inputs:
         self.requires_grad = [t.requires_grad for t in tensors]
         anchor = torch.empty((0,), requires_grad=True)
         self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
+        self.carried = carried(a for a in leaves if not isinstance(a, torch.Tensor))  # by reference
         for i in self.slots:  # held by the saver's node only: the call's inputs may die with it
             leaves[i] = None
         self.leaves = leaves
@@ -99,11 +112,13 @@ class Unwritten:
     def __init__(self, modules: Iterable[torch.nn.Module], loose: Iterable[Any] = ()) -> None:
         named = [(m, name) for m in modules for name in _tensor_names(m)]  # one walk of the modules
         self.places = [(weakref.ref(m), name) for m, name in named]
+        self.start: list[Any] = [_attribute(m, name) for m, name in named]  # until the call ends
         found = {id(t): t for m, name in named if isinstance(t := _attribute(m, name), torch.Tensor)}
         found.update((id(t), t) for t in loose if isinstance(t, torch.Tensor) and id(t) not in found)
         live = [t for t in found.values() if not torch.nn.parameter.is_lazy(t) and not t.is_inference()]
         self.read = [(weakref.ref(t), t._version) for t in live]
-        self.held: list[weakref.ref[torch.Tensor] | None] = []  # per place, the tensor the call ended with
+        # per place, the tensor the call ended with (``_SET``: the call set the attribute itself)
+        self.held: list[weakref.ref[torch.Tensor] | object | None] = []
         self.written: list[torch.Tensor] = []  # by the call itself: its recomputation would write them again
 
     def again(self) -> None:
@@ -112,35 +127,52 @@ class Unwritten:
         now = [(ref, t, version) for ref, version in self.read if (t := ref()) is not None]
         self.written = [t for _, t, version in now if t._version != version]
         self.read = [(ref, t._version) for ref, t, _ in now]
-        self.held = [_ref(_attribute(m(), name)) for m, name in self.places]
+        ends = [_attribute(m(), name) for m, name in self.places]
+        self.held = [_SET if e is not s else _ref(e) for e, s in zip(ends, self.start, strict=True)]
+        self.start = []
 
     @contextlib.contextmanager
     def restored(self, api: str) -> Iterator[None]:
         """The recomputation's block: each module attribute holding another tensor than when the
-        call ended holds that one again (refused where it is gone), and is given back after."""
+        call ended holds that one again, and is given back after. One whose tensor is gone is taken
+        away for the block: a recomputation that reads it is refused (a closure over a whole model
+        reaches attributes of blocks it does not run)."""
         swapped: list[tuple[dict[str, Any], str, Any]] = []
+        hidden: list[tuple[torch.nn.Module, str]] = []
+        orders: list[tuple[dict[str, Any], list[str]]] = []
         try:
             for (module_ref, name), was in zip(self.places, self.held, strict=True):
+                if was is _SET:  # the call's own output: its recomputation sets it again
+                    continue
                 module, then = module_ref(), was() if was is not None else None
                 if module is None or _attribute(module, name) is then:
                     continue
-                if then is None:
-                    raise RecomputationError(
-                        message(
-                            api,
-                            "a module attribute the function read holds another tensor since the "
-                            "forward, and the forward's tensor is gone",
-                            f"{type(module).__name__}.{name}",
-                            "replace it after backward, or run this function without recomputation",
-                        )
-                    )
                 box: dict[str, Any] = module._parameters if name in module._parameters else module.__dict__
                 swapped.append((box, name, box[name]))
-                box[name] = then
+                if then is None:
+                    hidden.append((module, name))
+                    orders.append((box, list(box)))  # a parameter put back keeps its place
+                    del box[name]
+                else:
+                    box[name] = then
             yield
+        except AttributeError as error:
+            read = [
+                f"{type(m).__name__}.{n}" for m, n in hidden if f"object has no attribute '{n}'" in str(error)
+            ]
+            if not read:
+                raise
+            rule = "a module attribute the function read holds another tensor since the forward, and the "
+            rule += "forward's tensor is gone"
+            hint = "replace it after backward, or run this function without recomputation"
+            raise RecomputationError(message(api, rule, ", ".join(read), hint)) from None
         finally:
             for box, name, value in reversed(swapped):
                 box[name] = value
+            for box, order in orders:  # in their order again: one taken away went back last
+                items = {k: box[k] for k in order if k in box} | box
+                box.clear()
+                box.update(items)
 
     def check(self, api: str) -> None:
         """Refuse to recompute where the call wrote one of them itself, or one was written since."""
@@ -161,7 +193,8 @@ class Unwritten:
                 raise RecomputationError(
                     message(
                         api,
-                        "a parameter or tensor the function read (not one of its arguments) was "
+                        "a parameter or tensor the function read by reference (not a tensor argument: "
+                        "a module's, a closure's, or one an argument object such as a dataclass holds) was "
                         "modified in place before backward recomputed from it",
                         f"{describe(now.dtype, now.shape)} at version {now._version}, read at "
                         f"version {version}",
@@ -169,6 +202,35 @@ class Unwritten:
                         "without recomputation",
                     )
                 )
+
+
+def carried(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors in the attributes of ``values`` (objects pytree passes as they are: a dataclass, a
+    ``SimpleNamespace``, a batch class of the program's own), and in the lists, tuples and dicts
+    there, ``CARRIED_DEPTH`` attributes deep. Modules are not searched (their tensors are
+    ``Unwritten``'s places), nor classes, functions, Python modules or containers larger than
+    ``CONTAINER_LIMIT``."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    todo = [(v, 0) for v in values]
+    while todo:
+        value, depth = todo.pop()
+        if id(value) in seen or isinstance(value, _OPAQUE):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple, dict)):
+            items = list(value.values()) if isinstance(value, dict) else list(value)
+            if len(items) <= CONTAINER_LIMIT:
+                todo += [(v, depth) for v in items]
+        elif depth < CARRIED_DEPTH and isinstance(fields := getattr(value, "__dict__", None), dict):
+            todo += [(v, depth + 1) for v in fields.values()] if len(fields) <= CONTAINER_LIMIT else []
+    return list(found.values())
+
+
+_OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, str, bytes)
+_SET = object()  # ``Unwritten.held``: the call set this attribute itself
 
 
 def _tensor_names(module: torch.nn.Module) -> list[str]:

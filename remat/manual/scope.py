@@ -47,6 +47,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.plainly import plain
 from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error, written_from
+from remat.manual.traced import transformed
 from remat.policy import Policy, RecomputeAll, checked
 
 __all__ = ["scope"]
@@ -286,11 +287,13 @@ def scope(
     structure in the first backward, equal to eager up to floating-point rounding.
 
     A nested scope joins the outer region (the outer policy decides). With grad disabled or in
-    inference mode the block runs as is. Usable as a decorator too.
+    inference mode, or under a ``torch.func`` transform or forward-mode AD, the block runs as is. Usable
+    as a decorator too.
     """
     execute = executor("scope", replay)
     policy = checked("scope", policy)
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _recording() or plain():
+    off = not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain() or transformed()
+    if off or _recording():
         yield
         return
     if offloader is not None and not isinstance(offloader, Offloader):

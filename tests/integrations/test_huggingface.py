@@ -143,6 +143,9 @@ def test_enable_checkpointing_kwargs_errors() -> None:
         huggingface.enable(model, activation_checkpointing_kwargs="use_reentrant")  # type: ignore[arg-type]
     with pytest.raises(remat.RematTypeError, match=r"gradient_checkpointing_kwargs must be a dict .*got 1\)"):
         huggingface.enable(model, gradient_checkpointing_kwargs=1)  # type: ignore[arg-type]
+    for empty in ([], 0, "", ()):  # refused as well, not taken for no keywords
+        with pytest.raises(remat.RematTypeError, match=r"activation_checkpointing_kwargs must be a dict"):
+            huggingface.enable(model, activation_checkpointing_kwargs=empty)  # type: ignore[arg-type]
     with pytest.raises(remat.RematTypeError, match=r"enable: offload must be True or False \(got 'no'\)"):
         huggingface.enable(model, offload="no")  # type: ignore[arg-type]
     with pytest.raises(
