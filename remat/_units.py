@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from typing import TypeVar, cast
 
 from remat._errors import RematTypeError, RematValueError, message
+
+_T = TypeVar("_T")
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -27,12 +30,12 @@ _UNITS: dict[str, int] = {
 _SIZE = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def whole(value: object) -> object:
+def whole(value: _T) -> _T:
     """``value`` as a Python int where it is a whole number of another integer type (NumPy's
     ``int64``, a 0-dim integer tensor's ``item()`` is one already); anything else as it is, bools
     included, for the caller's own check to refuse."""
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
-        return int(value)
+        return cast(_T, int(value))
     return value
 
 

@@ -58,7 +58,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from remat import _allocator, aten
-from remat._dispatch import Unguarded
 from remat.aten import OpFacts, RngState
 from remat.aten import scratch as op_scratch
 from remat.core.driver import Thrashed
@@ -178,15 +177,11 @@ class Engine:
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def run(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        known = _OPS.get(id(func))
-        if known is None:
-            schema = aten.facts(func)
-            known = _OPS[id(func)] = (func, schema, schema.view_only or schema.skipped)
-        if known[2] or self.failed:
+    def run(self, func: Any, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if self.failed:
             return func(*args, **kwargs)
         try:
-            return self._run(func, known[1], args, kwargs)
+            return self._run(func, schema, args, kwargs)
         except (OutOfMemory, Thrashed) as failure:
             raise self.explain(failure) from None
 
@@ -195,8 +190,8 @@ class Engine:
             self.flush()
         flat, spec = flatten(args, kwargs)
         positions, explicit, named, leaves, tensors = scan(flat, self.managed)
-        if tensors and not positions:
-            return func(*args, **kwargs)  # only tensors of another device: not the region's memory
+        if not positions and (tensors or not self._outputs_here(named, False)):
+            return func(*args, **kwargs)  # another device's tensors or results: not the region's memory
         runtime, backend = self.runtime, self.backend
         self.current = schema.name
         # Each tensor argument's handle (a storage first read here becomes a constant, in argument
@@ -369,11 +364,6 @@ class Engine:
         return Trace(tuple(self.tensors), tuple(self.events), frozenset(), name, self.device.type, "dynamic")
 
 
-_OPS: dict[int, tuple[Any, OpFacts, bool]] = {}
-"""``id(overload)`` -> the overload, its facts, whether it reads no data or is no op of the program
-(then it passes straight through). By ``id``: an overload's ``__hash__`` is Python code."""
-
-
 def _plain(failure: BaseException) -> Exception:  # an engine's ``explain`` until its region sets one
     return RuntimeError(str(failure))
 
@@ -381,19 +371,3 @@ def _plain(failure: BaseException) -> Exception:  # an engine's ``explain`` unti
 def _same_device(a: torch.device | str, b: torch.device) -> bool:
     a = torch.device(a)
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-class Interceptor(Unguarded):
-    """Hands every ATen op of the region to its engine, whose storages an offloader must not copy."""
-
-    owns_storages = True  # (``remat.host.offloader``)
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.engine = engine
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        known = _OPS.get(id(func))
-        if known is not None and known[2]:  # reads no data: straight through (``Engine.run``)
-            return func(*args, **(kwargs or {}))
-        return self.engine.run(func, args, kwargs or {})

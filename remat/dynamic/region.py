@@ -1,25 +1,24 @@
 """``remat.dynamic``: run ordinary eager code under a hard memory budget, evicting and recomputing.
 
-``with remat.dynamic(budget="6GB", policy="coop"): ...`` manages every tensor the block makes: when
-an allocation would pass the budget the policy evicts, and an evicted tensor is recomputed from its
-recorded op when something reads it (DTR, MegEngine's DTE, OneFlow's Coop). Unlike a plan, nothing
-is traced ahead: shapes and control flow may change from step to step.
+``with remat.dynamic(budget="6GB", policy="coop"): ...`` manages every tensor the block makes: when an
+allocation would pass the budget the policy evicts, and an evicted tensor is recomputed from its recorded
+op when something reads it (DTR, MegEngine's DTE, OneFlow's Coop). Unlike a plan, nothing is traced ahead:
+shapes and control flow may change from step to step.
 
-The budget counts everything the ops of the block touch, the constants included: parameters,
-buffers, optimizer state, inputs and whatever the program holds from before the block. They stay
-resident. Tensors the block makes and the program still holds at its end are restored then and are
-ordinary tensors afterwards.
+The budget counts everything the ops of the block touch, the constants included: parameters, buffers,
+optimizer state, inputs and whatever the program holds from before the block. They stay resident. Tensors
+the block makes and the program still holds at its end are restored then and are ordinary tensors
+afterwards.
 
-The budget holds in the allocator's count, not only in the pool's (NOTE [room first] in
-``engine``). What the runtime cannot count ahead is covered by the ``reserve``, a part of the budget
-set aside at construction: the pool gets the rest. It covers kernels' scratch where it is unknown
-(NOTE [recompute bytes] in ``op_bytes``: a warning says so), the results of ops run before they are
-placed, and on the arena all scratch and copies (NOTE [beside the arena] in ``arena``).
+The budget holds in the allocator's count, not only in the pool's (NOTE [room first] in ``engine``). What
+the runtime cannot count ahead is covered by the ``reserve``, a part of the budget set aside at
+construction: the pool gets the rest. It covers kernels' scratch where it is unknown (NOTE [recompute
+bytes] in ``op_bytes``: a warning says so), the results of ops run before they are placed, and on the
+arena all scratch and copies (NOTE [beside the arena] in ``arena``).
 
 A region that fails (out of room, thrashing, or an error in the program) undoes the step
-(:mod:`remat.dynamic.undo`) and says so in the error. The object is reusable: enter it once per
-step; ``stats`` describes the last completed block.
-"""
+(:mod:`remat.dynamic.undo`) and says so in the error. The object is reusable: enter it once per step;
+``stats`` describes the last completed block."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from types import TracebackType
 import torch
 
 from remat._arguments import device_of
-from remat._errors import RematError, RematTypeError, RematValueError, message
+from remat._errors import RematError, RematRuntimeError, RematTypeError, RematValueError, message
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.core.driver import Thrashed, deepen, make_pool
 from remat.core.policies.base import EvictionPolicy
@@ -41,8 +40,9 @@ from remat.core.pool import Fit, OutOfMemory, Pool
 from remat.core.swap import Swap
 from remat.dynamic import backends, homes
 from remat.dynamic.accounting import AccountingBackend
-from remat.dynamic.engine import Engine, Interceptor
+from remat.dynamic.engine import Engine
 from remat.dynamic.failures import explain
+from remat.dynamic.interceptor import Interceptor
 from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.op_bytes import warn_unmeasured, warn_unsized
 from remat.dynamic.stats import DynamicStats, Recorder
@@ -191,7 +191,11 @@ class Dynamic:
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
         engine, mode = self._engine, self._mode
-        assert engine is not None and mode is not None
+        if engine is None or mode is None:
+            hint = "use the region as `with remat.dynamic(...):`"
+            raise RematRuntimeError(
+                message(API, "the region was left without being entered", "__exit__", hint)
+            )
         mode.__exit__(None, None, None)
         _open.remove(self)
         try:
@@ -376,25 +380,16 @@ def _reserve(reserve: object, budget: int) -> int:
     else:
         amount = parse_bytes(reserve, API)  # type: ignore[arg-type]
     if not 0 <= amount < budget:
-        raise RematValueError(
-            message(
-                API,
-                "the reserve is a part of the budget: a fraction in [0, 1) or fewer bytes than the budget",
-                f"got reserve={reserve!r} for a budget of {format_bytes(budget)}",
-                "pass e.g. reserve=0.05 or reserve='64MiB'",
-            )
-        )
+        rule = "the reserve is a part of the budget: a fraction in [0, 1) or fewer bytes than the budget"
+        given = f"got reserve={reserve!r} for a budget of {format_bytes(budget)}"
+        raise RematValueError(message(API, rule, given, "pass e.g. reserve=0.05 or reserve='64MiB'"))
     return amount
 
 
 def _swap(swap: object, places: bool, backend: str) -> Link | None:
     if swap is None or (isinstance(swap, Link) and not places):
         return swap
-    link = isinstance(swap, Link)
+    if not isinstance(swap, Link):
+        raise RematTypeError(message(API, "swap must be a remat.Link", f"got {swap!r}", "pass remat.Link()"))
     rule = f"the {backend} backend places tensors in its arena, where a swapped one cannot return"
-    error = RematValueError(message(API, rule, f"got swap={swap!r}", 'use backend="accounting" to swap'))
-    raise (
-        error
-        if link
-        else RematTypeError(message(API, "swap must be a remat.Link", f"got {swap!r}", "pass remat.Link()"))
-    )
+    raise RematValueError(message(API, rule, f"got swap={swap!r}", 'use backend="accounting" to swap'))

@@ -144,7 +144,7 @@ class Unwritten:
             for (module_ref, name), was in zip(self.places, self.held, strict=True):
                 if was is _SET:  # the call's own output: its recomputation sets it again
                     continue
-                module, then = module_ref(), was() if was is not None else None
+                module, then = module_ref(), was() if isinstance(was, weakref.ref) else None
                 if module is None or _attribute(module, name) is then:
                     continue
                 box: dict[str, Any] = module._parameters if name in module._parameters else module.__dict__
