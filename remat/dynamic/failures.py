@@ -45,7 +45,14 @@ def explain(failure: BaseException, engine: Engine, region: Limits) -> Exception
                 f"{meter.recompute_cost * 1e3:.1f} ms for {meter.base_cost * 1e3:.1f} ms of first runs, "
                 f"stopped at {op}" + ("" if engine.current else ", handing back what the program holds"),
                 "raise the budget, or thrash_limit if this overhead is acceptable (where an op's "
-                "inputs and what remakes them do not fit beside each other, no limit is enough)",
+                "inputs and what remakes them do not fit beside each other, no limit is enough)"
+                + (
+                    ""
+                    if engine.current
+                    else "; or keep fewer of the region's tensors past its end (each evicted one is rebuilt "
+                    "there with the dead tensors its recomputation reads: an input gradient of a "
+                    "double backward is the whole first backward again)"
+                ),
             )
         )
     assert isinstance(failure, OutOfMemory)

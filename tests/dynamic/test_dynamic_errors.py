@@ -383,6 +383,46 @@ def test_a_thrash_while_handing_back_says_so() -> None:
     assert "()" not in str(error)
 
 
+def test_a_hand_over_that_thrashes_says_to_keep_fewer_tensors_past_the_end() -> None:
+    """A gradient penalty's input gradient kept past the region is rebuilt there from the whole first
+    backward: at 0.65 of the peak the hand-over thrashes whatever the limit; kept to the losses, the
+    same budget hands over at once, with the plain gradients."""
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(256, 64, generator=g)
+    weights = [(torch.randn(64, 64, generator=g) / 8).requires_grad_() for _ in range(3)]
+
+    def step(keep_gradient: bool) -> tuple[torch.Tensor, ...]:
+        x = x0.clone().requires_grad_()
+        h = torch.tanh(x @ weights[0])
+        out = (torch.tanh(h @ weights[1]) * h @ weights[2]).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        penalty = ((gx.norm(dim=1) - 1) ** 2).mean()
+        (out * 1e-3 + penalty).backward()
+        return (out, penalty, gx) if keep_gradient else (out.detach(), penalty.detach())
+
+    step(False)
+    plain = [w.grad.clone() for w in weights]
+    free = remat.dynamic(None, "dtr", keep=(x0, *weights), cost="model")
+    for _ in range(2):
+        with free:
+            step(False)
+    budget = int(0.65 * free.stats.peak_bytes)
+    region = remat.dynamic(budget, "dtr", keep=(x0, *weights), cost="model", reserve=0.1, thrash_limit=20.0)
+    with (
+        pytest.raises(
+            RematValueError,
+            match=r"handing back what the program holds\).*; or keep fewer of the region's tensors",
+        ),
+        region,
+    ):
+        kept = step(True)  # held past the region's end
+    before = [w.grad.clone() for w in weights]  # the failed step was undone
+    with region:
+        kept = step(False)
+    assert region.stats.exit_recomputations == 0 and len(kept) == 2
+    assert all(torch.equal(w.grad, b + p) for w, b, p in zip(weights, before, plain, strict=True))
+
+
 def test_a_recomputation_at_the_end_is_not_blamed_on_what_the_program_holds() -> None:
     """At the region's end the program's holdings (here the gradients, 24,704 bytes beside 44,416
     of constants) fit the pool; what did not was one allocation of a recomputation restoring an
