@@ -101,6 +101,9 @@ class Engine:
         self.explain: Callable[[BaseException], Exception] = _plain
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
+        self.hidden: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # storage key -> it, its content at entry
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
         self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
         self.hooks: list[RemovableHandle] = []  # of :func:`remat.dynamic.wanted.watch`, removed at close
@@ -206,6 +209,8 @@ class Engine:
                 handle = self.constant(t)
             handles.append(handle)
             slots.append(Slot(i, storage_of(handle), *geometry(t), t.is_conj() + 2 * t.is_neg()))
+        if schema.hidden_writes:
+            handles += self._note_hidden(schema, args, kwargs)
         inputs = tuple(dict.fromkeys(handles))
         runtime.prepare(inputs)
         written = self._written(schema, args, kwargs) if schema.writes else []
@@ -307,6 +312,21 @@ class Engine:
         else its tensors or the default device tell (meta results do not)."""
         devices = named or ([] if reads_here else [torch.get_default_device()])
         return all(_same_device(d, self.device) for d in devices)
+
+    def _note_hidden(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
+        """Copy the content at entry of each tensor from before the region that this op writes
+        without its schema saying so (batch norm's running statistics), before its first such write:
+        an undo writes it back (NOTE [hidden writes] in ``remat.aten.schema``; declared writes keep
+        their versions in the core). The copy is a constant of the region, in its budget, and an
+        input of the op (so that the simulator, NOTE [first sight], meets it there too)."""
+        copies = []
+        for t in aten.written_tensors(schema.all_writes(args)[len(schema.writes) :], args, kwargs):
+            key = t.untyped_storage()._cdata
+            handle = self.handles.get(key, -1)
+            if key not in self.hidden and self.entry.get(handle) == self.runtime.storage_of(handle):
+                self.hidden[key] = (t, copy := t.detach().clone())
+                copies.append(self.constant(copy, outside=False))
+        return copies
 
     def _written(self, schema: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
         written = aten.written_tensors(schema.writes, args, kwargs)

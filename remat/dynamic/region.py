@@ -161,7 +161,8 @@ class Dynamic:
             if self.device.type == "cpu":  # the generator state the snapshot keeps is in the budget
                 for state in self._snapshot.rng.tensors():
                     engine.constant(state, outside=False)
-            for _, content in self._snapshot.buffers:  # and so are the buffers' copies
+            for buffer, content in self._snapshot.buffers:  # and so are the buffers' copies
+                engine.hidden[buffer.untyped_storage()._cdata] = (buffer, content)  # not copied again
                 if content.device == self.device:
                     engine.constant(content, outside=False)
         except OutOfMemory:
@@ -260,6 +261,10 @@ class Dynamic:
     def _undo(self, engine: Engine, error: BaseException) -> None:
         """Put training back as it was at entry and say so in ``error`` (:mod:`undo`)."""
         restored, lost = write_back(engine)
+        with torch.no_grad():  # after the versions: a hidden write changed the first in place
+            for tensor, content in engine.hidden.values():
+                tensor.copy_(content)
+        restored += len(engine.hidden)
         abandon(engine)
         assert self._snapshot is not None
         for generator, state in engine.generators.values():  # then the defaults', as at entry

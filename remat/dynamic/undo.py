@@ -10,8 +10,9 @@ and some optimizer states advanced. So the region undoes the step instead:
   version (NOTE [constants stay] in :mod:`remat.core.runtime`), so the entry content is at hand;
 - batch norm writes its running statistics without its schema saying so (NOTE [hidden writes] in
   :mod:`remat.aten.schema`), so the core never sees those writes: the floating-point buffers of
-  the modules in ``keep`` are copied at entry (the region counts the copies in its budget) and
-  written back;
+  the modules in ``keep`` are copied at entry, and any other tensor from before the region that
+  such an op writes is copied just before its first such write (``Engine._note_hidden``); the
+  region counts the copies in its budget, and writes them back;
 - each optimizer given in ``keep`` gets its state mapping back (entries the step created, such as
   momentum buffers made at the first step, go), and so does each other optimizer that steps inside
   the region, as it was before its first step there (``watch_steps``: a retried step would find

@@ -225,6 +225,50 @@ def test_a_step_that_fails_inside_the_optimizer_leaves_training_as_it_was() -> N
     assert failed_inside, "no budget made the optimizer's step itself fail"
 
 
+@pytest.mark.parametrize("fails", ["program", "budget"])
+def test_batch_norm_statistics_are_put_back_without_keep(fails: str) -> None:
+    """Batch norm writes its running statistics unseen by its schema: outside ``keep`` the undo left
+    them updated (and ``num_batches_tracked``, a declared write, put back: the two disagreed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
+    x = torch.randn(256, 8)
+    entry = {k: v.clone() for k, v in model.state_dict().items()}
+    budget = "10MB" if fails == "program" else 200_000  # fails in the backward
+    with (
+        pytest.raises(ValueError if fails == "program" else RematValueError) as raised,
+        remat.dynamic(budget),
+    ):
+        model(x).square().mean().backward()
+        raise ValueError("an error of the program")
+    assert "the step was undone" in str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, entry[name]), name
+
+
+@pytest.mark.parametrize("policy", ["dtr", "coop"])
+def test_the_copies_of_batch_norm_statistics_replay_in_the_simulator(policy: str) -> None:
+    """The copies an undo would write back are constants of the region, met by the simulator at the
+    op that makes them (an input of it), so that it takes the region's decisions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.Linear(64, 1),
+    )
+    x = torch.randn(256, 8)
+    with remat.dynamic(None, cost="model") as free:
+        model(x).square().mean().backward()
+    region = remat.dynamic(int(0.85 * free.stats.peak_bytes), policy, cost="model", reserve=0)
+    with region:
+        model(x).square().mean().backward()
+    comparison = region.stats.compare()
+    assert region.stats.evictions > 0 and comparison.same_evictions
+    assert comparison.simulated_peak == region.stats.peak_bytes
+
+
 @pytest.mark.parametrize("explicit", ["own", "default"])
 def test_a_failed_step_puts_back_the_generators_it_drew_from(explicit: str) -> None:
     """Also the default generator where an op names it after an implicit draw (its state from
