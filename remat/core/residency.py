@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from remat._errors import message
 from remat.core.backend import Backend
 from remat.core.classes import EvictedClasses
 from remat.core.graph import Column, Graph, Record
@@ -51,6 +52,16 @@ UNFILLED = frozenset(
         "aten.new_empty_strided.default",
     }
 )
+
+
+# NOTE [restore cycles] Restoring a storage re-runs its producer and then re-derives its views,
+# whose ops may read other storages; in a trace where a view op reads a tensor made from its own
+# base (not an op PyTorch has: a hand-made or foreign trace), restoring the base needs the base:
+# the recursion would not end. A restore entered again for a storage it is restoring is refused.
+def restore_cycle(storage: int, record: Record) -> str:
+    rule = "restoring a tensor needs that tensor itself (a view op reads a tensor made from its own base)"
+    given = f"storage {storage}, made by op {record.op.index} ({record.op.name})"
+    return message("core.Runtime", rule, given, "a view op may read only its base")
 
 
 class Frame:
@@ -84,6 +95,7 @@ class Residency:
         self.last = Column()  # last access per storage, in op time
         self.evictable = Column(bool)  # resident, unlocked, not constant, not empty, not wanted, not pinned
         self.pinned: set[int] = set()  # NOTE [unfilled results]
+        self._restoring: set[int] = set()  # NOTE [restore cycles]
         self.wanted: list[bool] = []  # NOTE [wanted at the end]
         self.compact = False  # the pool's addresses are a model (NOTE [model addresses] in ``runtime``)
         self.wants: list[tuple[int, int]] = []  # (ops run before the mark, handle), in order

@@ -52,7 +52,7 @@ from remat.core.backend import Backend
 from remat.core.graph import NO_REUSE, Record
 from remat.core.policies.base import EvictionPolicy
 from remat.core.pool import End, OutOfMemory, Pool
-from remat.core.residency import UNFILLED, Frame, Residency
+from remat.core.residency import UNFILLED, Frame, Residency, restore_cycle
 from remat.core.swap import Swap
 from remat.trace.types import Op, TensorInfo
 
@@ -71,14 +71,9 @@ class Runtime(Residency):
     ) -> None:
         missing = set(policy.needs) - ({"layout"} if pool.layout else set()) - {"classes", "regions"}
         if missing:
-            raise RematValueError(
-                message(
-                    "core.Runtime",
-                    "the policy needs state this pool does not track",
-                    f"policy {policy.name!r} needs {sorted(missing)}, pool is a {type(pool).__name__}",
-                    "use an AddressPool",
-                )
-            )
+            given = f"policy {policy.name!r} needs {sorted(missing)}, pool is a {type(pool).__name__}"
+            rule = "the policy needs state this pool does not track"
+            raise RematValueError(message("core.Runtime", rule, given, "use an AddressPool"))
         super().__init__(pool, backend, "classes" in policy.needs, "regions" in policy.needs)
         self.policy = policy
         # The pool's addresses are a model, not the memory (an eager runtime whose tensors live in
@@ -263,8 +258,11 @@ class Runtime(Residency):
         if self.swap is not None and self.swap.holds(storage):
             self._reload(storage, record, self.swap)
             return
+        if storage in self._restoring:  # NOTE [restore cycles] in ``residency``
+            raise RematValueError(restore_cycle(storage, record))
         frame = Frame()
         self._frames.append(frame)
+        self._restoring.add(storage)
         try:
             needed = list(record.inputs)
             needed += [p for p in graph.parents[storage] if p not in needed]
@@ -275,6 +273,7 @@ class Runtime(Residency):
             self._run(frame, record, recompute=True, keep=keep)
             self.telemetry.recomputations += 1
         finally:
+            self._restoring.discard(storage)
             self._leave(frame)
 
     def _reload(self, storage: int, record: Record, swap: Swap) -> None:

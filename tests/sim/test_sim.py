@@ -13,6 +13,7 @@ from remat import RematValueError
 from remat.sim import Outcome, SimResult, facts, simulate, sweep
 from remat.sim.synthetic import training_step
 from remat.trace import Trace, capture, load
+from remat.trace.builder import TraceBuilder
 from remat.trace.types import Op, Release, TensorInfo
 
 LOGS = Path(__file__).resolve().parents[2] / "data" / "dtr"
@@ -223,3 +224,33 @@ def test_a_ratio_of_a_trace_that_holds_no_bytes_says_so() -> None:
         r"\(trace .*, peak 0 bytes\); simulate a step that makes tensors",
     ):
         simulate(empty, 0.5, "dtr")
+
+
+def test_a_view_op_reading_a_tensor_made_from_its_base_is_refused_not_endless() -> None:
+    """Restoring the base re-derives its view, whose op reads a tensor made from the base: the
+    recursion had no end (a RecursionError, even with the simulator's deeper limit). No PyTorch op
+    does this; a hand-made trace can."""
+    b = TraceBuilder()
+    x = b.tensor(1024, constant=True)
+    base = b.tensor(4096)
+    b.op("f", (x,), (base,), 1.0)
+    made = b.tensor(4096)
+    b.op("g", (base,), (made,), 1.0)
+    view = b.tensor(0, alias_of=base)
+    b.op("view_with", (base, made), (view,), 0.1)
+    b.release(base)
+    b.release(made)
+    previous, chain = x, []
+    for i in range(8):
+        chain.append(t := b.tensor(4096))
+        b.op(f"h{i}", (previous,), (t,), 1.0)
+        previous = t
+    b.op("use", (view, previous), (b.tensor(4096),), 1.0)
+    for t in chain:
+        b.release(t)
+    trace = b.trace("cycle")
+    assert simulate(trace, 0.9, "dtr").outcome is Outcome.OK
+    with pytest.raises(
+        RematValueError, match=r"remat\.core\.Runtime: restoring a tensor needs that tensor itself"
+    ):
+        simulate(trace, 0.5, "dtr")
