@@ -101,9 +101,7 @@ class Engine:
         self.explain: Callable[[BaseException], Exception] = _plain
         self.failed = False  # an op failed and the step was undone: ops run as plain PyTorch
         self.entry: dict[int, int] = {}  # constant handle -> its core storage when registered
-        self.hidden: dict[
-            int, tuple[torch.Tensor, torch.Tensor]
-        ] = {}  # storage key -> it, its content at entry
+        self.hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> it, its entry content
         self.outside_bytes = 0  # bytes of the storages from before the region (constants)
         self.moments: list[tuple[int, str]] = backend.moments  # (time.time_ns(), "evict" | "recompute")
         self.hooks: list[RemovableHandle] = []  # of :func:`remat.dynamic.wanted.watch`, removed at close
@@ -322,8 +320,12 @@ class Engine:
         copies = []
         for t in aten.written_tensors(schema.all_writes(args)[len(schema.writes) :], args, kwargs):
             key = t.untyped_storage()._cdata
-            handle = self.handles.get(key, -1)
-            if key not in self.hidden and self.entry.get(handle) == self.runtime.storage_of(handle):
+            handle = self.handles.get(key)
+            if (
+                key not in self.hidden
+                and handle in self.entry
+                and self.entry[handle] == self.runtime.storage_of(handle)
+            ):
                 self.hidden[key] = (t, copy := t.detach().clone())
                 copies.append(self.constant(copy, outside=False))
         return copies
