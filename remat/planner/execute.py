@@ -220,7 +220,8 @@ class _Runner(Unguarded):
                 "plan",
                 rule,
                 given,
-                "plan again with inputs that take this path (control flow, shapes, train or eval mode)",
+                "plan again with inputs that take this path (control flow, shapes, train or eval mode), "
+                "and with the modules as they run (a checkpoint wrapped around one after planning)",
             )
         )
 
@@ -290,13 +291,9 @@ def apply(
     (``remat.planner.offload_execute`` passes one that also notes what the plan offloads)."""
     execute = executor("plan.apply", replay)
     if not isinstance(model, nn.Module):
+        given = f"got {type(model).__name__}"
         raise RematTypeError(
-            message(
-                "plan.apply",
-                "apply takes the model to run",
-                f"got {type(model).__name__}",
-                "pass an nn.Module",
-            )
+            message("plan.apply", "apply takes the model to run", given, "pass an nn.Module")
         )
     if checkpointed(model):  # its hooks come inside the forward, after the plan's start
         raise hooks_refused("remat.checkpoint (the model's forward is one)")

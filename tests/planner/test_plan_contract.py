@@ -87,6 +87,17 @@ def test_a_plan_refuses_a_model_checkpointed_whole() -> None:
         _loss(wrapped, x)
 
 
+def test_a_child_checkpointed_after_planning_is_named_in_the_divergence() -> None:
+    """A module wrapped with ``remat.checkpoint`` after the plan was made runs other ops (its own
+    hooks' among them): the divergence's advice named control flow, shapes and modes only."""
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.9, loss_fn=_loss, repeats=1)
+    remat.checkpoint(model[2])
+    hint = r"diverged from the traced step .*and with the modules as they run \(a checkpoint wrapped around"
+    with pytest.raises(RecomputationError, match=hint), plan.apply(model):
+        _loss(model, x)
+
+
 @pytest.mark.parametrize(
     "change", ["batch", "width", "dtype"], ids=["another batch size", "another width", "another dtype"]
 )
