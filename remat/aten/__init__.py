@@ -35,6 +35,7 @@ from remat.aten.schema import (
 from remat.aten.tensors import (
     Geometry,
     describe,
+    detached,
     dtype_name,
     geometry,
     made_last,
@@ -59,6 +60,7 @@ __all__ = [
     "capture",
     "capture_all",
     "describe",
+    "detached",
     "dtype_name",
     "facts",
     "geometry",

@@ -59,6 +59,19 @@ def version_witness(t: torch.Tensor) -> torch.Tensor:
     return witness
 
 
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``, sharing ``t``'s version counter also when called inside a dispatch mode's
+    ``__torch_dispatch__``: autograd's keys are excluded there, and a plain ``detach`` is a bare alias
+    with a version counter of its own (an in-place write to ``t`` would not show on it). They are let
+    back in for this one call."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keys = excluded.remove(torch._C.DispatchKey.AutogradFunctionality).remove(
+        torch._C.DispatchKey.ADInplaceOrView
+    )
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keys):
+        return t.detach()
+
+
 def same_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share a version counter: views do, the results of ``unsafe_split`` and
     ``unsafe_chunk`` on one storage do not (each may be written unseen by the others). Told by

@@ -28,6 +28,7 @@ ignored. With grad disabled or in inference mode, the block simply runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
@@ -53,6 +54,12 @@ from remat.policy import Policy, RecomputeAll, checked
 __all__ = ["scope"]
 
 
+# NOTE [kept detached] The tensors a region's replay reads are kept detached once it has recorded
+# (sharing their memory and version counters): kept with their graph, they would close a cycle
+# through C++ (a kept tensor -> its node -> later nodes' saved tensors -> the region's hooks -> the
+# region -> the kept tensor) that Python's collector cannot see, and a step whose loss never reached
+# backward (a skipped step, an error before it) would stay in memory for good. So is an output a
+# node saves of itself (kept by a SAVE policy): its node -> its saved tensor -> the output -> it.
 class _Kept(NamedTuple):
     """A saved tensor the region keeps as is, and its version when autograd saved it."""
 
@@ -99,8 +106,10 @@ class TapedRegion:
         tape = self.tape
         assert tape is not None, "pack hooks only run while the region records"
         vid = tape.lookup(t)
-        if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
-            return _Kept(t, t._version)
+        if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:  # an output saved by its own
+            return _Kept(
+                aten.detached(t) if aten.made_last(t) else t, t._version
+            )  # node: NOTE [kept detached]
         moving = bool(tape.offloading or tape.moved)
         parcel = tape.move(vid) if moving else None
         if parcel is not None:
@@ -130,7 +139,9 @@ class TapedRegion:
         tape, self.tape = self.tape, None
         if tape is not None and self.handles:
             self._own_writes(tape)
-            self.plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
+            plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
+            kept = {vid: (aten.detached(t), version) for vid, (t, version) in plan.kept.items()}
+            self.plan = dataclasses.replace(plan, kept=kept)  # NOTE [kept detached]
             self.declared, self.spans = tape.declared, tape.spans
         if tape is not None:
             self.offloader = tape.offloader
