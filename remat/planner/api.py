@@ -15,6 +15,7 @@ PyTorch without re-entering the model's code. The search itself lives in ``remat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ from remat.planner.offload_search import (
     offload_arguments,
     offload_frontier,
 )
-from remat.planner.plan import Plan
+from remat.planner.plan import Plan, trainable
 from remat.planner.results import first_result
 from remat.planner.search import Step, best, decisions, fail
 from remat.planner.solvers import get
@@ -370,8 +371,8 @@ def plan(
     parse_budget(budget, api="plan")
     get(solver)
     _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
-    trace = trace_step(model, example_inputs, loss_fn, repeats)
-    return plan_trace(
+    trace, flags = trace_step(model, example_inputs, loss_fn, repeats), trainable(model)
+    made = plan_trace(
         trace,
         budget,
         solver=solver,
@@ -383,6 +384,7 @@ def plan(
         within_blocks=within_blocks,
         **options,
     )
+    return dataclasses.replace(made, trainable=flags)
 
 
 def _auto(step: Step) -> Frontier:

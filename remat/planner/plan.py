@@ -54,7 +54,10 @@ class Plan:
     per-op check, tapes, replays and offload bookkeeping ÷ the plain step's compute, NOTE
     [executor cost] in ``remat.planner.cost_model``). ``shapes`` is, per forward op, its first
     result as the trace saw it (``float32[8, 64]``, or empty where unknown): the executor checks
-    each op against it, since a plan predicts the memory of the shapes it was made for."""
+    each op against it, since a plan predicts the memory of the shapes it was made for.
+    ``trainable`` is, per parameter of the model it was made for, whether it required grad: which
+    tensors autograd saves depends on it, and ``apply`` refuses a model trained otherwise (empty:
+    not known, a plan made from a trace)."""
 
     name: str
     solver: str
@@ -76,6 +79,7 @@ class Plan:
     predicted_executor_overhead: float = 0.0
     shapes: tuple[str, ...] = ()
     host_budget: int | None = None  # with ``link``: the host bytes the plan keeps to, and its run
+    trainable: tuple[bool, ...] = ()
 
     # -- reading it ---------------------------------------------------------------------------
 
@@ -161,6 +165,12 @@ class Plan:
 
         OFFLOAD decisions run through ``remat.host``: the saved outputs of the planned ops wait in
         host memory and come back when backward needs them (``remat.planner.offload_execute``)."""
+        now = trainable(model) if isinstance(model, nn.Module) else self.trainable
+        if self.trainable and now != self.trainable:
+            rule = "the model's parameters require grad otherwise than when the plan was made"
+            given = f"{sum(now)} of {len(now)} require grad, {sum(self.trainable)} of {len(self.trainable)}"
+            hint = "plan again with the parameters frozen as they will train (autograd saves other tensors)"
+            raise RematValueError(message("plan.apply", rule, given + " did", hint))
         moved = frozenset(t.op for t in self.tensors if t.action is Decision.OFFLOAD)
         if moved:
             where = (self.regions, self.ops, self.modules, model, replay, moved, self.link, self.shapes)
@@ -216,6 +226,7 @@ class Plan:
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])
             fields["shapes"] = tuple(str(x) for x in fields.get("shapes", ()))
+            fields["trainable"] = tuple(x is True for x in fields.get("trainable", ()))
             if len(fields["shapes"]) not in (0, len(fields["ops"])) or len(fields["modules"]) != len(
                 fields["ops"]
             ):
@@ -285,3 +296,8 @@ def _scalars(fields: dict[str, Any]) -> None:
     host = fields.get("host_budget")
     if host is not None and (type(host) is not int or host <= 0):
         raise ValueError(f"host_budget must be a byte count or null: {host!r}"[:200])
+
+
+def trainable(model: nn.Module) -> tuple[bool, ...]:
+    """Per parameter of ``model``, whether it requires grad (``Plan.trainable``)."""
+    return tuple(p.requires_grad for p in model.parameters())

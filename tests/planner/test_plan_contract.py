@@ -98,6 +98,28 @@ def test_a_child_checkpointed_after_planning_is_named_in_the_divergence() -> Non
         _loss(model, x)
 
 
+def test_a_plan_refuses_parameters_trained_otherwise_than_planned(tmp_path: Path) -> None:
+    """A plan made with half the layers frozen ran silently with them unfrozen, at 1.9x its budget
+    (autograd saves other tensors); the flags travel with a saved plan, and as planned it runs."""
+    model, x = _mlp(), torch.randn(256, 64)
+    for p in model[:2].parameters():
+        p.requires_grad_(False)
+    plan = remat.plan(model, (x,), 0.9, loss_fn=_loss, repeats=1)
+    plan.save(tmp_path / "plan.json")
+    for p in model[:2].parameters():
+        p.requires_grad_(True)
+    for made in (plan, Plan.load(tmp_path / "plan.json")):
+        with pytest.raises(
+            RematValueError, match=r"remat\.plan\.apply: the model's parameters require grad "
+        ):
+            made.apply(model)
+    for p in model[:2].parameters():
+        p.requires_grad_(False)
+    with remat.memory.track(allocator=True) as measured, plan.apply(model):
+        _loss(model, x).backward()
+    assert measured.peak_bytes <= plan.budget_bytes
+
+
 @pytest.mark.parametrize(
     "change", ["batch", "width", "dtype"], ids=["another batch size", "another width", "another dtype"]
 )
