@@ -52,6 +52,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
+from remat.planner.applied import Applied
 from remat.planner.foreign import hooks_of_another, hooks_refused
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
@@ -300,9 +301,9 @@ def apply(
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
     again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
-    hooks = [model.register_forward_pre_hook(runner.begin)]
-    hooks.append(model.register_forward_hook(runner.end, always_call=True))  # where it raised too
-    hooks += [child.register_forward_pre_hook(_guard(runner, child)) for child in model.children()]
+    hooks = [model.register_forward_pre_hook(Applied(runner.begin))]  # a copy's are inert
+    hooks.append(model.register_forward_hook(Applied(runner.end), always_call=True))  # where it raised too
+    hooks += [child.register_forward_pre_hook(Applied(_guard(runner, child))) for child in model.children()]
     wrapped = []
     try:
         wrapped += [_run_again(runner, region, module) for region, module in again]

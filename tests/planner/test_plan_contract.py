@@ -98,6 +98,28 @@ def test_a_child_checkpointed_after_planning_is_named_in_the_divergence() -> Non
         _loss(model, x)
 
 
+def test_copies_of_the_model_made_under_a_plan_run_plainly() -> None:
+    """A deep copy (an EMA's snapshot) made inside ``apply`` took a copy of the plan's runner, which
+    refused any other batch for good; ``torch.save`` of the model failed on its local hooks."""
+    import io
+
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.9, loss_fn=_loss, repeats=1)
+    with plan.apply(model):
+        _loss(model, x).backward()
+        snapshot = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    other = torch.randn(3, 64)
+    expected = model(other)
+    for copied in (snapshot, loaded):
+        assert torch.equal(copied(other), expected)
+        with plan.apply(model):  # a block of the original's leaves the copies plain as well
+            assert torch.equal(copied(other), expected)
+
+
 def test_a_plan_refuses_parameters_trained_otherwise_than_planned(tmp_path: Path) -> None:
     """A plan made with half the layers frozen ran silently with them unfrozen, at 1.9x its budget
     (autograd saves other tensors); the flags travel with a saved plan, and as planned it runs."""
