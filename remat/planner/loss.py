@@ -38,13 +38,16 @@ def step_loss(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None) -> torch
     else:
         out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
         out = getattr(out, "loss", out)
-    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
-        given = (
-            type(out).__name__ if not isinstance(out, torch.Tensor) else f"tensor of shape {list(out.shape)}"
-        )
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad or out.is_complex():
+        given = type(out).__name__
+        if isinstance(out, torch.Tensor):  # what is off: its shape, dtype, or a graph to differentiate
+            given = f"tensor of shape {list(out.shape)}, {str(out.dtype).removeprefix('torch.')}, "
+            given += (
+                "requiring grad" if out.requires_grad else "not requiring grad (detached, or of no parameter)"
+            )
         off = isinstance(out, torch.Tensor) and not torch.is_grad_enabled()
         raise fail(
-            "the step's loss must be a scalar tensor that requires grad",
+            "the step's loss must be a real scalar tensor that requires grad",
             f"got {given}" + (", made with grad disabled (torch.no_grad)" if off else ""),
             "plan outside torch.no_grad()" if off else "pass loss_fn(model, *inputs) returning the loss",
         )

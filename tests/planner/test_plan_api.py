@@ -313,8 +313,18 @@ def test_fewer_ops_are_refused() -> None:
         (
             {"loss_fn": lambda m, x: m.blocks[0](x)},
             RematValueError,
-            r"remat.plan: the step's loss must be a scalar tensor that requires grad "
-            r"\(got tensor of shape \[64, 16\]\)",
+            r"remat.plan: the step's loss must be a real scalar tensor that requires grad "
+            r"\(got tensor of shape \[64, 16\], float32, requiring grad\)",
+        ),
+        (
+            {"loss_fn": lambda m, x: m(x).sum().detach()},
+            RematValueError,
+            r"loss must be a real scalar .*\(got tensor of shape \[\], float32, not requiring grad \(",
+        ),
+        (
+            {"loss_fn": lambda m, x: m(x).sum() * (1 + 1j)},
+            RematValueError,
+            r"loss must be a real scalar .*\(got tensor of shape \[\], complex64, requiring grad\)",
         ),
     ],
 )
@@ -330,8 +340,9 @@ def test_planning_under_no_grad_says_grad_is_off() -> None:
         torch.no_grad(),
         pytest.raises(
             RematValueError,
-            match=r"remat\.plan: the step's loss must be a scalar tensor that requires grad \(got tensor of "
-            r"shape \[\], made with grad disabled \(torch\.no_grad\)\); plan outside torch\.no_grad\(\)",
+            match=r"remat\.plan: the step's loss must be a real scalar tensor that requires grad \(got "
+            r"tensor of shape \[\], float32, not requiring grad .*, made with grad disabled "
+            r"\(torch\.no_grad\)\); plan outside torch\.no_grad\(\)",
         ),
     ):
         remat.plan(Branchy(), (torch.randn(64, 16),), budget=0.5, loss_fn=lambda m, x: m(x).sum())
