@@ -61,7 +61,8 @@ __all__ = ["scope"]
 # backward (a skipped step, an error before it) would stay in memory for good. So is an output a
 # node saves of itself (kept by a SAVE policy): its node -> its saved tensor -> the output -> it.
 class _Kept(NamedTuple):
-    """A saved tensor the region keeps as is, and its version when autograd saved it."""
+    """A saved tensor the region keeps (detached where its own node saves it: NOTE [kept
+    detached]), and its version when autograd saved it."""
 
     tensor: torch.Tensor
     version: int
@@ -106,10 +107,9 @@ class TapedRegion:
         tape = self.tape
         assert tape is not None, "pack hooks only run while the region records"
         vid = tape.lookup(t)
-        if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:  # an output saved by its own
-            return _Kept(
-                aten.detached(t) if aten.made_last(t) else t, t._version
-            )  # node: NOTE [kept detached]
+        if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
+            own = aten.made_last(t)  # an output its own node saves: NOTE [kept detached]
+            return _Kept(aten.detached(t) if own else t, t._version)
         moving = bool(tape.offloading or tape.moved)
         parcel = tape.move(vid) if moving else None
         if parcel is not None:
