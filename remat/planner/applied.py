@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Applied"]
+from torch import nn
+
+from remat._errors import RematValueError, message
+
+__all__ = ["Applied", "refuse_second"]
 
 
 class Applied:
@@ -39,3 +43,14 @@ class Inert:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         return None
+
+
+def refuse_second(model: nn.Module) -> None:
+    """One plan at a time: a second ``apply`` block on a model one holds already would count its
+    ops twice (and was refused as a forward that diverged from the traced step)."""
+    if any(isinstance(hook, Applied) for hook in model._forward_pre_hooks.values()):
+        rule = "a model runs under one plan at a time"
+        hint = "leave the open apply block first, or make one plan for both uses"
+        raise RematValueError(
+            message("plan.apply", rule, f"{type(model).__name__} is in an apply block", hint)
+        )

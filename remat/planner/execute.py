@@ -52,7 +52,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
-from remat.planner.applied import Applied
+from remat.planner.applied import Applied, refuse_second
 from remat.planner.foreign import hooks_of_another, hooks_refused
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
@@ -298,6 +298,7 @@ def apply(
         )
     if checkpointed(model):  # its hooks come inside the forward, after the plan's start
         raise hooks_refused("remat.checkpoint (the model's forward is one)")
+    refuse_second(model)
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
     again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]

@@ -120,6 +120,18 @@ def test_copies_of_the_model_made_under_a_plan_run_plainly() -> None:
             assert torch.equal(copied(other), expected)
 
 
+def test_a_second_apply_block_on_one_model_is_refused() -> None:
+    """It counted the model's ops twice and was refused as a forward that diverged from the trace."""
+    model, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(model, (x,), 0.9, loss_fn=_loss, repeats=1)
+    with plan.apply(model):
+        with pytest.raises(
+            RematValueError, match=r"remat\.plan\.apply: a model runs under one plan at a time"
+        ):
+            plan.apply(model).__enter__()
+        _loss(model, x).backward()  # the open block runs on
+
+
 def test_a_plan_refuses_parameters_trained_otherwise_than_planned(tmp_path: Path) -> None:
     """A plan made with half the layers frozen ran silently with them unfrozen, at 1.9x its budget
     (autograd saves other tensors); the flags travel with a saved plan, and as planned it runs."""
