@@ -46,7 +46,7 @@ from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
-from remat.manual.inputs import Inputs, Unwritten, failed_again
+from remat.manual.inputs import Inputs, Unwritten, carried, failed_again
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
 from remat.manual.plainly import plain
@@ -92,7 +92,7 @@ class _Frame:
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         modules = region_modules(fn, args, kwargs)
         self.modules = modules[0]  # their parameters: ``Unwritten`` as the call starts, and ends
-        self.parameters = Unwritten(self.modules, [*held(fn), *self.given.carried])
+        self.parameters = Unwritten(self.modules, [*held(fn), *carried(self.given.leaves)])  # by reference
         # a lazy module's first forward draws its weights from the region's generators: run plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]

@@ -81,7 +81,6 @@ class Inputs:
         self.requires_grad = [t.requires_grad for t in tensors]
         anchor = torch.empty((0,), requires_grad=True)
         self.saver = SaveInputs.apply(anchor, *tensors) if tensors else None
-        self.carried = carried(a for a in leaves if not isinstance(a, torch.Tensor))  # by reference
         for i in self.slots:  # held by the saver's node only: the call's inputs may die with it
             leaves[i] = None
         self.leaves = leaves

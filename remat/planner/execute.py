@@ -321,8 +321,8 @@ def apply(
 
 
 def _guard(runner: _Runner, child: nn.Module) -> Callable[..., None]:
-    """``child``'s pre-hook for ``_Runner.bypassed``: a function, which ``copy.deepcopy`` shares
-    where it would copy a bound method and its runner, so that a copy's child is not the plan's."""
+    """``child``'s pre-hook for ``_Runner.bypassed`` (wrapped in ``Applied``: a copy of the model
+    gets an inert one)."""
 
     def hook(module: nn.Module, args: Any) -> None:
         if module is child:
