@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,6 +29,8 @@ from floor import DEFAULT, FAMILIES  # noqa: E402
 import remat  # noqa: E402
 from remat.planner import plan_trace, trace_step  # noqa: E402
 from remat.planner.api import block_key  # noqa: E402
+from remat.planner.lowering import chain_from_trace  # noqa: E402
+from remat.planner.search import Step, simple  # noqa: E402
 
 
 class _PassThrough(TorchDispatchMode):
@@ -63,12 +66,26 @@ def phases(name: str, rounds: int) -> str:
         loss_of(model).backward()
     ck_peak = tracked.peak_bytes
     trace = trace_step(model, (), lambda m: loss_of(m), repeats=2)
-    plan = plan_trace(trace, ck_peak, block_key=block_key(model))
+    key = block_key(model)
+    plan = plan_trace(trace, ck_peak, block_key=key)
+    # NOTE [bare forward] in remat.planner.module_calls: plans whose regions all run as their
+    # module called again (or that have none), checked once and then run bare, or checked always
+    step = Step(trace, key, rerun_modules=True)
+    every = next(
+        c for c in simple(step, chain_from_trace(trace, key=key)) if c.notes == "every layer checkpointed"
+    )
+    again = dataclasses.replace(plan, regions=tuple(r for r, _ in every.regions))
+    assert all(r.rerun for r in again.regions), again.regions
+    nothing = dataclasses.replace(plan, regions=())
     contexts: dict[str, Callable[[], Any]] = {
         "plain": contextlib.nullcontext,
         "pass-through mode on the forward": lambda: _forward_under_a_mode(model),
         "checkpoint per layer": checkpointed,
         "remat.plan at checkpointing's peak": lambda: plan.apply(model),
+        "remat.plan, every layer run again, bare": lambda: again.apply(model),
+        "remat.plan, every layer run again, checked": lambda: again.apply(model, check="every"),
+        "remat.plan with no region, bare": lambda: nothing.apply(model),
+        "remat.plan with no region, checked": lambda: nothing.apply(model, check="every"),
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in contexts}
 

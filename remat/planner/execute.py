@@ -24,6 +24,9 @@ Counting starts when the model's own forward starts (a forward pre-hook on the m
 forward must run exactly the traced ops: another op, or fewer or more of them, raises
 RecomputationError with the position, the expected and the executed op and the module.
 
+Where every region is one call of one module, forwards after the first in a setting run without the
+mode outside the taped regions (NOTE [bare forward] in ``remat.planner.module_calls``).
+
 The dispatch mode is pushed when the model's forward starts and popped when it returns, so the
 loss, the backward (where regions replay through their saved-tensor hooks, not through the mode)
 and the optimizer run without a Python call per op.
@@ -33,12 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import types
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -54,12 +55,14 @@ from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
 from remat.planner.applied import Applied, refuse_second
 from remat.planner.foreign import hooks_of_another, hooks_refused
+from remat.planner.module_calls import Bare, anchor, submodule, wrap
 from remat.planner.regions import Region
-from remat.planner.rerun import CallCheck, run_again, setting
 from remat.planner.results import expected, made
 from remat.policy import Decision, OpContext, RecomputeAll
 
-__all__ = ["UNCOUNTED", "apply"]
+__all__ = ["UNCOUNTED", "Check", "apply"]
+
+Check = Literal["first", "every"]
 
 # Not ops of the program (as in the trace capture): profiler markers and metadata queries.
 # NOTE [uncounted ops] Autograd itself issues ``detach`` when it saves an op's output with no
@@ -67,9 +70,6 @@ __all__ = ["UNCOUNTED", "apply"]
 # capture installs one everywhere, the executor only inside regions). They make no memory and are
 # neither counted nor checked, on either side.
 UNCOUNTED = frozenset({"aten.detach.default"})
-
-# module regions whose call was checked op by op, per module: (first op, ops, setting)
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class _Runner(Unguarded):
         self.top = type(model).__name__
         self.pushed = False
         self.began = False  # a forward of the model ran under the plan (``bypassed``)
+        self.bare: Bare | None = None  # NOTE [bare forward] in ``remat.planner.module_calls``
 
     # -- regions ---------------------------------------------------------------------------------
 
@@ -129,15 +130,19 @@ class _Runner(Unguarded):
 
     # -- the forward -------------------------------------------------------------------------------
 
-    def begin(self, module: nn.Module, args: Any) -> None:
+    def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is
         self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
-        if not self.active and not self.aside:
+        running = self.active or (self.bare is not None and self.bare.running)
+        if not running and not self.aside:
             if (error := hooks_of_another()) is not None:
                 raise error
             self.stop()
             self.position = 0
-            self.active = self.began = True
+            self.began = True
+            if self.bare is not None and self.bare.start(args, kwargs):  # NOTE [bare forward]
+                return
+            self.active = True
             if not self.pushed:
                 self.__enter__()
                 self.pushed = True
@@ -171,11 +176,14 @@ class _Runner(Unguarded):
         self.active = False
         self.pop()
 
-    def end(self, module: nn.Module, args: Any, output: Any) -> None:
+    def end(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        raised = output is None and sys.exc_info()[0] is not None
+        if self.bare is not None and self.bare.running:
+            return self.bare.finish(raised)  # NOTE [bare forward]
         self.leave()  # also where the forward raised (``always_call``): the next one starts anew
-        if output is None and sys.exc_info()[0] is not None:
+        if raised or self.aside:
             return
-        if self.position != len(self.ops) and not self.aside:
+        if self.position != len(self.ops):
             nxt = self.position
             raise RecomputationError(
                 message(
@@ -186,6 +194,8 @@ class _Runner(Unguarded):
                     "plan again with inputs that take this path",
                 )
             )
+        if self.bare is not None:
+            self.bare.checked()
 
     def _running_module(self) -> str:
         """The innermost module of this model whose forward is on the Python stack (only looked
@@ -286,11 +296,20 @@ def apply(
     replay: ReplayMode = "eager",
     make_runner: Callable[..., _Runner] = _Runner,
     shapes: Sequence[str] = (),
+    check: Check = "first",
 ) -> Iterator[None]:
     """See ``Plan.apply``: run ``model``'s forward with ``regions`` recomputed, checking that it runs
     ``ops`` (issued by ``modules``, one per op) in order; ``make_runner`` makes the dispatch mode
-    (``remat.planner.offload_execute`` passes one that also notes what the plan offloads)."""
+    (``remat.planner.offload_execute`` passes one that also notes what the plan offloads).
+    ``check="first"``: where every region is one call of one module (``Region.anchor``), the first
+    forward in each setting is checked and the later ones run bare outside the taped regions (NOTE
+    [bare forward] in ``remat.planner.module_calls``); ``"every"``: every forward is checked."""
     execute = executor("plan.apply", replay)
+    if check not in ("first", "every"):
+        rule = "check is 'first' or 'every'"
+        raise RematValueError(
+            message("plan.apply", rule, f"got {check!r}", "pass check='every' or leave it out")
+        )
     if not isinstance(model, nn.Module):
         given = f"got {type(model).__name__}"
         raise RematTypeError(
@@ -301,16 +320,27 @@ def apply(
     refuse_second(model)
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
-    again = [(region, _submodule(model, region.rerun)) for region in regions if region.rerun]
-    hooks = [model.register_forward_pre_hook(Applied(runner.begin))]  # a copy's are inert
-    hooks.append(model.register_forward_hook(Applied(runner.end), always_call=True))  # where it raised too
+    again = [(region, submodule(model, region.rerun)) for region in regions if region.rerun]
+    taped = [
+        (region, submodule(model, region.anchor)) for region in regions if region.anchor and not region.rerun
+    ]
+    if check == "first" and make_runner is _Runner and len(again) + len(taped) == len(regions):
+        plan = hash((tuple(ops), tuple(shapes), tuple(regions)))
+        runner.bare = Bare(model, plan, [region.rerun or region.anchor for region in regions])
+    hooks = [model.register_forward_pre_hook(Applied(runner.begin), with_kwargs=True)]  # a copy's are inert
+    end = Applied(runner.end)
+    hooks.append(model.register_forward_hook(end, with_kwargs=True, always_call=True))  # where it raised too
     hooks += [child.register_forward_pre_hook(Applied(_guard(runner, child))) for child in model.children()]
     wrapped = []
     try:
-        wrapped += [_run_again(runner, region, module) for region, module in again]
+        wrapped += [wrap(runner, region, module, UNCOUNTED) for region, module in again]
+        if runner.bare is not None:
+            wrapped += [anchor(runner, region, module) for region, module in taped]
         yield
     finally:
         runner.leave()
+        if runner.bare is not None:
+            runner.bare.running = False
         for h in hooks:
             h.remove()
         for module, before in reversed(wrapped):
@@ -329,71 +359,3 @@ def _guard(runner: _Runner, child: nn.Module) -> Callable[..., None]:
             runner.bypassed(child)
 
     return hook
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        raise RematTypeError(
-            message(
-                "plan",
-                "a module the plan runs again is not in the model",
-                f"{name!r} in {type(model).__name__}",
-                "apply the plan to the model it was made for",
-            )
-        ) from None
-
-
-def _run_again(runner: _Runner, region: Region, module: nn.Module) -> tuple[nn.Module, Any]:
-    """Wrap ``module.forward`` to run ``region`` as the module called again (``remat.planner.rerun``)
-    at the call the plan expects; the forward it had as an attribute of its own (or None) goes back
-    when the plan's block ends."""
-    before = module.__dict__.get("forward")
-    forward = module.forward
-    expected_ops = list(runner.ops[region.first : region.last + 1])
-    shapes = list(runner.shapes[region.first : region.last + 1]) if runner.shapes else []
-    ops = hash((tuple(expected_ops), tuple(shapes)))  # the region's ops, in a key of the checked calls
-
-    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self is not module:  # a copy made while the plan runs (``copy.deepcopy``) is not the plan's
-            return type(self).forward(self, *args, **kwargs)
-        if runner.active and region.first < runner.position <= region.last:
-            raise RecomputationError(
-                message(
-                    "plan",
-                    "a module the plan runs again ran ops of its call before its forward",
-                    f"{region.rerun} called at op #{runner.position}, its region starts at op "
-                    f"#{region.first} (a forward pre-hook?)",
-                    "plan without rerun_modules, or move the hook's work out of the module",
-                )
-            )
-        if not (
-            runner.active
-            and runner.position == region.first
-            and runner.open is None
-            and torch.is_grad_enabled()
-            and _get_current_dispatch_mode() is runner
-        ):
-            return forward(*args, **kwargs)
-        runner.__exit__(None, None, None)
-        try:
-            # NOTE [a call run bare is checked once] per module, region and setting
-            key = (region.first, ops, setting(module))
-            seen = _CHECKED.setdefault(module, set())
-            check = None
-            if key not in seen:
-                check = CallCheck(expected_ops, shapes, made, UNCOUNTED, region.rerun, region.first)
-            out = run_again(module, forward, args, kwargs, check)
-            seen.add(key)
-        except BaseException:
-            runner.stop()  # the forward is abandoned: the next one starts from its first op
-            runner.active = False
-            raise
-        finally:
-            runner.__enter__()
-        runner.position = region.last + 1
-        return out
-
-    module.forward = types.MethodType(call, module)
-    return module, before

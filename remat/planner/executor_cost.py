@@ -148,7 +148,7 @@ def _calibrate(model: nn.Module, x: torch.Tensor) -> ExecutorCost:
         x,
         {
             "plain": contextlib.nullcontext,
-            "check": lambda: apply((), ops, modules, model),
+            "check": lambda: apply((), ops, modules, model, check="every"),
             "tape": lambda: apply((whole,), ops, modules, model),
             "offload": lambda: apply_offload(
                 (), ops, modules, model, "eager", frozenset(range(len(ops))), Link()

@@ -27,7 +27,7 @@ from remat._files import read_json, writable, write_text
 from remat._units import format_bytes
 from remat.host.link import Link
 from remat.manual.fused import ReplayMode
-from remat.planner.execute import apply
+from remat.planner.execute import Check, apply
 from remat.planner.explain import render
 from remat.planner.offload_execute import apply_offload
 from remat.planner.regions import Region, TensorDecision
@@ -153,11 +153,17 @@ class Plan:
 
     # -- running it ---------------------------------------------------------------------------
 
-    def apply(self, model: nn.Module, replay: ReplayMode = "eager") -> AbstractContextManager[None]:
+    def apply(
+        self, model: nn.Module, replay: ReplayMode = "eager", check: Check = "first"
+    ) -> AbstractContextManager[None]:
         """``with plan.apply(model): loss = loss_fn(model, *inputs)``: run the model's forward
         under the plan (backward may run inside or after the block). Each forward is checked op by
         op against the traced step; a model that takes another path raises RecomputationError
-        naming the op, the expected and the executed op, and the module.
+        naming the op, the expected and the executed op, and the module. Where every region is
+        one call of one module (a layer, an MLP: ``Region.anchor``), only the first forward in each
+        setting is (train or eval mode, autocast, argument shapes and dtypes: NOTE [bare forward]
+        in ``remat.planner.module_calls``), and later ones run with no Python per op outside the
+        taped regions, as ``torch.utils.checkpoint`` does; ``check="every"`` checks every forward.
 
         ``replay="compiled"``: the regions' runs of deterministic ops replay through
         ``torch.compile``d graphs, fused (see ``remat.scope``), compiled in the first backward. The
@@ -175,7 +181,7 @@ class Plan:
         if moved:
             where = (self.regions, self.ops, self.modules, model, replay, moved, self.link, self.shapes)
             return apply_offload(*where, host_budget=self.host_budget)
-        return apply(self.regions, self.ops, self.modules, model, replay, shapes=self.shapes)
+        return apply(self.regions, self.ops, self.modules, model, replay, shapes=self.shapes, check=check)
 
     # -- storing it ---------------------------------------------------------------------------
 
@@ -185,6 +191,7 @@ class Plan:
         body["regions"] = [
             {"name": r.name, "first": r.first, "last": r.last, "save": sorted(r.save)}
             | ({"rerun": r.rerun} if r.rerun else {})
+            | ({"anchor": r.anchor} if r.anchor else {})
             for r in self.regions
         ]
         body["tensors"] = [{**asdict(t), "action": t.action.value} for t in self.tensors]
@@ -212,6 +219,7 @@ class Plan:
                     _whole(r["last"]),
                     _positions(r["save"], _whole(r["first"]), _whole(r["last"])),
                     str(r.get("rerun", "")),
+                    str(r.get("anchor", "")),
                 )
                 for r in fields["regions"]
             )

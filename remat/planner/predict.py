@@ -159,6 +159,8 @@ def predict(
         for op in trace.ops
     )
     recorded = sum(len(r.ops) for r in regions if r.rerun is None)
+    if not moved and all(r.rerun is not None or r.anchored for r in regions):
+        checked = recorded  # NOTE [bare forward] in ``remat.planner.module_calls``: the steady state
     work = ExecutorWork(checked, recorded, walk.replayed, len(moved))
     unseen = trace.unseen_bytes  # NOTE [unseen bytes] in ``remat.trace.types``: held throughout
     peak_at = walk.peak_at + (f", with {format_bytes(unseen)} no op made (measured)" if unseen else "")

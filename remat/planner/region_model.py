@@ -65,11 +65,14 @@ class Rerun:
 @dataclass(frozen=True)
 class RegionOps:
     """A region in trace op indices: its forward ops (in order) and those whose outputs it keeps;
-    ``rerun`` where the executor runs it as its module again instead of from a tape."""
+    ``rerun`` where the executor runs it as its module again instead of from a tape; ``anchored``
+    where its ops are exactly one call of one module (NOTE [bare forward] in
+    ``remat.planner.module_calls``)."""
 
     ops: tuple[int, ...]
     save: frozenset[int] = frozenset()
     rerun: Rerun | None = None
+    anchored: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,13 +45,17 @@ class Region:
     what autograd saves inside it is dropped after the forward and replayed from the region's
     inputs at its first use in backward, except the outputs of the ops in ``save``. Where
     ``rerun`` names a module, the region is that module's one call and runs as the module called
-    again (NOTE [module re-run] in ``remat.planner.rerun_regions``)."""
+    again (NOTE [module re-run] in ``remat.planner.rerun_regions``). ``anchor`` names the module
+    whose one call in the traced step is exactly the region's ops, where there is one: a forward
+    run bare reaches the region through that call (NOTE [bare forward] in
+    ``remat.planner.module_calls``)."""
 
     name: str
     first: int
     last: int
     save: frozenset[int] = frozenset()
     rerun: str = ""
+    anchor: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "save", frozenset(self.save))

@@ -48,10 +48,10 @@ from collections.abc import Sequence
 from remat.planner.region_model import Rerun, read_back, writes
 from remat.trace.types import Phase, Trace
 
-__all__ = ["rerun_of"]
+__all__ = ["module_of", "rerun_of"]
 
 
-def _module(trace: Trace, first: int, last: int) -> str | None:
+def module_of(trace: Trace, first: int, last: int) -> str | None:
     """The outermost module whose one call issued exactly the forward ops ``first`` .. ``last``
     (trace op indices, the region's own and the uncounted ones between them)."""
     calls = dict(trace.calls)
@@ -73,7 +73,7 @@ def rerun_of(trace: Trace, ops: Sequence[int], save: frozenset[int]) -> Rerun | 
     if save or not ops or not trace.calls or not trace.saved_at or trace.unseen_bytes:
         return None  # unseen bytes: a module run again may make them again, unseen (NOTE in types)
     first, last = ops[0], ops[-1]
-    module = _module(trace, first, last)
+    module = module_of(trace, first, last)
     given = dict(trace.call_inputs).get(module) if module is not None else None
     if module is None or given is None:
         return None

@@ -21,7 +21,7 @@ from remat.planner.lowering import stage_key
 from remat.planner.predict import Prediction, predict
 from remat.planner.region_model import RegionOps, always_kept, writes, written_after
 from remat.planner.regions import Region, TensorDecision
-from remat.planner.rerun_regions import rerun_of
+from remat.planner.rerun_regions import module_of, rerun_of
 from remat.planner.single_level import chain_segments, model_peak
 from remat.planner.solvers import get
 from remat.planner.solvers.sqrt import split
@@ -106,7 +106,9 @@ class Step:
             keep_ops = (keep_ops | self.held.intersection(members) | stale) - fixed
         keep = frozenset(self.position[i] for i in keep_ops)
         module = again.module if again else ""  # NOTE [module re-run]
-        return Region(name, first, last, keep, module), RegionOps(members, keep_ops, again)
+        anchor = module or module_of(self.trace, members[0], members[-1]) or ""  # NOTE [bare forward]
+        region = Region(name, first, last, keep, module, anchor)
+        return region, RegionOps(members, keep_ops, again, bool(anchor))
 
     def blocks(self) -> list[list[int]]:
         """The model's forward ops in runs of one block each (``stage_key``), as trace indices."""

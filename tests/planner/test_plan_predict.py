@@ -114,8 +114,11 @@ def test_the_executor_cost_adds_its_figure_per_op_it_counts() -> None:
             plain.recompute_cost,
             plain.recomputed,
         )
+    # with no region (or only modules run again) the forward runs bare after its first check
     alone = predict(trace, [], executor=ExecutorCost(1.0, 1.0, 1.0, 1.0))
-    assert alone.work == ExecutorWork(checked=7) and alone.executor_cost == 7.0
+    assert alone.work == ExecutorWork() and alone.executor_cost == 0.0
+    moving = predict(trace, [], moved=[(o, 5, 7)], executor=ExecutorCost(1.0, 1.0, 1.0, 1.0))
+    assert moving.work == ExecutorWork(checked=7, moved=1) and moving.executor_cost == 8.0
 
 
 def test_of_two_plans_replaying_the_same_kernels_the_one_with_fewer_ops_is_cheaper() -> None:

@@ -20,7 +20,7 @@ from test_plan_floor import FAMILIES, _peak
 from torch import nn
 
 import remat
-import remat.planner.execute as execute
+import remat.planner.module_calls as module_calls
 from remat import RecomputationError, RematTypeError, RematValueError
 from remat.planner import Plan, plan_trace, trace_step
 from remat.planner.api import block_key
@@ -80,8 +80,8 @@ def test_a_plan_running_layers_again_trains_exactly_as_the_plain_model(
     _, again = _every_layer(model, trace, rerun=True)
     plan = _plan(trace, model, again)
     calls = []
-    run_again = execute.run_again
-    monkeypatch.setattr(execute, "run_again", lambda *a: calls.append(1) or run_again(*a))
+    run_again = module_calls.run_again
+    monkeypatch.setattr(module_calls, "run_again", lambda *a: calls.append(1) or run_again(*a))
     planned = twin(model)
     ran = train(planned, lambda _: batch, steps=2, region=lambda: plan.apply(planned))
     assert len(calls) == 2 * 4
@@ -478,16 +478,14 @@ def test_the_first_call_checks_the_shapes_the_plan_was_made_for() -> None:
 def test_a_module_run_again_is_checked_once_per_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its first call in a train or eval mode and autocast state runs under the check; later calls
     in the same setting run bare, with the same gradients as the plain model's."""
-    from remat.planner import execute
-
     checks = []
 
-    class Counted(execute.CallCheck):
+    class Counted(module_calls.CallCheck):
         def __init__(self, *args: Any) -> None:
             checks.append(args[4])
             super().__init__(*args)
 
-    monkeypatch.setattr(execute, "CallCheck", Counted)
+    monkeypatch.setattr(module_calls, "CallCheck", Counted)
     torch.manual_seed(0)
     model, x = _Outer(_Rising()), torch.randn(4, 8)
     plan = _rerun_plan(model, x)
