@@ -45,7 +45,15 @@ from floor import Step, at_checkpointing, environment, peak, stepper  # noqa: E4
 
 from remat.planner import Plan, plan_trace  # noqa: E402
 
-STRATEGIES = ("plain", "checkpoint per layer", "remat.plan", "remat.plan, modules run again")
+STRATEGIES = (
+    "plain",
+    "checkpoint per layer",
+    "remat.plan",
+    "remat.plan, modules run again",
+    # NOTE [bare forward] in remat.planner.module_calls: the same plans with every forward checked
+    "remat.plan, every forward checked",
+    "remat.plan, modules run again, every forward checked",
+)
 # floor.py's transformers at a size callgrind runs in minutes (a step there is hundreds of times slower):
 # 4 layers of width 256, batch 2 x 128 tokens (ViT: 4 images of 64 x 64 in patches of 8)
 FAMILIES: dict[str, Callable[[], Step]] = {
@@ -72,7 +80,8 @@ def prepare(name: str, work: Path, capture_repeats: int) -> dict[str, Any]:
 
 def child(name: str, work: Path) -> None:
     """Under callgrind: one warm-up and one counted step of each strategy, in ``STRATEGIES`` order
-    (each counted step is a dump of its own)."""
+        (each counted step is a dump of its own). A plan's warm-up is its first forward, checked op by op;
+    its counted step runs bare where the plan's regions allow (NOTE [bare forward])."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, loss_of, checkpointed = FAMILIES[name]()
@@ -81,6 +90,7 @@ def child(name: str, work: Path) -> None:
     plans = [Plan.load(work / f"{name}-{again}.json") for again in (False, True)]
     runs = [step(contextlib.nullcontext), step(checkpointed)]
     runs += [step(lambda plan=plan: plan.apply(model)) for plan in plans]  # type: ignore[misc]
+    runs += [step(lambda plan=plan: plan.apply(model, check="every")) for plan in plans]  # type: ignore[misc]
     for run in runs:
         run()
         torch._C._valgrind_toggle()
@@ -118,8 +128,9 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         "| family | plain step, instructions | checkpoint per layer: peak, overhead "
         "| remat.plan at that peak: peak, overhead (predicted) | ÷ checkpointing "
-        "| modules run again: peak, overhead (predicted) | ÷ checkpointing |",
-        "|---|---|---|---|---|---|---|",
+        "| modules run again: peak, overhead (predicted) | ÷ checkpointing "
+        "| every forward checked: remat.plan, modules run again |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for f in results["families"]:
         n, p, pred = f["instructions"], f["peaks"], f["predicted"]
@@ -129,6 +140,11 @@ def table(results: dict[str, Any]) -> str:
         for label in ("remat.plan", "remat.plan, modules run again"):
             cells.append(f"{p[label] / mib:.1f} MiB, {n[label] / plain:.3f} ({pred[label]['overhead']:.3f})")
             cells.append(f"{n[label] / ck:.3f}")
+        checked = [
+            n.get(f"{label}, every forward checked")
+            for label in ("remat.plan", "remat.plan, modules run again")
+        ]
+        cells += [f"{c / plain:.3f}" if c else "-" for c in checked]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
