@@ -325,7 +325,7 @@ def apply(
         (region, submodule(model, region.anchor)) for region in regions if region.anchor and not region.rerun
     ]
     if check == "first" and make_runner is _Runner and len(again) + len(taped) == len(regions):
-        plan = hash((tuple(ops), tuple(shapes), tuple(regions)))
+        plan = (tuple(ops), tuple(shapes), tuple(regions))  # compared whole: no two plans share it
         runner.bare = Bare(model, plan, [region.rerun or region.anchor for region in regions])
     hooks = [model.register_forward_pre_hook(Applied(runner.begin), with_kwargs=True)]  # a copy's are inert
     end = Applied(runner.end)
