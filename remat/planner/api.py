@@ -305,6 +305,7 @@ def plan_at(
         host_budget=found.host_budget if link is not None else None,
         predicted_stall=chosen.stall if isinstance(chosen, OffloadCandidate) else 0.0,
         predicted_executor_overhead=chosen.pred.executor_overhead,
+        device=step.trace.device,
     )
 
 

@@ -57,7 +57,9 @@ class Plan:
     each op against it, since a plan predicts the memory of the shapes it was made for.
     ``trainable`` is, per parameter of the model it was made for, whether it required grad: which
     tensors autograd saves depends on it, and ``apply`` refuses a model trained otherwise (empty:
-    not known, a plan made from a trace)."""
+    not known, a plan made from a trace). ``device`` is the device type the step was traced on
+    (empty: not known): a plan made on ``meta`` predicts no allocator's bytes (no kernel ran), and
+    ``apply`` refuses it for a model elsewhere."""
 
     name: str
     solver: str
@@ -80,6 +82,7 @@ class Plan:
     shapes: tuple[str, ...] = ()
     host_budget: int | None = None  # with ``link``: the host bytes the plan keeps to, and its run
     trainable: tuple[bool, ...] = ()
+    device: str = ""
 
     # -- reading it ---------------------------------------------------------------------------
 
@@ -177,6 +180,13 @@ class Plan:
             given = f"{sum(now)} of {len(now)} require grad, {sum(self.trainable)} of {len(self.trainable)}"
             hint = "plan again with the parameters frozen as they will train (autograd saves other tensors)"
             raise RematValueError(message("plan.apply", rule, given + " did", hint))
+        if self.device == "meta" and isinstance(model, nn.Module):
+            real = {t.device.type for t in (*model.parameters(), *model.buffers())} - {"meta"}
+            if real:
+                rule = "a plan made on the meta device predicts no real memory (no kernel ran)"
+                given = f"made on meta, the model's tensors are on {', '.join(sorted(real))}"
+                hint = "plan with the model and inputs on the device it trains on"
+                raise RematValueError(message("plan.apply", rule, given, hint))
         moved = frozenset(t.op for t in self.tensors if t.action is Decision.OFFLOAD)
         if moved:
             where = (self.regions, self.ops, self.modules, model, replay, moved, self.link, self.shapes)
@@ -235,6 +245,7 @@ class Plan:
             fields["modules"] = tuple(fields["modules"])
             fields["shapes"] = tuple(str(x) for x in fields.get("shapes", ()))
             fields["trainable"] = tuple(x is True for x in fields.get("trainable", ()))
+            fields["device"] = str(fields.get("device", ""))
             if len(fields["shapes"]) not in (0, len(fields["ops"])) or len(fields["modules"]) != len(
                 fields["ops"]
             ):

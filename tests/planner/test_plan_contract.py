@@ -582,3 +582,24 @@ def test_no_region_replays_from_a_value_written_in_place_after_it(solver: str) -
         model.zero_grad(set_to_none=True)
         ran += 1
     assert ran > 0 and base.baseline_peak_bytes > 0
+
+
+def test_a_plan_made_on_the_meta_device_is_refused_for_a_real_model(tmp_path: Path) -> None:
+    """No kernel ran to make it: no scratch, no allocator's rounding; it ran silently at 1.21 times
+    its predicted peak. The device travels with a saved plan; on meta it still applies."""
+    with torch.device("meta"):
+        meta, x = _mlp(), torch.randn(256, 64)
+    plan = remat.plan(meta, (x,), "64MB", loss_fn=_loss, repeats=1)
+    real = remat.plan(_mlp(), (torch.randn(256, 64),), "64MB", loss_fn=_loss, repeats=1)
+    assert plan.device == "meta" and real.device == "cpu"
+    plan.save(tmp_path / "plan.json")
+    for loaded in (plan, Plan.load(tmp_path / "plan.json")):
+        with (
+            pytest.raises(
+                RematValueError, match=r"remat\.plan\.apply: a plan made on the meta device .*on cpu\)"
+            ),
+            loaded.apply(_mlp()),
+        ):
+            pass
+    with plan.apply(meta):
+        _loss(meta, x).backward()
