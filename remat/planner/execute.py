@@ -55,7 +55,7 @@ from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
 from remat.planner.applied import Applied, refuse_second
 from remat.planner.foreign import hooks_of_another, hooks_refused
-from remat.planner.module_calls import Bare, anchor, submodule, wrap
+from remat.planner.module_calls import Bare, anchor, anchored, submodule, wrap
 from remat.planner.regions import Region
 from remat.planner.results import expected, made
 from remat.policy import Decision, OpContext, RecomputeAll
@@ -321,10 +321,8 @@ def apply(
     runner = make_runner(regions, ops, modules, model, execute)
     runner.shapes = shapes
     again = [(region, submodule(model, region.rerun)) for region in regions if region.rerun]
-    taped = [
-        (region, submodule(model, region.anchor)) for region in regions if region.anchor and not region.rerun
-    ]
-    if check == "first" and make_runner is _Runner and len(again) + len(taped) == len(regions):
+    taped = anchored(model, regions) if check == "first" and make_runner is _Runner else None
+    if taped is not None:
         plan = (tuple(ops), tuple(shapes), tuple(regions))  # compared whole: no two plans share it
         runner.bare = Bare(model, plan, [region.rerun or region.anchor for region in regions])
     hooks = [model.register_forward_pre_hook(Applied(runner.begin), with_kwargs=True)]  # a copy's are inert
@@ -334,8 +332,7 @@ def apply(
     wrapped = []
     try:
         wrapped += [wrap(runner, region, module, UNCOUNTED) for region, module in again]
-        if runner.bare is not None:
-            wrapped += [anchor(runner, region, module) for region, module in taped]
+        wrapped += [anchor(runner, region, module) for region, module in taped or ()]
         yield
     finally:
         runner.leave()

@@ -16,12 +16,13 @@ its end). A plan with no region runs bare too. The setting (``forward_key``) is 
 forward depends on that the executor sees cheaply: the plan; each module's train or eval mode and
 dropout rate, the autocast state and the attention kernels allowed (``remat.planner.rerun.setting``);
 each parameter's and buffer's dtype, device, shape and whether it requires grad; and the forward's
-arguments: each tensor's type, dtype, device, shape, strides and whether it requires grad, each plain
-value (a number, a string, None, a dtype) as it is. A forward given any other object (a cache, a
-dataclass batch: what it holds is not seen) is checked every time, and so is every forward of a
-block where a region's module ran ops before its ``forward`` (a forward pre-hook). A bare forward
-checks that each region's module is called once (a second call, or none, is a forward that
-diverged from the traced step, refused as the check refuses it) and each taped region's ops.
+arguments: each tensor's type, dtype, device, shape, strides and whether it requires grad, each
+plain value (a number, a string, None, a dtype, an enum: ``CALL_VALUES``) as it is. A forward given
+any other object (a cache, a dataclass batch: what it holds is not seen) is checked every time, and
+so is every forward of a block where a region's module ran ops before its ``forward`` (a forward
+pre-hook), or of a plan whose anchor the model does not have (``anchored``). A bare forward checks
+that each region's module is called once (a second call, or none, is a forward that diverged from
+the traced step, refused as the check refuses it) and each taped region's ops.
 
 What a bare forward does not see, as ``torch.utils.checkpoint`` does not: a path that changes,
 outside the taped regions, with the data alone (a branch on a tensor's values, a size that depends
@@ -47,6 +48,7 @@ from remat._errors import RecomputationError, RematTypeError, message
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
 from remat.planner.results import made
+from remat.trace.recorder import CALL_VALUES
 
 
 class Runner(Protocol):
@@ -66,7 +68,7 @@ class Runner(Protocol):
     def __exit__(self, kind: Any, value: Any, trace: Any, /) -> Any: ...
 
 
-__all__ = ["Bare", "Runner", "anchor", "forward_key", "submodule", "wrap"]
+__all__ = ["Bare", "Runner", "anchor", "anchored", "forward_key", "submodule", "wrap"]
 
 # module regions whose call was checked op by op, per module: (first op, ops, setting)
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakref.WeakKeyDictionary()
@@ -74,8 +76,6 @@ _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakre
 # NOTE [bare forward] the settings whose forward was checked, per model (across apply blocks: a
 # training loop opens one per step)
 _SEEN: weakref.WeakKeyDictionary[nn.Module, set[Hashable]] = weakref.WeakKeyDictionary()
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def forward_key(model: nn.Module, plan: Hashable, args: Any, kwargs: Any) -> Hashable | None:
@@ -85,7 +85,7 @@ def forward_key(model: nn.Module, plan: Hashable, args: Any, kwargs: Any) -> Has
     for x in tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor):
             given.append((type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad))
-        elif isinstance(x, _PLAIN):
+        elif isinstance(x, CALL_VALUES):
             given.append((type(x), x))
         else:
             return None
@@ -219,6 +219,23 @@ def wrap(runner: Runner, region: Region, module: nn.Module, skip: frozenset[str]
         return out
 
     return _wrapped(module, call), before
+
+
+def anchored(model: nn.Module, regions: Sequence[Region]) -> list[tuple[Region, nn.Module]] | None:
+    """Each taped region and the module whose call it is, where every region of the plan is one
+    module's call found in ``model`` (NOTE [bare forward]); None otherwise: every forward is
+    checked, and a taped region is found by its ops' count alone, as ever."""
+    found = []
+    for region in regions:
+        if region.rerun:
+            continue
+        if not region.anchor:
+            return None
+        try:
+            found.append((region, model.get_submodule(region.anchor)))
+        except AttributeError:
+            return None
+    return found
 
 
 def _wrapped(module: nn.Module, call: Callable[..., Any]) -> nn.Module:

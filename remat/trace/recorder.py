@@ -59,7 +59,7 @@ from remat.trace.attribution import Attribution, phases
 from remat.trace.op_time import run_timed
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
 
-__all__ = ["Recorder"]
+__all__ = ["CALL_VALUES", "Recorder"]
 
 CUDA_BLOCK = 512  # bytes: the CUDA allocator's smallest block and its rounding (NOTE [CUDA block size])
 
@@ -86,10 +86,10 @@ class _OpRecord:
     device_cost: float | None  # on CUDA: the kernels' time on the device (NOTE [CUDA op time])
 
 
-# What a module call may be given for the planner to know what running it again holds: tensors,
-# and values that hold none
+# What a module call may be given for the planner to know what running it again holds (and a bare
+# forward what its path depends on: NOTE [bare forward]): tensors, and values that hold none
 _VALUES = (type(None), bool, int, float, complex, str, bytes, enum.Enum)
-_PLAIN = (torch.Tensor, *_VALUES, torch.dtype, torch.device, torch.layout, torch.memory_format)
+CALL_VALUES = (torch.Tensor, *_VALUES, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class Recorder(TorchDispatchMode):
@@ -306,7 +306,7 @@ class Recorder(TorchDispatchMode):
         if _hooked(module, self.called):  # its call runs more than its forward: not run again
             return
         leaves = tree_leaves((args, kwargs))
-        if not all(isinstance(x, _PLAIN) for x in leaves):  # an object may hold tensors unseen
+        if not all(isinstance(x, CALL_VALUES) for x in leaves):  # an object may hold tensors unseen
             return
         given = [t for t in leaves if isinstance(t, torch.Tensor) and self._known(t)]
         self.call_inputs[name] = tuple(sorted({h for t in given if (h := self.handle(t)) is not None}))

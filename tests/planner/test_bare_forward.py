@@ -279,3 +279,29 @@ def test_a_saved_plan_keeps_its_anchors(tmp_path: Any, monkeypatch: pytest.Monke
         with loaded.apply(model):
             model(**batch).backward()
     assert starts == [False, True]
+
+
+def test_a_plan_applied_to_a_model_without_its_anchors_checks_every_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A taped region is found by its ops' count, whatever the modules are named: the same blocks
+    under another name train as the plain model, every forward checked, as before anchors."""
+    model, batch, plan = _stack(rerun=False)
+
+    class Renamed(nn.Module):
+        def __init__(self, stack: _Stack) -> None:
+            super().__init__()
+            self.stages, self.head = stack.blocks, stack.head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for stage in self.stages:
+                x = stage(x)
+            return self.head(x).square().mean()
+
+    starts = _started(monkeypatch)
+    planned = Renamed(twin(model))
+    assert_same(
+        train(Renamed(twin(model)), lambda _: batch, steps=3),
+        train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned)),
+    )
+    assert starts == []  # no Bare: the anchors are not the model's
