@@ -76,6 +76,14 @@ def phases(name: str, rounds: int) -> str:
     )
     again = dataclasses.replace(plan, regions=tuple(r for r, _ in every.regions))
     assert all(r.rerun for r in again.regions), again.regions
+    # NOTE [taped call run bare] in remat.planner.taped_calls: every layer taped, its later calls
+    # run from the first one's template, or recorded every call
+    step = Step(trace, key)
+    every = next(
+        c for c in simple(step, chain_from_trace(trace, key=key)) if c.notes == "every layer checkpointed"
+    )
+    taped = dataclasses.replace(plan, regions=tuple(r for r, _ in every.regions))
+    assert all(r.anchor and not r.rerun for r in taped.regions), taped.regions
     nothing = dataclasses.replace(plan, regions=())
     contexts: dict[str, Callable[[], Any]] = {
         "plain": contextlib.nullcontext,
@@ -84,6 +92,8 @@ def phases(name: str, rounds: int) -> str:
         "remat.plan at checkpointing's peak": lambda: plan.apply(model),
         "remat.plan, every layer run again, bare": lambda: again.apply(model),
         "remat.plan, every layer run again, checked": lambda: again.apply(model, check="every"),
+        "remat.plan, every layer taped, from templates": lambda: taped.apply(model),
+        "remat.plan, every layer taped, recorded": lambda: taped.apply(model, check="every"),
         "remat.plan with no region, bare": lambda: nothing.apply(model),
         "remat.plan with no region, checked": lambda: nothing.apply(model, check="every"),
     }
@@ -109,7 +119,15 @@ def phases(name: str, rounds: int) -> str:
         forward = statistics.median(f for f, _ in spans) * 1e3
         backward = statistics.median(b for _, b in spans) * 1e3
         rows.append(f"| {name} | {k} | {forward:.1f} | {backward:.1f} | {forward + backward:.1f} |")
+    anchored = sum(bool(r.anchor or r.rerun) for r in plan.regions)
+    NOTES.append(
+        f"{name}: the plan at checkpointing's peak has {len(plan.regions)} regions, "
+        f"{anchored} of them a module's call"
+    )
     return "\n".join(rows)
+
+
+NOTES: list[str] = []
 
 
 def main() -> None:
@@ -122,6 +140,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for name in args.families:
         print(phases(name, args.rounds), flush=True)
+    print("\n".join(NOTES))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,12 @@ to an in-place op on a view (``lin(h).mul_(0.1)`` with a 3-D ``h``), whose node 
 inside the base's ``CopySlices``: its 8 bytes are missing from the trace. Nor counted: a dispatch
 mode that runs such an op (the plan's executor, in forward) makes one more 0-dim tensor for its
 call, which lives while the op runs.
+
+NOTE [no dropout draws nothing] torch tags an overload random (``nondeterministic_seeded``) by its
+schema; attention's fused kernels are random for their ``dropout_p``, and at 0 (every attention of
+a model without attention dropout, and all in eval mode) they draw nothing and compute the same
+numbers each time. ``draws`` says so of one call: the tape then keeps no generator state for it, and
+the trace counts none (``Op.random``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ GRU and RNN (composites) read for the whole of their loop over time steps. Memor
 restores tensors between ops must never evict it (``remat.dynamic``: garbage lengths, or torch's
 "data is not allocated yet")."""
 
+VALUE_PACKETS = frozenset({"aten._local_scalar_dense", "aten.equal", "aten.is_nonzero"})
+"""Packets that hand Python a value read from a tensor's data (``item``, ``bool``, ``equal``): what
+the code does next may depend on the data."""
+
 GRAD_MODE_PACKETS = frozenset({"aten.mkldnn_rnn_layer", "aten._cudnn_rnn", "aten.miopen_rnn"})
 """Packets whose results depend on whether grad mode is on: the recurrent kernels return the
 workspace their backward reads only then. A replay runs them with grad mode on (over detached
@@ -97,6 +107,7 @@ class OpFacts:
     ``written_returns``: per return, whether it is a written argument handed back (``add_``).
     ``pointwise``: torch tags it pointwise: its results' sizes do not depend on its numbers.
     ``tensor_places``: the arguments its schema types as one tensor, as (position, name).
+    ``dropout_at``: the ``dropout_p`` argument of a random op: (position, name, default).
     """
 
     name: str
@@ -112,6 +123,7 @@ class OpFacts:
     written_returns: tuple[bool, ...]
     pointwise: bool = False
     tensor_places: tuple[tuple[int, str], ...] = ()
+    dropout_at: tuple[int, str, float] | None = None
 
     @property
     def skipped(self) -> bool:
@@ -200,7 +212,29 @@ def _facts(func: torch._ops.OpOverload) -> OpFacts:
         tensor_places=tuple(
             (i, a.name) for i, a in enumerate(arguments) if isinstance(a.type, torch._C.TensorType)
         ),
+        dropout_at=next(
+            (
+                (i, a.name, float(a.default_value or 0.0))
+                for i, a in enumerate(arguments)
+                if a.name == "dropout_p"
+            ),
+            None,
+        ),
     )
+
+
+_DROPOUT = "dropout_p"  # NOTE [no dropout draws nothing]
+
+
+def draws(info: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether this call of a random op draws from a generator: NOTE [no dropout draws nothing]."""
+    if not info.random:
+        return False
+    if info.dropout_at is None:
+        return True
+    pos, name, default = info.dropout_at
+    p = args[pos] if pos < len(args) else kwargs.get(name, default)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def writes_hidden(name: str) -> bool:

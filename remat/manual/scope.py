@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -51,7 +51,7 @@ from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error,
 from remat.manual.traced import transformed
 from remat.policy import Policy, RecomputeAll, checked
 
-__all__ = ["scope"]
+__all__ = ["Handle", "Kept", "TapedRegion", "scope"]
 
 
 # NOTE [kept detached] The tensors a region's replay reads are kept detached once it has recorded
@@ -60,7 +60,7 @@ __all__ = ["scope"]
 # region -> the kept tensor) that Python's collector cannot see, and a step whose loss never reached
 # backward (a skipped step, an error before it) would stay in memory for good. So is an output a
 # node saves of itself (kept by a SAVE policy): its node -> its saved tensor -> the output -> it.
-class _Kept(NamedTuple):
+class Kept(NamedTuple):
     """A saved tensor the region keeps (detached where its own node saves it: NOTE [kept
     detached]), and its version when autograd saved it."""
 
@@ -68,7 +68,7 @@ class _Kept(NamedTuple):
     version: int
 
 
-class _Handle(NamedTuple):
+class Handle(NamedTuple):
     """A saved tensor the region recomputes: its value id, the in-place writer of its storage group
     when it was saved (NOTE [aliasing] in ``remat.manual.tape``) and what it looked like."""
 
@@ -86,30 +86,42 @@ class TapedRegion:
     """One ``with remat.scope()`` block: its tape while it records, then the plan that recomputes
     every tensor it handed to autograd as a handle."""
 
-    def __init__(self, tape: Tape, execute: Executor = eager_steps) -> None:
+    def __init__(self, tape: Tape | None, execute: Executor = eager_steps) -> None:
         self.tape: Tape | None = tape
         self.execute = execute
         self.plan: Slice | None = None
         self.declared: dict[int, int] = {}  # the tape's final declared writers, checked at unpack
         self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # and where each wrote
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
-        self.packed: dict[tuple[int, int], int] = {}  # (value id, ``_Handle.after``) -> handles
+        self.packed: dict[tuple[int, int], int] = {}  # (value id, ``Handle.after``) -> handles
         self.own: dict[tuple[int, int], int] = {}  # NOTE [saved before its own write]
         self.results: set[tuple[int, int]] = set()  # (value id, ``after``) saved as a result
         self.writers_needed: set[int] = set()
         # graph task -> value id -> (recomputed tensor, unpacks left)
         self.cache: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.lock = threading.Lock()
-        self.offloader: Offloader | None = tape.offloader
+        self.offloader: Offloader | None = tape.offloader if tape is not None else None
         self.moved_packs: dict[int, int] = {}  # value id of an offloaded tensor -> times packed
+        # NOTE [taped call run bare] in ``remat.planner.taped_calls``: told each tensor packed and
+        # what autograd got for it; and the plan's kept tensors as the tape held them (``learn``
+        # takes them, and clears both)
+        self.note: Callable[[torch.Tensor, Kept | Handle | Parcel], None] | None = None
+        self.log_kept: dict[int, tuple[torch.Tensor, int]] = {}
+        self.reads_values = False  # an op of the region gave Python a value (``item``, ``equal``)
 
-    def pack(self, t: torch.Tensor) -> _Kept | _Handle | Parcel:
+    def pack(self, t: torch.Tensor) -> Kept | Handle | Parcel:
+        packed = self._pack(t)
+        if self.note is not None:  # NOTE [taped call run bare] in ``remat.planner.taped_calls``
+            self.note(t, packed)
+        return packed
+
+    def _pack(self, t: torch.Tensor) -> Kept | Handle | Parcel:
         tape = self.tape
         assert tape is not None, "pack hooks only run while the region records"
         vid = tape.lookup(t)
         if vid < 0 or tape.producer[vid] == EXTERNAL or vid in tape.kept:
             own = aten.made_last(t)  # an output its own node saves: NOTE [kept detached]
-            return _Kept(aten.detached(t) if own else t, t._version)
+            return Kept(aten.detached(t) if own else t, t._version)
         moving = bool(tape.offloading or tape.moved)
         parcel = tape.move(vid) if moving else None
         if parcel is not None:
@@ -121,7 +133,7 @@ class TapedRegion:
             return tape.offloader.out(t)  # a view of an offloaded tensor: its storage moves too
         if writer is None and (group in tape.kept or tape.producer[group] == EXTERNAL):
             # a view of a kept or outside tensor that nothing wrote since: its memory is kept anyway
-            return _Kept(t, t._version)
+            return Kept(t, t._version)
         if writer is not None:
             if writer < 0:
                 raise stale_view_error(t)
@@ -130,7 +142,7 @@ class TapedRegion:
         self.packed[vid, len(tape.nodes)] = self.packed.get((vid, len(tape.nodes)), 0) + 1
         if aten.made_last(t):  # saved after its op ran: a write by the next op comes after the save
             self.results.add((vid, len(tape.nodes)))
-        return _Handle(
+        return Handle(
             vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t), len(tape.nodes)
         )
 
@@ -140,9 +152,13 @@ class TapedRegion:
         if tape is not None and self.handles:
             self._own_writes(tape)
             plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
+            if self.note is not None:
+                self.log_kept = dict(plan.kept)
             kept = {vid: (aten.detached(t), version) for vid, (t, version) in plan.kept.items()}
             self.plan = dataclasses.replace(plan, kept=kept)  # NOTE [kept detached]
             self.declared, self.spans = tape.declared, tape.spans
+        if tape is not None and self.note is not None:
+            self.reads_values = any(aten.facts(node.func).packet in aten.VALUE_PACKETS for node in tape.nodes)
         if tape is not None:
             self.offloader = tape.offloader
             # NOTE [moved once, read twice]: per backward, each offloaded value is read by the
@@ -170,7 +186,17 @@ class TapedRegion:
                     self.handles[w.vid] = self.handles.get(w.vid, 0) + n
         self.handles = {vid: n for vid, n in self.handles.items() if n > 0}
 
-    def _written_since(self, packed: _Handle) -> bool:
+    def replica(self, plan: Slice | None) -> TapedRegion:
+        """A region that unpacks what this one packed, replaying ``plan`` (the same slice over other
+        kept tensors): for a call of the same code run without recording (NOTE [taped call run
+        bare] in ``remat.planner.taped_calls``). What it shares is read only, once finished."""
+        other = TapedRegion(None, self.execute)
+        other.plan, other.declared, other.spans = plan, self.declared, self.spans
+        other.handles, other.packed, other.own = self.handles, self.packed, self.own
+        other.results, other.writers_needed = self.results, self.writers_needed
+        return other
+
+    def _written_since(self, packed: Handle) -> bool:
         """Whether a declared write after ``packed`` was saved touched the bytes it reads."""
         since = -1 if packed.declared is None else packed.declared
         if (packed.vid, packed.after) in self.own:  # NOTE [saved before its own write]
@@ -178,13 +204,13 @@ class TapedRegion:
         spans = self.spans.get(packed.group, ())
         return any(node > since and aten.overlaps(place, packed.place) for node, place in spans)
 
-    def unpack(self, packed: _Kept | _Handle | Parcel) -> torch.Tensor:
+    def unpack(self, packed: Kept | Handle | Parcel) -> torch.Tensor:
         if isinstance(packed, Parcel):
             if packed.written():
                 raise _written(describe(packed.dtype, packed.size), "")
             assert self.offloader is not None, "a parcel comes from the region's offloader"
             return self.offloader.back(packed)
-        if isinstance(packed, _Kept):
+        if isinstance(packed, Kept):
             if packed.tensor._version != packed.version:
                 raise _written(
                     describe(packed.tensor.dtype, packed.tensor.shape),

@@ -271,7 +271,8 @@ class Tape:
         }
         places = info.all_writes(args) if info.hidden_writes else info.writes
         written = self._written(info, places, args, kwargs) if places else []
-        rng = aten.capture((aten.source_of(args, kwargs),)) if info.random else None
+        drawn = info.random and aten.draws(info, args, kwargs)  # NOTE [no dropout draws nothing]
+        rng = aten.capture((aten.source_of(args, kwargs),)) if drawn else None
 
         out = func(*args, **kwargs)
 

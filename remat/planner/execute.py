@@ -25,7 +25,9 @@ forward must run exactly the traced ops: another op, or fewer or more of them, r
 RecomputationError with the position, the expected and the executed op and the module.
 
 Where every region is one call of one module, forwards after the first in a setting run without the
-mode outside the taped regions (NOTE [bare forward] in ``remat.planner.module_calls``).
+mode outside the taped regions (NOTE [bare forward] in ``remat.planner.module_calls``), and a taped
+region recorded once in a setting runs later calls from its template, with no mode (NOTE [taped call
+run bare] in ``remat.planner.taped_calls``).
 
 The dispatch mode is pushed when the model's forward starts and popped when it returns, so the
 loss, the backward (where regions replay through their saved-tensor hooks, not through the mode)
@@ -112,12 +114,17 @@ class _Runner(Unguarded):
         self.pushed = False
         self.began = False  # a forward of the model ran under the plan (``bypassed``)
         self.bare: Bare | None = None  # NOTE [bare forward] in ``remat.planner.module_calls``
+        # NOTE [taped call run bare] in ``remat.planner.taped_calls``: told what the region opened
+        # now packs, and the region that told it, once finished
+        self.note: Callable[..., None] | None = None
+        self.learned: TapedRegion | None = None
 
     # -- regions ---------------------------------------------------------------------------------
 
     def _start(self, region: Region) -> None:
         self.tape = Tape(_RECOMPUTE)
         self.region = TapedRegion(self.tape, self.execute)
+        self.region.note = self.note
         self.open = region
         torch._C._autograd._push_saved_tensors_default_hooks(self.region.pack, self.region.unpack)
 
@@ -126,6 +133,8 @@ class _Runner(Unguarded):
         if self.region is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self.region.finish()
+            if self.region.note is not None:
+                self.learned = self.region
         self.open = self.tape = self.region = None
 
     # -- the forward -------------------------------------------------------------------------------

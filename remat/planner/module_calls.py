@@ -12,7 +12,9 @@ runs as its module called again or is taped and is exactly the ops of one call o
 setting op by op, as every plan does, and runs the later forwards of that setting bare: no dispatch
 mode outside the regions; each region is reached through its module's call (``wrap``; ``anchor``
 pushes the mode for the call, counting from the region's first op, and the region steps it aside at
-its end). A plan with no region runs bare too. The setting (``forward_key``) is what the path of a
+its end; or, once a recorded call of it in the setting left a template, runs the call with no mode
+at all: NOTE [taped call run bare] in ``remat.planner.taped_calls``). A plan with no region runs
+bare too. The setting (``forward_key``) is what the path of a
 forward depends on that the executor sees cheaply: the plan; each module's train or eval mode and
 dropout rate, the autocast state and the attention kernels allowed (``remat.planner.rerun.setting``);
 each parameter's and buffer's dtype, device, shape and whether it requires grad; and the forward's
@@ -22,7 +24,8 @@ any other object (a cache, a dataclass batch: what it holds is not seen) is chec
 so is every forward of a block where a region's module ran ops before its ``forward`` (a forward
 pre-hook), or of a plan whose anchor the model does not have (``anchored``). A bare forward checks
 that each region's module is called once (a second call, or none, is a forward that diverged from
-the traced step, refused as the check refuses it) and each taped region's ops.
+the traced step, refused as the check refuses it) and each taped region's ops (recorded), or what
+autograd saves in its call (from a template).
 
 What a bare forward does not see, as ``torch.utils.checkpoint`` does not: a path that changes,
 outside the taped regions, with the data alone (a branch on a tensor's values, a size that depends
@@ -48,6 +51,7 @@ from remat._errors import RecomputationError, RematTypeError, message
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
 from remat.planner.results import made
+from remat.planner.taped_calls import Learner, Run, Template, learn, plain_values
 from remat.trace.recorder import CALL_VALUES
 
 
@@ -60,6 +64,8 @@ class Runner(Protocol):
     active: bool
     open: Region | None
     bare: Bare | None
+    note: Callable[..., None] | None
+    learned: Any
 
     def stop(self) -> None: ...
 
@@ -76,6 +82,10 @@ _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakre
 # NOTE [bare forward] the settings whose forward was checked, per model (across apply blocks: a
 # training loop opens one per step)
 _SEEN: weakref.WeakKeyDictionary[nn.Module, set[Hashable]] = weakref.WeakKeyDictionary()
+
+# NOTE [taped call run bare] per model: (setting, region, plain values) -> template (None: recorded)
+_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Template | None]]
+_TEMPLATES = weakref.WeakKeyDictionary()
 
 
 def forward_key(model: nn.Module, plan: Hashable, args: Any, kwargs: Any) -> Hashable | None:
@@ -104,6 +114,8 @@ class Bare:
         self.unanchored = False  # a region's ops did not start at its module's call (``anchor``)
         self.running = False
         self.called: set[str] = set()
+        # NOTE [taped call run bare]: the templates this forward's recorded calls left
+        self.pending: dict[Hashable, Template | None] = {}
 
     def start(self, args: Any, kwargs: Any) -> bool:
         """At a forward's start: True where it runs bare (its setting was checked); otherwise it
@@ -111,13 +123,25 @@ class Bare:
         self.key = forward_key(self.model, self.plan, args, kwargs)
         self.running = self.key is not None and self.key in _SEEN.get(self.model, ())
         self.called.clear()
+        self.pending.clear()
         return self.running
 
     def checked(self) -> None:
         """At the end of a checked forward that ran the traced ops: its setting runs bare from now."""
         if self.key is not None and not self.unanchored:
             _SEEN.setdefault(self.model, set()).add(self.key)
+            _TEMPLATES.setdefault(self.model, {}).update(self.pending)
         self.key = None
+
+    def template(self, region: Region, module: nn.Module) -> Template | None | bool:
+        """The template a recorded call of ``region``'s module left in this setting; None where
+        its calls are recorded; False where none was recorded yet (NOTE [taped call run bare])."""
+        key = (self.key, region.first, plain_values(module))
+        return _TEMPLATES.get(self.model, {}).get(key, False)
+
+    def learned(self, region: Region, module: nn.Module, template: Template | None) -> None:
+        """A recorded call of ``region``'s module left ``template``: kept once the forward ends well."""
+        self.pending[self.key, region.first, plain_values(module)] = template
 
     def call(self, region: Region) -> None:
         """A region's module called in the bare forward."""
@@ -132,6 +156,8 @@ class Bare:
         missing = [n for n in self.names if n not in self.called]
         if missing and not raised:
             raise _diverged(f"{missing[0]} not called; the traced step calls it once")
+        if not raised:
+            _TEMPLATES.setdefault(self.model, {}).update(self.pending)
 
 
 def _diverged(what: str) -> RecomputationError:
@@ -249,11 +275,13 @@ def _wrapped(module: nn.Module, call: Callable[..., Any]) -> nn.Module:
 
 def anchor(runner: Runner, region: Region, module: nn.Module) -> tuple[nn.Module, Any]:
     """Wrap ``module.forward``, whose one call is exactly the taped ``region``'s ops: in a bare
-    forward the call runs under the executor's mode, counted from the region's first op, which
-    records the region and checks its ops, and steps aside at its end (NOTE [bare forward]); in a
-    checked forward the call runs as it is, and a call whose ops did not start the region (a forward
-    pre-hook that runs ops) keeps every forward of the block checked. The forward it had as an
-    attribute of its own (or None) goes back when the plan's block ends."""
+    forward the call runs from its template where a recorded call in this setting left one (NOTE
+    [taped call run bare] in ``remat.planner.taped_calls``), else under the executor's mode, counted
+    from the region's first op, which records the region and checks its ops, and steps aside at its
+    end (NOTE [bare forward]); in a checked forward the call runs as it is, and a call whose ops did
+    not start the region (a forward pre-hook that runs ops) keeps every forward of the block
+    checked. A recorded call leaves its template. The forward it had as an attribute of its own (or
+    None) goes back when the plan's block ends."""
     before = module.__dict__.get("forward")
     forward = module.forward
 
@@ -264,14 +292,28 @@ def anchor(runner: Runner, region: Region, module: nn.Module) -> tuple[nn.Module
         if bare is None or not bare.running:
             if bare is not None and runner.active and runner.position != region.first:
                 bare.unanchored = True
-            return forward(*args, **kwargs)
+            if bare is None or bare.key is None or not runner.active or runner.position != region.first:
+                return forward(*args, **kwargs)
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            return _learning(runner, bare, region, module, forward, args, kwargs)
         bare.call(region)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        template = bare.template(region, module)
+        if isinstance(template, Template):
+            run = Run(template, module, tree_leaves((args, kwargs)), region.anchor)
+            with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+                out = forward(*args, **kwargs)
+            run.end()
+            return out
         runner.position, runner.active = region.first, True
         runner.__enter__()
         try:
-            out = forward(*args, **kwargs)
+            if template is None:
+                out = forward(*args, **kwargs)
+            else:
+                out = _learning(runner, bare, region, module, forward, args, kwargs)
         except BaseException:
             runner.stop()
             raise
@@ -285,3 +327,22 @@ def anchor(runner: Runner, region: Region, module: nn.Module) -> tuple[nn.Module
         return out
 
     return _wrapped(module, call), before
+
+
+def _learning(
+    runner: Runner, bare: Bare, region: Region, module: nn.Module, forward: Any, args: Any, kwargs: Any
+) -> Any:
+    """Run a recorded call of ``region``'s module, and note the template it leaves (NOTE [taped
+    call run bare]): kept once the forward ran the traced ops."""
+    learner = Learner()
+    runner.note, runner.learned = learner.note, None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(learner.pack, learner.unpack):
+            out = forward(*args, **kwargs)
+        learned = runner.learned
+    finally:
+        runner.note = runner.learned = None
+    exact = runner.position == region.last + 1 and runner.open is None
+    template = learn(learner, learned, module, tree_leaves((args, kwargs)), exact)
+    bare.learned(region, module, template)
+    return out

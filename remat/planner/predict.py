@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from remat import aten
 from remat._units import format_bytes
 from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, ExecutorWork
 from remat.planner.execute import UNCOUNTED
@@ -160,7 +161,9 @@ def predict(
     )
     recorded = sum(len(r.ops) for r in regions if r.rerun is None)
     if not moved and all(r.rerun is not None or r.anchored for r in regions):
-        checked = recorded  # NOTE [bare forward] in ``remat.planner.module_calls``: the steady state
+        # NOTE [bare forward] in ``remat.planner.module_calls``: the steady state, where a taped
+        # region runs from its template unless it may not (NOTE [taped call run bare])
+        checked = recorded = sum(len(r.ops) for r in regions if r.rerun is None and not _templated(trace, r))
     work = ExecutorWork(checked, recorded, walk.replayed, len(moved))
     unseen = trace.unseen_bytes  # NOTE [unseen bytes] in ``remat.trace.types``: held throughout
     peak_at = walk.peak_at + (f", with {format_bytes(unseen)} no op made (measured)" if unseen else "")
@@ -317,3 +320,13 @@ class _Walk:
                         self.drop(r)
             if event.phase is Phase.FORWARD:
                 self.held = self.made
+
+
+def _templated(trace: Trace, region: RegionOps) -> bool:
+    """Whether later calls of an anchored taped region run from a template (NOTE [taped call run
+    bare] in ``remat.planner.taped_calls``), as far as the trace tells: no op of it draws random
+    numbers or hands Python a value. What it cannot tell (a tensor the region reads that a later
+    call does not hand it) leaves the region recorded, and dearer than predicted."""
+    return region.anchored and not any(
+        trace.ops[i].random or trace.ops[i].name.rsplit(".", 1)[0] in aten.VALUE_PACKETS for i in region.ops
+    )

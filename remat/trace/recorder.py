@@ -202,7 +202,7 @@ class Recorder(TorchDispatchMode):
             for t in aten.written_tensors(facts.writes, args, kwargs)
             if (h := self.handle(t)) is not None
         ]
-        random = facts.random
+        random = aten.draws(facts, args, kwargs)  # NOTE [no dropout draws nothing] in ``remat.aten.schema``
         if random and any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
             # a generator of the program's own, which a module run again would draw from anew
             self.own_generator.update(self.attribution.modules)

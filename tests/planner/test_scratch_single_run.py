@@ -1,7 +1,8 @@
 """An op that cannot run twice has its kernel's scratch measured on its one run (NOTE [scratch of a
 single run] in ``remat.trace.recorder``): CPU attention (``_scaled_dot_product_flash_attention_for_cpu``,
-which takes a dropout probability and so counts as random) allocates buffers it frees before it
-returns; a step whose peak is that op was predicted 27% under the allocator's peak before."""
+which takes a dropout probability and so is random by its schema, though at 0 it draws nothing)
+allocates buffers it frees before it returns; a step whose peak is that op was predicted 27% under
+the allocator's peak before."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat import aten
+from remat.manual.tape import Recorder, Tape
 from remat.planner import plan_trace, trace_step
+from remat.policy import RecomputeAll
 
 ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
@@ -25,7 +29,14 @@ class _FrozenAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = x.view(4, 128, 3, 2, 16).permute(2, 0, 3, 1, 4)
-        return (F.scaled_dot_product_attention(q, k, v).sum(-1) * self.w[0]).sum()
+        return (
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+            ).sum(-1)
+            * self.w[0]
+        ).sum()
 
 
 def test_a_random_ops_scratch_is_in_the_trace_and_the_prediction_meets_the_allocator() -> None:
@@ -33,12 +44,35 @@ def test_a_random_ops_scratch_is_in_the_trace_and_the_prediction_meets_the_alloc
     model, x = _FrozenAttention(), torch.randn(4, 128, 96)
     trace = trace_step(model, (x,), repeats=1)
     (attention,) = [op for op in trace.ops if op.name == ATTENTION]
-    assert attention.random and attention.scratch > 0
+    assert not aten.facts(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default).pure
+    assert attention.scratch > 0
     plan = plan_trace(trace, 10**9)
     model.zero_grad(set_to_none=True)
     with remat.memory.track(timeline=False, allocator=True) as tracked, plan.apply(model):
         model(x).backward()
     assert tracked.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_attention_without_dropout_draws_nothing() -> None:
+    """NOTE [no dropout draws nothing] in ``remat.aten.schema``: the CPU kernel (it takes no other
+    probability) leaves the generator as it was, so the trace counts no random op and a tape keeps
+    no generator state for it; the same call with a probability is one that draws."""
+    torch.manual_seed(0)
+    model, x = _FrozenAttention(), torch.randn(4, 128, 96)
+    before = torch.get_rng_state()
+    model(x)
+    assert torch.equal(before, torch.get_rng_state())
+    (attention,) = [op for op in trace_step(model, (x,), repeats=1).ops if op.name == ATTENTION]
+    assert not attention.random
+    tape = Tape(RecomputeAll())
+    with Recorder(tape):
+        model(x)
+    (node,) = [n for n in tape.nodes if str(n.func) == ATTENTION]
+    assert node.rng is None
+    facts = aten.facts(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    q = x.view(4, 128, 3, 2, 16)[:, :, 0]
+    assert facts.random and aten.draws(facts, (q, q, q, 0.1), {})
+    assert not aten.draws(facts, (q, q, q), {}) and not aten.draws(facts, (q, q, q), {"dropout_p": 0.0})
 
 
 def test_an_op_that_cannot_run_twice_runs_once_where_it_changes_its_arguments_geometry() -> None:

@@ -1,0 +1,235 @@
+"""A taped region that is one module's call, run bare from what a recorded call of it learned.
+
+NOTE [taped call run bare] A bare forward (NOTE [bare forward] in ``remat.planner.module_calls``)
+still records each taped region's ops through the executor's dispatch mode: a Python call per op,
+which ``torch.utils.checkpoint`` around the same module does not pay. What a recording makes is the
+same in every call of a setting but for the tensors: the ops and their arguments over value ids,
+the slice that recomputes what autograd saved, and the order in which autograd saves tensors and
+what the region gives it for each (the tensor itself, or a handle the slice recomputes). So a
+recorded call of the region's module (``learn``) leaves a ``Template``: for each tensor autograd
+saves in the call, in order, its shape, dtype and autograd node, and the handle given for it; and
+for each tensor the slice reads from the forward, where a later call finds it (an argument of the
+call, a parameter or buffer of the module, or a tensor autograd saves in it). A later call in the
+same setting runs the module's ``forward`` with no dispatch mode, under saved-tensor hooks only
+(``Run``), as ``torch.utils.checkpoint`` does: each save gets what the recorded call gave, and the
+slice, the same one, replays over this call's tensors. The memory is the recorded call's.
+
+A call runs from its template only where the template is the call: each tensor autograd saves must
+have the shape, dtype and autograd node the recorded call's had, and as many saves (else the
+forward diverged: refused). The setting includes, besides the bare forward's, every plain value
+(a number, a string, a flag) held by the region's modules. A region is recorded in every call, as
+before, where its replay would not be the same one in a later call: it replays a random op that
+draws (the tape keeps the generator's state for each; attention without dropout draws nothing: NOTE
+[no dropout draws nothing] in ``remat.aten.schema``), it reads a tensor no later call gives it (a
+snapshot of an input written in place, a tensor the region's code finds elsewhere), an op gave
+Python a value (``item``, ``equal``: what the code did next may depend on the data), or it offloads.
+
+What a call run from its template does not see, where the recorded call did: an op in the region
+that changed with Python state outside the module's plain values and the forward's arguments (a
+global flag, a number in a config object) while every tensor autograd saves looks the same.
+``Plan.apply(model, check="every")`` records every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat import aten
+from remat._errors import RecomputationError, message
+from remat.host.parcel import Parcel
+from remat.manual.scope import Handle, Kept, TapedRegion
+from remat.manual.tape import Slice
+from remat.trace.recorder import CALL_VALUES
+
+__all__ = ["Learner", "Run", "Template", "learn", "plain_values"]
+
+
+@dataclass(frozen=True)
+class Pack:
+    """The k-th tensor autograd saved in the recorded call: what it looked like (its shape, dtype,
+    the type of its autograd node, whether its own op saved it after running) and what the region
+    gave for it: ``handle`` (recomputed), or the tensor itself, then ``binds`` the value id of the
+    slice's kept tensor it is (-1: none)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    node: type | None
+    own: bool
+    handle: Handle | None
+    binds: int
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a call finds a tensor the slice reads from the forward (value id ``vid``): the call's
+    ``arg``-th tensor leaf of its arguments, or the module's parameter or buffer ``attr``, or (both
+    unset) a tensor autograd saves in the call (``Pack.binds``)."""
+
+    vid: int
+    arg: int = -1
+    attr: str = ""
+
+
+@dataclass(frozen=True)
+class Template:
+    """What a call of a taped region's module needs to run without recording (NOTE [taped call
+    run bare]): its packs in order, the region's replay (``shape``: handles and writes, its plan
+    cleared) and slice (its kept tensors cleared), and where each kept tensor comes from."""
+
+    packs: tuple[Pack, ...]
+    shape: TapedRegion
+    plan: Slice | None
+    sources: tuple[Source, ...]
+
+
+def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
+    """Every plain value (``CALL_VALUES`` but tensors) the region's modules hold: what their code
+    may branch on or compute with, beside the forward's setting."""
+    return tuple(
+        (name, v)
+        for m in module.modules()
+        for name, v in vars(m).items()
+        if isinstance(v, CALL_VALUES) and not isinstance(v, torch.Tensor)
+    )
+
+
+class Learner:
+    """The saved-tensor hooks around a recorded call of the region's module: what autograd saves
+    outside the region's own hooks (the first op's inputs, saved before the op reaches the
+    executor, and the last op's outputs, saved after the region ended) is kept as a plain save
+    would keep it. Each save, there and in the region (``TapedRegion.note``), is noted in order:
+    what it looked like, and the tensor where the region keeps it (not where it recomputes it: the
+    memory is the plan's)."""
+
+    steps_aside = True  # ``hooks_of_another``: the executor's own
+
+    def __init__(self) -> None:
+        self.packs: list[Pack] = []
+        self.kept: list[tuple[torch.Tensor, int] | None] = []  # per pack, the tensor kept
+        self.unpack = TapedRegion(None).unpack
+        self.moved = False
+
+    def pack(self, t: torch.Tensor) -> Kept:
+        kept = Kept(aten.detached(t) if aten.made_last(t) else t, t._version)
+        self.note(t, kept)
+        return kept
+
+    def note(self, t: torch.Tensor, packed: Kept | Handle | Parcel) -> None:
+        self.moved |= isinstance(packed, Parcel)
+        handle = packed if isinstance(packed, Handle) else None
+        node = type(t.grad_fn) if t.grad_fn is not None else None
+        self.packs.append(Pack(t.shape, t.dtype, node, aten.made_last(t), handle, -1))
+        self.kept.append((t, t._version) if isinstance(packed, Kept) else None)
+
+
+def learn(
+    learner: Learner, region: TapedRegion | None, module: nn.Module, leaves: Sequence[Any], exact: bool
+) -> Template | None:
+    """The template of the call ``learner`` watched, whose region (finished) is ``region``;
+    ``leaves``: the call's arguments, flattened; ``exact``: the call ran the region's ops, no more
+    and no fewer. None where a later call could not run from it (NOTE [taped call run bare]). Drops
+    what the two held of the call's tensors."""
+    kept, learner.kept = learner.kept, []
+    if region is None:
+        return None
+    found, region.log_kept, region.note = region.log_kept, {}, None
+    if not exact or region.reads_values or learner.moved:
+        return None
+    plan = region.plan
+    if plan is not None and (plan.moved or plan.rng_sources):
+        return None
+    held = {id(t): name for name, t in (*module.named_parameters(), *module.named_buffers())}
+    args = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+    sources: list[Source] = []
+    binds: dict[int, int] = {}  # pack -> value id
+    for vid, (t, version) in found.items():
+        if version >= 0 and t._version != version:  # written since: no later call gives it
+            return None
+        if id(t) in args and leaves[args[id(t)]] is t:
+            sources.append(Source(vid, arg=args[id(t)]))
+        elif id(t) in held:
+            sources.append(Source(vid, attr=held[id(t)]))
+        else:
+            k = next((k for k, s in enumerate(kept) if s is not None and s[0] is t and s[1] == version), -1)
+            if k < 0:
+                return None
+            binds[k] = vid
+            sources.append(Source(vid))
+    packs = tuple(
+        dataclasses.replace(p, binds=binds[k]) if k in binds else p for k, p in enumerate(learner.packs)
+    )
+    if plan is not None:
+        plan = dataclasses.replace(plan, kept={})
+    return Template(packs, region.replica(None), plan, tuple(sources))
+
+
+class Run:
+    """One call of the region's module run from ``template`` (NOTE [taped call run bare]): its
+    saved-tensor hooks, and the region that replays for its backward."""
+
+    steps_aside = True  # ``hooks_of_another``: the executor's own
+
+    def __init__(self, template: Template, module: nn.Module, leaves: Sequence[Any], name: str) -> None:
+        self.template, self.name = template, name
+        self.region = template.shape.replica(None)
+        self.unpack = self.region.unpack
+        self.k = 0
+        self.bound: dict[int, tuple[torch.Tensor, int]] = {}
+        for source in template.sources:
+            if source.arg >= 0:
+                self._bind(source.vid, leaves[source.arg])
+            elif source.attr:
+                held = functools.reduce(getattr, source.attr.split("."), module)
+                assert isinstance(held, torch.Tensor), "a parameter or buffer by its name"
+                self._bind(source.vid, held)
+
+    def _bind(self, vid: int, t: torch.Tensor) -> None:
+        self.bound[vid] = (aten.detached(t), -1 if t.is_inference() else t._version)
+
+    def pack(self, t: torch.Tensor) -> Kept | Handle:
+        k = self.k
+        self.k += 1
+        packs = self.template.packs
+        if k >= len(packs):
+            raise self._diverged(f"autograd saved more than the {len(packs)} tensors it saved")
+        want = packs[k]
+        node = type(t.grad_fn) if t.grad_fn is not None else None
+        if t.shape != want.shape or t.dtype != want.dtype or node is not want.node:
+            got = f"{aten.describe(t.dtype, t.shape)} of {getattr(node, '__name__', None)}"
+            wanted = f"{aten.describe(want.dtype, want.shape)} of {getattr(want.node, '__name__', None)}"
+            raise self._diverged(f"saved tensor #{k} is {got}, recorded {wanted}")
+        if want.handle is not None:
+            return want.handle
+        own = aten.made_last(t)
+        if own is not want.own:
+            raise self._diverged(f"saved tensor #{k} saved {'after' if own else 'before'} its op ran")
+        if want.binds >= 0:
+            self._bind(want.binds, t)
+        return Kept(aten.detached(t) if own else t, t._version)
+
+    def end(self) -> None:
+        """After the call: every save came, and the region replays over this call's tensors."""
+        packs = self.template.packs
+        if self.k != len(packs):
+            raise self._diverged(f"autograd saved {self.k} tensors, {len(packs)} when recorded")
+        plan = self.template.plan
+        if plan is None:
+            return
+        self.region.plan = dataclasses.replace(plan, kept=self.bound)
+
+    def _diverged(self, what: str) -> RecomputationError:
+        return RecomputationError(
+            message(
+                "plan",
+                "the model's forward diverged from the traced step",
+                f"{self.name}'s call run bare: {what}",
+                "plan again with inputs that take this path, or apply the plan with check='every'",
+            )
+        )

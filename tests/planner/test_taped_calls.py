@@ -1,0 +1,196 @@
+"""A taped region that is one module's call runs, after a recorded call in its setting, from that
+call's template (NOTE [taped call run bare] in ``remat.planner.taped_calls``): no dispatch mode,
+training bit for bit as the plain model, the same allocator peak, recorded again where the setting
+or the module's plain values change, refused where the call diverges, and recorded every time where
+a later call's replay could not be the recorded one's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from models import assert_same, train, twin
+from plans import fixed_costs
+from test_plan_floor import _peak
+from test_rerun import _every_layer, _family, _plan
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import remat.planner.module_calls as module_calls
+import remat.planner.taped_calls as taped_calls
+from remat import RecomputationError
+from remat.planner import Plan, trace_step
+
+ACT = torch.tanh  # Python state no setting sees: what the blocks run
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+        self.scale = 1.0  # a plain value of the module: part of the setting
+        self.peek = False  # reads a value into Python (``item``)
+        self.modes: list[object] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(_get_current_dispatch_mode())
+        h = ACT(self.fc1(x)) * self.scale
+        if self.peek and h.sum().item() > 1e9:
+            h = h * 2
+        return x + self.fc2(h)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def _stack(peek: bool = False) -> tuple[_Stack, dict[str, torch.Tensor], Plan]:
+    """The stack and a plan of every block a taped region anchored at the block's call."""
+    torch.manual_seed(0)
+    model = _Stack().train()
+    for block in model.blocks:
+        block.peek = peek
+    batch = {"x": torch.randn(32, 16)}
+    trace = fixed_costs(trace_step(model, batch, repeats=1))
+    _, every = _every_layer(model, trace, rerun=False)
+    assert all(not r.rerun and r.anchor == r.name for r, _ in every.regions)
+    return model, batch, _plan(trace, model, every)
+
+
+def _runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The region modules each call run from a template (``Run``) was for."""
+    names: list[str] = []
+    init = taped_calls.Run.__init__
+
+    def counted(self: taped_calls.Run, template: Any, module: nn.Module, leaves: Any, name: str) -> None:
+        names.append(name)
+        init(self, template, module, leaves, name)
+
+    monkeypatch.setattr(taped_calls.Run, "__init__", counted)
+    return names
+
+
+def _modes(model: _Stack) -> list[list[object]]:
+    return [block.modes for block in model.blocks]
+
+
+def test_after_a_recorded_call_a_taped_block_runs_from_its_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four steps: the first forward is checked (each block recorded, leaving its template), the
+    later ones run each block with no dispatch mode at all; losses, gradients and the RNG stream
+    are the plain model's."""
+    model, batch, plan = _stack()
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    for modes in _modes(planned):
+        modes.clear()
+    ran = train(planned, lambda _: batch, steps=4, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=4), ran)
+    assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 3
+    for modes in _modes(planned):
+        assert modes[0] is not None and modes[1:] == [None, None, None]
+
+
+def test_a_plain_value_of_the_module_changed_records_the_call_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's ``scale`` (a number the module holds) changed between steps: the block's next
+    call is recorded again, and the training stays the plain model's."""
+    model, batch, plan = _stack()
+    runs = _runs(monkeypatch)
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        for m in (planned, plain):
+            m.blocks[1].scale = 1.0 if step < 2 else 0.5
+        return batch
+
+    ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned))
+    assert_same(train(plain, batch_at, steps=4), ran)
+    # step 0 checked; step 1 all from templates; step 2 block 1 recorded again; step 3 all
+    assert runs == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.0",
+        "blocks.2",
+        *["blocks.0", "blocks.1", "blocks.2"],
+    ]
+
+
+def test_a_call_whose_saves_differ_from_its_template_is_refused() -> None:
+    """Python state no setting sees (a global) switches the blocks' activation: the saved tensors'
+    autograd nodes differ from the recorded call's, and the forward is refused, not replayed with
+    the recorded ops (as a recorded call refuses it, by its ops)."""
+    global ACT
+    model, batch, plan = _stack()
+    for _ in range(2):
+        with plan.apply(model):
+            model(**batch).backward()
+    ACT = torch.sigmoid
+    try:
+        with (
+            pytest.raises(
+                RecomputationError, match=r"blocks\.0's call run bare: saved tensor #\d+ is .*Sigmoid"
+            ),
+            plan.apply(model),
+        ):
+            model(**batch)
+        with (
+            pytest.raises(
+                RecomputationError, match="expected aten.tanh.default in blocks.0, got aten.sigmoid"
+            ),
+            plan.apply(model, check="every"),
+        ):  # the recorded call sees it op by op
+            model(**batch)
+    finally:
+        ACT = torch.tanh
+
+
+def test_a_region_that_reads_a_value_into_python_is_recorded_every_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``item`` in the block: what it does next may depend on the data, so no template."""
+    model, batch, plan = _stack(peek=True)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    assert runs == []
+    assert all(modes[-1] is not None for modes in _modes(planned))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])
+def test_transformer_layers_run_from_templates_where_nothing_draws(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama and ViT (no dropout; their attention draws nothing) run every layer from its template
+    after the first step, training bit for bit as the plain model, at the checked step's
+    allocator peak and the prediction's; GPT-2's layers draw (dropout) and are recorded every call."""
+    model, batch, trace = _family(name)
+    _, every = _every_layer(model, trace, rerun=False)
+    plan = _plan(trace, model, every)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    layers = [r.anchor for r in plan.regions]
+    assert runs == ([] if name == "gpt2" else layers * 2)
+    peaks = [_peak(model, batch, plan) for _ in range(2)]
+    assert peaks[0] == peaks[1] == every.pred.peak_bytes
+
+
+def test_check_every_records_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch, plan = _stack()
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned, check="every"))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    assert runs == [] and not module_calls._TEMPLATES.get(planned)
