@@ -223,9 +223,6 @@ def _facts(func: torch._ops.OpOverload) -> OpFacts:
     )
 
 
-_DROPOUT = "dropout_p"  # NOTE [no dropout draws nothing]
-
-
 def draws(info: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """Whether this call of a random op draws from a generator: NOTE [no dropout draws nothing]."""
     if not info.random:

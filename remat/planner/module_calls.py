@@ -14,12 +14,12 @@ mode outside the regions; each region is reached through its module's call (``wr
 pushes the mode for the call, counting from the region's first op, and the region steps it aside at
 its end; or, once a recorded call of it in the setting left a template, runs the call with no mode
 at all: NOTE [taped call run bare] in ``remat.planner.taped_calls``). A plan with no region runs
-bare too. The setting (``forward_key``) is what the path of a
-forward depends on that the executor sees cheaply: the plan; each module's train or eval mode and
-dropout rate, the autocast state and the attention kernels allowed (``remat.planner.rerun.setting``);
-each parameter's and buffer's dtype, device, shape and whether it requires grad; and the forward's
-arguments: each tensor's type, dtype, device, shape, strides and whether it requires grad, each
-plain value (a number, a string, None, a dtype, an enum: ``CALL_VALUES``) as it is. A forward given
+bare too. The setting (``forward_key``) is what the path of a forward depends on that the executor
+sees cheaply: the plan; each module's train or eval mode and dropout rate, the autocast state and
+the attention kernels allowed (``remat.planner.rerun.setting``); each parameter's and buffer's
+dtype, device, shape and whether it requires grad; and the forward's arguments (``call_key``):
+their structure, each tensor's type, dtype, device, shape, strides and whether it requires grad,
+each plain value (a number, a string, None, a dtype, an enum: ``CALL_VALUES``) as it is. A forward given
 any other object (a cache, a dataclass batch: what it holds is not seen) is checked every time, and
 so is every forward of a block where a region's module ran ops before its ``forward`` (a forward
 pre-hook), or of a plan whose anchor the model does not have (``anchored``). A bare forward checks
@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.planner.regions import Region
@@ -74,7 +74,7 @@ class Runner(Protocol):
     def __exit__(self, kind: Any, value: Any, trace: Any, /) -> Any: ...
 
 
-__all__ = ["Bare", "Runner", "anchor", "anchored", "forward_key", "submodule", "wrap"]
+__all__ = ["Bare", "Runner", "anchor", "anchored", "call_key", "forward_key", "submodule", "wrap"]
 
 # module regions whose call was checked op by op, per module: (first op, ops, setting)
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakref.WeakKeyDictionary()
@@ -91,17 +91,28 @@ _TEMPLATES = weakref.WeakKeyDictionary()
 def forward_key(model: nn.Module, plan: Hashable, args: Any, kwargs: Any) -> Hashable | None:
     """The setting of one forward of ``model`` under ``plan`` (NOTE [bare forward]); None where an
     argument is an object whose contents it cannot see."""
+    given = call_key(args, kwargs)
+    if given is None:
+        return None
+    held: list[Hashable] = [(t.dtype, t.device, t.shape, t.requires_grad) for t in model.parameters()]
+    held += [(t.dtype, t.device, t.shape) for t in model.buffers()]
+    return (plan, setting(model), tuple(held), given)
+
+
+def call_key(args: Any, kwargs: Any) -> Hashable | None:
+    """A call's arguments as the setting sees them (NOTE [bare forward]): their structure, each
+    tensor's type, dtype, device, shape, strides and whether it requires grad, each plain value as
+    it is; None where one is an object whose contents it cannot see."""
+    leaves, structure = tree_flatten((args, kwargs))
     given: list[Hashable] = []
-    for x in tree_leaves((args, kwargs)):
+    for x in leaves:
         if isinstance(x, torch.Tensor):
             given.append((type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad))
         elif isinstance(x, CALL_VALUES):
             given.append((type(x), x))
         else:
             return None
-    held: list[Hashable] = [(t.dtype, t.device, t.shape, t.requires_grad) for t in model.parameters()]
-    held += [(t.dtype, t.device, t.shape) for t in model.buffers()]
-    return (plan, setting(model), tuple(held), tuple(given))
+    return (structure, tuple(given))
 
 
 class Bare:
@@ -130,18 +141,26 @@ class Bare:
         """At the end of a checked forward that ran the traced ops: its setting runs bare from now."""
         if self.key is not None and not self.unanchored:
             _SEEN.setdefault(self.model, set()).add(self.key)
-            _TEMPLATES.setdefault(self.model, {}).update(self.pending)
+            _keep(self.model, self.pending)
         self.key = None
 
-    def template(self, region: Region, module: nn.Module) -> Template | None | bool:
-        """The template a recorded call of ``region``'s module left in this setting; None where
-        its calls are recorded; False where none was recorded yet (NOTE [taped call run bare])."""
-        key = (self.key, region.first, plain_values(module))
+    def template(self, region: Region, module: nn.Module, args: Any, kwargs: Any) -> Template | None | bool:
+        """The template a recorded call of ``region``'s module left in this setting (the forward's,
+        the module's plain values and the call's arguments); None where its calls are recorded;
+        False where none was recorded yet (NOTE [taped call run bare])."""
+        given = call_key(args, kwargs)
+        if given is None:
+            return None
+        key = (self.key, region.first, plain_values(module), given)
         return _TEMPLATES.get(self.model, {}).get(key, False)
 
-    def learned(self, region: Region, module: nn.Module, template: Template | None) -> None:
+    def learned(
+        self, region: Region, module: nn.Module, args: Any, kwargs: Any, template: Template | None
+    ) -> None:
         """A recorded call of ``region``'s module left ``template``: kept once the forward ends well."""
-        self.pending[self.key, region.first, plain_values(module)] = template
+        given = call_key(args, kwargs)
+        if given is not None:
+            self.pending[self.key, region.first, plain_values(module), given] = template
 
     def call(self, region: Region) -> None:
         """A region's module called in the bare forward."""
@@ -157,7 +176,19 @@ class Bare:
         if missing and not raised:
             raise _diverged(f"{missing[0]} not called; the traced step calls it once")
         if not raised:
-            _TEMPLATES.setdefault(self.model, {}).update(self.pending)
+            _keep(self.model, self.pending)
+
+
+_MOST_TEMPLATES = 4096  # per model: settings that change every step (a length) leave one each
+
+
+def _keep(model: nn.Module, templates: dict[Hashable, Template | None]) -> None:
+    """Keep the templates a forward's recorded calls left (NOTE [taped call run bare]), the oldest
+    going first past ``_MOST_TEMPLATES``."""
+    kept = _TEMPLATES.setdefault(model, {})
+    kept.update(templates)
+    while len(kept) > _MOST_TEMPLATES:
+        del kept[next(iter(kept))]
 
 
 def _diverged(what: str) -> RecomputationError:
@@ -300,7 +331,7 @@ def anchor(runner: Runner, region: Region, module: nn.Module) -> tuple[nn.Module
         bare.call(region)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        template = bare.template(region, module)
+        template = bare.template(region, module, args, kwargs)
         if isinstance(template, Template):
             run = Run(template, module, tree_leaves((args, kwargs)), region.anchor)
             with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
@@ -344,5 +375,5 @@ def _learning(
         runner.note = runner.learned = None
     exact = runner.position == region.last + 1 and runner.open is None
     template = learn(learner, learned, module, tree_leaves((args, kwargs)), exact)
-    bare.learned(region, module, template)
+    bare.learned(region, module, args, kwargs, template)
     return out

@@ -17,7 +17,9 @@ slice, the same one, replays over this call's tensors. The memory is the recorde
 A call runs from its template only where the template is the call: each tensor autograd saves must
 have the shape, dtype and autograd node the recorded call's had, and as many saves (else the
 forward diverged: refused). The setting includes, besides the bare forward's, every plain value
-(a number, a string, a flag) held by the region's modules. A region is recorded in every call, as
+(a number, a string, a flag) held by the region's modules, and the call's own arguments as the
+forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
+recorded every time). A region is recorded in every call, as
 before, where its replay would not be the same one in a later call: it replays a random op that
 draws (the tape keeps the generator's state for each; attention without dropout draws nothing: NOTE
 [no dropout draws nothing] in ``remat.aten.schema``), it reads a tensor no later call gives it (a
@@ -56,7 +58,7 @@ class Pack:
     """The k-th tensor autograd saved in the recorded call: what it looked like (its shape, dtype,
     the type of its autograd node, whether its own op saved it after running) and what the region
     gave for it: ``handle`` (recomputed), or the tensor itself, then ``binds`` the value id of the
-    slice's kept tensor it is (-1: none)."""
+    slice's kept tensor it is, or (``place``) that sits in its storage (-1: none)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -64,6 +66,9 @@ class Pack:
     own: bool
     handle: Handle | None
     binds: int
+    # the kept tensor shares the saved one's storage, at this (shape, strides, offset) in it: a
+    # linear's output that the next op saves reshaped
+    place: tuple[torch.Size, tuple[int, ...], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,7 @@ def learn(
     held = {id(t): name for name, t in (*module.named_parameters(), *module.named_buffers())}
     args = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
     sources: list[Source] = []
-    binds: dict[int, int] = {}  # pack -> value id
+    binds: dict[int, tuple[int, Any]] = {}  # pack -> value id, and where in its storage
     for vid, (t, version) in found.items():
         if version >= 0 and t._version != version:  # written since: no later call gives it
             return None
@@ -157,17 +162,36 @@ def learn(
         elif id(t) in held:
             sources.append(Source(vid, attr=held[id(t)]))
         else:
-            k = next((k for k, s in enumerate(kept) if s is not None and s[0] is t and s[1] == version), -1)
-            if k < 0:
+            found_at = _saved(kept, t, version)
+            if found_at is None:
                 return None
-            binds[k] = vid
+            binds[found_at[0]] = (vid, found_at[1])
             sources.append(Source(vid))
     packs = tuple(
-        dataclasses.replace(p, binds=binds[k]) if k in binds else p for k, p in enumerate(learner.packs)
+        dataclasses.replace(p, binds=binds[k][0], place=binds[k][1]) if k in binds else p
+        for k, p in enumerate(learner.packs)
     )
     if plan is not None:
         plan = dataclasses.replace(plan, kept={})
     return Template(packs, region.replica(None), plan, tuple(sources))
+
+
+def _saved(
+    kept: Sequence[tuple[torch.Tensor, int] | None], t: torch.Tensor, version: int
+) -> tuple[int, tuple[torch.Size, tuple[int, ...], int] | None] | None:
+    """The pack that saved ``t`` at ``version`` itself (place None), or else a tensor sharing its
+    storage (a linear's output reshaped, which the next op saves), with where ``t`` sits in it; None
+    where none did."""
+    for k, s in enumerate(kept):
+        if s is not None and s[0] is t and s[1] == version:
+            return k, None
+    if not t.untyped_storage().nbytes():
+        return None
+    storage = t.untyped_storage().data_ptr()
+    for k, s in enumerate(kept):
+        if s is not None and s[0].dtype == t.dtype and s[0].untyped_storage().data_ptr() == storage:
+            return k, (t.shape, t.stride(), int(t.storage_offset()))
+    return None
 
 
 class Run:
@@ -190,8 +214,11 @@ class Run:
                 assert isinstance(held, torch.Tensor), "a parameter or buffer by its name"
                 self._bind(source.vid, held)
 
-    def _bind(self, vid: int, t: torch.Tensor) -> None:
-        self.bound[vid] = (aten.detached(t), -1 if t.is_inference() else t._version)
+    def _bind(self, vid: int, t: torch.Tensor, place: Any = None) -> None:
+        kept = aten.detached(t)
+        if place is not None:
+            kept = kept.as_strided(*place)  # a view of the same storage: no memory
+        self.bound[vid] = (kept, -1 if t.is_inference() else t._version)
 
     def pack(self, t: torch.Tensor) -> Kept | Handle:
         k = self.k
@@ -211,7 +238,7 @@ class Run:
         if own is not want.own:
             raise self._diverged(f"saved tensor #{k} saved {'after' if own else 'before'} its op ran")
         if want.binds >= 0:
-            self._bind(want.binds, t)
+            self._bind(want.binds, t, want.place)
         return Kept(aten.detached(t) if own else t, t._version)
 
     def end(self) -> None:

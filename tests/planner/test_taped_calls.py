@@ -20,9 +20,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import remat.planner.module_calls as module_calls
 import remat.planner.taped_calls as taped_calls
 from remat import RecomputationError
-from remat.planner import Plan, trace_step
+from remat.planner import Plan, plan_trace, trace_step
+from remat.planner.api import block_key
+from remat.planner.cost_model import ExecutorCost
 
 ACT = torch.tanh  # Python state no setting sees: what the blocks run
+EXECUTOR = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)  # plans not of this machine's
 
 
 class _Block(nn.Module):
@@ -34,9 +37,9 @@ class _Block(nn.Module):
         self.peek = False  # reads a value into Python (``item``)
         self.modes: list[object] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
         self.modes.append(_get_current_dispatch_mode())
-        h = ACT(self.fc1(x)) * self.scale
+        h = ACT(self.fc1(x)) * (self.scale * gain)
         if self.peek and h.sum().item() > 1e9:
             h = h * 2
         return x + self.fc2(h)
@@ -47,10 +50,11 @@ class _Stack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(_Block() for _ in range(3))
         self.head = nn.Linear(16, 1)
+        self.gain = 1.0  # Python state of the stack's own, handed to each block's call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = block(x, gain=self.gain)
         return self.head(x).square().mean()
 
 
@@ -125,6 +129,45 @@ def test_a_plain_value_of_the_module_changed_records_the_call_again(monkeypatch:
     ]
 
 
+def test_another_argument_to_the_call_records_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack hands each block a number of its own (no setting of the forward sees it): a call
+    given another one is recorded again, and the training stays the plain model's."""
+    model, batch, plan = _stack()
+    runs = _runs(monkeypatch)
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        planned.gain = plain.gain = 1.0 if step < 2 else 0.5
+        return batch
+
+    ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned))
+    assert_same(train(plain, batch_at, steps=4), ran)
+    assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 2
+
+
+@pytest.mark.parametrize(("name", "room"), [("llama", 1.0), ("llama", 2.0), ("vit", 1.0)])
+def test_plans_that_keep_part_of_a_layer_run_from_templates_exactly(
+    name: str, room: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plans the search picks (at per-layer checkpointing's predicted peak, and at twice it), whose
+    regions keep some of what autograd saves: the replay reads those from this call's saves, and
+    the training is the plain model's bit for bit, at the checked step's allocator peak, within the
+    prediction."""
+    model, batch, trace = _family(name)
+    _, every = _every_layer(model, trace, rerun=False)
+    budget = int(every.pred.peak_bytes * room)
+    plan = plan_trace(trace, budget, block_key=block_key(model), executor_cost=EXECUTOR)
+    assert plan.regions and all(r.anchor for r in plan.regions)
+    assert any(r.save for r in plan.regions)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    assert runs == [r.anchor for r in plan.regions] * 2
+    peaks = [_peak(model, batch, plan) for _ in range(2)]
+    assert peaks[0] == peaks[1] <= plan.predicted_peak_bytes
+
+
 def test_a_call_whose_saves_differ_from_its_template_is_refused() -> None:
     """Python state no setting sees (a global) switches the blocks' activation: the saved tensors'
     autograd nodes differ from the recorded call's, and the forward is refused, not replayed with
@@ -194,3 +237,20 @@ def test_check_every_records_every_call(monkeypatch: pytest.MonkeyPatch) -> None
     ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned, check="every"))
     assert_same(train(twin(model), lambda _: batch, steps=3), ran)
     assert runs == [] and not module_calls._TEMPLATES.get(planned)
+
+
+def test_the_templates_kept_per_model_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A setting that changes every step (here the number the stack hands its blocks) leaves
+    templates each time; the oldest go first past the bound, and training stays exact."""
+    monkeypatch.setattr(module_calls, "_MOST_TEMPLATES", 4)
+    model, batch, plan = _stack()
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        planned.gain = plain.gain = 1.0 + step
+        return batch
+
+    ran = train(planned, batch_at, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(plain, batch_at, steps=3), ran)
+    kept = module_calls._TEMPLATES[planned]
+    assert len(kept) == 4 and all(isinstance(t, taped_calls.Template) for t in kept.values())
