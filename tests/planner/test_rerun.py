@@ -58,8 +58,8 @@ def _plan(trace: Trace, model: nn.Module, candidate: Candidate) -> Plan:
 def test_every_layer_runs_again_as_predicted(name: str) -> None:
     """Llama, ViT, GPT-2 (dropout) and BERT (post-norm: each layer's last op saves its own
     statistics): each layer is one region run as the layer called again, the allocator measures
-    the predicted peak, and the executor neither checks nor records the layers' ops (nor, in the steady
-state, the taped layers' where they run from templates)."""
+    the predicted peak, and the executor neither checks nor records the layers' ops (nor, in the
+    steady state, the taped layers' where they run from templates)."""
     model, batch, trace = _family(name)
     _, again = _every_layer(model, trace, rerun=True)
     _, taped = _every_layer(model, trace, rerun=False)
