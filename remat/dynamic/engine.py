@@ -228,7 +228,8 @@ class Engine:
                 storage = runtime.storage_of(handle)
                 if sizes_of[storage] > 0 and (constant[storage] or not runtime.overwrites(handle)):
                     saved[handle] = backend.copy_of(backend.homes.get(storage))
-        source = aten.source_of(args, kwargs) if schema.random else None
+        random = aten.draws(schema, args, kwargs)  # NOTE [no dropout draws nothing]
+        source = aten.source_of(args, kwargs) if random else None
         default = source if isinstance(source, torch.device) else None
         drawn = bool(explicit) or default is not None
 
@@ -266,7 +267,7 @@ class Engine:
             tuple(fresh),
             tuple(written),
             cost=seconds,
-            random=schema.random,
+            random=random,
             scratch=aligned(scratch or 0) + extra,
             state=state_bytes(default, tuple(x for _, x in explicit), self.device) if drawn else 0,
         )

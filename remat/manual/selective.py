@@ -265,7 +265,7 @@ class Replaying(TorchDispatchMode):
         entry = None if position is None else self.cache.current(position)
         if entry is None:
             return func(*args, **(kwargs or {}))
-        if facts.random:
+        if aten.draws(facts, args, kwargs or {}):  # NOTE [no dropout draws nothing]
             # NOTE [kept, run all the same] a kept random op still draws, so that the random ops
             # after it draw what they drew in forward (a kept batch norm does not run: its
             # statistics may be the program's own where the buffer shield does not reach them)
