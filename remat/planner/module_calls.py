@@ -83,7 +83,8 @@ _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[object, ...]]] = weakre
 # training loop opens one per step)
 _SEEN: weakref.WeakKeyDictionary[nn.Module, set[Hashable]] = weakref.WeakKeyDictionary()
 
-# NOTE [taped call run bare] per model: (setting, region, plain values) -> template (None: recorded)
+# NOTE [taped call run bare] per model: (setting, region, plain values, the call's arguments) ->
+# template (None: recorded)
 _TEMPLATES: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Template | None]]
 _TEMPLATES = weakref.WeakKeyDictionary()
 
