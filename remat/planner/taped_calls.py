@@ -9,7 +9,8 @@ what the region gives it for each (the tensor itself, or a handle the slice reco
 recorded call of the region's module (``learn``) leaves a ``Template``: for each tensor autograd
 saves in the call, in order, its shape, dtype and autograd node, and the handle given for it; and
 for each tensor the slice reads from the forward, where a later call finds it (an argument of the
-call, a parameter or buffer of the module, or a tensor autograd saves in it). A later call in the
+call, a parameter or buffer of the module, a tensor autograd saves in it, or the storage of one: a
+linear's output that the next op saves reshaped). A later call in the
 same setting runs the module's ``forward`` with no dispatch mode, under saved-tensor hooks only
 (``Run``), as ``torch.utils.checkpoint`` does: each save gets what the recorded call gave, and the
 slice, the same one, replays over this call's tensors. The memory is the recorded call's.
@@ -19,15 +20,15 @@ have the shape, dtype and autograd node the recorded call's had, and as many sav
 forward diverged: refused). The setting includes, besides the bare forward's, every plain value
 (a number, a string, a flag) held by the region's modules, and the call's own arguments as the
 forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
-recorded every time). A region is recorded in every call, as
-before, where its replay would not be the same one in a later call: it replays a random op that
-draws (the tape keeps the generator's state for each; attention without dropout draws nothing: NOTE
-[no dropout draws nothing] in ``remat.aten.schema``), it reads a tensor no later call gives it (a
-snapshot of an input written in place, a tensor the region's code finds elsewhere), an op gave
-Python a value (``item``, ``equal``: what the code did next may depend on the data), or it offloads.
+recorded every time). A region is recorded in every call, as before, where its replay would not
+be the same one in a later call: it replays a random op that draws (the tape keeps the
+generator's state for each; attention without dropout draws nothing: NOTE [no dropout draws
+nothing] in ``remat.aten.schema``), it reads a tensor no later call gives it (a snapshot of an
+input written in place, a tensor the region's code finds elsewhere), an op gave Python a value
+(``item``, ``equal``: what the code did next may depend on the data), or it offloads.
 
 What a call run from its template does not see, where the recorded call did: an op in the region
-that changed with Python state outside the module's plain values and the forward's arguments (a
+that changed with Python state outside the module's plain values and the call's arguments (a
 global flag, a number in a config object) while every tensor autograd saves looks the same.
 ``Plan.apply(model, check="every")`` records every call.
 """
