@@ -25,6 +25,7 @@ from remat.planner.api import block_key
 from remat.planner.cost_model import ExecutorCost
 
 ACT = torch.tanh  # Python state no setting sees: what the blocks run
+SHORT = False  # and whether they skip their second layer
 EXECUTOR = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)  # plans not of this machine's
 
 
@@ -42,7 +43,7 @@ class _Block(nn.Module):
         h = ACT(self.fc1(x)) * (self.scale * gain)
         if self.peek and h.sum().item() > 1e9:
             h = h * 2
-        return x + self.fc2(h)
+        return x + h[..., :16] if SHORT else x + self.fc2(h)
 
 
 class _Stack(nn.Module):
@@ -195,6 +196,43 @@ def test_a_call_whose_saves_differ_from_its_template_is_refused() -> None:
             model(**batch)
     finally:
         ACT = torch.tanh
+
+
+def test_a_call_that_saves_fewer_tensors_than_its_template_is_refused() -> None:
+    """A global makes the blocks skip their second linear: fewer tensors saved than recorded."""
+    global SHORT
+    model, batch, plan = _stack()
+    for _ in range(2):
+        with plan.apply(model):
+            model(**batch).backward()
+    SHORT = True
+    try:
+        with (
+            pytest.raises(
+                RecomputationError, match=r"blocks\.0's call run bare: autograd saved \d+ tensors, \d+ when"
+            ),
+            plan.apply(model),
+        ):
+            model(**batch)
+    finally:
+        SHORT = False
+
+
+def test_templates_under_autocast_train_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 autocast (part of the setting): the recorded call's casts are the template's, and
+    training from templates is the plain model's under the same autocast, bit for bit."""
+    model, batch, _ = _stack()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trace = fixed_costs(trace_step(model, batch, repeats=1))
+    _, every = _every_layer(model, trace, rerun=False)
+    plan = _plan(trace, model, every)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(
+        planned, lambda _: batch, steps=3, autocast=torch.bfloat16, region=lambda: plan.apply(planned)
+    )
+    assert_same(train(twin(model), lambda _: batch, steps=3, autocast=torch.bfloat16), ran)
+    assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 2
 
 
 def test_a_region_that_reads_a_value_into_python_is_recorded_every_call(
