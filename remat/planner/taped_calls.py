@@ -18,7 +18,8 @@ slice, the same one, replays over this call's tensors. The memory is the recorde
 A call runs from its template only where the template is the call: each tensor autograd saves must
 have the shape, dtype and autograd node the recorded call's had, and as many saves (else the
 forward diverged: refused). The setting includes, besides the bare forward's, every plain value
-(a number, a string, a flag) held by the region's modules, and the call's own arguments as the
+(a number, a string, a flag) held by the region's modules or by a plain object one holds (a config),
+or named as a global by their ``forward`` (``plain_values``), and the call's own arguments as the
 forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
 recorded every time). A region is recorded in every call, as before, where its replay would not
 be the same one in a later call: it replays a random op that draws (the tape keeps the
@@ -28,8 +29,9 @@ input written in place, a tensor the region's code finds elsewhere), an op gave 
 (``item``, ``equal``: what the code did next may depend on the data), or it offloads.
 
 What a call run from its template does not see, where the recorded call did: an op in the region
-that changed with Python state outside the module's plain values and the call's arguments (a
-global flag, a number in a config object) while every tensor autograd saves looks the same.
+that changed with Python state ``plain_values`` does not reach (a global a helper function reads,
+a number two objects deep) while every tensor autograd saves looks the same: its replay would
+recompute with the recorded ops, and the gradients would be wrong without an error.
 ``Plan.apply(model, check="every")`` records every call.
 """
 
@@ -96,14 +98,27 @@ class Template:
 
 
 def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
-    """Every plain value (``CALL_VALUES`` but tensors) the region's modules hold: what their code
-    may branch on or compute with, beside the forward's setting."""
-    return tuple(
-        (name, v)
-        for m in module.modules()
-        for name, v in vars(m).items()
-        if isinstance(v, CALL_VALUES) and not isinstance(v, torch.Tensor)
-    )
+    """The plain values (``CALL_VALUES`` but tensors) the region's code may branch on or compute
+    with, beside the forward's setting: each of its modules' own, those of a plain object a module
+    holds (a config), and the globals its modules' ``forward`` names."""
+    values: list[Hashable] = []
+    for m in module.modules():
+        for name, v in vars(m).items():
+            if _plain(v):
+                values.append((name, v))
+            elif not isinstance(v, (nn.Module, torch.Tensor)) and isinstance(
+                getattr(v, "__dict__", None), dict
+            ):
+                values += [(name, key, w) for key, w in vars(v).items() if _plain(w)]
+        forward = type(m).forward
+        code, names = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+        if code is not None:
+            values += [(name, names[name]) for name in code.co_names if name in names and _plain(names[name])]
+    return tuple(values)
+
+
+def _plain(v: object) -> bool:
+    return isinstance(v, CALL_VALUES) and not isinstance(v, torch.Tensor)
 
 
 class Learner:

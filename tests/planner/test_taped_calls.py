@@ -26,7 +26,13 @@ from remat.planner.cost_model import ExecutorCost
 
 ACT = torch.tanh  # Python state no setting sees: what the blocks run
 SHORT = False  # and whether they skip their second layer
+GAIN = 1.0  # and a number their forward multiplies by
 EXECUTOR = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)  # plans not of this machine's
+
+
+def _short() -> bool:
+    """``SHORT``, read where the setting does not look (a helper's global)."""
+    return SHORT
 
 
 class _Block(nn.Module):
@@ -40,10 +46,10 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
         self.modes.append(_get_current_dispatch_mode())
-        h = ACT(self.fc1(x)) * (self.scale * gain)
+        h = ACT(self.fc1(x)) * (self.scale * gain * GAIN)
         if self.peek and h.sum().item() > 1e9:
             h = h * 2
-        return x + h[..., :16] if SHORT else x + self.fc2(h)
+        return x + h[..., :16] if _short() else x + self.fc2(h)
 
 
 class _Stack(nn.Module):
@@ -169,6 +175,30 @@ def test_plans_that_keep_part_of_a_layer_run_from_templates_exactly(
     assert peaks[0] == peaks[1] <= plan.predicted_peak_bytes
 
 
+def test_a_global_number_the_forward_names_changed_records_the_call_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A global the blocks' ``forward`` multiplies by (no saved tensor changes its look when it
+    does) changed between steps: every block's next call is recorded again, and the training stays
+    the plain model's."""
+    global GAIN
+    model, batch, plan = _stack()
+    runs = _runs(monkeypatch)
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        global GAIN
+        GAIN = 1.0 if step < 2 else 0.5
+        return batch
+
+    try:
+        ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned))
+        assert_same(train(plain, batch_at, steps=4), ran)
+    finally:
+        GAIN = 1.0
+    assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 2
+
+
 def test_a_call_whose_saves_differ_from_its_template_is_refused() -> None:
     """Python state no setting sees (a global) switches the blocks' activation: the saved tensors'
     autograd nodes differ from the recorded call's, and the forward is refused, not replayed with
@@ -199,7 +229,8 @@ def test_a_call_whose_saves_differ_from_its_template_is_refused() -> None:
 
 
 def test_a_call_that_saves_fewer_tensors_than_its_template_is_refused() -> None:
-    """A global makes the blocks skip their second linear: fewer tensors saved than recorded."""
+    """A global read by a helper (which the setting does not see) makes the blocks skip their second
+    linear: fewer tensors saved than recorded, refused."""
     global SHORT
     model, batch, plan = _stack()
     for _ in range(2):
