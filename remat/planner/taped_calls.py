@@ -100,16 +100,22 @@ class Template:
 def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
     """The plain values (``CALL_VALUES`` but tensors) the region's code may branch on or compute
     with, beside the forward's setting: each of its modules' own, those of a plain object a module
-    holds (a config), and the globals its modules' ``forward`` names."""
+    holds (a config, read once however many modules hold it), and the globals its modules'
+    ``forward`` names."""
     values: list[Hashable] = []
+    read: set[int] = set()
     for m in module.modules():
         for name, v in vars(m).items():
             if _plain(v):
                 values.append((name, v))
-            elif not isinstance(v, (nn.Module, torch.Tensor)) and isinstance(
-                getattr(v, "__dict__", None), dict
+            elif (
+                id(v) not in read
+                and type(v) not in _NOT_OBJECTS
+                and isinstance(getattr(v, "__dict__", None), dict)
             ):
-                values += [(name, key, w) for key, w in vars(v).items() if _plain(w)]
+                read.add(id(v))
+                if not isinstance(v, (nn.Module, torch.Tensor)):
+                    values += [(name, key, w) for key, w in vars(v).items() if _plain(w)]
         forward = type(m).forward
         code, names = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
         if code is not None:
@@ -117,8 +123,15 @@ def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
     return tuple(values)
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
+_NOT_OBJECTS = frozenset({dict, list, tuple, set, type(None)})  # containers: not read
+
+
 def _plain(v: object) -> bool:
-    return isinstance(v, CALL_VALUES) and not isinstance(v, torch.Tensor)
+    kind = type(v)
+    return kind in _PLAIN or (
+        kind not in _NOT_OBJECTS and isinstance(v, CALL_VALUES) and not isinstance(v, torch.Tensor)
+    )
 
 
 class Learner:
