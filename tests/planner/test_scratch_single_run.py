@@ -55,8 +55,9 @@ def test_a_random_ops_scratch_is_in_the_trace_and_the_prediction_meets_the_alloc
 
 def test_attention_without_dropout_draws_nothing() -> None:
     """NOTE [no dropout draws nothing] in ``remat.aten.schema``: the CPU kernel (it takes no other
-    probability) leaves the generator as it was, so the trace counts no random op and a tape keeps
-    no generator state for it; the same call with a probability is one that draws."""
+    probability) leaves the generator as it was, so the trace and the dynamic runtime count no random
+    op and a tape keeps no generator state for it; the same call with a probability is one that
+    draws."""
     torch.manual_seed(0)
     model, x = _FrozenAttention(), torch.randn(4, 128, 96)
     before = torch.get_rng_state()
@@ -69,6 +70,11 @@ def test_attention_without_dropout_draws_nothing() -> None:
         model(x)
     (node,) = [n for n in tape.nodes if str(n.func) == ATTENTION]
     assert node.rng is None
+    region = remat.dynamic(None, keep=model, cost="model")
+    with region:
+        model(x).backward()
+    (seen,) = [op for op in region.stats.trace.ops if op.name == ATTENTION]
+    assert not seen.random
     facts = aten.facts(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
     q = x.view(4, 128, 3, 2, 16)[:, :, 0]
     assert facts.random and aten.draws(facts, (q, q, q, 0.1), {})

@@ -78,6 +78,15 @@ def _stack(peek: bool = False) -> tuple[_Stack, dict[str, torch.Tensor], Plan]:
     return model, batch, _plan(trace, model, every)
 
 
+def _from_templates() -> tuple[_Stack, dict[str, torch.Tensor], Plan]:
+    """The stack after two steps under its plan: its blocks' templates recorded and used."""
+    model, batch, plan = _stack()
+    for _ in range(2):
+        with plan.apply(model):
+            model(**batch).backward()
+    return model, batch, plan
+
+
 def _runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The region modules each call run from a template (``Run``) was for."""
     names: list[str] = []
@@ -204,10 +213,7 @@ def test_a_call_whose_saves_differ_from_its_template_is_refused() -> None:
     autograd nodes differ from the recorded call's, and the forward is refused, not replayed with
     the recorded ops (as a recorded call refuses it, by its ops)."""
     global ACT
-    model, batch, plan = _stack()
-    for _ in range(2):
-        with plan.apply(model):
-            model(**batch).backward()
+    model, batch, plan = _from_templates()
     ACT = torch.sigmoid
     try:
         with (
@@ -232,10 +238,7 @@ def test_a_call_that_saves_fewer_tensors_than_its_template_is_refused() -> None:
     """A global read by a helper (which the setting does not see) makes the blocks skip their second
     linear: fewer tensors saved than recorded, refused."""
     global SHORT
-    model, batch, plan = _stack()
-    for _ in range(2):
-        with plan.apply(model):
-            model(**batch).backward()
+    model, batch, plan = _from_templates()
     SHORT = True
     try:
         with (
