@@ -11,6 +11,7 @@ its results, learned per op signature from the allocator, is here too (``scratch
 """
 
 from remat.aten.generators import (
+    CONTINUES,
     RngState,
     Source,
     capture,
@@ -58,6 +59,7 @@ __all__ = [
     "VALUE_PACKETS",
     "Geometry",
     "OpFacts",
+    "CONTINUES",
     "RngState",
     "Source",
     "capture",

@@ -51,6 +51,17 @@ class RngState:
         return tuple(state for _, state in self.states)
 
 
+# NOTE [one state per run of draws] The tape (``remat.manual.tape``) takes the generator's state
+# before each op that draws, and a replay sets it before running the op: the op draws what it drew
+# in the forward. Where the drawing node a replay runs follows another it runs, with no drawing node
+# between them on the tape, the generator already stands where the forward's did when the second
+# drew (only the first drew since), as ``torch.utils.checkpoint`` relies on when it keeps one state
+# for a whole function. So a slice keeps the state of the first node of each run of drawing nodes it
+# replays back to back, and the others (``CONTINUES``: no state, still a random op) draw on from
+# there: a layer with three dropouts keeps one state where it kept three.
+CONTINUES = RngState(())
+
+
 def source_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Source:
     """The generator a random op draws from: its ``generator`` argument, else the default one of
     its ``device`` argument's device, or of its first tensor's, or the CPU's."""

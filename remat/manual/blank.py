@@ -31,12 +31,10 @@ def blank_writes(tape: Tape, cut: Slice, also: Collection[int]) -> Slice:
     need no snapshot made blank."""
     if not any(w.clone for step in cut.steps for w in step.node.writes):
         return cut
-    index = {id(node): i for i, node in enumerate(tape.nodes)}
     readers = _Readers(tape)
     steps: list[Step] = []
     let_go: set[int] = set()
-    for step in cut.steps:
-        i = index[id(step.node)]
+    for step, i in zip(cut.steps, cut.at, strict=True):
         node, olds = (step.node, []) if i in also else _blanked(tape, readers, step.node, i, cut.targets)
         steps.append(Step(node, (*step.free, *olds)))
         let_go.update(olds)

@@ -33,12 +33,13 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat import aten
+from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, RematTypeError, message
 from remat.aten import describe
 from remat.host.offloader import Offloader
@@ -47,7 +48,7 @@ from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
 from remat.manual.plainly import plain
 from remat.manual.replay import Executor, eager_steps, replay
-from remat.manual.tape import EXTERNAL, Recorder, Slice, Tape, stale_view_error, written_from
+from remat.manual.tape import EXTERNAL, Slice, Tape, stale_view_error, written_from
 from remat.manual.traced import transformed
 from remat.policy import Policy, RecomputeAll, checked
 
@@ -103,16 +104,18 @@ class TapedRegion:
         self.offloader: Offloader | None = tape.offloader if tape is not None else None
         self.moved_packs: dict[int, int] = {}  # value id of an offloaded tensor -> times packed
         # NOTE [taped call run bare] in ``remat.planner.taped_calls``: told each tensor packed and
-        # what autograd got for it; and the plan's kept tensors as the tape held them (``learn``
-        # takes them, and clears both)
-        self.note: Callable[[torch.Tensor, Kept | Handle | Parcel], None] | None = None
+        # what autograd got for it (with how many ops it had recorded then), and the plan's kept
+        # tensors as the tape held them (``learn`` takes them, and clears both)
+        self.note: Callable[[torch.Tensor, Kept | Handle | Parcel, int], None] | None = None
         self.log_kept: dict[int, tuple[torch.Tensor, int]] = {}
         self.reads_values = False  # an op of the region gave Python a value (``item``, ``equal``)
+        self.drawn: tuple[int, ...] = ()  # the place of each node that drew random numbers
 
     def pack(self, t: torch.Tensor) -> Kept | Handle | Parcel:
         packed = self._pack(t)
         if self.note is not None:  # NOTE [taped call run bare] in ``remat.planner.taped_calls``
-            self.note(t, packed)
+            assert self.tape is not None, "pack hooks only run while the region records"
+            self.note(t, packed, len(self.tape.nodes))
         return packed
 
     def _pack(self, t: torch.Tensor) -> Kept | Handle | Parcel:
@@ -159,6 +162,7 @@ class TapedRegion:
             self.declared, self.spans = tape.declared, tape.spans
         if tape is not None and self.note is not None:
             self.reads_values = any(aten.facts(node.func).packet in aten.VALUE_PACKETS for node in tape.nodes)
+            self.drawn = tuple(i for i, node in enumerate(tape.nodes) if node.rng is not None)
         if tape is not None:
             self.offloader = tape.offloader
             # NOTE [moved once, read twice]: per backward, each offloaded value is read by the
@@ -283,6 +287,23 @@ class TapedRegion:
     def forget(self, graph_task: int) -> None:
         with self.lock:
             self.cache.pop(graph_task, None)
+
+
+class Recorder(Unguarded):
+    """The dispatch mode that appends every op run under it to a tape."""
+
+    def __init__(self, tape: Tape) -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self.tape.record(func, args, kwargs or {})
 
 
 def _written(what: str, versions: str) -> RecomputationError:

@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 import torch
 
 from remat import aten
-from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, message
 from remat.aten import OpFacts, RngState, describe
 from remat.host.offloader import Offloader
@@ -98,14 +97,15 @@ class Step(NamedTuple):
 @dataclass(frozen=True)
 class Slice:
     """The part of a tape that recomputes ``targets``: its steps, the kept tensors it reads (with
-    the version each had when the tape took it), the offloaded ones it reads (``moved``) and the
-    generators whose state it sets."""
+    the version each had when the tape took it), the offloaded ones it reads (``moved``), the
+    generators whose state it sets and the place of each step's node on the tape."""
 
     steps: tuple[Step, ...]
     kept: dict[int, tuple[torch.Tensor, int]]
     rng_sources: tuple[torch.Generator | torch.device, ...]
     targets: frozenset[int]
     moved: dict[int, Parcel] = field(default_factory=dict)
+    at: tuple[int, ...] = ()
 
 
 def written_from(node: Node, w: Write) -> int:
@@ -353,7 +353,15 @@ class Tape:
                         need[producer[vid]] = 1
                 for writer in node.after:
                     need[writer] = 1
-        chosen = [node for node, n in zip(self.nodes, need, strict=True) if n]
+        chosen: list[Node] = []
+        at: list[int] = []
+        follows = False  # the tape's last drawing node so far is replayed: NOTE [one state per run of draws]
+        for index, (node, n) in enumerate(zip(self.nodes, need, strict=True)):
+            if node.rng is not None:
+                node, follows = node._replace(rng=aten.CONTINUES) if n and follows else node, bool(n)
+            if n:
+                chosen.append(node)
+                at.append(index)
 
         last: dict[int, int] = {}
         for s, node in enumerate(chosen):
@@ -371,24 +379,8 @@ class Tape:
             rng_sources=tuple(sources),
             targets=wanted,
             moved={vid: moved[vid] for node in chosen for vid in node.reads if vid in moved},
+            at=tuple(at),
         )
-
-
-class Recorder(Unguarded):
-    """The dispatch mode that appends every op run under it to a tape."""
-
-    def __init__(self, tape: Tape) -> None:
-        super().__init__()
-        self.tape = tape
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        return self.tape.record(func, args, kwargs or {})
 
 
 def _keys(info: OpFacts, args: tuple[Any, ...]) -> set[int | str]:

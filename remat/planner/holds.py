@@ -90,6 +90,7 @@ def tape_holds(
         death = packs_until if plans.planned[g] else last
         seen: set[int] = set()
         readers = {i: {root[t] for t in trace.ops[i].inputs} for i in region.ops}
+        follows = False  # the region's last drawing op so far is replayed
         for i in region.ops:
             op = trace.ops[i]
             written_outside = [t for t in writes(op) if facts.region_made(root[t]) != g]
@@ -99,6 +100,8 @@ def tape_holds(
                 blank = [t for t in written_outside if _blank(op, t, i, readers, later, root)]
             drawn = rng_bytes if op.random and region.rerun is None else 0  # a re-run: one, below
             replayed = i in plans.need[g]
+            keeps_state = replayed and not follows  # NOTE [one state per run of draws] in ``remat.aten``
+            follows = replayed if op.random else follows
             for t, size in [*((t, tensors[t].view_bytes) for t in written_outside), (-1, drawn)]:
                 if not size:
                     continue
@@ -106,7 +109,7 @@ def tape_holds(
                 # the replay plan reads it, when it runs the op or reads what the op overwrote
                 # (NOTE [written from outside]), and the tape keeps that of a write into a view
                 # (instance norm's running statistics) to the replay; a blank write lets it go all the same
-                read = replayed or (
+                read = (replayed and (t >= 0 or keeps_state)) or (
                     t >= 0 and (root[t] in plans.snapped[g] or tensors[t].alias_of is not None)
                 )
                 after = last if t in blank or not read else death

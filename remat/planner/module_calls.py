@@ -366,7 +366,7 @@ def _learning(
 ) -> Any:
     """Run a recorded call of ``region``'s module, and note the template it leaves (NOTE [taped
     call run bare]): kept once the forward ran the traced ops."""
-    learner = Learner()
+    learner = Learner(lambda: runner.learned is not None)
     runner.note, runner.learned = learner.note, None
     try:
         with torch.autograd.graph.saved_tensors_hooks(learner.pack, learner.unpack):

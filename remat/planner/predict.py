@@ -324,9 +324,9 @@ class _Walk:
 
 def _templated(trace: Trace, region: RegionOps) -> bool:
     """Whether later calls of an anchored taped region run from a template (NOTE [taped call run
-    bare] in ``remat.planner.taped_calls``), as far as the trace tells: no op of it draws random
-    numbers or hands Python a value. What it cannot tell (a tensor the region reads that a later
-    call does not hand it) leaves the region recorded, and dearer than predicted."""
+    bare] in ``remat.planner.taped_calls``), as far as the trace tells: no op of it hands Python a
+    value. What it cannot tell (a tensor the region reads that a later call does not hand it, a
+    random op with no save before it) leaves the region recorded, and dearer than predicted."""
     return region.anchored and not any(
-        trace.ops[i].random or trace.ops[i].name.rsplit(".", 1)[0] in aten.VALUE_PACKETS for i in region.ops
+        trace.ops[i].name.rsplit(".", 1)[0] in aten.VALUE_PACKETS for i in region.ops
     )

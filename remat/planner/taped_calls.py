@@ -21,25 +21,29 @@ forward diverged: refused). The setting includes, besides the bare forward's, ev
 (a number, a string, a flag) held by the region's modules or by a plain object one holds (a config),
 or named as a global by their ``forward`` (``plain_values``), and the call's own arguments as the
 forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
-recorded every time). A region is recorded in every call, as before, where its replay would not
-be the same one in a later call: it replays a random op that draws (the tape keeps the
-generator's state for each; attention without dropout draws nothing: NOTE [no dropout draws
-nothing] in ``remat.aten.schema``), it reads a tensor no later call gives it (a snapshot of an
-input written in place, a tensor the region's code finds elsewhere), an op gave Python a value
-(``item``, ``equal``: what the code did next may depend on the data), or it offloads.
+recorded every time). The generator state a random op of the replay draws from (dropout in
+training) is taken in the saved-tensor hook just before it (NOTE [random ops of a template]). A
+region is recorded in every call, as before, where its replay would not be the same one in a later
+call: a random op of it has no save before it to take its state in, or draws from a generator the
+code hands it; it reads a tensor no later call gives it (a snapshot of an input written in place,
+a tensor the region's code finds elsewhere); an op gave Python a value (``item``, ``equal``: what
+the code did next may depend on the data); or it offloads.
 
 What a call run from its template does not see, where the recorded call did: an op in the region
 that changed with Python state ``plain_values`` does not reach (a global a helper function reads,
 a number two objects deep) while every tensor autograd saves looks the same: its replay would
-recompute with the recorded ops, and the gradients would be wrong without an error.
-``Plan.apply(model, check="every")`` records every call.
+recompute with the recorded ops. Each tensor the replay recomputes is checked against a sample of
+the values the call saved (NOTE [a template's replay checked]), so such a change is refused in
+backward unless it left every sampled element as it was. ``Plan.apply(model, check="every")``
+records every call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Sequence
+import sys
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +53,10 @@ from torch import nn
 from remat import aten
 from remat._errors import RecomputationError, message
 from remat.host.parcel import Parcel
+from remat.manual.replay import eager_steps
 from remat.manual.scope import Handle, Kept, TapedRegion
-from remat.manual.tape import Slice
+from remat.manual.tape import Slice, Step
+from remat.planner.samples import same, sample
 from remat.trace.recorder import CALL_VALUES
 
 __all__ = ["Learner", "Run", "Template", "learn", "plain_values"]
@@ -59,9 +65,9 @@ __all__ = ["Learner", "Run", "Template", "learn", "plain_values"]
 @dataclass(frozen=True)
 class Pack:
     """The k-th tensor autograd saved in the recorded call: what it looked like (its shape, dtype,
-    the type of its autograd node, whether its own op saved it after running) and what the region
-    gave for it: ``handle`` (recomputed), or the tensor itself, then ``binds`` the value id of the
-    slice's kept tensor it is, or (``place``) that sits in its storage (-1: none)."""
+    the type of its autograd node, whether its own op saved it after running), when (``at``) and
+    what the region gave for it: ``handle`` (recomputed), or the tensor itself, then ``binds`` the
+    value id of the slice's kept tensor it is, or (``place``) that sits in its storage (-1: none)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -72,6 +78,7 @@ class Pack:
     # the kept tensor shares the saved one's storage, at this (shape, strides, offset) in it: a
     # linear's output that the next op saves reshaped
     place: tuple[torch.Size, tuple[int, ...], int] | None = None
+    at: int = 0  # how many of the region's ops had run when autograd saved it (after it: ``AFTER``)
 
 
 @dataclass(frozen=True)
@@ -89,12 +96,16 @@ class Source:
 class Template:
     """What a call of a taped region's module needs to run without recording (NOTE [taped call
     run bare]): its packs in order, the region's replay (``shape``: handles and writes, its plan
-    cleared) and slice (its kept tensors cleared), and where each kept tensor comes from."""
+    cleared) and slice (its kept tensors and generator states cleared), where each kept tensor
+    comes from, and where each generator state its random ops replay from is taken."""
 
     packs: tuple[Pack, ...]
     shape: TapedRegion
     plan: Slice | None
     sources: tuple[Source, ...]
+    # per step of the slice that draws random numbers: the pack in whose hook a call takes the
+    # state of the generators it draws from (-1: before the call), the step, and those generators
+    draws: tuple[tuple[int, int, tuple[torch.device, ...]], ...] = ()
 
 
 def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
@@ -144,23 +155,27 @@ class Learner:
 
     steps_aside = True  # ``hooks_of_another``: the executor's own
 
-    def __init__(self) -> None:
+    def __init__(self, ended: Callable[[], bool]) -> None:
         self.packs: list[Pack] = []
         self.kept: list[tuple[torch.Tensor, int] | None] = []  # per pack, the tensor kept
         self.unpack = TapedRegion(None).unpack
         self.moved = False
+        self.ended = ended  # whether the region has ended (else it has not begun)
 
     def pack(self, t: torch.Tensor) -> Kept:
         kept = Kept(aten.detached(t) if aten.made_last(t) else t, t._version)
-        self.note(t, kept)
+        self.note(t, kept, AFTER if self.ended() else 0)
         return kept
 
-    def note(self, t: torch.Tensor, packed: Kept | Handle | Parcel) -> None:
+    def note(self, t: torch.Tensor, packed: Kept | Handle | Parcel, at: int) -> None:
         self.moved |= isinstance(packed, Parcel)
         handle = packed if isinstance(packed, Handle) else None
         node = type(t.grad_fn) if t.grad_fn is not None else None
-        self.packs.append(Pack(t.shape, t.dtype, node, aten.made_last(t), handle, -1))
+        self.packs.append(Pack(t.shape, t.dtype, node, aten.made_last(t), handle, -1, at=at))
         self.kept.append((t, t._version) if isinstance(packed, Kept) else None)
+
+
+AFTER = sys.maxsize  # ``Pack.at`` of a tensor saved after the region's last op
 
 
 def learn(
@@ -174,11 +189,18 @@ def learn(
     if region is None:
         return None
     found, region.log_kept, region.note = region.log_kept, {}, None
+    drawn, region.drawn = region.drawn, ()
     if not exact or region.reads_values or learner.moved:
         return None
     plan = region.plan
-    if plan is not None and (plan.moved or plan.rng_sources):
+    draws: tuple[tuple[int, int, tuple[torch.device, ...]], ...] = ()
+    if plan is not None and plan.moved:
         return None
+    if plan is not None and plan.rng_sources:
+        anchored = _anchors(learner.packs, drawn, plan)
+        if anchored is None:
+            return None
+        draws, plan = anchored
     held = {id(t): name for name, t in (*module.named_parameters(), *module.named_buffers())}
     args = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
     sources: list[Source] = []
@@ -202,7 +224,49 @@ def learn(
     )
     if plan is not None:
         plan = dataclasses.replace(plan, kept={})
-    return Template(packs, region.replica(None), plan, tuple(sources))
+    return Template(packs, region.replica(None), plan, tuple(sources), draws)
+
+
+# NOTE [random ops of a template] A recorded call keeps, for each random op its replay runs, the
+# state of the generator the op drew from, taken by the dispatch mode just before the op. A call run
+# from its template has no mode to stop before an op, but it has its saved-tensor hooks: a tensor
+# autograd saves when ``at`` of the region's ops have run is saved after op ``at - 1`` and before op
+# ``at`` (an op's inputs are saved before it runs, its outputs after). So for a random op ``i`` of
+# the replay, the state is taken in the hook of the last save between the draw before it and it
+# (dropout saves its mask just after drawing it; the op after it saves its inputs), or at the call's
+# start where nothing drew before it: no draw comes between, so the state is the one the op drew
+# from. A region whose random op has no such place (two draws with no save between), or draws from
+# a generator the code hands it, stays recorded. Memory: one state per random op replayed, as the
+# recorded call kept; the template keeps none. NOTE [a template's replay checked] would catch a
+# state taken at the wrong place (the mask differs).
+def _anchors(
+    packs: Sequence[Pack], drawn: Sequence[int], plan: Slice
+) -> tuple[tuple[tuple[int, int, tuple[torch.device, ...]], ...], Slice] | None:
+    """Where a later call takes the generator state each random op of ``plan`` drew from (NOTE
+    [random ops of a template]), and the plan with those states cleared; None where one of them has
+    no such place or draws from a generator of its own. ``drawn``: the place on the tape of every
+    op of the recorded call that drew."""
+    draws: list[tuple[int, int, tuple[torch.device, ...]]] = []
+    steps = list(plan.steps)
+    for s, step in enumerate(steps):
+        rng = step.node.rng
+        if rng is None or not rng.states:  # draws on from the state of the one before it
+            continue
+        sources = tuple(source for source in rng.sources if isinstance(source, torch.device))
+        if len(sources) != len(rng.sources):
+            return None  # a generator the code hands the op: a later call may hand another
+        i = plan.at[s]
+        before = max((j for j in drawn if j < i), default=-1)  # the draw before this one
+        # a tensor saved when ``at`` ops had run was saved after op ``at - 1`` and before op ``at``
+        places = [k for k, p in enumerate(packs) if before < p.at <= i]
+        if places:
+            draws.append((places[-1], s, sources))
+        elif before < 0:
+            draws.append((-1, s, sources))
+        else:
+            return None
+        steps[s] = Step(step.node._replace(rng=aten.RngState(())), step.free)
+    return tuple(draws), dataclasses.replace(plan, steps=tuple(steps))
 
 
 def _saved(
@@ -232,9 +296,14 @@ class Run:
     def __init__(self, template: Template, module: nn.Module, leaves: Sequence[Any], name: str) -> None:
         self.template, self.name = template, name
         self.region = template.shape.replica(None)
-        self.unpack = self.region.unpack
         self.k = 0
         self.bound: dict[int, tuple[torch.Tensor, int]] = {}
+        # NOTE [random ops of a template]: pack -> (step, generators), and the states taken
+        self.draws = {k: (s, sources) for k, s, sources in template.draws}
+        self.states: dict[int, aten.RngState] = {}
+        self.take(-1)
+        # NOTE [a template's replay checked]: id of a handle given -> (pack, the forward's sample)
+        self.samples: dict[int, tuple[int, list[Any]]] = {}
         for source in template.sources:
             if source.arg >= 0:
                 self._bind(source.vid, leaves[source.arg])
@@ -249,9 +318,17 @@ class Run:
             kept = kept.as_strided(*place)  # a view of the same storage: no memory
         self.bound[vid] = (kept, -1 if t.is_inference() else t._version)
 
+    def take(self, k: int) -> None:
+        """Take the generator states a random op of the replay draws from, if pack ``k`` (-1: the
+        call's start) is where (NOTE [random ops of a template])."""
+        draw = self.draws.get(k)
+        if draw is not None:
+            self.states[draw[0]] = aten.capture(draw[1])
+
     def pack(self, t: torch.Tensor) -> Kept | Handle:
         k = self.k
         self.k += 1
+        self.take(k)
         packs = self.template.packs
         if k >= len(packs):
             raise self._diverged(f"autograd saved more than the {len(packs)} tensors it saved")
@@ -262,6 +339,9 @@ class Run:
             wanted = f"{aten.describe(want.dtype, want.shape)} of {getattr(want.node, '__name__', None)}"
             raise self._diverged(f"saved tensor #{k} is {got}, recorded {wanted}")
         if want.handle is not None:
+            values = sample(t)
+            if values is not None:
+                self.samples[id(want.handle)] = (k, values)
             return want.handle
         own = aten.made_last(t)
         if own is not want.own:
@@ -278,7 +358,27 @@ class Run:
         plan = self.template.plan
         if plan is None:
             return
-        self.region.plan = dataclasses.replace(plan, kept=self.bound)
+        steps = list(plan.steps)
+        for s, state in self.states.items():
+            steps[s] = Step(steps[s].node._replace(rng=state), steps[s].free)
+        self.region.plan = dataclasses.replace(plan, kept=self.bound, steps=tuple(steps))
+
+    def unpack(self, packed: Kept | Handle) -> torch.Tensor:
+        t = self.region.unpack(packed)
+        given = self.samples.get(id(packed))
+        if given is not None and not same(sample(t), given[1], self.region.execute is not eager_steps):
+            raise RecomputationError(
+                message(
+                    "plan",
+                    "a tensor recomputed from a template differs from the one the call saved",
+                    f"{self.name}'s call run bare: saved tensor #{given[0]}, "
+                    f"{aten.describe(t.dtype, t.shape)}",
+                    "something the module's code reads changed since its first call in this setting "
+                    "(a global a helper function reads, a number deep in an object): apply the plan "
+                    "with check='every'",
+                )
+            )
+        return t
 
     def _diverged(self, what: str) -> RecomputationError:
         return RecomputationError(

@@ -19,7 +19,8 @@ from remat import RematValueError
 from remat.manual.fused import compiled_steps
 from remat.manual.fused_graph import fusable_runs, reads, structure
 from remat.manual.replay import replay
-from remat.manual.tape import Recorder, Tape
+from remat.manual.scope import Recorder
+from remat.manual.tape import Tape
 from remat.planner import plan_trace, trace_step
 from remat.policy import RecomputeAll
 

@@ -584,6 +584,36 @@ def test_region_inputs_are_released_with_the_graph() -> None:
     assert kept() is None
 
 
+def test_draws_back_to_back_keep_one_generator_state() -> None:
+    """NOTE [one state per run of draws]: three dropouts whose replay runs each, with no other draw
+    between them, keep one generator state, as one dropout does (the allocator's count of what the
+    forward leaves), and draw the forward's masks again: gradients and the stream after backward
+    are the plain block's."""
+
+    def block(w: torch.Tensor, drops: int) -> torch.Tensor:
+        h = w.exp()
+        for _ in range(drops):
+            h = nn.functional.dropout(h, 0.5).sin()
+        return h
+
+    held, runs = {}, []
+    for drops in (1, 3):
+        for wrap in (False, True):
+            torch.manual_seed(0)
+            w = torch.randn(4096, requires_grad=True)
+            with (
+                remat.memory.track(timeline=False, allocator=True) as tracked,
+                scope() if wrap else nullcontext(),
+            ):
+                y = block(w, drops)
+            if wrap:
+                held[drops] = tracked.current_bytes
+            y.sum().backward()
+            runs.append((w.grad, torch.rand(8)))
+        assert torch.equal(runs[-2][0], runs[-1][0]) and torch.equal(runs[-2][1], runs[-1][1])
+    assert held[3] == held[1]
+
+
 def test_outer_random_stream_is_not_perturbed() -> None:
     draws = []
     for wrap in (False, True):

@@ -12,7 +12,8 @@ from torch import nn
 
 import remat
 from remat import aten
-from remat.manual.tape import Recorder, Tape
+from remat.manual.scope import Recorder
+from remat.manual.tape import Tape
 from remat.planner import plan_trace, trace_step
 from remat.policy import RecomputeAll
 

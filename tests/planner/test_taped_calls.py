@@ -17,6 +17,7 @@ from test_rerun import _every_layer, _family, _plan
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+import remat
 import remat.planner.module_calls as module_calls
 import remat.planner.taped_calls as taped_calls
 from remat import RecomputationError
@@ -30,9 +31,17 @@ GAIN = 1.0  # and a number their forward multiplies by
 EXECUTOR = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)  # plans not of this machine's
 
 
+HELPER_GAIN = 1.0  # a number the blocks multiply by, read where the setting does not look
+GEN = torch.Generator().manual_seed(0)  # a generator the blocks' code hands a random op
+
+
 def _short() -> bool:
     """``SHORT``, read where the setting does not look (a helper's global)."""
     return SHORT
+
+
+def _helper_gain() -> float:
+    return HELPER_GAIN
 
 
 class _Block(nn.Module):
@@ -42,14 +51,28 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(64, 16)
         self.scale = 1.0  # a plain value of the module: part of the setting
         self.peek = False  # reads a value into Python (``item``)
+        self.drop = 0.0  # dropout after the activation
+        # random numbers: at the call's start ("start"), two draws with nothing saved between
+        # ("twice"), a draw the replay does not run and one it runs with nothing saved between
+        # ("unreplayed"), from ``GEN`` ("generator")
+        self.noise = ""
         self.modes: list[object] = []
 
     def forward(self, x: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
         self.modes.append(_get_current_dispatch_mode())
-        h = ACT(self.fc1(x)) * (self.scale * gain * GAIN)
+        spare = torch.randn_like(x).sum() if self.noise == "unreplayed" else 0.0
+        if self.noise in ("start", "unreplayed"):
+            x = x * torch.rand_like(x)
+        h = self.fc1(x)
+        if self.noise == "twice":
+            h = h + torch.randn_like(h) * 0.1 + torch.randn_like(h) * 0.1
+        if self.noise == "generator":
+            h = h + torch.rand(h.shape, generator=GEN)
+        h = ACT(h) * (self.scale * gain * GAIN * _helper_gain())
+        h = nn.functional.dropout(h, self.drop, self.training)
         if self.peek and h.sum().item() > 1e9:
             h = h * 2
-        return x + h[..., :16] if _short() else x + self.fc2(h)
+        return (x + h[..., :16] if _short() else x + self.fc2(h)) + spare * 0.0
 
 
 class _Stack(nn.Module):
@@ -65,12 +88,14 @@ class _Stack(nn.Module):
         return self.head(x).square().mean()
 
 
-def _stack(peek: bool = False) -> tuple[_Stack, dict[str, torch.Tensor], Plan]:
+def _stack(
+    peek: bool = False, drop: float = 0.0, noise: str = ""
+) -> tuple[_Stack, dict[str, torch.Tensor], Plan]:
     """The stack and a plan of every block a taped region anchored at the block's call."""
     torch.manual_seed(0)
     model = _Stack().train()
     for block in model.blocks:
-        block.peek = peek
+        block.peek, block.drop, block.noise = peek, drop, noise
     batch = {"x": torch.randn(32, 16)}
     trace = fixed_costs(trace_step(model, batch, repeats=1))
     _, every = _every_layer(model, trace, rerun=False)
@@ -283,12 +308,11 @@ def test_a_region_that_reads_a_value_into_python_is_recorded_every_call(
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])
-def test_transformer_layers_run_from_templates_where_nothing_draws(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Llama and ViT (no dropout; their attention draws nothing) run every layer from its template
-    after the first step, training bit for bit as the plain model, at the checked step's
-    allocator peak and the prediction's; GPT-2's layers draw (dropout) and are recorded every call."""
+def test_transformer_layers_run_from_templates(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2 (dropout in training: each layer's replay draws), Llama and ViT (no dropout; their
+    attention draws nothing) run every layer from its template after the first step, training bit
+    for bit as the plain model (dropout's masks and the generator's stream after each step
+    included), at the checked step's allocator peak and the prediction's."""
     model, batch, trace = _family(name)
     _, every = _every_layer(model, trace, rerun=False)
     plan = _plan(trace, model, every)
@@ -297,7 +321,7 @@ def test_transformer_layers_run_from_templates_where_nothing_draws(
     ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
     assert_same(train(twin(model), lambda _: batch, steps=3), ran)
     layers = [r.anchor for r in plan.regions]
-    assert runs == ([] if name == "gpt2" else layers * 2)
+    assert runs == layers * 2
     peaks = [_peak(model, batch, plan) for _ in range(2)]
     assert peaks[0] == peaks[1] == every.pred.peak_bytes
 
@@ -326,3 +350,81 @@ def test_the_templates_kept_per_model_are_bounded(monkeypatch: pytest.MonkeyPatc
     assert_same(train(plain, batch_at, steps=3), ran)
     kept = module_calls._TEMPLATES[planned]
     assert len(kept) == 4 and all(isinstance(t, taped_calls.Template) for t in kept.values())
+
+
+@pytest.mark.parametrize(("drop", "noise"), [(0.3, ""), (0.0, "start"), (0.3, "start"), (0.3, "twice")])
+def test_random_ops_replay_from_a_template_exactly(
+    drop: float, noise: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [random ops of a template]: dropout (its state taken where the op before it saves),
+    numbers drawn at the call's start (taken before the call), both, two draws back to back (one
+    state: NOTE [one state per run of draws]): every block runs from its template after the first
+    step, and the masks, losses, gradients and the generator's stream after training are the plain
+    model's, bit for bit."""
+    model, batch, plan = _stack(drop=drop, noise=noise)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=4, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=4), ran)
+    assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 3
+    peaks = []
+    for _ in range(2):  # a recorded step, then one from templates
+        with remat.memory.track(timeline=False, allocator=True) as tracked, plan.apply(model):
+            model(**batch).backward()
+        peaks.append(tracked.peak_bytes)
+    # the recorded step also held the generator states of draws it does not replay, for a while
+    assert peaks[1] <= peaks[0] <= plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("noise", ["unreplayed", "generator"])
+def test_random_ops_with_no_state_to_take_keep_the_block_recorded(
+    noise: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draw the replay does not run, then one it runs with nothing saved between (no hook before
+    the second to take its state in), or a draw from a generator the code hands the op: every call
+    is recorded, and trains exactly."""
+    model, batch, plan = _stack(noise=noise)
+    runs = _runs(monkeypatch)
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        GEN.manual_seed(step)
+        return batch
+
+    ran = train(planned, batch_at, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(plain, batch_at, steps=3), ran)
+    assert runs == []
+    assert all(modes[-1] is not None for modes in _modes(planned))
+
+
+def test_a_replay_that_differs_from_the_call_is_refused() -> None:
+    """NOTE [a template's replay checked]: a number the blocks multiply by, read by a helper (no
+    setting sees it), changed after the templates were recorded: every saved tensor keeps its look,
+    and the replay, with the recorded ops, would recompute the old values; the samples the call
+    left catch it in backward. Recording every call trains as the plain model through the change."""
+    global HELPER_GAIN
+    model, batch, plan = _stack()
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        global HELPER_GAIN
+        HELPER_GAIN = 1.0 if step < 2 else 0.5
+        return batch
+
+    try:
+        ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned, check="every"))
+        assert_same(train(plain, batch_at, steps=4), ran)
+        HELPER_GAIN = 1.0
+        for _ in range(2):
+            with plan.apply(model):
+                model(**batch).backward()
+        HELPER_GAIN = 0.5
+        with plan.apply(model):
+            loss = model(**batch)
+            with pytest.raises(
+                RecomputationError,
+                match=r"recomputed from a template differs from the one the call saved \(blocks\.2's call",
+            ):
+                loss.backward()
+    finally:
+        HELPER_GAIN = 1.0
