@@ -6,6 +6,7 @@ a later call's replay could not be the recorded one's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -125,6 +126,19 @@ def _runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
+def _halved_from_step_2(
+    name: str, batch: dict[str, torch.Tensor]
+) -> Callable[[int], dict[str, torch.Tensor]]:
+    """The batch of each step, setting this module's global number ``name`` to 1.0 before step 2
+    and to 0.5 from it on."""
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        globals()[name] = 1.0 if step < 2 else 0.5
+        return batch
+
+    return batch_at
+
+
 def _modes(model: _Stack) -> list[list[object]]:
     return [block.modes for block in model.blocks]
 
@@ -219,12 +233,7 @@ def test_a_global_number_the_forward_names_changed_records_the_call_again(
     model, batch, plan = _stack()
     runs = _runs(monkeypatch)
     planned, plain = twin(model), twin(model)
-
-    def batch_at(step: int) -> dict[str, torch.Tensor]:
-        global GAIN
-        GAIN = 1.0 if step < 2 else 0.5
-        return batch
-
+    batch_at = _halved_from_step_2("GAIN", batch)
     try:
         ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned))
         assert_same(train(plain, batch_at, steps=4), ran)
@@ -405,12 +414,7 @@ def test_a_replay_that_differs_from_the_call_is_refused() -> None:
     global HELPER_GAIN
     model, batch, plan = _stack()
     planned, plain = twin(model), twin(model)
-
-    def batch_at(step: int) -> dict[str, torch.Tensor]:
-        global HELPER_GAIN
-        HELPER_GAIN = 1.0 if step < 2 else 0.5
-        return batch
-
+    batch_at = _halved_from_step_2("HELPER_GAIN", batch)
     try:
         ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned, check="every"))
         assert_same(train(plain, batch_at, steps=4), ran)
