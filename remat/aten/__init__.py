@@ -19,6 +19,7 @@ from remat.aten.generators import (
     replayed,
     restore,
     source_of,
+    standing,
     state_nbytes,
 )
 from remat.aten.schema import (
@@ -76,6 +77,7 @@ __all__ = [
     "restore",
     "sharing",
     "source_of",
+    "standing",
     "state_nbytes",
     "storage_of",
     "version_witness",

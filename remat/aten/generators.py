@@ -54,12 +54,21 @@ class RngState:
 # NOTE [one state per run of draws] The tape (``remat.manual.tape``) takes the generator's state
 # before each op that draws, and a replay sets it before running the op: the op draws what it drew
 # in the forward. Where the drawing node a replay runs follows another it runs, with no drawing node
-# between them on the tape, the generator already stands where the forward's did when the second
-# drew (only the first drew since), as ``torch.utils.checkpoint`` relies on when it keeps one state
-# for a whole function. So a slice keeps the state of the first node of each run of drawing nodes it
-# replays back to back, and the others (``CONTINUES``: no state, still a random op) draw on from
-# there: a layer with three dropouts keeps one state where it kept three.
+# between them on the tape, draws from the same generators, and found them where the one before
+# left them (``Node.draws_on``: the tape compares the state before it with the state after the one
+# before, ``standing``; a seed set, a ``fork_rng`` block left or another thread's draw between them
+# moves it), the generator already stands where the forward's did when the second drew, as
+# ``torch.utils.checkpoint`` relies on when it keeps one state for a whole function. So a slice
+# keeps the state of the first node of each run of drawing nodes it replays back to back, and the
+# others (``CONTINUES``: no state, still a random op) draw on from there: a layer with three
+# dropouts keeps one state where it kept three.
 CONTINUES = RngState(())
+
+
+def standing(state: RngState) -> tuple[tuple[Source, bytes], ...]:
+    """Where the generators of ``state`` stood: their states as bytes, comparable (host memory
+    only: the state tensor itself is let go)."""
+    return tuple((source, saved.numpy().tobytes()) for source, saved in state.states)
 
 
 def source_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Source:

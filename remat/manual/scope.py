@@ -110,6 +110,8 @@ class TapedRegion:
         self.log_kept: dict[int, tuple[torch.Tensor, int]] = {}
         self.reads_values = False  # an op of the region gave Python a value (``item``, ``equal``)
         self.drawn: tuple[int, ...] = ()  # the place of each node that drew random numbers
+        # (value id, ``Handle.after``) of each handle whose storage an op writes after the save
+        self.rewritten: frozenset[tuple[int, int]] = frozenset()
 
     def pack(self, t: torch.Tensor) -> Kept | Handle | Parcel:
         packed = self._pack(t)
@@ -163,6 +165,10 @@ class TapedRegion:
         if tape is not None and self.note is not None:
             self.reads_values = any(aten.facts(node.func).packet in aten.VALUE_PACKETS for node in tape.nodes)
             self.drawn = tuple(i for i, node in enumerate(tape.nodes) if node.rng is not None)
+            last: dict[int, int] = {}  # storage group -> the last node writing it
+            for i, node in enumerate(tape.nodes):
+                last.update((tape.group[written_from(node, w)], i) for w in node.writes)
+            self.rewritten = frozenset(k for k in self.packed if last.get(tape.group[k[0]], -1) >= k[1])
         if tape is not None:
             self.offloader = tape.offloader
             # NOTE [moved once, read twice]: per backward, each offloaded value is read by the
@@ -198,6 +204,7 @@ class TapedRegion:
         other.plan, other.declared, other.spans = plan, self.declared, self.spans
         other.handles, other.packed, other.own = self.handles, self.packed, self.own
         other.results, other.writers_needed = self.results, self.writers_needed
+        other.rewritten = self.rewritten
         return other
 
     def _written_since(self, packed: Handle) -> bool:

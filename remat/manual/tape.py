@@ -85,6 +85,7 @@ class Node(NamedTuple):
     writes: tuple[Write, ...]
     after: tuple[int, ...]
     rng: RngState | None
+    draws_on: bool = False  # NOTE [one state per run of draws] in ``remat.aten.generators``
 
 
 class Step(NamedTuple):
@@ -146,6 +147,7 @@ class Tape:
         self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # group -> each declared write's place
         self._saved_in_group: dict[int, list[int]] = {}
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._drawn_to: tuple[Any, ...] | None = None  # ``aten.standing`` after the last draw
 
     def lookup(self, t: torch.Tensor) -> int:
         """The value id the tensor holds now, or -1 if the tape has not seen it."""
@@ -273,8 +275,11 @@ class Tape:
         written = self._written(info, places, args, kwargs) if places else []
         drawn = info.random and aten.draws(info, args, kwargs)  # NOTE [no dropout draws nothing]
         rng = aten.capture((aten.source_of(args, kwargs),)) if drawn else None
+        draws_on = rng is not None and self._drawn_to == aten.standing(rng)
 
         out = func(*args, **kwargs)
+        if rng is not None:  # where this draw left the generators (a copy, let go at once)
+            self._drawn_to = aten.standing(aten.capture(rng.sources))
 
         writes = tuple([self._commit_write(*w, w[1] in _keys(info, args)) for w in written])
         fresh: list[tuple[int, torch.Tensor]] = []
@@ -292,7 +297,7 @@ class Tape:
         if self.offloading and not (owned and all(v in self.kept or v in self.offloading for v, _ in owned)):
             for vid in reads:  # this op may replay: what it reads that is to move moves now
                 self.move(vid)
-        self.nodes.append(Node(func, targs, tkwargs, outs, tuple(reads), writes, tuple(after), rng))
+        self.nodes.append(Node(func, targs, tkwargs, outs, tuple(reads), writes, tuple(after), rng, draws_on))
         return out
 
     def _decide(
@@ -358,7 +363,8 @@ class Tape:
         follows = False  # the tape's last drawing node so far is replayed: NOTE [one state per run of draws]
         for index, (node, n) in enumerate(zip(self.nodes, need, strict=True)):
             if node.rng is not None:
-                node, follows = node._replace(rng=aten.CONTINUES) if n and follows else node, bool(n)
+                continues = n and follows and node.draws_on
+                node, follows = node._replace(rng=aten.CONTINUES) if continues else node, bool(n)
             if n:
                 chosen.append(node)
                 at.append(index)

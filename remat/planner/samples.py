@@ -17,7 +17,10 @@ __all__ = ["same", "sample"]
 # 64 elements spread over every dimension: a few microseconds, no memory the allocator counts), and
 # the recomputed tensor must match it bit for bit, as a replay of the same ops does. A change that
 # touches none of the sampled elements still passes; ``check="every"`` records every call. Only
-# tensors in host memory are sampled: elsewhere reading one back would wait for the device. Nor are
+# tensors in host memory are sampled: elsewhere reading one back would wait for the device, so on an
+# accelerator nothing is checked. Nor is a tensor an op writes after autograd saved it (RReLU's
+# noise, statistics batch norm updates: ``TapedRegion.rewritten``), which the replay gives back as
+# the write left it; nor are
 # byte buffers (uint8: a kernel's workspace, such as the reserve an LSTM saves, whose bytes the
 # kernel never writes hold whatever the memory held). A replay through compiled graphs
 # (``replay="compiled"``) is equal up to rounding, and so is the check (``rounded``).

@@ -32,10 +32,10 @@ the code did next may depend on the data); or it offloads.
 What a call run from its template does not see, where the recorded call did: an op in the region
 that changed with Python state ``plain_values`` does not reach (a global a helper function reads,
 a number two objects deep) while every tensor autograd saves looks the same: its replay would
-recompute with the recorded ops. Each tensor the replay recomputes is checked against a sample of
-the values the call saved (NOTE [a template's replay checked]), so such a change is refused in
-backward unless it left every sampled element as it was. ``Plan.apply(model, check="every")``
-records every call.
+recompute with the recorded ops. Each tensor in host memory the replay recomputes is checked
+against a sample of the values the call saved (NOTE [a template's replay checked]), so on CPU such
+a change is refused in backward unless it left every sampled element as it was; on an accelerator
+it is not seen. ``Plan.apply(model, check="every")`` records every call.
 """
 
 from __future__ import annotations
@@ -236,9 +236,11 @@ def learn(
 # (dropout saves its mask just after drawing it; the op after it saves its inputs), or at the call's
 # start where nothing drew before it: no draw comes between, so the state is the one the op drew
 # from. A region whose random op has no such place (two draws with no save between), or draws from
-# a generator the code hands it, stays recorded. Memory: one state per random op replayed, as the
-# recorded call kept; the template keeps none. NOTE [a template's replay checked] would catch a
-# state taken at the wrong place (the mask differs).
+# a generator the code hands it, or found the generators moved since the draw before it where no
+# op shows (``Node.draws_on``: a seed set between), stays recorded. Not seen: the generators moved
+# in the call before its first draw and after the save chosen (a seed set there). Memory: a state
+# per run of draws replayed, as the recorded call kept; the template keeps none. On CPU, NOTE [a
+# template's replay checked] would catch a state taken at the wrong place (the mask differs).
 def _anchors(
     packs: Sequence[Pack], drawn: Sequence[int], plan: Slice
 ) -> tuple[tuple[tuple[int, int, tuple[torch.device, ...]], ...], Slice] | None:
@@ -257,6 +259,8 @@ def _anchors(
             return None  # a generator the code hands the op: a later call may hand another
         i = plan.at[s]
         before = max((j for j in drawn if j < i), default=-1)  # the draw before this one
+        if before >= 0 and not step.node.draws_on:
+            return None  # the generators moved between the two draws, where no op shows
         # a tensor saved when ``at`` ops had run was saved after op ``at - 1`` and before op ``at``
         places = [k for k, p in enumerate(packs) if before < p.at <= i]
         if places:
@@ -339,7 +343,8 @@ class Run:
             wanted = f"{aten.describe(want.dtype, want.shape)} of {getattr(want.node, '__name__', None)}"
             raise self._diverged(f"saved tensor #{k} is {got}, recorded {wanted}")
         if want.handle is not None:
-            values = sample(t)
+            written = (want.handle.vid, want.handle.after) in self.region.rewritten
+            values = None if written else sample(t)  # it stands for what the write leaves
             if values is not None:
                 self.samples[id(want.handle)] = (k, values)
             return want.handle

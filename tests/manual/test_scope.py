@@ -614,6 +614,39 @@ def test_draws_back_to_back_keep_one_generator_state() -> None:
     assert held[3] == held[1]
 
 
+@pytest.mark.parametrize("between", ["own generator", "forked stream", "seed"])
+def test_draws_with_the_generators_moved_between_keep_their_own_states(between: str) -> None:
+    """NOTE [one state per run of draws]: a draw from a generator of the program's own after
+    dropout, or dropout after the default generator moved where no recorded op shows (a
+    ``fork_rng`` block left, a seed set), keeps its own state: the gradients are the plain block's,
+    and the program's generator is where the forward left it after backward."""
+    own = torch.Generator().manual_seed(123)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(x, 0.5).sin()
+        if between == "own generator":
+            return (h * torch.rand(x.shape, generator=own)).sin()
+        if between == "forked stream":
+            with torch.random.fork_rng(devices=[]):
+                h = h + torch.rand_like(h)
+        else:
+            torch.manual_seed(7)
+        return nn.functional.dropout(h, 0.5).sin()
+
+    runs = []
+    for wrap in (False, True):
+        torch.manual_seed(1)
+        own.manual_seed(123)
+        x = torch.randn(4, 8, requires_grad=True)
+        with scope() if wrap else nullcontext():
+            y = block(x)
+        left = own.get_state()
+        y.sum().backward()
+        assert torch.equal(own.get_state(), left)
+        runs.append((x.grad, torch.rand(8)))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
 def test_outer_random_stream_is_not_perturbed() -> None:
     draws = []
     for wrap in (False, True):

@@ -55,7 +55,9 @@ class _Block(nn.Module):
         self.drop = 0.0  # dropout after the activation
         # random numbers: at the call's start ("start"), two draws with nothing saved between
         # ("twice"), a draw the replay does not run and one it runs with nothing saved between
-        # ("unreplayed"), from ``GEN`` ("generator")
+        # ("unreplayed"), from ``GEN`` ("generator"), two with a seed set between ("reseed"),
+        # RReLU's noise, which the op draws into the tensor autograd saved ("rrelu"); or batch norm
+        # over statistics made in the call, which the op writes after autograd saved them ("norm")
         self.noise = ""
         self.modes: list[object] = []
 
@@ -69,6 +71,14 @@ class _Block(nn.Module):
             h = h + torch.randn_like(h) * 0.1 + torch.randn_like(h) * 0.1
         if self.noise == "generator":
             h = h + torch.rand(h.shape, generator=GEN)
+        if self.noise == "reseed":
+            h = nn.functional.dropout(h, 0.3, self.training)
+            torch.manual_seed(7)
+            h = nn.functional.dropout(h.sin(), 0.3, self.training)
+        if self.noise == "rrelu":
+            h = nn.functional.rrelu(h, training=self.training)
+        if self.noise == "norm":
+            h = nn.functional.batch_norm(h, torch.zeros(64), torch.ones(64), training=True)
         h = ACT(h) * (self.scale * gain * GAIN * _helper_gain())
         h = nn.functional.dropout(h, self.drop, self.training)
         if self.peek and h.sum().item() > 1e9:
@@ -361,15 +371,20 @@ def test_the_templates_kept_per_model_are_bounded(monkeypatch: pytest.MonkeyPatc
     assert len(kept) == 4 and all(isinstance(t, taped_calls.Template) for t in kept.values())
 
 
-@pytest.mark.parametrize(("drop", "noise"), [(0.3, ""), (0.0, "start"), (0.3, "start"), (0.3, "twice")])
+@pytest.mark.parametrize(
+    ("drop", "noise"),
+    [(0.3, ""), (0.0, "start"), (0.3, "start"), (0.3, "twice"), (0.0, "rrelu"), (0.0, "norm")],
+)
 def test_random_ops_replay_from_a_template_exactly(
     drop: float, noise: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [random ops of a template]: dropout (its state taken where the op before it saves),
     numbers drawn at the call's start (taken before the call), both, two draws back to back (one
-    state: NOTE [one state per run of draws]): every block runs from its template after the first
-    step, and the masks, losses, gradients and the generator's stream after training are the plain
-    model's, bit for bit."""
+    state: NOTE [one state per run of draws]), RReLU (its noise drawn into a tensor autograd saved
+    before); and batch norm over statistics the call makes (written after their save: no sample of
+    them is checked, NOTE [a template's replay checked]): every block runs from its template after
+    the first step, and the masks, losses, gradients and the generator's stream after training are
+    the plain model's, bit for bit."""
     model, batch, plan = _stack(drop=drop, noise=noise)
     runs = _runs(monkeypatch)
     planned = twin(model)
@@ -385,13 +400,14 @@ def test_random_ops_replay_from_a_template_exactly(
     assert peaks[1] <= peaks[0] <= plan.predicted_peak_bytes
 
 
-@pytest.mark.parametrize("noise", ["unreplayed", "generator"])
+@pytest.mark.parametrize("noise", ["unreplayed", "generator", "reseed"])
 def test_random_ops_with_no_state_to_take_keep_the_block_recorded(
     noise: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A draw the replay does not run, then one it runs with nothing saved between (no hook before
-    the second to take its state in), or a draw from a generator the code hands the op: every call
-    is recorded, and trains exactly."""
+    the second to take its state in), a draw from a generator the code hands the op, or two draws
+    with a seed set between (the generator moved where no op shows): every call is recorded, and
+    trains exactly."""
     model, batch, plan = _stack(noise=noise)
     runs = _runs(monkeypatch)
     planned, plain = twin(model), twin(model)
