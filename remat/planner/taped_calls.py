@@ -33,9 +33,9 @@ What a call run from its template does not see, where the recorded call did: an 
 that changed with Python state ``plain_values`` does not reach (a global a helper function reads,
 a number two objects deep) while every tensor autograd saves looks the same: its replay would
 recompute with the recorded ops. Each tensor in host memory the replay recomputes is checked
-against a sample of the values the call saved (NOTE [a template's replay checked]), so on CPU such
-a change is refused in backward unless it left every sampled element as it was; on an accelerator
-it is not seen. ``Plan.apply(model, check="every")`` records every call.
+against a sample of the values the call saved (NOTE [a template's replay checked]), so such a
+change is refused in backward unless it left every sampled element as it was (on an accelerator,
+when the backward pass ends). ``Plan.apply(model, check="every")`` records every call.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from remat.host.parcel import Parcel
 from remat.manual.replay import eager_steps
 from remat.manual.scope import Handle, Kept, TapedRegion
 from remat.manual.tape import Slice, Step
-from remat.planner.samples import same, sample
+from remat.planner import samples
 from remat.trace.recorder import CALL_VALUES
 
 __all__ = ["Learner", "Run", "Template", "learn", "plain_values"]
@@ -307,7 +307,7 @@ class Run:
         self.states: dict[int, aten.RngState] = {}
         self.take(-1)
         # NOTE [a template's replay checked]: id of a handle given -> (pack, the forward's sample)
-        self.samples: dict[int, tuple[int, list[Any]]] = {}
+        self.samples: dict[int, tuple[int, samples.Sample]] = {}
         for source in template.sources:
             if source.arg >= 0:
                 self._bind(source.vid, leaves[source.arg])
@@ -344,7 +344,7 @@ class Run:
             raise self._diverged(f"saved tensor #{k} is {got}, recorded {wanted}")
         if want.handle is not None:
             written = (want.handle.vid, want.handle.after) in self.region.rewritten
-            values = None if written else sample(t)  # it stands for what the write leaves
+            values = None if written else samples.sample(t)  # it stands for what the write leaves
             if values is not None:
                 self.samples[id(want.handle)] = (k, values)
             return want.handle
@@ -370,20 +370,23 @@ class Run:
 
     def unpack(self, packed: Kept | Handle) -> torch.Tensor:
         t = self.region.unpack(packed)
-        given = self.samples.get(id(packed))
-        if given is not None and not same(sample(t), given[1], self.region.execute is not eager_steps):
-            raise RecomputationError(
-                message(
-                    "plan",
-                    "a tensor recomputed from a template differs from the one the call saved",
-                    f"{self.name}'s call run bare: saved tensor #{given[0]}, "
-                    f"{aten.describe(t.dtype, t.shape)}",
-                    "something the module's code reads changed since its first call in this setting "
-                    "(a global a helper function reads, a number deep in an object): apply the plan "
-                    "with check='every'",
-                )
-            )
+        given = self.samples.pop(id(packed), None)
+        if given is not None:
+            k, rounded = given[0], self.region.execute is not eager_steps
+            samples.check(given[1], t, rounded, lambda: self._differs(k, t))
         return t
+
+    def _differs(self, k: int, t: torch.Tensor) -> RecomputationError:
+        return RecomputationError(
+            message(
+                "plan",
+                "a tensor recomputed from a template differs from the one the call saved",
+                f"{self.name}'s call run bare: saved tensor #{k}, {aten.describe(t.dtype, t.shape)}",
+                "something the module's code reads changed since its first call in this setting "
+                "(a global a helper function reads, a number deep in an object); the gradients "
+                "of this backward are not the model's: apply the plan with check='every'",
+            )
+        )
 
     def _diverged(self, what: str) -> RecomputationError:
         return RecomputationError(

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import remat
 import remat.planner.module_calls as module_calls
+import remat.planner.samples as samples
 import remat.planner.taped_calls as taped_calls
 from remat import RecomputationError
 from remat.planner import Plan, plan_trace, trace_step
@@ -100,7 +101,7 @@ class _Stack(nn.Module):
 
 
 def _stack(
-    peek: bool = False, drop: float = 0.0, noise: str = ""
+    peek: bool = False, drop: float = 0.0, noise: str = "", device: torch.device | None = None
 ) -> tuple[_Stack, dict[str, torch.Tensor], Plan]:
     """The stack and a plan of every block a taped region anchored at the block's call."""
     torch.manual_seed(0)
@@ -108,6 +109,8 @@ def _stack(
     for block in model.blocks:
         block.peek, block.drop, block.noise = peek, drop, noise
     batch = {"x": torch.randn(32, 16)}
+    if device is not None:
+        model, batch = model.to(device), {"x": batch["x"].to(device)}
     trace = fixed_costs(trace_step(model, batch, repeats=1))
     _, every = _every_layer(model, trace, rerun=False)
     assert all(not r.rerun and r.anchor == r.name for r, _ in every.regions)
@@ -448,3 +451,76 @@ def test_a_replay_that_differs_from_the_call_is_refused() -> None:
                 loss.backward()
     finally:
         HELPER_GAIN = 1.0
+
+
+def _settles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many samples each ``samples.settle`` found waiting (NOTE [a template's replay checked])."""
+    found: list[int] = []
+    settle = samples.settle
+
+    def counted() -> None:
+        found.append(len(samples._pending))
+        settle()
+
+    monkeypatch.setattr(samples, "settle", counted)
+    return found
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_samples_compared_when_backward_ends_train_exactly(
+    drop: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [a template's replay checked] as on an accelerator (host memory made to wait as device
+    memory does): each call run from its template leaves its samples copied, they are compared when
+    the backward pass ends, nothing is left waiting after it, and the training is the plain
+    model's bit for bit, with dropout too."""
+    monkeypatch.setattr(samples, "_DEFER_IN_HOST_MEMORY", True)
+    model, batch, plan = _stack(drop=drop)
+    runs = _runs(monkeypatch)
+    found = _settles(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 2
+    waiting = [n for n in found if n]  # one settle per backward finds them all
+    assert len(waiting) == 2 and waiting[0] == waiting[1] > 0
+    assert not samples._pending
+
+
+def _refused_when_backward_ends(device: torch.device) -> None:
+    """The helper's number changed after the templates were recorded (as in
+    ``test_a_replay_that_differs_from_the_call_is_refused``): with the samples compared when the
+    backward pass ends, ``backward`` raises, after autograd wrote every gradient (the first block's,
+    which comes last, too), so before an optimizer could use them."""
+    global HELPER_GAIN
+    model, batch, plan = _stack(device=device)
+    try:
+        for _ in range(2):
+            with plan.apply(model):
+                model(**batch).backward()
+        model.zero_grad(set_to_none=True)
+        HELPER_GAIN = 0.5
+        with plan.apply(model):
+            loss = model(**batch)
+            with pytest.raises(
+                RecomputationError,
+                match=r"differs from the one the call saved \(blocks\.\d's call.*gradients of this backward",
+            ):
+                loss.backward()
+        assert model.blocks[0].fc1.weight.grad is not None
+        assert not samples._pending
+    finally:
+        HELPER_GAIN = 1.0
+
+
+def test_a_replay_that_differs_is_refused_when_backward_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(samples, "_DEFER_IN_HOST_MEMORY", True)
+    _refused_when_backward_ends(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+def test_a_replay_that_differs_on_cuda_is_refused_when_backward_ends(device: torch.device) -> None:
+    """On CUDA the samples are copied to pinned host memory and compared when the backward ends."""
+    if device.type != "cuda":
+        pytest.skip("needs CUDA")
+    _refused_when_backward_ends(device)
