@@ -12,10 +12,22 @@ does on its first call.
 
 from __future__ import annotations
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import contextlib
 
-__all__ = ["Unguarded", "unguard"]
+import torch
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+__all__ = ["Unguarded", "no_modes", "unguard"]
+
+
+def no_modes() -> contextlib.AbstractContextManager[object]:
+    """torch's ``_disable_current_modes()`` (remat's own ops are not the program's), or nothing to
+    do where no dispatch mode is on: its imports and pops cost a few µs, on every saved tensor of a
+    recomputation."""
+    if torch._C._len_torch_dispatch_stack() == 0 and _len_torch_dispatch_stack_pre_dispatch() == 0:
+        return contextlib.nullcontext()
+    return _disable_current_modes()
 
 
 # the code of torch's wrapper (every function ``torch._disable_dynamo`` returns shares it): only a

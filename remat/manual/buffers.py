@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
+from remat._dispatch import no_modes
 from remat.manual.reach import CONTAINER_LIMIT, held
 
 __all__ = ["COPY_LIMIT", "Buffers", "reached"]
@@ -65,15 +65,19 @@ def _hidden(module: nn.Module, name: str) -> bool:
 
 
 def region_modules(
-    fn: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    fn: Any,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    reach: Sequence[Any] | None = None,
 ) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
     """The modules a region running ``fn(*args, **kwargs)`` is known to run (a module, a module's
     bound method, a partial of a method and its module, or of a function and a list of modules: a
     segment of ``checkpoint_sequential``; the modules or lists of modules a function's closure
     holds, ``create_custom_forward(layer)``, or that the call is given; and the modules below them),
-    and those whose forward its recomputation calls itself, which no pre-hook shields."""
+    and those whose forward its recomputation calls itself, which no pre-hook shields. ``reach``:
+    ``held(fn)`` where the caller has it."""
     known, roots = _called(fn)
-    reached = [*_closure(fn), *(m for a in [*args, *(kwargs or {}).values()] for m in _modules_in(a))]
+    reached = [*_closure(fn, reach), *(m for a in [*args, *(kwargs or {}).values()] for m in _modules_in(a))]
     # a closure or an argument may hold a whole model to run one of its layers (``lambda h:
     # self.blocks[i](h)``): each module reached is taken, with those below it, only where their
     # buffers are small enough to copy at every call (a large one leaves the others taken)
@@ -96,6 +100,8 @@ def reached(fn: Any, values: Sequence[Any] = ()) -> tuple[nn.Module, ...]:
 
 def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
     """The modules ``fn`` itself is or is bound to (see ``region_modules``), and its roots."""
+    if isinstance(fn, nn.Module) and "_orig_mod" not in fn._modules:  # no compiled module's wrapper
+        return tuple(fn.modules()), ()
     original = fn._orig_mod if isinstance(getattr(fn, "_orig_mod", None), nn.Module) else fn
     while callable(getattr(original, "_torchdynamo_orig_callable", None)):
         original = original._torchdynamo_orig_callable
@@ -116,10 +122,11 @@ def _called(fn: Any) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
     return (), ()
 
 
-def _closure(fn: Any) -> list[nn.Module]:
+def _closure(fn: Any, reach: Sequence[Any] | None = None) -> list[nn.Module]:
     """The modules, alone or in lists, that ``fn`` reaches without running (``remat.manual.reach``:
-    its closure, the globals its code names, and those of the functions it names)."""
-    return [m for value in held(fn) for m in _modules_in(value)]
+    its closure, the globals its code names, and those of the functions it names; ``reach``:
+    ``held(fn)`` where the caller has it)."""
+    return [m for value in (held(fn) if reach is None else reach) for m in _modules_in(value)]
 
 
 def _modules_in(value: Any) -> list[nn.Module]:
@@ -158,7 +165,7 @@ class Buffers:
     @contextlib.contextmanager
     def noting(self) -> Iterator[None]:
         """Around the region's forward (NOTE [buffers as the forward saw them])."""
-        with _disable_current_modes():  # our copies are not the program's ops
+        with no_modes():  # our copies are not the program's ops
             noted = [
                 (m, name, buf, buf._version, buf.detach().clone() if buf.nbytes <= COPY_LIMIT else None)
                 for m in self.modules
@@ -186,7 +193,7 @@ class Buffers:
             done.add(id(module))
             # The copies are not the program's ops: a selective recomputation matches the ops it
             # runs to the forward's by position, so they must not reach its dispatch mode.
-            with _disable_current_modes():
+            with no_modes():
                 for name, buf in module._buffers.items():
                     key = (id(module), name)
                     if buf is not None and (id(module) not in self.seen or key in self.written):

@@ -38,9 +38,9 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
+from remat._dispatch import no_modes
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, message
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
@@ -90,13 +90,15 @@ class _Frame:
         self.fn = fn
         self.check = check
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
-        modules = region_modules(fn, args, kwargs)
+        reach = held(fn)  # what its closure, defaults and globals hold
+        modules = region_modules(fn, args, kwargs, reach)
         self.modules = modules[0]  # their parameters: ``Unwritten`` as the call starts, and ends
-        self.parameters = Unwritten(self.modules, [*held(fn), *carried(self.given.leaves)])  # by reference
+        self.parameters = Unwritten(self.modules, [*reach, *carried(self.given.leaves)])  # by reference
         # a lazy module's first forward draws its weights from the region's generators: run plainly
         self.lazy = any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in modules[0])
         self.buffers = Buffers(*modules)  # NOTE [buffers as the forward saw them]
-        self.rng = aten.capture_all(own_generators(fn, args, kwargs, modules[0])) if preserve_rng else None
+        generators = own_generators(fn, args, kwargs, modules[0], reach) if preserve_rng else None
+        self.rng = aten.capture_all(generators) if generators is not None else None
         self.autocast = autocast.capture_autocast()
         self.cache = (
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
@@ -173,7 +175,7 @@ class _Frame:
             # it (its node the newest) says. An argument is saved before its op's kernel runs, which
             # may still write what was saved (RReLU's noise): from there the function runs on.
             ran = aten.made_last(t)
-            with _disable_current_modes():  # our own ops are not the program's
+            with no_modes():  # our own ops are not the program's
                 self.verify(i, t)
                 kept, self.again[i] = t.detach(), t._version
                 store[i] = kept
@@ -208,7 +210,7 @@ class _Frame:
         except RuntimeError as error:  # from torch, in the function run again: NOTE [inputs cut]
             raise failed_again("checkpoint", error) from error
         if self.prints:  # once the ops have run: an op may write what it saved after the save
-            with _disable_current_modes():
+            with no_modes():
                 compare_values(self.prints, self.origins, store)
         if counter[0] < total:
             rule = "the recomputation saved fewer tensors for backward than the forward"
@@ -281,7 +283,7 @@ def run(
         return out
     finally:
         if frame.provenance is not None and frame.live is not None:  # the values the function left
-            with _disable_current_modes():
+            with no_modes():
                 frame.prints = [frame.provenance.checkable(t) for t in frame.live]
         frame.live = None  # NOTE [backward inside the forward]
 

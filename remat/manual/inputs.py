@@ -42,11 +42,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from remat._errors import RecomputationError, message
 from remat.aten import describe
-from remat.manual.reach import CONTAINER_LIMIT
+from remat.manual.reach import CONTAINER_LIMIT, own_attributes
 
 __all__ = ["CARRIED_DEPTH", "Inputs", "SaveInputs", "Unwritten", "carried"]
 
@@ -71,7 +71,11 @@ class Inputs:
     """The arguments of one call, for running it again (``again``)."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
+        self.spec: TreeSpec | None = None
+        self.keys = tuple(kwargs)
+        leaves: list[Any] = [*args, *kwargs.values()]
+        if not all(type(a) in _LEAVES for a in leaves):  # containers: as pytree takes them apart
+            leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
         self.slots = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and not a.is_inference()]
         # one tensor given in several places (``attn(h, h, h)``) is one tensor again: a module may
         # take another path where its arguments are not the same object (``query is key``)
@@ -100,6 +104,9 @@ class Inputs:
             fresh = [t.detach().requires_grad_(g) for t, g in zip(saved, self.requires_grad, strict=True)]
             for slot, k in zip(self.slots, self.which, strict=True):
                 leaves[slot] = fresh[k]
+        if self.spec is None:
+            cut = len(leaves) - len(self.keys)
+            return tuple(leaves[:cut]), dict(zip(self.keys, leaves[cut:], strict=True))
         args, kwargs = tree_unflatten(leaves, self.spec)
         return tuple(args), dict(kwargs)
 
@@ -228,6 +235,8 @@ def carried(values: Iterable[Any]) -> list[torch.Tensor]:
     return list(found.values())
 
 
+# what pytree takes as a leaf, never as a container: arguments of these types alone need no pytree walk
+_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
 _OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, str, bytes)
 _SET = object()  # ``Unwritten.held``: the call set this attribute itself
 
@@ -236,7 +245,7 @@ def _tensor_names(module: torch.nn.Module) -> list[str]:
     """The names of ``module``'s own parameters and plain tensor attributes (buffers apart: the
     buffer shield keeps what the forward saw of them, ``remat.manual.buffers``)."""
     names = [n for n, p in module._parameters.items() if p is not None]
-    return names + [n for n, v in vars(module).items() if isinstance(v, torch.Tensor)]
+    return names + [n for n, v in own_attributes(module) if isinstance(v, torch.Tensor)]
 
 
 def _attribute(module: torch.nn.Module | None, name: str) -> Any:

@@ -18,30 +18,35 @@ argument that is not a module) is not found.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.manual.reach import CONTAINER_LIMIT, held
+from remat.manual.reach import CONTAINER_LIMIT, held, own_attributes
 
 __all__ = ["own_generators"]
 
 
 def own_generators(
-    fn: Any, args: Iterable[Any], kwargs: Mapping[str, Any], modules: Iterable[nn.Module]
+    fn: Any,
+    args: Iterable[Any],
+    kwargs: Mapping[str, Any],
+    modules: Iterable[nn.Module],
+    reach: Sequence[Any] | None = None,
 ) -> list[torch.Generator]:
-    """The generators ``fn(*args, **kwargs)`` can reach (NOTE [own generators]), each once."""
+    """The generators ``fn(*args, **kwargs)`` can reach (NOTE [own generators]), each once;
+    ``reach``: ``held(fn)`` where the caller has it."""
     found: dict[int, torch.Generator] = {}
-    reach: list[Any] = [*args, *kwargs.values()]
-    if isinstance(fn, functools.partial):
-        reach += [*fn.args, *fn.keywords.values()]
-        fn = fn.func
-    reach += held(fn)
+    values: list[Any] = [*args, *kwargs.values()]
+    if isinstance(fn, functools.partial):  # what it holds is its function's, not its own
+        values += [*fn.args, *fn.keywords.values(), *held(fn.func)]
+    else:
+        values += held(fn) if reach is None else reach
     for module in modules:
-        reach += module.__dict__.values()
-    for value in reach:
+        values += [v for _, v in own_attributes(module)]
+    for value in values:
         items = value.values() if isinstance(value, dict) else value
         container = isinstance(value, (dict, list, tuple)) and len(value) <= CONTAINER_LIMIT
         for item in items if container else [value]:

@@ -6,6 +6,7 @@ with the plain program."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -293,17 +294,20 @@ def _calling_masked_by_global(mask: _OwnMask, x: torch.Tensor) -> torch.Tensor:
     return _masked_by_global(mask, x)
 
 
-@pytest.mark.parametrize("form", ["argument", "closure", "module", "global", "global of a callee"])
+@pytest.mark.parametrize(
+    "form",
+    ["argument", "closure", "module", "global", "global of a callee", "partial", "partial of a function"],
+)
 def test_a_generator_of_the_programs_own_is_replayed_in_the_recomputation(form: str) -> None:
     """The recomputation draws the forward's numbers from the program's own generator, found among
-    the arguments, in the closure, on the module, or as a global of the function or of a function
-    it calls, and leaves it where the forward left it (it drew the next numbers: other masks,
-    silently wrong gradients)."""
+    the arguments, in the closure, on the module, as a global of the function or of a function it
+    calls, or among a partial's arguments or its function's globals, and leaves it where the
+    forward left it (it drew the next numbers: other masks, silently wrong gradients)."""
     torch.manual_seed(0)
     plain = _OwnMask()
     wrapped = copy.deepcopy(plain)
     x = torch.randn(4, 8)
-    if form.startswith("global"):
+    if form.startswith("global") or form == "partial of a function":
         plain.generator = _GLOBAL_GENERATOR.manual_seed(5)
     plain(x).sum().backward()
     expected = plain.generator.get_state()
@@ -312,6 +316,11 @@ def test_a_generator_of_the_programs_own_is_replayed_in_the_recomputation(form: 
         drawn_from = _GLOBAL_GENERATOR.manual_seed(5)  # the module holds a generator it does not use
         fn = _masked_by_global if form == "global" else _calling_masked_by_global
         out = remat.checkpoint(fn, wrapped, x)
+    elif form == "partial of a function":
+        drawn_from = _GLOBAL_GENERATOR.manual_seed(5)
+        out = remat.checkpoint(functools.partial(_masked_by_global, wrapped), x)
+    elif form == "partial":
+        out = remat.checkpoint(functools.partial(wrapped, generator=wrapped.generator), x)
     elif form == "argument":
         generator = wrapped.generator
         out = remat.checkpoint(wrapped, x, generator)
@@ -535,3 +544,26 @@ def test_torch_func_transforms_and_forward_ad_run_the_call_as_it_is() -> None:
         lambda fn: jvp(fn, (x,), (v,))[1],
     ):
         assert torch.equal(transform(checkpointed), transform(f))
+
+
+def test_arguments_of_every_plain_kind_reach_the_recomputation_as_given() -> None:
+    """Tensors, numbers, flags, strings and None, positional and by keyword, one tensor given
+    twice: the recomputation is called with the same values (the tensors detached, requiring grad as
+    they did), and the gradients are the plain call's."""
+    seen: list[tuple[Any, ...]] = []
+
+    def fn(
+        x: torch.Tensor, n: int, flag: bool, name: str, scale: float = 1.0, *, y: torch.Tensor, z: Any = 0
+    ):
+        seen.append((x.requires_grad, n, flag, name, scale, y.requires_grad, z, x is y))
+        return (x * y * scale).sin().sum() * n
+
+    x = torch.randn(4, requires_grad=True)
+    y = torch.randn(4)
+    expected = torch.autograd.grad(fn(x, 3, True, "a", 2.0, y=y, z=None), x)[0]
+    got = torch.autograd.grad(remat.checkpoint(fn, x, 3, True, "a", 2.0, y=y, z=None), x)[0]
+    assert torch.equal(expected, got)
+    assert seen[1] == seen[2] == (True, 3, True, "a", 2.0, False, None, False)
+    seen.clear()
+    torch.autograd.grad(remat.checkpoint(fn, x, 2, False, "b", y=x), x)
+    assert seen[0] == seen[1] == (True, 2, False, "b", 1.0, True, 0, True)
