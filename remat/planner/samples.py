@@ -3,10 +3,11 @@ template's replay checked])."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,8 +36,7 @@ _SAMPLED = 64
 _DEFER_IN_HOST_MEMORY = False  # host tensors checked at the end of backward too, as on a device
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     """A tensor's grid of values: read (``values``), or being copied to ``host`` from ``device``."""
 
     values: list[Any] | None = None
@@ -47,14 +47,11 @@ class Sample:
 def sample(t: torch.Tensor) -> Sample | None:
     """About ``_SAMPLED`` elements of ``t`` on a grid over its dimensions; None for a tensor not
     sampled (not plain, empty, bytes, without values)."""
-    if t.layout != torch.strided or type(t) not in _PLAIN_TENSORS or not t.numel() or t.is_meta:
+    if type(t) not in _PLAIN_TENSORS or t.dtype not in _SAMPLED_DTYPES or t.layout != torch.strided:
         return None
-    if t.dtype == torch.uint8 or t.is_quantized or t.is_complex() or t.is_conj() or t.is_neg():
+    if not t.numel() or t.is_meta or t.is_conj() or t.is_neg():
         return None
-    per = max(2, round(_SAMPLED ** (1 / t.dim()))) if t.dim() else 1
-    jumps = [-(-size // per) for size in t.shape]
-    grid = [-(-size // jump) for size, jump in zip(t.shape, jumps, strict=True)]
-    strides = [stride * jump for stride, jump in zip(t.stride(), jumps, strict=True)]
+    grid, strides = _grid(t.shape, t.stride())
     with torch.no_grad():
         view = torch.as_strided(t, grid, strides, t.storage_offset())
         if t.device.type == "cpu" and not _DEFER_IN_HOST_MEMORY:
@@ -65,6 +62,26 @@ def sample(t: torch.Tensor) -> Sample | None:
     return Sample(host=host, device=t.device)
 
 
+@functools.lru_cache(maxsize=4096)
+def _grid(shape: torch.Size, stride: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """The sample's sizes and strides for a tensor of ``shape`` and ``stride``."""
+    per = max(2, round(_SAMPLED ** (1 / len(shape)))) if shape else 1
+    jumps = [-(-size // per) for size in shape]
+    grid = [-(-size // jump) for size, jump in zip(shape, jumps, strict=True)]
+    return grid, [s * jump for s, jump in zip(stride, jumps, strict=True)]
+
+
+# floating and signed integer numbers and flags; not bytes (uint8: a kernel's workspace), complex or
+# quantized numbers
+_SAMPLED_DTYPES = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
+) | {
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.bool,
+}
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 

@@ -117,6 +117,8 @@ def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
     read: set[int] = set()
     for m in module.modules():
         for name, v in vars(m).items():
+            if name in _TORCH_CONTAINERS:
+                continue
             if _plain(v):
                 values.append((name, v))
             elif (
@@ -135,6 +137,9 @@ def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
+# the dicts and the set torch keeps on every module (parameters, buffers, children, hooks): no plain
+# value of the module's is in them (the flags torch keeps beside them, ``training``, are read)
+_TORCH_CONTAINERS = frozenset(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
 _NOT_OBJECTS = frozenset({dict, list, tuple, set, type(None)})  # containers: not read
 
 
