@@ -45,6 +45,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from remat._errors import RecomputationError, message
+from remat._leaves import flat
 from remat.aten import describe
 from remat.manual.reach import CONTAINER_LIMIT, own_attributes
 
@@ -73,8 +74,8 @@ class Inputs:
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.spec: TreeSpec | None = None
         self.keys = tuple(kwargs)
-        leaves: list[Any] = [*args, *kwargs.values()]
-        if not all(type(a) in _LEAVES for a in leaves):  # containers: as pytree takes them apart
+        leaves = flat(args, kwargs)
+        if leaves is None:  # containers: as pytree takes them apart
             leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
         self.slots = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and not a.is_inference()]
         # one tensor given in several places (``attn(h, h, h)``) is one tensor again: a module may
@@ -235,8 +236,6 @@ def carried(values: Iterable[Any]) -> list[torch.Tensor]:
     return list(found.values())
 
 
-# what pytree takes as a leaf, never as a container: arguments of these types alone need no pytree walk
-_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
 _OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, str, bytes)
 _SET = object()  # ``Unwritten.held``: the call set this attribute itself
 

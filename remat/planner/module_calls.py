@@ -45,13 +45,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten
 
 from remat._errors import RecomputationError, RematTypeError, message
+from remat._leaves import flat, leaves
+from remat.planner.plain_values import plain_values
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
 from remat.planner.results import made
-from remat.planner.taped_calls import Learner, Run, Template, learn, plain_values
+from remat.planner.taped_calls import Learner, Run, Template, learn
 from remat.trace.recorder import CALL_VALUES
 
 
@@ -104,9 +106,10 @@ def call_key(args: Any, kwargs: Any) -> Hashable | None:
     """A call's arguments as the setting sees them (NOTE [bare forward]): their structure, each
     tensor's type, dtype, device, shape, strides and whether it requires grad, each plain value as
     it is; None where one is an object whose contents it cannot see."""
-    leaves, structure = tree_flatten((args, kwargs))
+    found = flat(args, kwargs)  # its structure then the count of arguments and the keywords' names
+    items, structure = tree_flatten((args, kwargs)) if found is None else (found, (len(args), tuple(kwargs)))
     given: list[Hashable] = []
-    for x in leaves:
+    for x in items:
         if isinstance(x, torch.Tensor):
             given.append((type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad))
         elif isinstance(x, CALL_VALUES):
@@ -334,7 +337,7 @@ def anchor(runner: Runner, region: Region, module: nn.Module) -> tuple[nn.Module
             return forward(*args, **kwargs)
         template = bare.template(region, module, args, kwargs)
         if isinstance(template, Template):
-            run = Run(template, module, tree_leaves((args, kwargs)), region.anchor)
+            run = Run(template, module, leaves(args, kwargs), region.anchor)
             with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
                 out = forward(*args, **kwargs)
             run.end()
@@ -375,6 +378,6 @@ def _learning(
     finally:
         runner.note = runner.learned = None
     exact = runner.position == region.last + 1 and runner.open is None
-    template = learn(learner, learned, module, tree_leaves((args, kwargs)), exact)
+    template = learn(learner, learned, module, leaves(args, kwargs), exact)
     bare.learned(region, module, args, kwargs, template)
     return out

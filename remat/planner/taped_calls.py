@@ -19,8 +19,8 @@ A call runs from its template only where the template is the call: each tensor a
 have the shape, dtype and autograd node the recorded call's had, and as many saves (else the
 forward diverged: refused). The setting includes, besides the bare forward's, every plain value
 (a number, a string, a flag) held by the region's modules or by a plain object one holds (a config),
-or named as a global by their ``forward`` (``plain_values``), and the call's own arguments as the
-forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
+or named as a global by their ``forward`` (``remat.planner.plain_values``), and the call's own
+arguments as the forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
 recorded every time). The generator state a random op of the replay draws from (dropout in
 training) is taken in the saved-tensor hook just before it (NOTE [random ops of a template]). A
 region is recorded in every call, as before, where its replay would not be the same one in a later
@@ -30,8 +30,8 @@ a tensor the region's code finds elsewhere); an op gave Python a value (``item``
 the code did next may depend on the data); or it offloads.
 
 What a call run from its template does not see, where the recorded call did: an op in the region
-that changed with Python state ``plain_values`` does not reach (a global a helper function reads,
-a number two objects deep) while every tensor autograd saves looks the same: its replay would
+that changed with Python state ``remat.planner.plain_values`` does not reach (a global a helper
+function reads, a number two objects deep) while every tensor autograd saves looks the same: its replay would
 recompute with the recorded ops. Each tensor in host memory the replay recomputes is checked
 against a sample of the values the call saved (NOTE [a template's replay checked]), so such a
 change is refused in backward unless it left every sampled element as it was (on an accelerator,
@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +57,8 @@ from remat.manual.replay import eager_steps
 from remat.manual.scope import Handle, Kept, TapedRegion
 from remat.manual.tape import Slice, Step
 from remat.planner import samples
-from remat.trace.recorder import CALL_VALUES
 
-__all__ = ["Learner", "Run", "Template", "learn", "plain_values"]
+__all__ = ["Learner", "Run", "Template", "learn"]
 
 
 @dataclass(frozen=True)
@@ -106,48 +105,6 @@ class Template:
     # per step of the slice that draws random numbers: the pack in whose hook a call takes the
     # state of the generators it draws from (-1: before the call), the step, and those generators
     draws: tuple[tuple[int, int, tuple[torch.device, ...]], ...] = ()
-
-
-def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
-    """The plain values (``CALL_VALUES`` but tensors) the region's code may branch on or compute
-    with, beside the forward's setting: each of its modules' own, those of a plain object a module
-    holds (a config, read once however many modules hold it), and the globals its modules'
-    ``forward`` names."""
-    values: list[Hashable] = []
-    read: set[int] = set()
-    for m in module.modules():
-        for name, v in vars(m).items():
-            if name in _TORCH_CONTAINERS:
-                continue
-            if _plain(v):
-                values.append((name, v))
-            elif (
-                id(v) not in read
-                and type(v) not in _NOT_OBJECTS
-                and isinstance(getattr(v, "__dict__", None), dict)
-            ):
-                read.add(id(v))
-                if not isinstance(v, (nn.Module, torch.Tensor)):
-                    values += [(name, key, w) for key, w in vars(v).items() if _plain(w)]
-        forward = type(m).forward
-        code, names = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
-        if code is not None:
-            values += [(name, names[name]) for name in code.co_names if name in names and _plain(names[name])]
-    return tuple(values)
-
-
-_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
-# the dicts and the set torch keeps on every module (parameters, buffers, children, hooks): no plain
-# value of the module's is in them (the flags torch keeps beside them, ``training``, are read)
-_TORCH_CONTAINERS = frozenset(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
-_NOT_OBJECTS = frozenset({dict, list, tuple, set, type(None)})  # containers: not read
-
-
-def _plain(v: object) -> bool:
-    kind = type(v)
-    return kind in _PLAIN or (
-        kind not in _NOT_OBJECTS and isinstance(v, CALL_VALUES) and not isinstance(v, torch.Tensor)
-    )
 
 
 class Learner:
