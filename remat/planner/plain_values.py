@@ -14,6 +14,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
+from remat._modules import below
 from remat.trace.recorder import CALL_VALUES
 
 __all__ = ["plain_values"]
@@ -26,7 +27,7 @@ def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
     ``forward`` names."""
     values: list[Hashable] = []
     read: set[int] = set()
-    for m in module.modules():
+    for m in below(module):
         for name, v in vars(m).items():
             if name in _TORCH_CONTAINERS:
                 continue

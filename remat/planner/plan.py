@@ -24,6 +24,7 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._files import read_json, writable, write_text
+from remat._modules import parameters
 from remat._units import format_bytes
 from remat.host.link import Link
 from remat.manual.fused import ReplayMode
@@ -319,4 +320,4 @@ def _scalars(fields: dict[str, Any]) -> None:
 
 def trainable(model: nn.Module) -> tuple[bool, ...]:
     """Per parameter of ``model``, whether it requires grad (``Plan.trainable``)."""
-    return tuple(p.requires_grad for p in model.parameters())
+    return tuple(p.requires_grad for p in parameters(model))

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat import aten
 from remat._errors import RecomputationError, RematTypeError, message
+from remat._modules import below
 from remat.manual import autocast
 from remat.manual.checks import TensorMeta
 from remat.manual.inputs import Inputs
@@ -298,7 +299,7 @@ def setting(module: nn.Module) -> tuple[object, ...]:
     """What a module region's checked ops depend on (NOTE [a call run bare is checked once]):
     each of its modules' train or eval mode and dropout rate, the autocast state and the attention
     kernels allowed."""
-    modes = tuple((m.training, m.p if isinstance(m, _DROPOUTS) else None) for m in module.modules())
+    modes = tuple((m.training, m.p if isinstance(m, _DROPOUTS) else None) for m in below(module))
     kernels = tuple(getattr(backends, f"{k}_sdp_enabled")() for k in _ATTENTION)
     return (modes, autocast.capture_autocast(), kernels)
 
