@@ -105,14 +105,17 @@ def forward_key(model: nn.Module, plan: Hashable, args: Any, kwargs: Any) -> Has
 
 def call_key(args: Any, kwargs: Any) -> Hashable | None:
     """A call's arguments as the setting sees them (NOTE [bare forward]): their structure, each
-    tensor's type, dtype, device, shape, strides and whether it requires grad, each plain value as
-    it is; None where one is an object whose contents it cannot see."""
+    tensor's type, dtype, device, shape, strides, whether it requires grad and where it was given
+    first (a template binds a tensor given twice to one place), each plain value as it is; None
+    where one is an object whose contents it cannot see."""
     found = flat(args, kwargs)  # its structure then the count of arguments and the keywords' names
     items, structure = tree_flatten((args, kwargs)) if found is None else (found, (len(args), tuple(kwargs)))
     given: list[Hashable] = []
-    for x in items:
+    first: dict[int, int] = {}  # one tensor given in two places (``pair(h, h)``) is part of the key
+    for i, x in enumerate(items):
         if isinstance(x, torch.Tensor):
-            given.append((type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad))
+            where = first.setdefault(id(x), i)
+            given.append((type(x), x.dtype, x.device, x.shape, x.stride(), x.requires_grad, where))
         elif isinstance(x, CALL_VALUES):
             given.append((type(x), x))
         else:

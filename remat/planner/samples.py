@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -12,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Sample", "check", "sample", "same", "settle"]
+__all__ = ["Sample", "Waiting", "check", "sample", "same", "settle"]
 
 # NOTE [a template's replay checked] A call run from its template cannot see an op that changed
 # with Python state its setting does not reach while every saved tensor kept its shape, dtype and
@@ -26,11 +27,13 @@ __all__ = ["Sample", "check", "sample", "same", "settle"]
 # without waiting (pinned on CUDA: a grid of a few hundred bytes the device's allocator holds only
 # while its copy is queued) and compared when the backward pass ends (a callback of autograd's
 # engine after the last node), after one wait for the device: the error then comes from
-# ``backward`` before the optimizer can use the gradients, which autograd has already written. Not
-# sampled: a tensor an op writes after autograd saved it (RReLU's noise, statistics batch norm
-# updates: ``TapedRegion.rewritten``), which the replay gives back as the write left it; byte
-# buffers (uint8: a kernel's workspace, such as the reserve an LSTM saves, whose bytes the kernel
-# never writes hold whatever the memory held). A replay through compiled graphs
+# ``backward`` before the optimizer can use the gradients, which autograd has already written (each
+# backward settles its own checks; one that fails lets them go). A device without pinned memory
+# (not CUDA) copies each sample when it is taken, waiting for the device. Not sampled: a tensor an
+# op writes after autograd saved it (RReLU's noise, statistics batch norm updates:
+# ``TapedRegion.rewritten``), which the replay gives back as the write left it; byte buffers (uint8:
+# a kernel's workspace, such as the reserve an LSTM saves, whose bytes the kernel never writes hold
+# whatever the memory held), and numbers Python cannot read back. A replay through compiled graphs
 # (``replay="compiled"``) is equal up to rounding, and so is the check (``rounded``).
 _SAMPLED = 64
 _DEFER_IN_HOST_MEMORY = False  # host tensors checked at the end of backward too, as on a device
@@ -71,17 +74,17 @@ def _grid(shape: torch.Size, stride: tuple[int, ...]) -> tuple[list[int], list[i
     return grid, [s * jump for s, jump in zip(stride, jumps, strict=True)]
 
 
-# floating and signed integer numbers and flags; not bytes (uint8: a kernel's workspace), complex or
-# quantized numbers
+# numbers Python can read back (``tolist``) and flags; not bytes (uint8: a kernel's workspace),
+# complex, quantized or packed numbers (float4, int4)
 _SAMPLED_DTYPES = frozenset(
-    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
-) | {
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.bool,
-}
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.bool}
+    | {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16}
+    | {
+        getattr(torch, n)
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)
+    }
+)
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
@@ -111,13 +114,30 @@ class _Pending:
     refusal: Callable[[], Exception]
 
 
-_pending: list[_Pending] = []
-_lock = threading.Lock()  # CUDA's backward runs on a thread per device
+class Waiting:
+    """The checks of one backward pass waiting for their copies, settled by the callback it is
+    queued as; autograd holds it only in that callback, so a backward that fails lets it go with
+    them (no later backward settles another's checks)."""
+
+    __slots__ = ("__weakref__", "checks")
+
+    def __init__(self) -> None:
+        self.checks: list[_Pending] = []
+
+    def __call__(self) -> None:
+        settle(self)
+
+
+# per running backward pass (autograd's graph task), its checks; CUDA's backward runs on a thread
+# per device, so appends are locked
+_waiting: weakref.WeakValueDictionary[int, Waiting] = weakref.WeakValueDictionary()
+_lock = threading.Lock()
 
 
 def check(saved: Sample, t: torch.Tensor, rounded: bool, refusal: Callable[[], Exception]) -> None:
     """Check the recomputed ``t`` against the sample the call left: at once where both are read,
-    else when the backward pass ends (``settle``); ``refusal`` makes the error a difference raises."""
+    else when the backward pass ends (``settle``); ``refusal`` makes the error a difference raises
+    (it holds no tensor: it may wait to the end of the backward)."""
     again = sample(t)
     if again is None:
         raise refusal()
@@ -125,25 +145,32 @@ def check(saved: Sample, t: torch.Tensor, rounded: bool, refusal: Callable[[], E
         if not same(again.values, saved.values, rounded):
             raise refusal()
         return
+    task = torch._C._current_graph_task_id()
+    if task < 0:  # not in a backward pass (a saved tensor read by hand): settled at once
+        alone = Waiting()
+        alone.checks.append(_Pending(saved, again, rounded, refusal))
+        settle(alone)
+        return
     with _lock:
-        _pending.append(_Pending(saved, again, rounded, refusal))
-    try:  # once per check: the first callback settles them all, the others find nothing
-        torch.autograd.Variable._execution_engine.queue_callback(settle)
-    except RuntimeError:  # not in a backward pass: a saved tensor read by hand
-        settle()
+        waiting = _waiting.get(task)
+        first = waiting is None
+        if waiting is None:
+            waiting = _waiting[task] = Waiting()
+        waiting.checks.append(_Pending(saved, again, rounded, refusal))
+    if first:
+        torch.autograd.Variable._execution_engine.queue_callback(waiting)
 
 
-def settle() -> None:
-    """Compare the samples waiting for their copies: after one wait per device, raise the first
-    difference's error."""
+def settle(waiting: Waiting) -> None:
+    """Compare the samples of ``waiting`` once their copies are done (one wait per device), and
+    raise the first difference's error."""
     with _lock:
-        waiting = list(_pending)
-        _pending.clear()
-    devices = {s.device for p in waiting for s in (p.saved, p.again) if s.device is not None}
+        checks, waiting.checks = waiting.checks, []
+    devices = {s.device for p in checks for s in (p.saved, p.again) if s.device is not None}
     for device in devices:
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
-    for p in waiting:
+    for p in checks:
         if not same(_values(p.again), _values(p.saved) or [], p.rounded):
             raise p.refusal()
 

@@ -332,23 +332,16 @@ class Run:
 
     def unpack(self, packed: Kept | Handle) -> torch.Tensor:
         t = self.region.unpack(packed)
-        given = self.samples.pop(id(packed), None)
+        given = self.samples.get(id(packed))
         if given is not None:
-            k, rounded = given[0], self.region.execute is not eager_steps
-            samples.check(given[1], t, rounded, lambda: self._differs(k, t))
-        return t
-
-    def _differs(self, k: int, t: torch.Tensor) -> RecomputationError:
-        return RecomputationError(
-            message(
-                "plan",
-                "a tensor recomputed from a template differs from the one the call saved",
-                f"{self.name}'s call run bare: saved tensor #{k}, {aten.describe(t.dtype, t.shape)}",
-                "something the module's code reads changed since its first call in this setting "
-                "(a global a helper function reads, a number deep in an object); the gradients "
-                "of this backward are not the model's: apply the plan with check='every'",
+            k, rounded, name, what = (
+                given[0],
+                self.region.execute is not eager_steps,
+                self.name,
+                (t.dtype, t.shape),
             )
-        )
+            samples.check(given[1], t, rounded, lambda: _differs(name, k, *what))
+        return t
 
     def _diverged(self, what: str) -> RecomputationError:
         return RecomputationError(
@@ -359,3 +352,18 @@ class Run:
                 "plan again with inputs that take this path, or apply the plan with check='every'",
             )
         )
+
+
+def _differs(name: str, k: int, dtype: torch.dtype, shape: torch.Size) -> RecomputationError:
+    """The error of a recomputed tensor that differs from its sample (it holds no tensor: NOTE [a
+    template's replay checked] may wait to the end of the backward)."""
+    return RecomputationError(
+        message(
+            "plan",
+            "a tensor recomputed from a template differs from the one the call saved",
+            f"{name}'s call run bare: saved tensor #{k}, {aten.describe(dtype, shape)}",
+            "something the module's code reads changed since its first call in this setting "
+            "(a global a helper function reads, a number deep in an object); the gradients "
+            "of this backward are not the model's: apply the plan with check='every'",
+        )
+    )

@@ -453,14 +453,61 @@ def test_a_replay_that_differs_from_the_call_is_refused() -> None:
         HELPER_GAIN = 1.0
 
 
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(a))) * b
+
+
+class _Paired(nn.Module):
+    """Calls its block with one tensor twice, or with that tensor and a copy (``tied``: no setting
+    the plan reads sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Pair()])
+        self.tied = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        return self.blocks[0](h, h if self.tied else h + 1).square().mean()
+
+
+def test_a_tensor_given_twice_keys_a_template_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block called with one tensor in two places leaves a template that binds both to it; a
+    later call with two tensors of the same look is another call (``call_key``): recorded, and the
+    training is the plain model's (with the first template, the replay would read the second
+    tensor for both)."""
+    torch.manual_seed(0)
+    model = _Paired().train()
+    batch = {"x": torch.randn(8, 16)}
+    trace = fixed_costs(trace_step(model, batch, repeats=1))
+    _, every = _every_layer(model, trace, rerun=False)
+    assert all(not r.rerun and r.anchor == r.name for r, _ in every.regions)
+    plan = _plan(trace, model, every)
+    runs = _runs(monkeypatch)
+    planned, plain = twin(model), twin(model)
+
+    def batch_at(step: int) -> dict[str, torch.Tensor]:
+        planned.tied = plain.tied = step % 2 == 0
+        return batch
+
+    ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned))
+    assert_same(train(plain, batch_at, steps=4), ran)
+    assert runs == ["blocks.0", "blocks.0"]  # steps 2 and 3 from the templates steps 0 and 1 left
+
+
 def _settles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many samples each ``samples.settle`` found waiting (NOTE [a template's replay checked])."""
     found: list[int] = []
     settle = samples.settle
 
-    def counted() -> None:
-        found.append(len(samples._pending))
-        settle()
+    def counted(waiting: samples.Waiting) -> None:
+        found.append(len(waiting.checks))
+        settle(waiting)
 
     monkeypatch.setattr(samples, "settle", counted)
     return found
@@ -482,9 +529,8 @@ def test_samples_compared_when_backward_ends_train_exactly(
     ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
     assert_same(train(twin(model), lambda _: batch, steps=3), ran)
     assert runs == ["blocks.0", "blocks.1", "blocks.2"] * 2
-    waiting = [n for n in found if n]  # one settle per backward finds them all
-    assert len(waiting) == 2 and waiting[0] == waiting[1] > 0
-    assert not samples._pending
+    assert len(found) == 2 and found[0] == found[1] > 0  # one settle per backward, of them all
+    assert not samples._waiting
 
 
 def _refused_when_backward_ends(device: torch.device) -> None:
@@ -508,7 +554,7 @@ def _refused_when_backward_ends(device: torch.device) -> None:
             ):
                 loss.backward()
         assert model.blocks[0].fc1.weight.grad is not None
-        assert not samples._pending
+        assert not samples._waiting
     finally:
         HELPER_GAIN = 1.0
 
@@ -516,6 +562,33 @@ def _refused_when_backward_ends(device: torch.device) -> None:
 def test_a_replay_that_differs_is_refused_when_backward_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(samples, "_DEFER_IN_HOST_MEMORY", True)
     _refused_when_backward_ends(torch.device("cpu"))
+
+
+def test_a_backward_that_fails_leaves_no_check_to_a_later_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward that raises after its calls' samples were queued (a hook on the input's gradient,
+    the last one made) runs no end-of-backward callback: its checks go with it, and a later backward
+    is not refused for them (the helper's number had changed for the failed one only)."""
+    global HELPER_GAIN
+    monkeypatch.setattr(samples, "_DEFER_IN_HOST_MEMORY", True)
+    model, batch, plan = _stack()
+    found = _settles(monkeypatch)
+    try:
+        for _ in range(2):
+            with plan.apply(model):
+                model(**batch).backward()
+        HELPER_GAIN = 0.5
+        x = batch["x"].clone().requires_grad_()
+        x.register_hook(lambda _: (_ for _ in ()).throw(ValueError("stop")))
+        with plan.apply(model), pytest.raises(ValueError, match="stop"):
+            model(x).backward()
+        assert not samples._waiting
+        HELPER_GAIN = 1.0
+        settled = len(found)
+        with plan.apply(model):
+            model(**batch).backward()
+        assert len(found) == settled + 1 and found[-1] > 0
+    finally:
+        HELPER_GAIN = 1.0
 
 
 @pytest.mark.cuda
