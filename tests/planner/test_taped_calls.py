@@ -438,19 +438,29 @@ def test_a_replay_that_differs_from_the_call_is_refused() -> None:
         ran = train(planned, batch_at, steps=4, region=lambda: plan.apply(planned, check="every"))
         assert_same(train(plain, batch_at, steps=4), ran)
         HELPER_GAIN = 1.0
-        for _ in range(2):
-            with plan.apply(model):
-                model(**batch).backward()
-        HELPER_GAIN = 0.5
-        with plan.apply(model):
-            loss = model(**batch)
-            with pytest.raises(
-                RecomputationError,
-                match=r"recomputed from a template differs from the one the call saved \(blocks\.2's call",
-            ):
-                loss.backward()
+        _changed_after_templates(
+            model,
+            batch,
+            plan,
+            r"recomputed from a template differs from the one the call saved \(blocks\.2's call",
+        )
     finally:
         HELPER_GAIN = 1.0
+
+
+def _changed_after_templates(model: _Stack, batch: dict[str, torch.Tensor], plan: Plan, match: str) -> None:
+    """Two steps leave the blocks' templates; then the helper's number changes, and the next
+    backward raises remat's error matching ``match``."""
+    global HELPER_GAIN
+    for _ in range(2):
+        with plan.apply(model):
+            model(**batch).backward()
+    model.zero_grad(set_to_none=True)
+    HELPER_GAIN = 0.5
+    with plan.apply(model):
+        loss = model(**batch)
+        with pytest.raises(RecomputationError, match=match):
+            loss.backward()
 
 
 class _Pair(nn.Module):
@@ -541,18 +551,8 @@ def _refused_when_backward_ends(device: torch.device) -> None:
     global HELPER_GAIN
     model, batch, plan = _stack(device=device)
     try:
-        for _ in range(2):
-            with plan.apply(model):
-                model(**batch).backward()
-        model.zero_grad(set_to_none=True)
-        HELPER_GAIN = 0.5
-        with plan.apply(model):
-            loss = model(**batch)
-            with pytest.raises(
-                RecomputationError,
-                match=r"differs from the one the call saved \(blocks\.\d's call.*gradients of this backward",
-            ):
-                loss.backward()
+        match = r"differs from the one the call saved \(blocks\.\d's call.*gradients of this backward"
+        _changed_after_templates(model, batch, plan, match)
         assert model.blocks[0].fc1.weight.grad is not None
         assert not samples._waiting
     finally:
