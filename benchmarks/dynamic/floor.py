@@ -8,6 +8,7 @@ The trace and the marks are a no-budget region's (``cost="model"``), taken at it
 ``run.py`` takes its peak; the pool is ``run.py``'s (budget less a 10% reserve, addresses, best fit).
 
     .venv/bin/python benchmarks/dynamic/floor.py resnet50 --limits 3 100
+    .venv/bin/python benchmarks/dynamic/floor.py resnet50 --batch 32 --ratios 0.5 0.4 --limits 3 20
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def main() -> None:
     parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.7, 0.5, 0.4])
     parser.add_argument("--limits", type=float, nargs="+", default=[3.0])
+    parser.add_argument("--batch", type=int, default=None, help="resnet50's images per step (16)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, loss = WORKLOADS[args.workload](False)
+    model, loss = WORKLOADS[args.workload](False, *(() if args.batch is None else (args.batch,)))
     model.train()
     free = remat.dynamic(None, "dtr", keep=model, cost="model")
     step(model, loss, free)

@@ -66,11 +66,12 @@ def gpt2(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     return model, loss
 
 
-def resnet50(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    """ResNet-50's depth (3, 4, 6, 3 bottlenecks, batch norm) at width 8, 10 classes, 64x64 images."""
+def resnet50(quick: bool, batch: int | None = None) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """ResNet-50's depth (3, 4, 6, 3 bottlenecks, batch norm) at width 8, 10 classes, 64x64 images,
+    ``batch`` of them (16; 8 when ``quick``)."""
     model = ResNet((3, 4, 6, 3), 8, 10)
     generator = torch.Generator().manual_seed(0)
-    images = torch.randn(8 if quick else 16, 3, 64, 64, generator=generator)
+    images = torch.randn(batch or (8 if quick else 16), 3, 64, 64, generator=generator)
     labels = torch.randint(0, 10, (len(images),), generator=generator)
 
     def loss() -> torch.Tensor:
