@@ -20,19 +20,19 @@ have the shape, dtype and autograd node the recorded call's had, and as many sav
 forward diverged: refused). The setting includes, besides the bare forward's, every plain value
 (a number, a string, a flag) held by the region's modules or by a plain object one holds (a config),
 or named as a global by their ``forward`` (``remat.planner.plain_values``), and the call's own
-arguments as the forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given an object is
-recorded every time). The generator state a random op of the replay draws from (dropout in
-training) is taken in the saved-tensor hook just before it (NOTE [random ops of a template]). A
-region is recorded in every call, as before, where its replay would not be the same one in a later
-call: a random op of it has no save before it to take its state in, or draws from a generator the
-code hands it; it reads a tensor no later call gives it (a snapshot of an input written in place,
-a tensor the region's code finds elsewhere); an op gave Python a value (``item``, ``equal``: what
-the code did next may depend on the data); or it offloads.
+arguments as the forward's are seen (``call_key`` in ``remat.planner.module_calls``; a call given
+an object is recorded every time). The generator state a random op of the replay draws from
+(dropout in training) is taken in the saved-tensor hook just before it (NOTE [random ops of a
+template]). A region is recorded in every call, as before, where its replay would not be the same
+one in a later call: a random op of it has no save before it to take its state in, or draws from a
+generator the code hands it; it reads a tensor no later call gives it (a snapshot of an input
+written in place, a tensor the region's code finds elsewhere); an op gave Python a value
+(``item``, ``equal``: what the code did next may depend on the data); or it offloads.
 
 What a call run from its template does not see, where the recorded call did: an op in the region
 that changed with Python state ``remat.planner.plain_values`` does not reach (a global a helper
-function reads, a number two objects deep) while every tensor autograd saves looks the same: its replay would
-recompute with the recorded ops. Each tensor in host memory the replay recomputes is checked
+function reads, a number two objects deep) while every tensor autograd saves looks the same: its
+replay would recompute with the recorded ops. Each tensor the replay recomputes is checked
 against a sample of the values the call saved (NOTE [a template's replay checked]), so such a
 change is refused in backward unless it left every sampled element as it was (on an accelerator,
 when the backward pass ends). ``Plan.apply(model, check="every")`` records every call.
