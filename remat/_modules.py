@@ -1,5 +1,6 @@
 """A model's modules, parameters and buffers in the order ``nn.Module``'s own walks give them, each
-once, without the generators and the names those walks build.
+once, without the generators and the names those walks build; and what of a module's attributes
+torch keeps for itself.
 
 Why: a plan reads them at every forward (the setting of a bare forward, the parameters that
 require grad, a region module's plain values); ``model.parameters()`` builds every module's
@@ -9,15 +10,28 @@ micro-batch of a pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["below", "buffers", "parameters"]
+__all__ = ["TORCH_DICTS", "TORCH_FIELDS", "below", "buffers", "own_attributes", "parameters"]
 
 T = TypeVar("T", bound=torch.Tensor)
+
+_BARE = vars(nn.Module())
+# what every module holds for torch itself: its parameters, buffers and children (each in a dict of
+# its own), its hooks, and its flags (``training``); never a tensor attribute or a generator of the
+# program's
+TORCH_FIELDS = frozenset(_BARE)
+# of those, the dicts and the set: no plain value of the module's is in them
+TORCH_DICTS = frozenset(k for k, v in _BARE.items() if isinstance(v, (dict, set)))
+
+
+def own_attributes(module: nn.Module) -> list[tuple[str, Any]]:
+    """The attributes ``module`` holds in its ``__dict__`` besides ``TORCH_FIELDS``."""
+    return [(k, v) for k, v in vars(module).items() if k not in TORCH_FIELDS]
 
 
 def below(module: nn.Module) -> list[nn.Module]:
@@ -35,14 +49,17 @@ def below(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def parameters(module: nn.Module) -> list[nn.Parameter]:
-    """``list(module.parameters())``: by module in ``below``'s order, each parameter once."""
-    return _once(p for m in below(module) for p in m._parameters.values() if p is not None)
+def parameters(module: nn.Module, modules: Sequence[nn.Module] | None = None) -> list[nn.Parameter]:
+    """``list(module.parameters())``: by module in ``below``'s order (``modules``: ``below(module)``
+    where the caller has it), each parameter once."""
+    walked = below(module) if modules is None else modules
+    return _once(p for m in walked for p in m._parameters.values() if p is not None)
 
 
-def buffers(module: nn.Module) -> list[torch.Tensor]:
-    """``list(module.buffers())``: by module in ``below``'s order, each buffer once."""
-    return _once(b for m in below(module) for b in m._buffers.values() if b is not None)
+def buffers(module: nn.Module, modules: Sequence[nn.Module] | None = None) -> list[torch.Tensor]:
+    """``list(module.buffers())``: as ``parameters``, of the buffers."""
+    walked = below(module) if modules is None else modules
+    return _once(b for m in walked for b in m._buffers.values() if b is not None)
 
 
 def _once(tensors: Iterable[T]) -> list[T]:

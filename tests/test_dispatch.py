@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 import remat
-from remat._dispatch import Unguarded
+from remat._dispatch import Unguarded, no_modes
 
 
 class _Count(Unguarded):
@@ -69,3 +70,16 @@ def test_a_scope_around_compiled_code_gives_the_plain_gradients() -> None:
     plain = grads(False)
     for got, want in zip(grads(True), plain, strict=True):
         assert torch.equal(got, want)
+
+
+def test_no_modes_hides_remat_own_ops_from_a_mode_and_is_nothing_without_one() -> None:
+    """``no_modes``: under a dispatch mode, the ops inside it do not reach the mode (remat's own
+    ops are not the program's); with no mode on, it is a plain context (nothing popped)."""
+    x = torch.randn(4)
+    with _Count() as counted:
+        torch.sin(x)
+        with no_modes():
+            torch.cos(x)
+        torch.tan(x)
+    assert counted.ops == ["aten.sin.default", "aten.tan.default"]
+    assert isinstance(no_modes(), contextlib.nullcontext)

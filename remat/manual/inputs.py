@@ -46,8 +46,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from remat._errors import RecomputationError, message
 from remat._leaves import flat
+from remat._modules import own_attributes
 from remat.aten import describe
-from remat.manual.reach import CONTAINER_LIMIT, own_attributes
+from remat.manual.reach import CONTAINER_LIMIT
 
 __all__ = ["CARRIED_DEPTH", "Inputs", "SaveInputs", "Unwritten", "carried"]
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.manual.reach import CONTAINER_LIMIT, held, own_attributes
+from remat._modules import own_attributes
+from remat.manual.reach import CONTAINER_LIMIT, held
 
 __all__ = ["own_generators"]
 

@@ -20,18 +20,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CONTAINER_LIMIT", "FOLLOW_DEPTH", "MODULE_FIELDS", "held", "own_attributes"]
+__all__ = ["CONTAINER_LIMIT", "FOLLOW_DEPTH", "held"]
 
 FOLLOW_DEPTH = 3  # calls followed from a region's function to the functions it names
 CONTAINER_LIMIT = 256  # items: a larger list, tuple or dict found (a loss history) is not searched
-# what every module holds for torch itself: its parameters, buffers, children (each in a typed
-# dict of its own) and hooks; never a tensor attribute or a generator of the program's
-MODULE_FIELDS = frozenset(vars(nn.Module()))
-
-
-def own_attributes(module: nn.Module) -> list[tuple[str, Any]]:
-    """The attributes ``module`` holds in its ``__dict__`` besides torch's ``MODULE_FIELDS``."""
-    return [(k, v) for k, v in vars(module).items() if k not in MODULE_FIELDS]
 
 
 def held(fn: Any) -> list[Any]:

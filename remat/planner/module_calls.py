@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat._errors import RecomputationError, RematTypeError, message
 from remat._leaves import flat, leaves
-from remat._modules import buffers, parameters
+from remat._modules import below, buffers, parameters
 from remat.planner.plain_values import plain_values
 from remat.planner.regions import Region
 from remat.planner.rerun import CallCheck, run_again, setting
@@ -98,8 +98,9 @@ def forward_key(model: nn.Module, plan: Hashable, args: Any, kwargs: Any) -> Has
     given = call_key(args, kwargs)
     if given is None:
         return None
-    held: list[Hashable] = [(t.dtype, t.device, t.shape, t.requires_grad) for t in parameters(model)]
-    held += [(t.dtype, t.device, t.shape) for t in buffers(model)]
+    modules = below(model)
+    held: list[Hashable] = [(t.dtype, t.device, t.shape, t.requires_grad) for t in parameters(model, modules)]
+    held += [(t.dtype, t.device, t.shape) for t in buffers(model, modules)]
     return (plan, setting(model), tuple(held), given)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-from remat._modules import below
+from remat._modules import TORCH_DICTS, below
 from remat.trace.recorder import CALL_VALUES
 
 __all__ = ["plain_values"]
@@ -29,7 +29,7 @@ def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
     read: set[int] = set()
     for m in below(module):
         for name, v in vars(m).items():
-            if name in _TORCH_CONTAINERS:
+            if name in TORCH_DICTS:
                 continue
             if _plain(v):
                 values.append((name, v))
@@ -49,9 +49,6 @@ def plain_values(module: nn.Module) -> tuple[Hashable, ...]:
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
-# the dicts and the set torch keeps on every module (parameters, buffers, children, hooks): no plain
-# value of the module's is in them (the flags torch keeps beside them, ``training``, are read)
-_TORCH_CONTAINERS = frozenset(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
 _NOT_OBJECTS = frozenset({dict, list, tuple, set, type(None)})  # containers: not read
 
 
