@@ -25,16 +25,17 @@ __all__ = ["Sample", "Waiting", "check", "sample", "same", "settle"]
 # microseconds, no memory the allocator counts) and the recomputed one when it is unpacked. On an
 # accelerator reading values back waits for the device, so both grids are copied to host memory
 # without waiting (pinned on CUDA: a grid of a few hundred bytes the device's allocator holds only
-# while its copy is queued) and compared when the backward pass ends (a callback of autograd's
-# engine after the last node), after one wait for the device: the error then comes from
-# ``backward`` before the optimizer can use the gradients, which autograd has already written (each
-# backward settles its own checks; one that fails lets them go). A device without pinned memory
-# (not CUDA) copies each sample when it is taken, waiting for the device. Not sampled: a tensor an
-# op writes after autograd saved it (RReLU's noise, statistics batch norm updates:
-# ``TapedRegion.rewritten``), which the replay gives back as the write left it; byte buffers (uint8:
-# a kernel's workspace, such as the reserve an LSTM saves, whose bytes the kernel never writes hold
-# whatever the memory held), and numbers Python cannot read back. A replay through compiled graphs
-# (``replay="compiled"``) is equal up to rounding, and so is the check (``rounded``).
+# while its copy is queued, which no GPU run has measured yet) and compared when the backward pass
+# ends (a callback of autograd's engine after the last node), after one wait for the device: the
+# error then comes from ``backward`` before the optimizer can use the gradients, which autograd has
+# already written (each backward settles its own checks; one that fails lets them go). A device
+# without pinned memory (not CUDA) copies each sample when it is taken, waiting for the device.
+# Not sampled: a tensor an op writes after autograd saved it (RReLU's noise, statistics batch norm
+# updates: ``TapedRegion.rewritten``), which the replay gives back as the write left it; byte
+# buffers (uint8: a kernel's workspace, such as the reserve an LSTM saves, whose bytes the kernel
+# never writes hold whatever the memory held), and numbers Python cannot read back. A replay
+# through compiled graphs (``replay="compiled"``) is equal up to rounding, and so is the check
+# (``rounded``).
 _SAMPLED = 64
 _DEFER_IN_HOST_MEMORY = False  # host tensors checked at the end of backward too, as on a device
 
