@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from plans import trace_with_fixed_costs
 
 import remat
+from remat.planner.cost_model import ExecutorCost
 
 
 def _held_after(forward: Callable[[], None], repeats: int = 5) -> int:
@@ -40,17 +42,23 @@ def test_a_scope_whose_loss_is_dropped_holds_nothing(kept: str) -> None:
     assert _held_after(forward) == 0
 
 
-def test_a_planned_step_skipped_before_backward_holds_nothing() -> None:
-    """A plan whose region keeps an op's output (auto's plan for a tiny GPT-2 at 0.85): each skipped
+def test_a_planned_step_skipped_before_backward_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan whose region keeps an op's output (auto's plan for a tiny GPT-2 at 0.85, on fixed op
+    and executor costs, so that the plan does not depend on how busy the machine is): each skipped
     step stayed in memory (87,616 bytes each, growing without end)."""
     import transformers
+
+    trace_with_fixed_costs(monkeypatch)
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32)
     model = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids, "use_cache": False}
-    plan = remat.plan(model, batch, budget=0.85, loss_fn=lambda m, **kw: m(**kw).loss, repeats=1)
+    executor = ExecutorCost(check=2e-5, record=4e-5, replay=2e-5, offload=3e-4)
+    plan = remat.plan(
+        model, batch, budget=0.85, loss_fn=lambda m, **kw: m(**kw).loss, repeats=1, executor_cost=executor
+    )
     assert any(region.save for region in plan.regions), "the plan keeps no output: nothing is tested"
 
     def forward() -> None:
