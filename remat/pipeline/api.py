@@ -12,7 +12,8 @@ block its own region, as ``torch.utils.checkpoint`` per block) are always among 
 a rank budget that uniform per-block checkpointing meets is met. Where the budget allows, the
 last micro-batch runs without recomputation (torchgpipe's ``except_last``: its backward follows at
 once). A budget that no plan meets on some rank raises before any process starts, naming what
-each rank needs under the cut (the cut is not searched again for the budget: ``boundaries=``).
+each rank needs under the cut (a balanced cut is not searched again for the budget:
+``balance_by="step"`` searches the cuts with the plans, ``remat.pipeline.cut_search``).
 No stage after the first starts with a module that writes its input in place (NOTE [a stage's
 input is a leaf] in ``remat.pipeline.split``): the cut avoids one, a given cut is refused.
 ``checkpoint="always" | "except_last" | "never"`` gives uniform per-block checkpointing instead, in
@@ -37,6 +38,7 @@ from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
 from remat._units import format_bytes, parse_bytes
 from remat.pipeline.choose import choose
+from remat.pipeline.cut_search import searched
 from remat.pipeline.measure import measure, one_thread
 from remat.pipeline.plan import PipelinePlan
 from remat.pipeline.schedule import Schedule, build
@@ -171,7 +173,7 @@ def plan(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     target: torch.Tensor,
     boundaries: Sequence[int] | None = None,
-    balance_by: str = "memory",
+    balance_by: str = "auto",
     checkpoint: str = "planned",
     op_costs: str = "measured",
     action_cost: ActionCost | None = None,
@@ -182,10 +184,14 @@ def plan(
     under ``"zbv"`` always two: stages r and 2P - 1 - r).
 
     ``model_or_stages`` is a chain (an ``nn.Sequential`` or any module whose children run in
-    order), cut into stages balanced by ``"memory"`` (the saved bytes weighed by the
-    micro-batches each stage holds, plus the gradients) or ``"time"`` (``balance_by``) unless
-    ``boundaries`` (the first child of each stage after
-    the first) fix the cut; or the list of stage modules itself. ``example_microbatch`` and
+    order), cut into stages (``balance_by``) at the cut whose stages' plans give the shortest
+    predicted step within the budget (``"step"``, one stage per rank: searched by
+    ``remat.pipeline.cut_search``, every cut of a chain with few, else a descent from the even and
+    the two balanced cuts; each stage traced and planned once per place, so planning takes
+    longer), or balanced by ``"memory"`` (the saved bytes weighed by the micro-batches each
+    stage holds, plus the gradients) or ``"time"``; ``"auto"``: ``"step"`` where each rank runs
+    one stage, else ``"memory"``. ``boundaries`` (the first child of each stage after the first)
+    fix the cut instead; or the list of stage modules itself. ``example_microbatch`` and
     ``target`` are one micro-batch's input and target; ``loss_fn(output, target)`` is the loss the
     torch schedule computes on the last stage. ``budget_per_rank`` (bytes, or ``"2GB"``) bounds
     the bytes a step adds on each rank: activations, gradients, the plan's recomputation, and in
@@ -258,21 +264,40 @@ def plan(
     boundaries = cut_points(boundaries)
     per_rank = 2 if schedule == "zbv" and stages_per_rank == 1 else stages_per_rank  # zbv: two, in a V
     order = build(schedule, n_stages, n_microbatches, per_rank, api="pipeline.plan")
+    if balance_by == "auto":  # the cut searched with the plans where each rank runs one stage
+        balance_by = "step" if order.n_stages == order.n_ranks else "memory"
+    searching = balance_by == "step" and boundaries is None and isinstance(model_or_stages, nn.Module)
     with one_thread():
-        modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
-        untied(modules, model_or_stages if isinstance(model_or_stages, nn.Module) else None, cuts)
-        with untouched(modules):
-            chosen, needs = _plan_stages(
-                modules,
-                order,
-                example_microbatch,
-                target,
-                loss_fn,
-                budget,
-                checkpoint,
-                op_costs,
-                rerun_modules,
-            )
+        if searching:
+            assert isinstance(model_or_stages, nn.Module)
+            with untouched(children_of(model_or_stages)):
+                modules, cuts, chosen, needs = searched(
+                    model_or_stages,
+                    example_microbatch,
+                    order,
+                    target,
+                    loss_fn,
+                    budget,
+                    checkpoint,
+                    op_costs,
+                    rerun_modules,
+                    per_action,
+                )
+        else:
+            modules, cuts = _cut(model_or_stages, example_microbatch, order, boundaries, balance_by)
+            untied(modules, model_or_stages if isinstance(model_or_stages, nn.Module) else None, cuts)
+            with untouched(modules):
+                chosen, needs = _plan_stages(
+                    modules,
+                    order,
+                    example_microbatch,
+                    target,
+                    loss_fn,
+                    budget,
+                    checkpoint,
+                    op_costs,
+                    rerun_modules,
+                )
     if any(sp is None for sp in chosen):
         most: dict[int, int] = {}  # per rank, the most one of its stages needs
         for s, n in enumerate(needs):
@@ -302,13 +327,21 @@ def plan(
         planned = checkpoint == "planned"
         # the needs are this cut's: another cut may need less (``boundaries=`` fixes one)
         how = f"balanced by {balance_by}" if boundaries is None else "given"
+        how = "of all cuts searched, the one needing least beyond the budget" if searching else how
         cut = f"; the cut before children {list(cuts[1:-1])} ({how})"
         raise _fail(
             "budget_per_rank below what some rank needs under any plan of the stages"
             if planned
             else f"budget_per_rank below what some rank needs with checkpoint={checkpoint!r}",
             f"budget {budget} bytes; {each}" + (cut if cuts else ""),
-            "raise budget_per_rank, cut elsewhere (boundaries=), or use more stages or smaller micro-batches"
+            "raise budget_per_rank, "
+            + ("" if searching else "cut elsewhere (boundaries=), ")
+            + (
+                ""
+                if searching or order.n_stages != order.n_ranks
+                else "search the cuts (balance_by='step'), "
+            )
+            + "or use more stages or smaller micro-batches"
             + ("" if planned else ", or checkpoint='planned'"),
         )
     plans = tuple(sp for sp in chosen if sp is not None)

@@ -32,6 +32,7 @@ MODELS = ("mlp", "gpt2")
 def register(subparsers: Any) -> None:
     from remat.pipeline.api import CHECKPOINT_MODES
     from remat.pipeline.schedule import SCHEDULES
+    from remat.pipeline.split import BALANCES
 
     parser = subparsers.add_parser(
         "pipeline",
@@ -64,7 +65,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--microbatches", type=positive, required=True, help="micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="schedule (default 1f1b)")
     parser.add_argument("--budget", required=True, type=_budget, help="bytes per rank ('3MB')")
-    parser.add_argument("--balance", default="memory", choices=("memory", "time"), help="how to cut")
+    parser.add_argument("--balance", default="auto", choices=BALANCES, help="how to cut")
     parser.add_argument(
         "--checkpoint",
         default="planned",
@@ -142,6 +143,7 @@ _ADVICE = (
     (r"\bbudget_per_rank\b", "--budget"),
     (r"\bstages_per_rank\b", "--stages-per-rank"),
     (r"\bn_stages\b", "--stages"),
+    (r"balance_by='(\w+)'", r"--balance \1"),
     (r"\bbalance_by\b", "--balance"),
     (r"cut elsewhere \(boundaries=\), ", ""),  # no flag fixes the cut
 )

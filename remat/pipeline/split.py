@@ -29,7 +29,9 @@ from remat._state import untouched
 
 __all__ = ["BALANCES", "ChildCost", "balance", "chained", "children_of", "leaf_safe", "profile", "untied"]
 
-BALANCES: tuple[str, ...] = ("time", "memory")
+# step: searched with the stages' plans (remat.pipeline.cut_search); auto: step where each rank runs
+# one stage, else memory
+BALANCES: tuple[str, ...] = ("auto", "step", "time", "memory")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ One spawn (one process group) runs every job of the module, to keep start-up cos
 1F1B, interleaved 1F1B and ZBV (two stages per rank, looped or in a V; under ZBV each stage runs a
 micro-batch's whole backward at I and nothing at W), after the calibration of the per-action cost
 (``remat.pipeline.calibrate``'s measurement, in the same processes), each under per-stage plans
-made for a budget below the plain pipeline's need, on a chain with batch norm and dropout, and
+made for a budget below the plain pipeline's need (GPipe's cut searched with the plans,
+``balance_by="step"``), on a chain with batch norm and dropout, and
 1F1B once more with every block checkpointed and ``rerun_modules=True`` on a chain without batch
 norm (its blocks then run again as modules, as ``torch.utils.checkpoint`` runs them). Each
 rank reports its gradients, buffers, allocator peak, the forward ops it ran (``addmm``: the
@@ -131,7 +132,11 @@ def spawned(
             need = max(plains[per_rank].timeline().peak_bytes)
         budget = int(SHARE[per_rank] * need)
         fixed = cuts if per_rank > 1 else None
-        plans.append(pp.plan(model, x[:ROWS], **options, budget_per_rank=budget, boundaries=fixed))
+        # GPipe's cut is searched with its stages' plans (``balance_by="step"``), 1F1B's balanced by memory
+        by = "step" if schedule == "gpipe" else "memory"
+        plans.append(
+            pp.plan(model, x[:ROWS], **options, budget_per_rank=budget, boundaries=fixed, balance_by=by)
+        )
     jobs = [
         Job(
             build,

@@ -211,7 +211,9 @@ def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
         _plan(example, "1GB", target=[1])
     with pytest.raises(RematTypeError, match=r"loss_fn must be callable"):
         _plan(example, "1GB", loss_fn=3)
-    with pytest.raises(RematValueError, match=r"unknown balance \('size'\); use one of time, memory"):
+    with pytest.raises(
+        RematValueError, match=r"unknown balance \('size'\); use one of auto, step, time, memory"
+    ):
         _plan(example, "1GB", boundaries=None, balance_by="size")
     with pytest.raises(RematValueError, match=r"stages and micro-batches must be positive"):
         _plan(example, "1GB", schedule="gpipe", n_microbatches=0)
