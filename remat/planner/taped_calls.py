@@ -70,7 +70,7 @@ class Pack:
 
     shape: torch.Size
     dtype: torch.dtype
-    node: type | None
+    node: str | None  # ``node_of`` the saved tensor
     own: bool
     handle: Handle | None
     binds: int
@@ -132,12 +132,27 @@ class Learner:
     def note(self, t: torch.Tensor, packed: Kept | Handle | Parcel, at: int) -> None:
         self.moved |= isinstance(packed, Parcel)
         handle = packed if isinstance(packed, Handle) else None
-        node = type(t.grad_fn) if t.grad_fn is not None else None
-        self.packs.append(Pack(t.shape, t.dtype, node, aten.made_last(t), handle, -1, at=at))
+        self.packs.append(Pack(t.shape, t.dtype, node_of(t), aten.made_last(t), handle, -1, at=at))
         self.kept.append((t, t._version) if isinstance(packed, Kept) else None)
 
 
 AFTER = sys.maxsize  # ``Pack.at`` of a tensor saved after the region's last op
+
+# NOTE [a reshape's node] ``reshape`` of a tensor it can view is ``_reshape_alias`` in eager torch
+# and ``view`` under any dispatch mode (torch's ``isTensorSubclassLike`` counts an active mode): a
+# call recorded under the tape's mode saves a tensor of ``ViewBackward0`` where the same code run
+# bare saves one of ``ReshapeAliasBackward0``, the same view of the same storage (``matmul`` of a
+# transposed key in attention: Mistral, Qwen2, GPT-NeoX). The two count as one node.
+_SAME_NODE = {"ReshapeAliasBackward0": "ViewBackward0"}
+
+
+def node_of(t: torch.Tensor) -> str | None:
+    """The name of ``t``'s autograd node (None: a leaf or no history), a reshape's as a view's
+    (NOTE [a reshape's node])."""
+    if t.grad_fn is None:
+        return None
+    name = type(t.grad_fn).__name__
+    return _SAME_NODE.get(name, name)
 
 
 def learn(
@@ -299,10 +314,10 @@ class Run:
         if k >= len(packs):
             raise self._diverged(f"autograd saved more than the {len(packs)} tensors it saved")
         want = packs[k]
-        node = type(t.grad_fn) if t.grad_fn is not None else None
-        if t.shape != want.shape or t.dtype != want.dtype or node is not want.node:
-            got = f"{aten.describe(t.dtype, t.shape)} of {getattr(node, '__name__', None)}"
-            wanted = f"{aten.describe(want.dtype, want.shape)} of {getattr(want.node, '__name__', None)}"
+        node = node_of(t)
+        if t.shape != want.shape or t.dtype != want.dtype or node != want.node:
+            got = f"{aten.describe(t.dtype, t.shape)} of {node}"
+            wanted = f"{aten.describe(want.dtype, want.shape)} of {want.node}"
             raise self._diverged(f"saved tensor #{k} is {got}, recorded {wanted}")
         if want.handle is not None:
             written = (want.handle.vid, want.handle.after) in self.region.rewritten

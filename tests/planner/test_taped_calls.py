@@ -597,3 +597,39 @@ def test_a_replay_that_differs_on_cuda_is_refused_when_backward_ends(device: tor
     if device.type != "cuda":
         pytest.skip("needs CUDA")
     _refused_when_backward_ends(device)
+
+
+def _decoder(name: str) -> tuple[nn.Module, dict[str, Any]]:
+    """Mistral and Qwen2 (grouped-query attention with dropout) and GPT-NeoX (attention and hidden
+    dropout) from ``transformers`` configs, 2 layers of width 32."""
+    import transformers
+
+    common = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    common |= {"num_attention_heads": 4, "max_position_embeddings": 64, "attention_dropout": 0.1}
+    kinds = {
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"num_key_value_heads": 2}),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"num_key_value_heads": 2}),
+        "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {"hidden_dropout": 0.1}),
+    }
+    config, model_class, own = kinds[name]
+    torch.manual_seed(0)
+    model = model_class(config(**common, **own)).train()
+    ids = torch.randint(2, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gpt_neox"])
+def test_a_reshape_viewed_bare_matches_its_recorded_view(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [a reshape's node]: these attentions ``matmul`` a transposed key, whose reshape autograd
+    saves as ``ViewBackward0`` under the tape's mode and as ``ReshapeAliasBackward0`` run bare; every
+    layer runs from its template after the first step (it was refused as a diverged forward) and the
+    model trains bit for bit as the plain one."""
+    model, batch = _decoder(name)
+    trace = fixed_costs(trace_step(model, batch, repeats=1))
+    _, every = _every_layer(model, trace, rerun=False)
+    plan = _plan(trace, model, every)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    assert runs == [r.anchor for r in plan.regions] * 2
