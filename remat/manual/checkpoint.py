@@ -51,6 +51,7 @@ from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
 from remat.manual.plainly import plain
 from remat.manual.reach import held
+from remat.manual.scope import joining, recording
 from remat.manual.selective import Recording, Replaying, SaveCache
 from remat.manual.traced import transformed, under_compile
 from remat.policy import Policy, RecomputeAll
@@ -100,6 +101,7 @@ class _Frame:
         generators = own_generators(fn, args, kwargs, modules[0], reach) if preserve_rng else None
         self.rng = aten.capture_all(generators) if generators is not None else None
         self.autocast = autocast.capture_autocast()
+        self.joined = recording()  # NOTE [a scope joined again]
         self.cache = (
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )
@@ -197,6 +199,7 @@ class _Frame:
                 self.parameters.restored("checkpoint"),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
+                joining() if self.joined else contextlib.nullcontext(),
             ):
                 if replay is not None:
                     with replay:

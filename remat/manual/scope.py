@@ -52,7 +52,7 @@ from remat.manual.tape import EXTERNAL, Slice, Tape, stale_view_error, written_f
 from remat.manual.traced import transformed
 from remat.policy import Policy, RecomputeAll, checked
 
-__all__ = ["Handle", "Kept", "TapedRegion", "scope"]
+__all__ = ["Handle", "Kept", "TapedRegion", "joining", "recording", "scope"]
 
 
 # NOTE [kept detached] The tensors a region's replay reads are kept detached once it has recorded
@@ -330,8 +330,32 @@ def _forget(region: weakref.ref[TapedRegion], graph_task: int) -> None:
         alive.forget(graph_task)
 
 
-def _recording() -> bool:
+# NOTE [a scope joined again] A scope inside a region another scope records joins it: its ops'
+# saves go to the hooks nearest them. Between the two may sit a ``remat.checkpoint``, whose hooks
+# then take the inner scope's saves; when the checkpoint runs its function again in backward, no
+# scope records, and the inner scope would open a region of its own whose hooks take the saves the
+# checkpoint counts on. A checkpoint whose forward ran where a scope recorded runs its function again
+# inside ``joining()``, where a scope joins as it did in the forward.
+_JOINING = threading.local()
+
+
+def recording() -> bool:
+    """Whether a scope opened now joins another: one records in this thread, or a checkpoint runs
+    again what ran inside one (NOTE [a scope joined again])."""
+    if getattr(_JOINING, "depth", 0) > 0:
+        return True
     return any(isinstance(mode, Recorder) for mode in _get_current_dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def joining() -> Iterator[None]:
+    """Scopes opened inside join, as inside a recorded region (NOTE [a scope joined again])."""
+    depth = getattr(_JOINING, "depth", 0)
+    _JOINING.depth = depth + 1
+    try:
+        yield
+    finally:
+        _JOINING.depth = depth
 
 
 @contextlib.contextmanager
@@ -358,7 +382,7 @@ def scope(
     execute = executor("scope", replay)
     policy = checked("scope", policy)
     off = not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain() or transformed()
-    if off or _recording():
+    if off or recording():
         yield
         return
     if offloader is not None and not isinstance(offloader, Offloader):
