@@ -69,15 +69,17 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
 
 class ParametersBack(Unguarded):
     """A dispatch mode under which each parameter of ``modules`` that an op writes in place (an
-    embedding's ``max_norm`` renormalizes its weight's rows in forward) has its content copied just
+    embedding's ``max_norm`` renormalizes its weight's rows in forward), and each of ``tensors``
+    (the step's inputs: a model whose first op writes its input), has its content copied just
     before the first such write; ``restore`` writes it back. The copy runs outside every dispatch
     mode (a capture's recorder below this one does not see it). Planning runs the step several
     times: without this, each run left the weight renormalized again, and the trained model was
-    not the one given."""
+    not the one given; a batch the model adds to in place came back with three additions."""
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], tensors: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        made = [p for m in modules for p in m.parameters() if not nn.parameter.is_lazy(p)]
+        made: list[torch.Tensor] = [p for m in modules for p in m.parameters() if not nn.parameter.is_lazy(p)]
+        made += tensors
         found = {id(p): p for p in made if p.layout == torch.strided}
         self.params = {p.untyped_storage()._cdata: p for p in found.values()}
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

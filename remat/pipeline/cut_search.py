@@ -62,6 +62,8 @@ class Found:
     needs: tuple[int, ...]
     step_s: float
     weighed: int = field(default=0, compare=False)
+    # why a stage of this cut cannot run at all (a stage with nothing to differentiate), or None
+    refusal: RematValueError | None = field(default=None, compare=False)
 
 
 def _cuts(n: int, parts: int, forbidden: frozenset[int]) -> Iterator[Cut]:
@@ -91,25 +93,38 @@ def search(
     parameter an earlier child also holds). None where no cut avoids them. The
     children's buffers and the RNG are left as they were."""
     p, n = order.n_stages, len(children)
-    inputs = [example.detach()]  # each child's input on the example, as the stages receive it
+    # each child's input on the example, as the stages receive it (a child writing its input writes
+    # the one before's output, which no stage starts from: ``forbidden``; never the example)
+    inputs = [example.detach().clone()]
     with torch.no_grad(), untouched(children):
         for child in children:
             inputs.append(child(inputs[-1]).detach())
     measured: dict[tuple[int, int, int], Measured] = {}
     planned: dict[tuple[int, int, int], tuple[StagePlan | None, int]] = {}
 
+    refused: dict[tuple[int, int, int], RematValueError] = {}
+
     def stage(a: int, b: int, s: int) -> Measured:
+        if (a, b, s) in refused:
+            raise refused[a, b, s]
         if (a, b, s) not in measured:
-            with untouched(children):
-                base, trace, _, later = measure(
-                    order, s, nn.Sequential(*children[a:b]), inputs[a], target, loss_fn, op_costs
-                )
+            try:
+                with untouched(children):
+                    base, trace, _, later = measure(
+                        order, s, nn.Sequential(*children[a:b]), inputs[a], target, loss_fn, op_costs
+                    )
+            except RematValueError as refusal:
+                refused[a, b, s] = refusal
+                raise
             measured[a, b, s] = (base, (trace, later))
         return measured[a, b, s]
 
     def weigh(cut: Cut) -> Found:
         spans = [(cut[s], cut[s + 1], s) for s in range(p)]
-        bases = [stage(*span)[0] for span in spans]
+        try:
+            bases = [stage(*span)[0] for span in spans]
+        except RematValueError as refusal:  # weighed after every cut that runs (``rank``)
+            return Found(cut, (None,) * p, (2**62,) * p, math.inf, refusal=refusal)
         for span in spans:
             if span not in planned:
                 a, b, s = span
@@ -167,6 +182,8 @@ def search(
             if rank(step) >= rank(best):
                 break
             best = step
+    if best.refusal is not None:  # no cut whose every stage runs
+        raise best.refusal
     return Found(best.cuts, best.plans, best.needs, best.step_s, len(weighed))
 
 

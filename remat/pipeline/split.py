@@ -62,7 +62,7 @@ def _saved_bytes(child: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def profile(children: Sequence[nn.Module], example: torch.Tensor, repeats: int = 3) -> list[ChildCost]:
     """Each child's cost, run one after another from ``example`` (the RNG and buffers restored)."""
     out: list[ChildCost] = []
-    x = example.detach()
+    x = example.detach().clone()  # the first child may write its input: never the caller's example
     with untouched(children):
         for child in children:
             x = x.detach().requires_grad_(x.is_floating_point())

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import Leaves, ParametersBack, untouched
@@ -64,7 +65,7 @@ class BudgetTooSmall(RematValueError):
 
 def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
     """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's buffers,
-    gradients, the RNG and the parameters its ops write in place as they were (the step's batch-norm
+    gradients, the RNG and the parameters and inputs its ops write in place as they were (the step's batch-norm
     updates, dropout draws and an embedding's max_norm renorm are undone), and so the gradients of every
     other leaf the backward reaches (an input's, a loss head's) and the buffers of the modules ``loss_fn``
     holds or is given. On CUDA an untimed step runs first: a kernel's first launch loads its module and
@@ -89,9 +90,9 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     )
     modules = [model, *(reached(loss_fn, given) if loss_fn is not None else ())]
     leaves = Leaves()  # an input's gradient, a loss head's weights': put back too
-    # the weights its ops write (an embedding's max_norm) are copied before the first write, in the
-    # first step, and written back at the end; the later runs write only what that one wrote
-    back = ParametersBack(modules)
+    # the weights its ops write (an embedding's max_norm), and the inputs, are copied before the first
+    # write, in the first step, and written back at the end; the later runs write only what that one wrote
+    back = ParametersBack(modules, [t for t in tree_leaves(given) if isinstance(t, torch.Tensor)])
 
     def first() -> None:
         with back:
@@ -354,7 +355,8 @@ def plan(
     forward's, raises RecomputationError.
 
     The step runs once on the example inputs, ``repeats`` times per op to time it; the model's
-    parameters, buffers, gradients and the RNG are left as they were. Run the plan with
+    parameters, buffers, gradients, the RNG and the example inputs (a model may write its input in
+    place) are left as they were. Run the plan with
     ``with plan.apply(model): ...``.
     """
     if not isinstance(model, nn.Module):

@@ -135,3 +135,17 @@ def test_several_stages_per_rank_are_refused_with_what_to_do(chain) -> None:
                 y, balance_by="step", schedule="interleaved-1f1b", stages_per_rank=2, n_microbatches=6
             ),
         )
+
+
+@pytest.mark.parametrize("balance_by", ["memory", "time", "step"])
+def test_a_chain_whose_first_module_writes_its_input_leaves_the_example_as_it_was(balance_by: str) -> None:
+    """Profiling the children, tracing the first stage and (searching) running the chain wrote the
+    caller's example each time; the search weighs a cut whose first stage has nothing to
+    differentiate (the in-place ReLU alone) as one that cannot run, and takes another."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    before = x.clone()
+    plan = pp.plan(model, x, budget_per_rank="1GB", **_options(y, n_stages=2, balance_by=balance_by))
+    assert torch.equal(x, before)
+    assert plan.boundaries[1] > 1

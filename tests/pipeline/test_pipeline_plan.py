@@ -469,7 +469,7 @@ def _in_place_chain() -> nn.Sequential:
     )
 
 
-@pytest.mark.parametrize("balance_by", ["memory", "time"])
+@pytest.mark.parametrize("balance_by", ["memory", "time", "step"])
 def test_a_chain_of_in_place_modules_is_cut_where_no_stage_starts_writing_its_input(balance_by: str) -> None:
     """torch's stage receives its input as a leaf that requires grad, which ``ReLU(inplace=True)``
     may not write (NOTE [a stage's input is a leaf]): the cut avoids it, and the example is left as

@@ -500,6 +500,30 @@ def test_planning_puts_back_a_weight_the_step_writes() -> None:
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
 
 
+class _AddsToItsInput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1.0)
+
+
+def test_planning_puts_back_an_input_the_step_writes() -> None:
+    """A model whose first op writes its input in place: planning runs the step several times, and
+    the caller's batch came back with an addition per run (3.0 more everywhere)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddsToItsInput(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    x = torch.randn(64, 16)
+    before = x.clone()
+    plan = remat.plan(model, (x,), budget=1.0, loss_fn=_loss, repeats=1)
+    assert torch.equal(x, before)
+    plain = copy.deepcopy(model)
+    _loss(plain, x.clone()).backward()
+    with plan.apply(model):
+        out = _loss(model, x)
+    out.backward()
+    assert torch.equal(x, before + 1.0)  # the planned step's own write, as the plain step's
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_forward_that_raised_under_the_plan_leaves_nothing_behind() -> None:
     """An error out of the model's forward (a forward hook's), caught inside the ``with`` block,
     left the plan's dispatch mode on the stack, its op count where it stopped and a region's
