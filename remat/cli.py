@@ -25,11 +25,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse's own errors (a bad flag or value) as remat's: one line on stderr, exit code 2,
     no usage block (``--help`` shows it)."""
 
+    given: Sequence[str] = ()  # the command line being parsed, for the errors (``main`` sets it)
+
     def error(self, message: str) -> NoReturn:
         words = self.prog.split()  # "remat trace info" -> remat.trace.info, see remat trace info --help
         at = message.find("remat.")  # a value an argparse type of remat's refused, in its words
         where, flags = ".".join(words), f"see {' '.join(words)} --help"
-        text = message[at:] if at >= 0 else f"{where}: {message}; {flags}"
+        given = "" if "(got" in message else f" (got: {' '.join(['remat', *self.given])})"
+        text = message[at:] if at >= 0 else f"{where}: {message}{given}; {flags}"
         self.exit(2, text.splitlines()[0] + "\n")
 
 
@@ -46,17 +49,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. remat's own errors (bad input, a budget no plan meets, ...) print as one
     line on stderr with exit code 2, as argparse's do; ``--debug`` shows their traceback too."""
     parser = build_parser()
+    _Parser.given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         _outputs(parser, args)
         result = args.func(args)
-    except (RematError, OSError) as error:
-        if args.debug:
+    except (RematError, OSError, MemoryError, RuntimeError) as error:
+        if args.debug or (isinstance(error, RuntimeError) and not _out_of_memory(error)):
             raise
         detail = str(error) if isinstance(error, RematError) else f"remat {args.command}: {error}"
+        if isinstance(error, MemoryError | RuntimeError):  # sizes this machine cannot hold
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            detail = message(
+                args.command, "the sizes asked for need more memory than there is", first, "use smaller sizes"
+            )
         print(detail.splitlines()[0] if detail else type(error).__name__, file=sys.stderr)
         return 2
     return int(result or 0)
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    """Whether torch failed to allocate (its CPU allocator's error, or CUDA's ``OutOfMemoryError``)."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
 _OUTPUTS = ("--out", "--json", "--save", "--plot")

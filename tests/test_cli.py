@@ -186,6 +186,26 @@ def test_limits_are_read_before_any_step_runs(
     assert capsys.readouterr().err.startswith(said)
 
 
+def test_a_size_the_machine_cannot_hold_is_one_line_in_remats_words(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's allocator failing on sizes asked for printed its traceback, with exit code 1."""
+    import remat.pipeline.cli as pipeline_cli
+
+    def too_big(args: object) -> int:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(pipeline_cli, "run", too_big)
+    assert cli.main(["pipeline", "--stages", "2", "--microbatches", "2", "--budget", "4MB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "remat.pipeline: the sizes asked for need more memory than there is ([enforce fail"
+    ), err
+    monkeypatch.setattr(pipeline_cli, "run", lambda args: (_ for _ in ()).throw(RuntimeError("another")))
+    with pytest.raises(RuntimeError, match="another"):  # torch's other errors keep their traceback
+        cli.main(["pipeline", "--stages", "2", "--microbatches", "2", "--budget", "4MB"])
+
+
 @pytest.mark.parametrize(
     ("argv", "start"),
     [
@@ -202,10 +222,11 @@ def test_limits_are_read_before_any_step_runs(
             ["plan", "--model", "gpt2", "--budget", "lots"],
             "remat.plan: cannot parse this byte size (got 'lots')",
         ),
-        ([], "remat: the following arguments are required: command; see remat --help"),
+        ([], "remat: the following arguments are required: command (got: remat); see remat --help"),
         (  # a nested command is named whole: it said "remat.info ... see remat info --help"
             ["trace", "info"],
-            "remat.trace.info: the following arguments are required: file; see remat trace info --help",
+            "remat.trace.info: the following arguments are required: file (got: remat trace info); "
+            "see remat trace info --help",
         ),
         (  # before the model was built and its capture had started
             ["trace", "--model", "gpt2", "--repeats", "0"],

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from remat._errors import RematValueError, message
+from remat._errors import RematTypeError, RematValueError, message
 from remat.pipeline.timeline import ActionCost
 
 __all__ = ["calibrate", "check", "figures", "samples"]
@@ -248,6 +248,15 @@ def calibrate(
     jobs). The processes are spawned: call it under ``if __name__ == "__main__":`` in a script
     (see the module doc). Pass the result to ``remat.pipeline.plan(action_cost=...)``."""
     check(activation, dtype, rounds, "pipeline.calibrate")
+    if workdir is not None and not isinstance(workdir, str | os.PathLike):
+        raise RematTypeError(
+            message(
+                "pipeline.calibrate",
+                "workdir is a folder's path or None",
+                f"got {type(workdir).__name__}",
+                "pass a str or a pathlib.Path, or leave it out (a temporary folder)",
+            )
+        )
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="remat-calibrate-") as folder:
             return _measure(tuple(activation), dtype, rounds, Path(folder))

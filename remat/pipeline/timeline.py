@@ -59,80 +59,16 @@ chain, 1.7-2.1x on the narrow one (benchmarks/pipeline); the figures are measure
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from remat._errors import RematValueError, message
+from remat.pipeline.costs import ActionCost, Cost, check
 from remat.pipeline.schedule import Action, Schedule
 
 __all__ = ["ActionCost", "Cost", "Span", "Timeline", "walk"]
 
 # the backward kinds whose input (the gradient of the stage's output) comes from the next stage
 _CROSSING = ("B", "I")
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What one stage costs on one micro-batch: ``forward_s``, ``backward_s`` (the recomputation
-    included, ``recompute_s`` of it), ``saved_bytes`` held from its forward to its backward,
-    ``peak_bytes``, the one-micro-batch step peak, ``output_bytes`` of the stage's output as it
-    holds it (a contiguous slice keeps its whole storage), ``grad_bytes`` of its parameters'
-    gradients and ``transfer_bytes`` held by the schedule's sends and receives;
-    ``later_peak_bytes``, the step's peak beside gradients that exist already (counted apart once
-    the stage's first backward made them), not counting them; ``sent_bytes`` of the output as
-    sent, received and merged (its elements; None: ``output_bytes``)."""
-
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    saved_bytes: int
-    peak_bytes: int
-    output_bytes: int
-    grad_bytes: int
-    transfer_bytes: int
-    later_peak_bytes: int | None = None  # None: ``peak_bytes``
-    sent_bytes: int | None = None
-
-    @property
-    def sent(self) -> int:
-        """Bytes of the output as sent, received and merged."""
-        return self.output_bytes if self.sent_bytes is None else self.sent_bytes
-
-
-@dataclass(frozen=True)
-class ActionCost:
-    """What running the schedule costs a rank beyond its stages' compute, in seconds: per
-    ``forward_s`` and per ``backward_s`` action (torch's stage code, the autograd call), per
-    ``send_s`` and ``receive_s`` of a tensor to or from another rank, and ``step_s`` once per step
-    (splitting the batch, merging the outputs); a message crosses the link between two ranks in
-    ``latency_s`` plus ``byte_s`` per byte (NOTE [per-action cost]). All zero: op times only."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    send_s: float = 0.0
-    receive_s: float = 0.0
-    latency_s: float = 0.0
-    byte_s: float = 0.0
-    step_s: float = 0.0
-
-    def bad(self) -> str | None:
-        """The first figure that is no number (a bool is none), negative or not finite, as
-        ``name=value``, or None."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return f"{f.name}={value!r}"
-            if not math.isfinite(value) or value < 0:
-                return f"{f.name}={value!r}"
-        return None
-
-    def __str__(self) -> str:
-        return (
-            f"ActionCost(forward {self.forward_s * 1e3:.3f} ms, backward {self.backward_s * 1e3:.3f} ms, "
-            f"send {self.send_s * 1e3:.3f} ms, receive {self.receive_s * 1e3:.3f} ms, "
-            f"link {self.latency_s * 1e3:.3f} ms + {self.byte_s * 1e9:.3f} ns/byte, "
-            f"step {self.step_s * 1e3:.3f} ms)"
-        )
 
 
 @dataclass(frozen=True)
@@ -252,6 +188,7 @@ def walk(
 ) -> Timeline:
     """Walk ``schedule`` with ``costs[stage][microbatch]`` and what each action costs its rank
     beyond them (``per_action``, none by default; see the module doc)."""
+    check(schedule, costs, per_action)
     per = ActionCost() if per_action is None else per_action
     last = schedule.n_stages - 1
     done: dict[tuple[int, str, int], float] = {}

@@ -65,16 +65,21 @@ class BudgetTooSmall(RematValueError):
 
 def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, repeats: int = 3) -> Trace:
     """One step of ``model`` (as ``plan`` runs it) under the trace capture, leaving the model's buffers,
-    gradients, the RNG and the parameters and inputs its ops write in place as they were (the step's batch-norm
-    updates, dropout draws and an embedding's max_norm renorm are undone), and so the gradients of every
-    other leaf the backward reaches (an input's, a loss head's) and the buffers of the modules ``loss_fn``
-    holds or is given. On CUDA an untimed step runs first: a kernel's first launch loads its module and
-    the allocator is cold, which made the ops that run once in the capture (batch norm, in-place ReLU,
-    dropout) cost 0.5 ms each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``). The forward
-    then runs once more, saving nothing, for when the program lets go of what autograd saved (``let_go``,
-    NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the allocator's
-    account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in ``remat.trace.types``)."""
+    gradients, the RNG and the parameters and inputs its ops write in place as they were (the step's
+    batch-norm updates, dropout draws and an embedding's max_norm renorm are undone), and so the gradients
+    of every other leaf the backward reaches (an input's, a loss head's) and the buffers of the modules
+    ``loss_fn`` holds or is given. On CUDA an untimed step runs first: a kernel's first launch loads its
+    module and the allocator is cold, which made the ops that run once in the capture (batch norm,
+    in-place ReLU, dropout) cost 0.5 ms each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``).
+    The forward then runs once more, saving nothing, for when the program lets go of what autograd saved
+    (``let_go``, NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the
+    allocator's account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in
+    ``remat.trace.types``)."""
     _check_step(loss_fn, repeats)
+    if not isinstance(model, nn.Module):
+        raise fail(
+            "model must be an nn.Module", f"got {type(model).__name__}", "pass the model", RematTypeError
+        )
     if any(torch.nn.parameter.is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
         raise fail(
             "a model is planned with its parameters made (a lazy module makes them at its first call)",

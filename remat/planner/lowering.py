@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 
 from remat._errors import RematValueError, message
+from remat.planner import given
 from remat.planner.types import BackwardStep, Chain, Dag, Node, Stage
 from remat.trace.types import Op, Phase, Trace
 
@@ -29,6 +30,9 @@ def stage_key(module: str, depth: int | None = None) -> str:
     """The stage a module path belongs to: its first ``depth`` components, or by default the path
     up to its first list index (``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``,
     ``layer1.0.conv1`` -> ``layer1.0``, ``2`` -> ``2``), else its first component."""
+    if not isinstance(module, str) or not (depth is None or (type(depth) is int and depth >= 0)):
+        given.a(module, str, "planner.stage_key", "module", "pass a module's path such as 'layer1.0.conv1'")
+        given.whole(depth, "planner.stage_key", "depth", 0, none=True)
     parts = module.split(".") if module else []
     if depth is not None:
         return ".".join(parts[:depth])
@@ -68,6 +72,12 @@ def chain_from_trace(
     read (skip connections count at every boundary they cross); its saved bytes are the storages it
     makes that autograd saved and that do not cross; its backward cost is that of the backward ops
     attributed to its key (ops of an ambiguous key go with the previous backward op's stage)."""
+    given.a(trace, Trace, "planner.chain_from_trace", "trace", "pass remat.planner.trace_step(...)'s trace")
+    given.whole(depth, "planner.chain_from_trace", "depth", 0, none=True)
+    if key is not None and not callable(key):
+        given.a(
+            key, type(None), "planner.chain_from_trace", "key", "pass key(module_path) -> stage name, or None"
+        )
     ops = _forward_ops(trace)
     cost = _op_cost(trace, measured)
     block = key if key is not None else functools.partial(stage_key, depth=depth)
@@ -128,6 +138,8 @@ def dag_from_trace(trace: Trace, *, max_nodes: int | None = 500, measured: bool 
     ``max_nodes``. A step's ``live_bytes`` are the storages backward-phase ops made that are alive
     after it (activation and parameter gradients). Forward storages the program itself holds past
     their last use (returned logits, a KV cache) are not modelled."""
+    given.a(trace, Trace, "planner.dag_from_trace", "trace", "pass remat.planner.trace_step(...)'s trace")
+    given.whole(max_nodes, "planner.dag_from_trace", "max_nodes", 1, none=True)
     ops = _forward_ops(trace)
     cost = _op_cost(trace, measured)
     writer: dict[int, int] = {}
@@ -187,7 +199,8 @@ def coarsen(dag: Dag, max_nodes: int) -> Dag:
     costs the sum of its members and holds the bytes of the members read outside it or by backward
     (its internal temporaries are not modelled); backward steps are mapped onto blocks and
     consecutive steps whose latest read is the same block are merged (their reads held together)."""
-    _check(max_nodes >= 1, "max_nodes must be positive", f"got {max_nodes}", "pass max_nodes >= 1")
+    given.a(dag, Dag, "planner.coarsen", "dag", "pass remat.planner.dag_from_trace(...)'s graph")
+    given.whole(max_nodes, "planner.coarsen", "max_nodes", 1)
     if len(dag.nodes) <= max_nodes:
         return dag
     keys = [n.module for n in dag.nodes]

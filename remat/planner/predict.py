@@ -66,6 +66,7 @@ import torch
 
 from remat import aten
 from remat._units import format_bytes
+from remat.planner import given
 from remat.planner.cost_model import NO_EXECUTOR_COST, ExecutorCost, ExecutorWork
 from remat.planner.execute import UNCOUNTED
 from remat.planner.holds import Holds, tape_holds
@@ -133,6 +134,13 @@ def predict(
     ``moved``: storages offloaded, ``(root, gone after op, back before op)``: off the device after
     the first op and until just before the second. ``executor``: the executor's per-op figures
     (NOTE [executor cost]; the default, zero, leaves the executor out)."""
+    if not isinstance(trace, Trace) or not all(isinstance(r, RegionOps) for r in regions):
+        given.a(trace, Trace, "planner.predict", "trace", "pass remat.planner.trace_step(...)'s trace")
+        given.a(regions, (list, tuple), "planner.predict", "regions", "pass a list of RegionOps")
+        for region in regions:
+            given.a(
+                region, RegionOps, "planner.predict", "each region", "pass the regions of a plan (RegionOps)"
+            )
     facts = step_facts(trace, regions)
     kept = kept_values(trace, regions, facts)
     written = outside_writes(trace, regions, facts)

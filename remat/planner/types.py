@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
+from remat.planner import given
 from remat.policy import Decision
 
 __all__ = [
@@ -76,6 +77,10 @@ class Stage:
     output_bytes: int
     saved_bytes: int
     ops: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:  # a negative cost made a plan cheaper than no recomputation
+        for field in ("forward_cost", "backward_cost", "output_bytes", "saved_bytes"):
+            given.figure(getattr(self, field), "planner.Stage", field)
 
     def __str__(self) -> str:
         return (

@@ -153,8 +153,24 @@ def _model_step(
 
     def forward() -> torch.Tensor:
         if isinstance(inputs, torch.Tensor):
-            return loss_fn(model(inputs))
-        return loss_fn(model(**inputs) if isinstance(inputs, Mapping) else model(*inputs))
+            loss = loss_fn(model(inputs))
+        else:
+            loss = loss_fn(model(**inputs) if isinstance(inputs, Mapping) else model(*inputs))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            given = type(loss).__name__
+            if isinstance(loss, torch.Tensor):
+                given = f"tensor of shape {list(loss.shape)}" + (
+                    "" if loss.requires_grad else ", not requiring grad"
+                )
+            raise RematValueError(
+                message(
+                    "trace.capture",
+                    "loss_fn(output) returns the step's loss: a scalar tensor that requires grad",
+                    f"got {given}",
+                    "return the loss (a mean or a sum of the output)",
+                )
+            )
+        return loss
 
     def run() -> None:
         forward().backward()

@@ -245,6 +245,10 @@ def test_calibrate_refuses_a_shape_without_sizes() -> None:
     ):
         pp.calibrate((4, 4), torch.int64)
     with pytest.raises(
+        RematTypeError, match=r"remat\.pipeline\.calibrate: workdir is a folder's path or None \(got int\)"
+    ):
+        pp.calibrate((4, 4), workdir=5)  # type: ignore[arg-type]
+    with pytest.raises(
         RematValueError, match=r"remat\.pipeline\.launch\.run_calibrated: the calibration sends"
     ):
         run_calibrated([], 1, ".", (4, 4))

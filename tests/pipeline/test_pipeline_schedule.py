@@ -3,11 +3,13 @@ micro-batches each rank holds, the makespan and memory of a walk, deadlocks foun
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
-from remat import RematValueError
+import remat.pipeline as pp
+from remat import RematTypeError, RematValueError
 from remat.pipeline import Action, Cost, Schedule, build, walk
 
 
@@ -194,3 +196,33 @@ def test_a_hand_over_on_one_rank_replaces_its_first_step_buffer() -> None:
     # to the end]) and the 8 buffers rank 0 fills (stage 1's inputs, stage 2's output gradients)
     assert line.memory[1][-1][1] == 2 * 4 * (8 + 8) + 8 * 8
     assert line.steady_peak_bytes[1] < line.peak_bytes[1] < line.steady_peak_bytes[1] + 2 * 2 * 4 * 8
+
+
+def test_walk_refuses_what_it_cannot_walk() -> None:
+    """A schedule that is none, costs of another shape, a figure negative or not finite (a negative
+    forward made a shorter step, a NaN one a NaN step), a per-action cost that is none: clear errors."""
+    order = pp.build("gpipe", 2, 2)
+    cost = pp.Cost(1.0, 1.0, 0.0, 10, 10, 10, 10, 10)
+    fine = ((cost, cost), (cost, cost))
+    assert pp.walk(order, fine).makespan == 6.0
+    with pytest.raises(RematTypeError, match=r"remat\.pipeline\.walk: schedule must be a Schedule \(str\)"):
+        pp.walk("gpipe", fine)  # type: ignore[arg-type]
+    with pytest.raises(
+        RematValueError, match=r"one Cost per stage and micro-batch \(2 stages x 2 micro-batches\)"
+    ):
+        pp.walk(order, ((cost, cost),))
+    with pytest.raises(RematValueError, match=r"\(NoneType\); pass costs\[stage\]\[microbatch\]"):
+        pp.walk(order, None)  # type: ignore[arg-type]
+    with pytest.raises(RematTypeError, match=r"each cost is a Cost \(costs\[1\]\[0\] is int\)"):
+        pp.walk(order, ((cost, cost), (3, cost)))  # type: ignore[arg-type]
+    for bad, shown in ((-5.0, "forward_s=-5.0"), (float("nan"), "forward_s=nan")):
+        with pytest.raises(RematValueError, match=rf"finite and not negative \(costs\[0\]\[1\]: {shown}\)"):
+            pp.walk(order, ((cost, dataclasses.replace(cost, forward_s=bad)), (cost, cost)))
+    with pytest.raises(RematValueError, match=r"\(costs\[0\]\[0\]: saved_bytes=1.5\)"):
+        pp.walk(order, ((dataclasses.replace(cost, saved_bytes=1.5), cost), (cost, cost)))  # type: ignore[arg-type]
+    with pytest.raises(RematTypeError, match=r"per_action must be an ActionCost or None \(str\)"):
+        pp.walk(order, fine, "x")  # type: ignore[arg-type]
+    with pytest.raises(
+        RematValueError, match=r"per_action's figures are finite and not negative \(step_s=-1\)"
+    ):
+        pp.walk(order, fine, pp.ActionCost(step_s=-1))

@@ -298,3 +298,23 @@ def test_a_step_autograd_refuses_is_refused_not_recorded() -> None:
     ):
         capture(step, repeats=1)
     assert w.grad is None
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "given"),
+    [
+        (lambda out: None, "NoneType"),
+        (lambda out: (out.sum(), None), "tuple"),
+        (lambda out: out, r"tensor of shape \[4, 8\]"),
+    ],
+    ids=["none", "tuple", "not-a-scalar"],
+)
+def test_a_loss_fn_that_returns_no_loss_is_a_clear_error(
+    loss_fn: Callable[[torch.Tensor], object], given: str
+) -> None:
+    layer, x = nn.Linear(8, 8), torch.randn(4, 8)
+    with pytest.raises(
+        remat.RematValueError,
+        match=rf"remat\.trace\.capture: loss_fn\(output\) returns the step's loss.*\(got {given}",
+    ):
+        remat.trace.capture(layer, (x,), loss_fn, repeats=1)
