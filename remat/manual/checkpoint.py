@@ -6,10 +6,8 @@ saved-tensors pack hook). When backward first asks for one of them, the function
 inputs and the handles are filled in; the original autograd graph then uses the recomputed tensors.
 Differences from torch's version, each a bug report there:
 
-- module buffers (batch-norm running statistics, ``num_batches_tracked``) are updated once, by the forward
-  pass only (see ``remat.manual.buffers``);
-- the RNG of the CPU and of every CUDA device is replayed, and the caller's stream is left where it was;
-  autocast settings are replayed;
+- module buffers (batch-norm running statistics, ``num_batches_tracked``) are updated once, in forward;
+- the RNG of the CPU and every CUDA device and the autocast settings are replayed, the caller's RNG kept;
 - ``policy=`` keeps the outputs of chosen ops (e.g. matmuls) instead of recomputing them, on the device
   (SAVE) or in host memory (OFFLOAD, see ``remat.manual.selective``);
 - ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names the op

@@ -330,21 +330,17 @@ def _forget(region: weakref.ref[TapedRegion], graph_task: int) -> None:
         alive.forget(graph_task)
 
 
-# NOTE [a scope joined again] A scope inside a region another scope records joins it: its ops'
-# saves go to the hooks nearest them. Between the two may sit a ``remat.checkpoint``, whose hooks
-# then take the inner scope's saves; when the checkpoint runs its function again in backward, no
-# scope records, and the inner scope would open a region of its own whose hooks take the saves the
-# checkpoint counts on. A checkpoint whose forward ran where a scope recorded runs its function again
-# inside ``joining()``, where a scope joins as it did in the forward.
+# NOTE [a scope joined again] A scope inside a recorded region joins it, its saves going to the nearest
+# hooks: a ``remat.checkpoint``'s, where one sits between. Run again in backward, where no scope
+# records, the inner scope opened a region whose hooks took the checkpoint's saves; a checkpoint whose
+# forward ran where a scope recorded runs again inside ``joining()``, where scopes join as before.
 _JOINING = threading.local()
 
 
 def recording() -> bool:
-    """Whether a scope opened now joins another: one records in this thread, or a checkpoint runs
-    again what ran inside one (NOTE [a scope joined again])."""
-    if getattr(_JOINING, "depth", 0) > 0:
-        return True
-    return any(isinstance(mode, Recorder) for mode in _get_current_dispatch_mode_stack())
+    """Whether a scope opened now joins another (NOTE [a scope joined again])."""
+    depth = getattr(_JOINING, "depth", 0)
+    return depth > 0 or any(isinstance(mode, Recorder) for mode in _get_current_dispatch_mode_stack())
 
 
 @contextlib.contextmanager

@@ -75,11 +75,7 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     (``let_go``, NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the
     allocator's account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in
     ``remat.trace.types``)."""
-    _check_step(loss_fn, repeats)
-    if not isinstance(model, nn.Module):
-        raise fail(
-            "model must be an nn.Module", f"got {type(model).__name__}", "pass the model", RematTypeError
-        )
+    _check_step(model, loss_fn, repeats)
     if any(torch.nn.parameter.is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
         raise fail(
             "a model is planned with its parameters made (a lazy module makes them at its first call)",
@@ -147,7 +143,11 @@ def block_key(model: nn.Module) -> Callable[[str], str]:
     return key
 
 
-def _check_step(loss_fn: object, repeats: object) -> None:
+def _check_step(model: object, loss_fn: object, repeats: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise fail(
+            "model must be an nn.Module", f"got {type(model).__name__}", "pass the model", RematTypeError
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise fail(
             "loss_fn must be callable",
@@ -364,10 +364,7 @@ def plan(
     place) are left as they were. Run the plan with
     ``with plan.apply(model): ...``.
     """
-    if not isinstance(model, nn.Module):
-        raise fail(
-            "model must be an nn.Module", f"got {type(model).__name__}", "pass the model", RematTypeError
-        )
+    _check_step(model, loss_fn, repeats)
     if not isinstance(example_inputs, (torch.Tensor, Sequence, Mapping)) or isinstance(example_inputs, str):
         raise fail(
             "example_inputs must be a tensor, a sequence or a mapping",
@@ -375,7 +372,6 @@ def plan(
             "pass the inputs of one step as a tuple",
             RematTypeError,
         )
-    _check_step(loss_fn, repeats)
     parse_budget(budget, api="plan")
     get(solver)
     _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)

@@ -1,16 +1,14 @@
 """Checks of what the planner's lower-level public functions are given (``chain_from_trace``,
-``dag_from_trace``, ``coarsen``, ``predict``, ``stage_key``, a chain's ``Stage``): each wrong value a
-clear error in the planner's words, not an ``AttributeError`` from deep inside or, for a negative op
-cost, a plan predicted cheaper than no recomputation."""
+``dag_from_trace``, ``coarsen``, ``predict``, ``stage_key``): each wrong value a clear error in the
+planner's words, not an ``AttributeError`` or a ``TypeError`` from deep inside."""
 
 from __future__ import annotations
 
-import math
-from numbers import Integral, Real
+from numbers import Integral
 
 from remat._errors import RematTypeError, RematValueError, message
 
-__all__ = ["a", "figure", "whole"]
+__all__ = ["a", "whole"]
 
 
 def a(value: object, kind: type | tuple[type, ...], api: str, name: str, todo: str) -> None:
@@ -33,15 +31,5 @@ def whole(value: object, api: str, name: str, least: int, none: bool = False) ->
                 f"{name} is a whole number of at least {least}{more}",
                 f"got {value!r}",
                 f"pass {name}={least}",
-            )
-        )
-
-
-def figure(value: object, api: str, name: str) -> None:
-    """Refuse ``value`` unless it is a finite number that is not negative (a cost, a byte count)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
-        raise RematValueError(
-            message(
-                api, f"{name} is a finite number, not negative", f"got {value!r}", "pass a measured figure"
             )
         )

@@ -20,11 +20,11 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import NamedTuple
 
 from remat._errors import RematValueError, message
 from remat._units import format_bytes
-from remat.planner import given
 from remat.policy import Decision
 
 __all__ = [
@@ -51,15 +51,10 @@ def _check(ok: bool, rule: str, given: object, todo: str) -> None:
 
 
 def _check_amounts(what: str, cost: float, *sizes: int) -> None:
-    _check(
-        math.isfinite(cost) and cost >= 0,
-        "costs must be finite and non-negative",
-        f"{what}: {cost}",
-        "fix the cost",
-    )
-    _check(
-        all(s >= 0 for s in sizes), "byte counts must be non-negative", f"{what}: {sizes}", "fix the sizes"
-    )
+    finite = isinstance(cost, Real) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0
+    _check(finite, "costs must be finite and non-negative", f"{what}: {cost}", "fix the cost")
+    whole = all(isinstance(s, Integral) and s >= 0 for s in sizes)
+    _check(whole, "byte counts must be non-negative", f"{what}: {sizes}", "fix the sizes")
 
 
 # -- the chain ----------------------------------------------------------------------------------
@@ -77,10 +72,6 @@ class Stage:
     output_bytes: int
     saved_bytes: int
     ops: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:  # a negative cost made a plan cheaper than no recomputation
-        for field in ("forward_cost", "backward_cost", "output_bytes", "saved_bytes"):
-            given.figure(getattr(self, field), "planner.Stage", field)
 
     def __str__(self) -> str:
         return (
@@ -101,7 +92,8 @@ class Chain:
         _check(len(self.stages) > 0, "a chain needs at least one stage", "got 0", "pass one Stage per block")
         _check_amounts("input", 0.0, self.input_bytes)
         for k, s in enumerate(self.stages):
-            _check_amounts(f"stage {k}", s.forward_cost + s.backward_cost, s.output_bytes, s.saved_bytes)
+            _check_amounts(f"stage {k}", s.forward_cost, s.output_bytes, s.saved_bytes)  # each cost apart:
+            _check_amounts(f"stage {k}'s backward", s.backward_cost)  # -1 and 1 summed to a free stage
 
     @classmethod
     def of(
