@@ -46,10 +46,14 @@ class Leaves:
 @contextlib.contextmanager
 def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Iterator[None]:
     """Inside, run ``modules`` at will; on the way out (an error included) their buffers get their
-    values back (batch norm's statistics), their parameters their ``.grad`` and the CPU generator
-    its state (dropout's draws); so do the ``.grad`` of the tensors ``leaves`` notes inside."""
+    values back (batch norm's statistics) and each buffer name its tensor (one the forward bound
+    anew), their parameters their ``.grad`` and the CPU generator its state (dropout's draws); so do
+    the ``.grad`` of the tensors ``leaves`` notes inside."""
     found = list(modules)
     buffers = [(b, b.detach().clone()) for m in found for b in m.buffers()]
+    # which tensor each module's buffer names: a forward may bind a new one (``self.pe =
+    # self.pe.to(x.dtype)``, a running average ``self.ema = 0.9 * self.ema + ...``)
+    bound = [(m, dict(m._buffers)) for m in {id(m): m for f in found for m in f.modules()}.values()]
     grads = [(p, p.grad) for m in found for p in m.parameters()]
     for p, _ in grads:  # backward inside adds into an existing ``.grad`` in place: start from none
         p.grad = None
@@ -62,6 +66,11 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+        for m, names in bound:
+            now = m._buffers
+            if len(now) != len(names) or any(now.get(k) is not t for k, t in names.items()):
+                m._buffers.clear()
+                m._buffers.update(names)
         for p, g in grads:
             p.grad = g
         torch.random.set_rng_state(rng)

@@ -36,6 +36,7 @@ from remat import aten
 from remat._errors import RecomputationError, RematTypeError, message
 from remat._modules import below
 from remat.manual import autocast
+from remat.manual.buffers import Buffers
 from remat.manual.checks import TensorMeta
 from remat.manual.inputs import Inputs
 
@@ -68,6 +69,9 @@ class _Frame:
         # what the call reads must be as it was when it runs again (the tape checks the same)
         self.read = [(weakref.ref(t), t._version, TensorMeta.of(t)) for t in read]
         self.given = Inputs(args, kwargs)
+        # buffers the call writes or binds anew (a running average ``self.ema = ...``): made again
+        # from the values the call read, into throwaway copies (NOTE [buffers as the forward saw them])
+        self.buffers = Buffers(tuple(module.modules()), (module,))  # its forward runs without __call__
         # every call keeps the generators' state, whatever the trace drew: a module may draw where
         # it did not when traced (dropout whose rate rose from 0)
         self.rng = aten.capture_all()
@@ -150,6 +154,7 @@ class _Frame:
                 autocast.autocast_replayed(self.autocast),
                 _attention(self.attention),
                 torch.enable_grad(),
+                self.buffers.shielded(),
                 torch.autograd.graph.saved_tensors_hooks(pack, _never),
             ):
                 self.forward(*args, **kwargs)
@@ -221,6 +226,7 @@ def run_again(
     frame = _Frame(module, forward, args, kwargs)
     try:
         with (
+            frame.buffers.noting(),
             torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack),
             check if check is not None else contextlib.nullcontext(),
         ):

@@ -684,3 +684,83 @@ def test_a_module_whose_calls_the_program_hooks_is_not_run_again(hook: str) -> N
         loss.backward()
         for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), name
+
+
+class _Averaging(nn.Module):
+    """A layer that binds a new tensor to its buffer in every training forward (a running average
+    ``self.ema = ...``, as Wav2Vec2-Conformer's ``self.pe = self.pe.to(x.dtype)`` binds one under
+    autocast) and reads it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = (
+            nn.Linear(width, 2 * width),
+            nn.Linear(2 * width, width),
+            nn.Dropout(0.1),
+        )
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * x.detach().mean((0, 1))
+        return x + self.fc2(self.drop(torch.relu(self.fc1(x - self.ema))))
+
+
+class _Averaged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(50, 32), nn.Linear(32, 50)
+        self.layers = nn.ModuleList([_Averaging(32), _Averaging(32)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def _steps(model: nn.Module, ids: torch.Tensor, plan: Plan | None) -> list[list[torch.Tensor]]:
+    """Three SGD steps: each one's loss, gradients, buffers and generator state."""
+    seen = []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        with plan.apply(model) if plan is not None else contextlib.nullcontext():
+            loss = model(ids)
+        loss.backward()
+        seen.append(
+            [loss.detach(), *(p.grad for p in model.parameters()), *model.buffers(), torch.get_rng_state()]
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+    return seen
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["tape", "modules-run-again"])
+def test_a_buffer_bound_anew_in_forward_is_put_back_by_planning_and_read_as_found(
+    rerun: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning left each layer's ``ema`` bound to the tensor its last planning step made, so every
+    planned step trained from other averages than the plain one (silently); a layer run again in
+    backward read the average its forward had just made and advanced it once more."""
+    trace_with_fixed_costs(monkeypatch)
+    torch.manual_seed(0)
+    model = _Averaged().train()
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    before = {name: (b, b.clone()) for name, b in model.named_buffers()}
+    plan = remat.plan(model, (ids,), 0.95, rerun_modules=rerun, repeats=1)
+    after = dict(model.named_buffers())
+    assert all(after[name] is b and torch.equal(b, value) for name, (b, value) in before.items())
+    if rerun:  # every layer one region, run again as the layer
+        trace = fixed_costs(trace_step(model, (ids,), repeats=1))
+        plan = _plan(trace, model, _every_layer(model, trace, rerun=True)[1])
+    assert plan.regions and all(bool(r.rerun) == rerun for r in plan.regions if r.name.startswith("layers"))
+    assert any(r.name.startswith("layers") for r in plan.regions)
+    ran, ref = _steps(model, ids, plan), _steps(plain, ids, None)
+    assert all(
+        torch.equal(a, b)
+        for step, twin_step in zip(ref, ran, strict=True)
+        for a, b in zip(step, twin_step, strict=True)
+    )
