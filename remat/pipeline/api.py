@@ -55,7 +55,7 @@ from remat.pipeline.split import (
     untied,
 )
 from remat.pipeline.stage_plan import StagePlan
-from remat.pipeline.timeline import ActionCost, walk
+from remat.pipeline.timeline import ActionCost, _walk
 
 __all__ = ["CHECKPOINT_MODES", "OP_COSTS", "plan"]
 
@@ -154,7 +154,7 @@ def _plan_stages(
     if all(sp is not None for sp in chosen):
         # a stage that found no plan beside the others kept its first one: check the whole rank
         m = order.n_microbatches
-        peaks = walk(order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in chosen if sp)).peak_bytes
+        peaks = _walk(order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in chosen if sp)).peak_bytes
         over = [s for s in range(order.n_stages) if peaks[order.rank_of(s)] > budget]
         for s in over:
             chosen[s], needs[s] = None, peaks[order.rank_of(s)]
@@ -318,7 +318,7 @@ def plan(
             m = order.n_microbatches
             most = dict(
                 enumerate(
-                    walk(
+                    _walk(
                         order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in every if sp)
                     ).peak_bytes
                 )

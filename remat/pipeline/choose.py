@@ -20,7 +20,7 @@ from torch import nn
 from remat._errors import RematValueError, message
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.stage_plan import StagePlan
-from remat.pipeline.timeline import walk
+from remat.pipeline.timeline import _walk
 from remat.planner.api import block_key, plan_at
 from remat.planner.frontier import Frontier, frontier
 from remat.planner.plan import Plan
@@ -40,7 +40,7 @@ def rank_peak(order: Schedule, sp: StagePlan, others: Sequence[StagePlan | None]
     m = order.n_microbatches
     plans = [sp if s == sp.stage else (others[s] or sp) for s in range(order.n_stages)]
     costs = tuple(tuple(each.cost(i, m) for i in range(m)) for each in plans)
-    return walk(order, costs).peak_bytes[sp.rank]
+    return _walk(order, costs).peak_bytes[sp.rank]
 
 
 def _per_block(found: Frontier, module: nn.Module, step: Step | None = None) -> Candidate:

@@ -39,7 +39,7 @@ from remat.pipeline.measure import measure
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.split import balance, chained, children_of, loose, profile, untied
 from remat.pipeline.stage_plan import StagePlan
-from remat.pipeline.timeline import ActionCost, walk
+from remat.pipeline.timeline import ActionCost, _walk
 from remat.trace.types import Trace
 
 __all__ = ["EXHAUSTIVE", "Found", "search", "searched"]
@@ -70,6 +70,11 @@ def _cuts(n: int, parts: int, forbidden: frozenset[int]) -> Iterator[Cut]:
     for inner in combinations(range(1, n), parts - 1):
         if forbidden.isdisjoint(inner):
             yield (0, *inner, n)
+
+
+def _exhaustive(n: int, parts: int) -> bool:
+    """Whether every cut of ``n`` children into ``parts`` stages is weighed (NOTE [cut search])."""
+    return math.comb(n - 1, parts - 1) <= EXHAUSTIVE
 
 
 def search(
@@ -145,7 +150,7 @@ def search(
         if any(sp is None for sp in plans):
             return Found(cut, plans, needs, math.inf)
         m = order.n_microbatches
-        line = walk(order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in plans if sp), per_action)
+        line = _walk(order, tuple(tuple(sp.cost(i, m) for i in range(m)) for sp in plans if sp), per_action)
         if max(line.peak_bytes) > budget:  # the rank as it runs beside the other stages' plans
             return Found(cut, (None,) * p, tuple(line.peak_bytes), math.inf)
         return Found(cut, plans, needs, line.makespan)
@@ -160,7 +165,7 @@ def search(
             weighed[cut] = weigh(cut)
         return weighed[cut]
 
-    exhaustive = math.comb(n - 1, p - 1) <= EXHAUSTIVE
+    exhaustive = _exhaustive(n, p)
     if exhaustive:
         first = list(_cuts(n, p, forbidden))
     else:  # the balanced cuts, or where each starts a stage where none may, the first cut allowed
@@ -200,8 +205,8 @@ def searched(
     per_action: ActionCost,
 ) -> tuple[list[nn.Module], tuple[int, ...], list[StagePlan | None], list[int]]:
     """``balance_by="step"``: the stage modules, the cut, each stage's plan and each rank's least
-    need, the cut searched with the plans (``remat.pipeline.cut_search``) from the even cut and
-    the cuts balanced by time and by memory."""
+    need, the cut searched with the plans (``remat.pipeline.cut_search``); a descent starts from
+    the even cut and the cuts balanced by time and by memory (the children profiled for those)."""
     p = order.n_stages
     if p != order.n_ranks:
         raise RematValueError(
@@ -214,13 +219,14 @@ def searched(
         )
     children = children_of(model)
     dense, writes = chained(children, example, model)
-    costs = profile(children, example)
-    held = [order.in_flight(s) for s in range(p)]
-    starts = [
-        tuple(len(children) * s // p for s in range(p + 1)),  # as many children per stage, as by hand
-        balance([c.seconds for c in costs], [1] * p, barred=writes),
-        balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes),
-    ]
+    # as many children per stage as can be, as by hand (refusing more stages than children, or a
+    # chain no cut of which avoids a module writing its input)
+    starts = [balance([1.0] * len(children), [1] * p, barred=writes)]
+    if not _exhaustive(len(children), p):  # a descent starts from the balanced cuts too
+        costs = profile(children, example)
+        held = [order.in_flight(s) for s in range(p)]
+        starts.append(balance([c.seconds for c in costs], [1] * p, barred=writes))
+        starts.append(balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes))
     # no stage starts with a child that writes its input, or that holds a parameter an earlier one does
     forbidden = {k for k, w in enumerate(writes) if w and k > 0}
     first: dict[int, int] = {}

@@ -66,7 +66,8 @@ def measure(
     estimates), the trace, and its output (detached; the buffers and the RNG are the caller's to
     restore). The last stage's step ends in ``loss_fn(output, target)``, the others' in a sum."""
     last = stage == order.n_stages - 1
-    x = x.detach().clone()  # the first stage's first module may write its input: not the caller's
+    if stage == 0:  # its first module may write its input (a later stage's cannot): not the caller's
+        x = x.detach().clone()
     inputs = x.detach().requires_grad_(stage > 0 and x.is_floating_point())
     if not inputs.requires_grad and not any(p.requires_grad for p in module.parameters()):
         raise RematValueError(

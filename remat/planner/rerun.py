@@ -55,8 +55,9 @@ class _Frame:
     ):
         self.forward = forward
         read = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        modules = below(module)  # walked once: for what the call reads and for its buffers
         read += [*module.parameters(), *module.buffers()]
-        read += [t for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+        read += [t for m in modules for t in vars(m).values() if isinstance(t, torch.Tensor)]
         if any(t.is_inference() for t in read):
             raise RematTypeError(
                 message(
@@ -71,7 +72,7 @@ class _Frame:
         self.given = Inputs(args, kwargs)
         # buffers the call writes or binds anew (a running average ``self.ema = ...``): made again
         # from the values the call read, into throwaway copies (NOTE [buffers as the forward saw them])
-        self.buffers = Buffers(tuple(module.modules()), (module,))  # its forward runs without __call__
+        self.buffers = Buffers(tuple(modules), (module,))  # its forward runs without __call__
         # every call keeps the generators' state, whatever the trace drew: a module may draw where
         # it did not when traced (dropout whose rate rose from 0)
         self.rng = aten.capture_all()

@@ -329,6 +329,21 @@ def test_a_region_that_reads_a_value_into_python_is_recorded_every_call(
     assert all(modes[-1] is not None for modes in _modes(planned))
 
 
+def _trains_from_templates(
+    model: nn.Module, batch: dict[str, Any], trace: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Plan, Any]:
+    """Every layer of ``model`` one taped region: three steps train bit for bit as the plain model,
+    each layer run from its template in the second and third. The plan, and its candidate."""
+    _, every = _every_layer(model, trace, rerun=False)
+    plan = _plan(trace, model, every)
+    runs = _runs(monkeypatch)
+    planned = twin(model)
+    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
+    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
+    assert runs == [r.anchor for r in plan.regions] * 2
+    return plan, every
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])
 def test_transformer_layers_run_from_templates(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2 (dropout in training: each layer's replay draws), Llama and ViT (no dropout; their
@@ -336,14 +351,7 @@ def test_transformer_layers_run_from_templates(name: str, monkeypatch: pytest.Mo
     for bit as the plain model (dropout's masks and the generator's stream after each step
     included), at the checked step's allocator peak and the prediction's."""
     model, batch, trace = _family(name)
-    _, every = _every_layer(model, trace, rerun=False)
-    plan = _plan(trace, model, every)
-    runs = _runs(monkeypatch)
-    planned = twin(model)
-    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
-    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
-    layers = [r.anchor for r in plan.regions]
-    assert runs == layers * 2
+    plan, every = _trains_from_templates(model, batch, trace, monkeypatch)
     peaks = [_peak(model, batch, plan) for _ in range(2)]
     assert peaks[0] == peaks[1] == every.pred.peak_bytes
 
@@ -625,11 +633,4 @@ def test_a_reshape_viewed_bare_matches_its_recorded_view(name: str, monkeypatch:
     layer runs from its template after the first step (it was refused as a diverged forward) and the
     model trains bit for bit as the plain one."""
     model, batch = _decoder(name)
-    trace = fixed_costs(trace_step(model, batch, repeats=1))
-    _, every = _every_layer(model, trace, rerun=False)
-    plan = _plan(trace, model, every)
-    runs = _runs(monkeypatch)
-    planned = twin(model)
-    ran = train(planned, lambda _: batch, steps=3, region=lambda: plan.apply(planned))
-    assert_same(train(twin(model), lambda _: batch, steps=3), ran)
-    assert runs == [r.anchor for r in plan.regions] * 2
+    _trains_from_templates(model, batch, fixed_costs(trace_step(model, batch, repeats=1)), monkeypatch)
