@@ -25,9 +25,10 @@ from torch.utils._pytree import tree_leaves
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import Leaves, ParametersBack, untouched
-from remat._units import format_bytes, parse_budget
+from remat._units import format_bytes
 from remat.host.link import Link
 from remat.manual.buffers import reached
+from remat.planner.arguments import MIN, check_flags, check_step, read_budget
 from remat.planner.cost_model import ExecutorCost
 from remat.planner.frontier import Frontier, floors, frontier
 from remat.planner.loss import Inputs, LossFn, step_loss
@@ -75,7 +76,7 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     (``let_go``, NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the
     allocator's account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in
     ``remat.trace.types``)."""
-    _check_step(model, loss_fn, repeats)
+    check_step(model, loss_fn, repeats)
     if any(torch.nn.parameter.is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
         raise fail(
             "a model is planned with its parameters made (a lazy module makes them at its first call)",
@@ -143,35 +144,6 @@ def block_key(model: nn.Module) -> Callable[[str], str]:
     return key
 
 
-def _check_step(model: object, loss_fn: object, repeats: object) -> None:
-    if not isinstance(model, nn.Module):
-        raise fail(
-            "model must be an nn.Module", f"got {type(model).__name__}", "pass the model", RematTypeError
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise fail(
-            "loss_fn must be callable",
-            f"got {type(loss_fn).__name__}",
-            "pass loss_fn(model, *inputs)",
-            RematTypeError,
-        )
-    whole = isinstance(repeats, int) and not isinstance(repeats, bool)
-    if not whole or repeats < 1:  # type: ignore[operator]
-        raise fail(
-            "repeats (timed runs per op) must be a whole number of at least 1",
-            f"got {repeats!r}",
-            "pass e.g. repeats=3",
-            RematValueError if whole else RematTypeError,
-        )
-
-
-def _check_flags(**flags: object) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            rule, todo = f"{name} must be True or False", f"pass {name}=True, or leave it out"
-            raise fail(rule, f"got {value!r}", todo, RematTypeError)
-
-
 def plan_trace(
     trace: Trace,
     budget: int | float | str,
@@ -211,7 +183,7 @@ def plan_trace(
             "pass remat.planner.trace_step(model, inputs)'s trace, or call remat.plan(model, inputs, budget)",
             RematTypeError,
         )
-    _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
+    check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
     if block_key is not None and not callable(block_key):
         raise fail("block_key maps a module path to its block", repr(block_key), "pass a function, or None")
     if executor_cost is not None and not isinstance(executor_cost, ExecutorCost):
@@ -248,9 +220,13 @@ def plan_at(
     if link is not None and (found.link, found.host_budget) != (link, host_budget):
         found = offload_frontier(found, link, host_budget, solver, options)
     step, chain, baseline, link = found.step, found.chain, found.baseline, found.link
-    limit = parse_budget(budget, api="plan")
-    budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
-    tried = list(found.candidates)
+    limit, tried = read_budget(budget), list(found.candidates)
+    if limit == MIN and not tried:
+        raise fail(f"solver {solver!r} found no plan", 'budget "min"', "use solver='auto'")
+    if limit == MIN:  # the lowest plan of this search (NOTE in ``remat.planner.arguments``)
+        budget_bytes = min(c.pred.peak_bytes for c in tried)
+    else:
+        budget_bytes = int(limit * baseline) if isinstance(limit, float) else limit
     fits = [c for c in tried if c.pred.peak_bytes <= budget_bytes]
     if not fits and link is not None:
         problem = offload_problem(step.trace, link, host_budget=found.host_budget, key=step.key)
@@ -332,10 +308,12 @@ def plan(
 ) -> Plan:
     """Plan the recomputation of one training step of ``model`` under ``budget``.
 
-    ``budget`` is bytes (an int or a string such as ``"2GB"``) or a ratio (a float in (0, 1]) of
-    the step's peak with no recomputation; the peak counted is that of the memory the step adds,
-    tensors and kernels' scratch buffers (``remat.memory.track(allocator=True)`` around forward
-    and backward). ``loss_fn(model, *example_inputs)``
+    ``budget`` is bytes (an int or a string such as ``"2GB"``), a ratio (a float in (0, 1]) of
+    the step's peak with no recomputation, or ``"min"``: the plan of the smallest peak the search
+    finds (the minimum a ``BudgetTooSmall`` names, taken from this capture's plans); the peak
+    counted is that of the memory the step adds, tensors and kernels' scratch buffers
+    (``remat.memory.track(allocator=True)`` around forward and backward).
+    ``loss_fn(model, *example_inputs)``
     (``**example_inputs`` for a mapping) returns the scalar loss; by default the model's output
     or its ``.loss``. ``solver`` is a name from ``remat.planner.solvers.names()`` and ``options``
     go to it (``time_limit`` and ``max_nodes`` for ``milp``, ``slots`` for ``chain``).
@@ -364,7 +342,7 @@ def plan(
     place) are left as they were. Run the plan with
     ``with plan.apply(model): ...``.
     """
-    _check_step(model, loss_fn, repeats)
+    check_step(model, loss_fn, repeats)
     if not isinstance(example_inputs, (torch.Tensor, Sequence, Mapping)) or isinstance(example_inputs, str):
         raise fail(
             "example_inputs must be a tensor, a sequence or a mapping",
@@ -372,9 +350,9 @@ def plan(
             "pass the inputs of one step as a tuple",
             RematTypeError,
         )
-    parse_budget(budget, api="plan")
+    read_budget(budget)
     get(solver)
-    _check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
+    check_flags(rerun_modules=rerun_modules, within_blocks=within_blocks)
     trace, flags = trace_step(model, example_inputs, loss_fn, repeats), trainable(model)
     made = plan_trace(
         trace,

@@ -28,7 +28,8 @@ from typing import Any
 
 from remat._arguments import advice_in_flags, in_flags, names_in, positive
 from remat._errors import RematError, RematValueError, message
-from remat._units import parse_budget, parse_bytes
+from remat._units import parse_bytes
+from remat.planner.arguments import Budget, read_budget
 from remat.planner.solvers import names
 
 # what ``remat plan --model gpt2 --pareto`` took on the tiny model (benchmarks/plan/README.md)
@@ -66,7 +67,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seq", type=int, help="tokens per sample (text models)")
     parser.add_argument("--image", type=int, help="image side (vision models)")
     parser.add_argument(
-        "--budget", default=0.5, type=_budget, help="bytes ('2GB') or a ratio of the plain peak (0.5)"
+        "--budget",
+        default=0.5,
+        type=_budget,
+        help="bytes ('2GB'), a ratio of the plain peak (0.5), or 'min' (the smallest peak a plan reaches)",
     )
     parser.add_argument("--solver", choices=names(), help="without --pareto: the solver (default auto)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plan (remat.Plan.load reads it)")
@@ -104,10 +108,10 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _budget(text: str) -> int | float:
+def _budget(text: str) -> Budget:
     """The budget, checked before any work (a bad one is an argparse error: one line, exit 2)."""
     try:
-        return parse_budget(text, "plan")
+        return read_budget(text)
     except RematError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

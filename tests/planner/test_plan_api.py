@@ -94,6 +94,33 @@ def test_the_floor_counts_the_numbers_autograd_keeps() -> None:
     assert step_peak(model, loss) == plan.baseline_peak_bytes
 
 
+def test_budget_min_is_the_plan_of_the_minimum_a_refusal_names() -> None:
+    """``budget="min"``: the lowest plan of the search, the one the minimum of a ``BudgetTooSmall``
+    is the peak of, measured at its prediction; another solver's own lowest plan; and a budget
+    that is none of bytes, a ratio or "min" names all three."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), _Gelu(), nn.Linear(64, 16)) for _ in range(4)])
+    x = torch.randn(8, 16)
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    step_peak(model, loss)  # a warm-up step
+    trace = fixed_costs(trace_step(model, (), loss, repeats=1))
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1000)
+    lowest = plan_trace(trace, " MIN ")
+    assert lowest.budget_bytes == lowest.predicted_peak_bytes == info.value.minimum_bytes
+    assert lowest.predicted_peak_bytes < lowest.baseline_peak_bytes
+    assert step_peak(model, loss, lowest) == lowest.predicted_peak_bytes
+    sqrt = min(c.pred.peak_bytes for c in remat.planner.frontier.frontier(trace, "sqrt").candidates)
+    assert plan_trace(trace, "min", solver="sqrt").predicted_peak_bytes == sqrt
+    with pytest.raises(RematValueError, match=r'remat.plan: cannot parse .*got \'minimum\'.*or "min"'):
+        plan_trace(trace, "minimum")
+    with pytest.raises(RematValueError, match=r'a ratio budget must lie in \(0, 1\].*or "min"'):
+        remat.plan(model, (), 1.5, loss_fn=lambda m: loss(m))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert", "cnn"])
 def test_a_larger_budget_never_costs_more(name: str) -> None:
     trace, base, low = _traced(name)

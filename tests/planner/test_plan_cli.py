@@ -29,6 +29,21 @@ def test_plan_explains_and_saves(
     assert plan.solver == "chain" and plan.regions
 
 
+def test_budget_min_plans_at_the_minimum_a_refusal_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace_with_fixed_costs(monkeypatch)  # both runs capture the same op costs, so the same minimum
+    args = ["plan", "--model", "gpt2", "--batch", "4", "--seq", "16"]
+    assert main([*args, "--budget", "100"]) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"the minimum is (\d+) bytes", err)
+    assert found is not None, err
+    path = tmp_path / "plan.json"
+    assert main([*args, "--budget", "min", "--save", str(path)]) == 0
+    plan = Plan.load(path)
+    assert plan.budget_bytes == plan.predicted_peak_bytes == int(found.group(1))
+
+
 def test_rerun_modules_flag_reaches_the_planner(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
