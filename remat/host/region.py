@@ -23,7 +23,6 @@ refuses it without hooks (hooks turn autograd's own check off).
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
@@ -33,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import aten
 from remat._errors import RecomputationError, message
+from remat._reusable import reusable
 from remat.aten import describe, version_witness
 from remat.host.link import Link
 from remat.host.offloader import Offloader
@@ -222,7 +222,7 @@ def _written(what: str) -> RecomputationError:
     )
 
 
-@contextlib.contextmanager
+@reusable
 def offload(
     policy: Policy | None = None,
     *,

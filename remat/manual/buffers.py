@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -183,12 +184,15 @@ class Buffers:
     def shielded(self) -> Iterator[None]:
         """Within the block, buffer updates by any module's forward, and by the roots, go to
         throwaway copies, which start from the values the region's forward read; of a module whose
-        writes the forward noted, only the buffers it wrote are copied."""
+        writes the forward noted, only the buffers it wrote are copied. The hook is the process's,
+        but only this thread's module calls are the recomputation's: another thread's forward
+        running meanwhile (a model trained beside this one) updates its buffers as usual."""
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
         done: set[int] = set()
+        owner = threading.get_ident()
 
         def swap(module: nn.Module, _args: Any) -> None:
-            if id(module) in done or not module._buffers:
+            if id(module) in done or not module._buffers or threading.get_ident() != owner:
                 return
             done.add(id(module))
             # The copies are not the program's ops: a selective recomputation matches the ops it

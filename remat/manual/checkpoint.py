@@ -15,7 +15,8 @@ Differences from torch's version, each a bug report there:
 - the recomputation stops early only after an op's kernel has run (RReLU as a last op).
 
 Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient penalty,
-MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is unchanged. A
+MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is unchanged (a
+``.backward()`` run again is refused: NOTE [backward run again]). A
 saved tensor written in place after it was saved is refused, as autograd refuses it. The recomputation
 runs once per backward (graph task) and stops after the last saved tensor's op::
 
@@ -44,6 +45,7 @@ from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
+from remat.manual.inner_backward import refused
 from remat.manual.inputs import Inputs, Unwritten, carried, failed_again
 from remat.manual.keywords import Settings
 from remat.manual.own_generators import own_generators
@@ -51,7 +53,7 @@ from remat.manual.plainly import plain
 from remat.manual.reach import held
 from remat.manual.scope import joining, recording
 from remat.manual.selective import Recording, Replaying, SaveCache
-from remat.manual.traced import transformed, under_compile
+from remat.manual.traced import outside_transforms, transformed, under_compile
 from remat.policy import Policy, RecomputeAll
 
 __all__ = ["checkpoint", "checkpointed", "run"]
@@ -198,6 +200,8 @@ class _Frame:
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
                 joining() if self.joined else contextlib.nullcontext(),
+                refused("checkpoint"),  # NOTE [backward run again]
+                outside_transforms(),
             ):
                 if replay is not None:
                     with replay:
@@ -233,14 +237,9 @@ class _Frame:
 
 
 def _written(what: str, given: str) -> RematRuntimeError:
-    return RematRuntimeError(
-        message(
-            "checkpoint",
-            f"a tensor saved for backward ({what}) was modified in place after it was saved",
-            given,
-            "clone it before modifying it, or modify it after backward (torch raises here too)",
-        )
-    )
+    rule = f"a tensor saved for backward ({what}) was modified in place after it was saved"
+    todo = "clone it before modifying it, or modify it after backward (torch raises here too)"
+    return RematRuntimeError(message("checkpoint", rule, given, todo))
 
 
 def _unpack(handle: _Handle) -> torch.Tensor:

@@ -10,6 +10,7 @@ module, which is what a user needs to find the non-deterministic or stateful cod
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -107,11 +108,14 @@ class Provenance(TorchDispatchMode):
         if isinstance(root, nn.Module):
             names = {id(m): (n or type(root).__name__) for n, m in root.named_modules()}
 
+        owner = threading.get_ident()  # the hooks are the process's; the calls, this thread's
+
         def enter(module: nn.Module, _args: Any) -> None:
-            self.modules.append(names.get(id(module), type(module).__name__))
+            if threading.get_ident() == owner:
+                self.modules.append(names.get(id(module), type(module).__name__))
 
         def leave(module: nn.Module, _args: Any, _out: Any) -> None:
-            if self.modules:
+            if self.modules and threading.get_ident() == owner:
                 self.modules.pop()
 
         pre = nn.modules.module.register_module_forward_pre_hook(enter)

@@ -13,16 +13,17 @@ after the block, are not affected.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator
+
+from remat._reusable import reusable
 
 __all__ = ["plain", "plainly"]
 
 _STATE = threading.local()
 
 
-@contextlib.contextmanager
+@reusable
 def plainly() -> Iterator[None]:
     """Run the block with remat's manual forms switched off (see the module doc)."""
     depth = getattr(_STATE, "depth", 0)

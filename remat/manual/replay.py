@@ -18,6 +18,7 @@ from remat._errors import RecomputationError, message
 from remat.aten import describe
 from remat.host.offloader import Offloader
 from remat.manual.tape import Node, Ref, Seq, Slice, written_from
+from remat.manual.traced import outside_transforms
 
 
 def _load(a: Any, env: dict[int, torch.Tensor]) -> Any:
@@ -124,7 +125,7 @@ def replay(
             env[vid] = offloader.back(parcel)
     outer = aten.capture(cut.rng_sources)
     try:
-        with torch.no_grad(), torch._C._DisableAutocast():
+        with torch.no_grad(), torch._C._DisableAutocast(), outside_transforms():
             execute(cut, env)
     finally:
         aten.restore(outer)

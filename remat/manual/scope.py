@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from remat import aten
 from remat._dispatch import Unguarded
 from remat._errors import RecomputationError, RematTypeError, message
+from remat._reusable import reusable
 from remat.aten import describe
 from remat.host.offloader import Offloader
 from remat.host.parcel import Parcel
@@ -354,7 +355,7 @@ def joining() -> Iterator[None]:
         _JOINING.depth = depth
 
 
-@contextlib.contextmanager
+@reusable
 def scope(
     policy: Policy | None = None, *, replay: ReplayMode = "eager", offloader: Offloader | None = None
 ) -> Iterator[None]:

@@ -70,9 +70,9 @@ def _run_segment(modules: list[nn.Module], x: Any) -> Any:
 
 
 def checkpoint_sequential(
-    modules: nn.Sequential | Iterable[nn.Module],
+    functions: nn.Sequential | Iterable[nn.Module],
     segments: int | Literal["sqrt"],
-    x: Any,
+    input: Any,  # noqa: A002 - torch's name for it
     use_reentrant: bool | None = None,
     *,
     policy: Policy | None = None,
@@ -80,7 +80,8 @@ def checkpoint_sequential(
     offloader: Offloader | None = None,
     **torch_keywords: Any,
 ) -> Any:
-    """Run ``x`` through ``modules`` in order, checkpointing every segment but the last.
+    """Run ``input`` through ``functions`` (modules) in order, checkpointing every segment but the
+    last. The arguments are named as torch's ``checkpoint_sequential`` names them.
 
     ``use_reentrant`` and the other keywords of ``torch.utils.checkpoint.checkpoint``, ``policy``,
     ``check`` and ``offloader`` mean what they mean for ``remat.checkpoint``.
@@ -98,25 +99,26 @@ def checkpoint_sequential(
     s = keywords.settings(
         "checkpoint_sequential", {**ours, "use_reentrant": use_reentrant}, policy, check, offloader
     )
-    iterable = isinstance(modules, Iterable) and not isinstance(modules, torch.Tensor)
+    iterable = isinstance(functions, Iterable) and not isinstance(functions, torch.Tensor)
     # iterating an nn.Sequential gives each entry as its forward runs them: a module it holds twice
     # (weights tied) twice, where ``children()`` gives it once
-    layers = list(modules) if iterable else []
+    layers = list(functions) if iterable else []
     classes = [m.__name__ for m in layers if isinstance(m, type) and issubclass(m, torch.nn.Module)]
     if not layers or not all(callable(m) for m in layers) or classes:
         raise RematTypeError(
             message(
                 "checkpoint_sequential",
-                "modules must be a non-empty sequence of callables (modules, not their classes)",
+                "functions must be a non-empty sequence of callables (modules, not their classes)",
                 f"got the classes {', '.join(classes)}"
                 if classes
                 else f"got {len(layers)} items"
                 if iterable
-                else f"got a {type(modules).__name__}",
+                else f"got a {type(functions).__name__}",
                 "pass an nn.Sequential or a list of modules",
             )
         )
     bounds = segment_bounds(len(layers), segments)
+    x = input
     for start, stop in bounds[:-1]:
         segment = functools.partial(_run_segment, layers[start:stop])  # its modules' buffers shielded
         x = run(segment, (x,), {}, s.policy, s.check, s.preserve_rng, s.offloader)

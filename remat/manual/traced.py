@@ -15,10 +15,12 @@ anchor of the inputs is an ``autograd.Function`` those transforms refuse (torch'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch._functorch.pyfunctorch
 import torch.autograd.forward_ad as fw_ad
 import torch.utils.checkpoint
 
@@ -50,3 +52,25 @@ def _outside_the_graph(eager: Callable[[], Any]) -> Any:
 def transformed() -> bool:
     """Whether a ``torch.func`` transform or forward-mode AD is running (see the module doc)."""
     return torch._C._functorch.peek_interpreter_stack() is not None or fw_ad._current_level >= 0
+
+
+@contextlib.contextmanager
+def outside_transforms() -> Iterator[None]:
+    """Within the block, no ``torch.func`` transform and no vmap applies: for a run again of what the
+    forward ran outside any, met by a backward that runs under one (``torch.autograd.grad(...,
+    is_grads_batched=True)`` runs it under torch's older vmap mode, which refuses random ops). The
+    saved tensors such a run makes are what autograd saved in forward, unbatched, as the backward
+    reads them."""
+    levels = torch._C._vmapmode_increment_nesting() - 1  # the older vmap's nesting, read
+    torch._C._vmapmode_decrement_nesting()
+    for _ in range(levels):
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        if torch._C._functorch.peek_interpreter_stack() is None:
+            yield
+        else:
+            with torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack():
+                yield
+    finally:
+        for _ in range(levels):
+            torch._C._vmapmode_increment_nesting()

@@ -38,7 +38,9 @@ from remat._modules import below
 from remat.manual import autocast
 from remat.manual.buffers import Buffers
 from remat.manual.checks import TensorMeta
+from remat.manual.inner_backward import refused
 from remat.manual.inputs import Inputs
+from remat.manual.traced import outside_transforms
 
 __all__ = ["CallCheck", "run_again", "setting"]
 
@@ -157,6 +159,8 @@ class _Frame:
                 torch.enable_grad(),
                 self.buffers.shielded(),
                 torch.autograd.graph.saved_tensors_hooks(pack, _never),
+                refused("plan"),  # NOTE [backward run again] in remat.manual.inner_backward
+                outside_transforms(),
             ):
                 self.forward(*args, **kwargs)
         except _Stop:

@@ -53,6 +53,12 @@ def _sequential_keywords(ckpt: ModuleType, body: nn.Module, x: torch.Tensor) -> 
     return ckpt.checkpoint_sequential(list(body), 3, x, use_reentrant=False, preserve_rng_state=True)
 
 
+def _sequential_named(ckpt: ModuleType, body: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Every argument by torch's name for it (``checkpoint_sequential(model, 2, input=x)`` raised
+    a bare TypeError, remat's third argument being named ``x``)."""
+    return ckpt.checkpoint_sequential(functions=body, segments=2, input=x, use_reentrant=False)
+
+
 def _function_keywords(ckpt: ModuleType, body: nn.Module, x: torch.Tensor) -> torch.Tensor:
     def masked(h: torch.Tensor, *, mask: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return body(h * mask) * scale
@@ -80,6 +86,7 @@ SCRIPTS: dict[str, Script] = {
     ),
     "checkpoint_sequential": _sequential,
     "checkpoint_sequential_keywords": _sequential_keywords,
+    "checkpoint_sequential_named": _sequential_named,
     "function_keywords": _function_keywords,
 }
 

@@ -108,3 +108,47 @@ def test_a_derivative_with_respect_to_a_tensor_made_before_the_inputs_is_refused
         r"function that differentiates",
     ):
         y.square().sum().backward()
+
+
+def test_a_backward_run_again_is_refused_where_it_would_add_to_grad_twice() -> None:
+    """NOTE [backward run again]: ``.backward()`` inside a checkpointed function added to ``.grad``
+    once in forward and once more when backward ran the function again (``v.grad`` doubled, no
+    error, as ``torch.utils.checkpoint`` does); now the run again refuses it by name. Other threads
+    and code after the refusal call torch's own ``backward``."""
+    torch.manual_seed(0)
+    w, v, x = torch.randn(8, 8, requires_grad=True), torch.randn(8, requires_grad=True), torch.randn(4, 8)
+
+    def inner_step(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w)
+        (h.sum() * v).sum().backward(retain_graph=True, inputs=[v])
+        return h.sin()
+
+    out = remat.checkpoint(inner_step, x).sum()
+    assert v.grad is not None
+    with pytest.raises(remat.RecomputationError, match=r"remat\.checkpoint: .* may not call \.backward\(\)"):
+        out.backward()
+    w.grad = v.grad = None
+    torch.tanh(x @ w).sum().backward()  # torch's own again
+    assert w.grad is not None and "remat" not in getattr(torch.autograd.backward, "__module__", "")
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "scope"])
+def test_gradients_batched_through_dropout_equal_plain(form: str) -> None:
+    """``torch.autograd.grad(..., is_grads_batched=True)`` runs backward under torch's vmap mode,
+    which refuses random ops: the run again of a dropout (checkpoint) or its replay (scope) now runs
+    outside it, as the forward ran, and the batched gradients are the plain ones bit for bit."""
+
+    def run(wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Tanh())
+        x = torch.randn(2, 16, requires_grad=True)
+        y = wrap(net, x)
+        rows = torch.eye(16).reshape(16, 1, 16).expand(16, 2, 16)  # a Jacobian row per entry
+        return torch.autograd.grad(y, x, rows, is_grads_batched=True)[0]
+
+    def scoped(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with remat.scope():
+            return net(x)
+
+    wrap = remat.checkpoint if form == "checkpoint" else scoped
+    assert torch.equal(run(wrap), run(lambda net, x: net(x)))

@@ -6,6 +6,7 @@ as the forward found them (NOTE [buffers as the forward saw them])."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -166,3 +167,29 @@ def test_a_partial_of_a_layers_forward_knows_its_module() -> None:
         assert torch.equal(a, b), name
     for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_another_threads_module_keeps_its_buffer_updates_during_a_recomputation() -> None:
+    """The shield of a recomputation's buffers is a process-wide module hook; a batch norm whose
+    forward ran in another thread meanwhile wrote throwaway copies (``num_batches_tracked`` left 0,
+    its statistics lost). Only the recomputing thread's calls are shielded now."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    other = nn.BatchNorm1d(3)
+    twin = copy.deepcopy(other)
+    batch = torch.randn(5, 3)
+    runs: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        runs.append(len(runs))
+        if len(runs) == 2:  # the run again, in backward: another thread trains its own module
+            thread = threading.Thread(target=other, args=(batch,))
+            thread.start()
+            thread.join()
+        return block(x)
+
+    remat.checkpoint(fn, torch.randn(6, 4, requires_grad=True)).sum().backward()
+    twin(batch)
+    assert len(runs) == 2 and other.num_batches_tracked.item() == 1
+    assert torch.equal(other.running_mean, twin.running_mean)
+    assert torch.equal(other.running_var, twin.running_var)

@@ -762,3 +762,29 @@ def test_an_input_the_op_saving_it_then_writes_is_recomputed_as_written(policy: 
     torch.manual_seed(1)
     act(x @ w)
     assert torch.equal(after, torch.rand(3))
+
+
+@pytest.mark.parametrize("make", [remat.scope, remat.offload, remat.plainly])
+def test_a_region_object_may_be_entered_again(make: Callable[[], AbstractContextManager[None]]) -> None:
+    """As a ``torch.no_grad()`` object: ``s = remat.scope()`` entered in a loop, nested in itself, and
+    used as a decorator, each entry the region afresh (the second ``with s:`` raised contextlib's own
+    AttributeError)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    expected = torch.autograd.grad(lin(x).tanh().sum(), [x, *lin.parameters()])
+    region = make()
+
+    @region
+    def decorated(h: torch.Tensor) -> torch.Tensor:
+        return lin(h).tanh()
+
+    for _ in range(2):
+        with region:
+            y = lin(x).tanh()
+        assert all(map(torch.equal, torch.autograd.grad(y.sum(), [x, *lin.parameters()]), expected))
+        with region, region:
+            y = lin(x).tanh()
+        assert all(map(torch.equal, torch.autograd.grad(y.sum(), [x, *lin.parameters()]), expected))
+        y = decorated(x)
+        assert all(map(torch.equal, torch.autograd.grad(y.sum(), [x, *lin.parameters()]), expected))

@@ -1,0 +1,50 @@
+"""Context managers that may be entered again, as ``torch.no_grad()`` objects may.
+
+A function made with ``contextlib.contextmanager`` returns an object that can be entered once:
+``s = remat.scope()`` entered in a loop failed at the second ``with s:`` with contextlib's own
+``AttributeError``. :func:`reusable` makes the object open a fresh context at each entry (nested
+or in another thread as well), and keeps it usable as a decorator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+__all__ = ["reusable"]
+
+
+class Reusable(contextlib.ContextDecorator, Generic[T]):
+    """A context that runs ``make(*args, **kwargs)``'s context at each entry."""
+
+    def __init__(self, make: Callable[..., contextlib.AbstractContextManager[T]], args: Any, kwargs: Any):
+        self._make, self._args, self._kwargs = make, args, kwargs
+        self._open = threading.local()  # per thread, the contexts entered and not left, innermost last
+
+    def __enter__(self) -> T:
+        context = self._make(*self._args, **self._kwargs)
+        value = context.__enter__()
+        if not hasattr(self._open, "stack"):
+            self._open.stack = []
+        self._open.stack.append(context)
+        return value
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._open.stack.pop().__exit__(*exc)
+
+
+def reusable(function: Callable[P, Iterator[T]]) -> Callable[P, Reusable[T]]:
+    """``contextlib.contextmanager(function)``, whose result may be entered again."""
+    made = contextlib.contextmanager(function)
+
+    @functools.wraps(function)
+    def opened(*args: P.args, **kwargs: P.kwargs) -> Reusable[T]:
+        return Reusable(made, args, kwargs)
+
+    return opened
