@@ -89,18 +89,19 @@ Executor = Callable[[Slice, dict[int, torch.Tensor]], None]
 
 
 def replay(
-    cut: Slice, execute: Executor = eager_steps, offloader: Offloader | None = None
+    cut: Slice, execute: Executor = eager_steps, offloader: Offloader | None = None, api: str = "scope"
 ) -> dict[int, torch.Tensor]:
     """Run the slice's steps without autograd or autocast (the tape already holds the casts) and
     return its targets. Random ops draw from the state they drew from in forward; the caller's
     generator states are restored afterwards. Offloaded values it reads come back through
-    ``offloader`` (the host copy holds the forward's value, whatever happened to the tensor since)."""
+    ``offloader`` (the host copy holds the forward's value, whatever happened to the tensor since).
+    ``api`` names the caller in errors."""
     env: dict[int, torch.Tensor] = {}
     for vid, (t, version) in cut.kept.items():
         if version >= 0 and t._version != version:  # an inference tensor has no version (-1)
             raise RecomputationError(
                 message(
-                    "scope",
+                    api,
                     "a tensor the region read was modified in place before backward recomputed from it",
                     f"{describe(t.dtype, t.shape)} at version {t._version}, read at version {version}",
                     "clone it before modifying it, or modify it after backward",
@@ -109,7 +110,7 @@ def replay(
         if t.numel() and t.untyped_storage().nbytes() == 0:
             raise RecomputationError(
                 message(
-                    "scope",
+                    api,
                     "a tensor the region read was freed before backward recomputed from it (its "
                     "storage was resized to 0, as FSDP2 does with the parameters of a unit that "
                     "reshards after forward)",

@@ -86,7 +86,9 @@ class Handle(NamedTuple):
 
 class TapedRegion:
     """One ``with remat.scope()`` block: its tape while it records, then the plan that recomputes
-    every tensor it handed to autograd as a handle."""
+    every tensor it handed to autograd as a handle. ``api`` names it in errors (a plan's: ``plan``)."""
+
+    api = "scope"
 
     def __init__(self, tape: Tape | None, execute: Executor = eager_steps) -> None:
         self.tape: Tape | None = tape
@@ -142,7 +144,7 @@ class TapedRegion:
             return Kept(t, t._version)
         if writer is not None:
             if writer < 0:
-                raise stale_view_error(t)
+                raise stale_view_error(t, self.api)
             self.writers_needed.add(writer)
         self.handles[vid] = self.handles.get(vid, 0) + 1
         self.packed[vid, len(tape.nodes)] = self.packed.get((vid, len(tape.nodes)), 0) + 1
@@ -205,7 +207,7 @@ class TapedRegion:
         other.plan, other.declared, other.spans = plan, self.declared, self.spans
         other.handles, other.packed, other.own = self.handles, self.packed, self.own
         other.results, other.writers_needed = self.results, self.writers_needed
-        other.rewritten = self.rewritten
+        other.rewritten, other.api = self.rewritten, self.api
         return other
 
     def _written_since(self, packed: Handle) -> bool:
@@ -219,12 +221,13 @@ class TapedRegion:
     def unpack(self, packed: Kept | Handle | Parcel) -> torch.Tensor:
         if isinstance(packed, Parcel):
             if packed.written():
-                raise _written(describe(packed.dtype, packed.size), "")
+                raise _written(self.api, describe(packed.dtype, packed.size), "")
             assert self.offloader is not None, "a parcel comes from the region's offloader"
             return self.offloader.back(packed)
         if isinstance(packed, Kept):
             if packed.tensor._version != packed.version:
                 raise _written(
+                    self.api,
                     describe(packed.tensor.dtype, packed.tensor.shape),
                     f" at version {packed.tensor._version}, saved at version {packed.version}",
                 )
@@ -236,7 +239,7 @@ class TapedRegion:
         if self.declared.get(packed.group) != packed.declared and self._written_since(packed):
             raise RecomputationError(
                 message(
-                    "scope",
+                    self.api,
                     "a tensor saved for backward was modified by an in-place op later in the region",
                     describe(packed.dtype, packed.shape),
                     "clone it before modifying it, or use the out-of-place op",
@@ -246,7 +249,7 @@ class TapedRegion:
         if t.shape != packed.shape or t.dtype != packed.dtype:
             raise RecomputationError(
                 message(
-                    "scope",
+                    self.api,
                     "recomputed tensor differs from the forward",
                     f"{describe(t.dtype, t.shape)}, forward saved {describe(packed.dtype, packed.shape)}",
                     "make sure nothing the region read changed between forward and backward",
@@ -262,19 +265,17 @@ class TapedRegion:
         if plan is None:
             raise RecomputationError(
                 message(
-                    "scope",
+                    self.api,
                     "backward reached a tensor saved by a region that is still recording",
                     "backward inside the `with remat.scope()` block",
                     "run backward after the block ends",
                 )
             )
-        graph_task = torch._C._current_graph_task_id()
+        graph_task, again = torch._C._current_graph_task_id(), (plan, self.execute, self.offloader, self.api)
         with self.lock:
             results = self.cache.get(graph_task) if graph_task >= 0 else None
             if results is None:
-                results = {
-                    v: (t, self.handles[v]) for v, t in replay(plan, self.execute, self.offloader).items()
-                }
+                results = {v: (t, self.handles[v]) for v, t in replay(*again).items()}
                 if graph_task >= 0:
                     self.cache[graph_task] = results
                     # a weak reference: the callback runs when the whole backward ends, and holding
@@ -284,7 +285,7 @@ class TapedRegion:
                     )
             entry = results.get(vid)
             if entry is None:  # already handed out in this backward: a tensor unpacked twice
-                return replay(plan, self.execute, self.offloader)[vid]
+                return replay(*again)[vid]
             tensor, left = entry
             if left == 1:
                 del results[vid]
@@ -314,15 +315,10 @@ class Recorder(Unguarded):
         return self.tape.record(func, args, kwargs or {})
 
 
-def _written(what: str, versions: str) -> RecomputationError:
-    return RecomputationError(
-        message(
-            "scope",
-            "a tensor saved for backward was modified in place after it was saved",
-            f"{what}{versions}",
-            "clone it before modifying it, or use the out-of-place op",
-        )
-    )
+def _written(api: str, what: str, versions: str) -> RecomputationError:
+    rule = "a tensor saved for backward was modified in place after it was saved"
+    todo = "clone it before modifying it, or use the out-of-place op"
+    return RecomputationError(message(api, rule, f"{what}{versions}", todo))
 
 
 def _forget(region: weakref.ref[TapedRegion], graph_task: int) -> None:

@@ -116,12 +116,12 @@ def written_from(node: Node, w: Write) -> int:
     return int(value.vid)
 
 
-def stale_view_error(view: torch.Tensor) -> RecomputationError:
+def stale_view_error(view: torch.Tensor, api: str = "scope") -> RecomputationError:
     """A view of an external is used after an in-place op inside the region wrote the external
     (NOTE [aliasing]): replay would see the snapshot, not what the forward saw."""
     return RecomputationError(
         message(
-            "scope",
+            api,
             "a view of a tensor from outside the region was used after that tensor was modified in "
             "place inside the region",
             f"view {describe(view.dtype, view.shape)}",
@@ -131,7 +131,9 @@ def stale_view_error(view: torch.Tensor) -> RecomputationError:
 
 
 class Tape:
-    """The ops of one region, in the order they ran, over value ids."""
+    """The ops of one region, in the order they ran, over value ids; ``api`` names it in errors."""
+
+    api = "scope"
 
     def __init__(self, policy: Policy, offloader: Offloader | None = None) -> None:
         self.policy = policy
@@ -173,7 +175,7 @@ class Tape:
             writer = self.writers.get(self.group[vid])
             if writer is not None:
                 if writer < 0:
-                    raise stale_view_error(t)
+                    raise stale_view_error(t, self.api)
                 after.append(writer)
         return Ref(vid)
 

@@ -124,6 +124,7 @@ class _Runner(Unguarded):
     def _start(self, region: Region) -> None:
         self.tape = Tape(_RECOMPUTE)
         self.region = TapedRegion(self.tape, self.execute)
+        self.tape.api = self.region.api = "plan"  # in errors
         self.region.note = self.note
         self.open = region
         torch._C._autograd._push_saved_tensors_default_hooks(self.region.pack, self.region.unpack)

@@ -120,7 +120,9 @@ class Learner:
     def __init__(self, ended: Callable[[], bool]) -> None:
         self.packs: list[Pack] = []
         self.kept: list[tuple[torch.Tensor, int] | None] = []  # per pack, the tensor kept
-        self.unpack = TapedRegion(None).unpack
+        region = TapedRegion(None)
+        region.api = "plan"  # in errors
+        self.unpack = region.unpack
         self.moved = False
         self.ended = ended  # whether the region has ended (else it has not begun)
 

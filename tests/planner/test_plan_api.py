@@ -661,3 +661,26 @@ def test_every_solver_names_the_minimum_auto_reaches_where_its_own_plans_stop_hi
     assert (
         plan_trace(trace, minimum["auto"], block_key=block_key(model)).predicted_peak_bytes <= minimum["auto"]
     )
+
+
+def test_a_plans_errors_in_backward_name_remat_plan() -> None:
+    """A weight a plan's region read, written between forward and backward, is refused by the
+    region's replay; the error named ``remat.scope``, which the program never called."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Sigmoid(), nn.Linear(64, 32)) for _ in range(3)]
+    model, x = nn.Sequential(*blocks), torch.randn(2, 16, 32)
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    trace = fixed_costs(trace_step(model, (), loss, repeats=1))
+    with pytest.raises(BudgetTooSmall) as info:
+        plan_trace(trace, 1)
+    plan = plan_trace(trace, info.value.minimum_bytes)
+    assert plan.regions
+    with plan.apply(model):
+        out = loss(model)
+    with torch.no_grad():
+        model[0][0].weight.add_(0.5)  # x needs no gradient: plain autograd saved no copy of it
+    with pytest.raises(RecomputationError, match=r"^remat\.plan: a tensor the region read was modified"):
+        out.backward()
