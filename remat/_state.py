@@ -1,5 +1,5 @@
 """Work that runs a model and leaves it as it was: its buffers, its parameters' gradients and the
-CPU generator put back afterwards (tracing a step, profiling a chain, planning a pipeline), the
+generators put back afterwards (tracing a step, profiling a chain, planning a pipeline), the
 gradients of every other leaf its backward reaches (an input, a loss head's weights), and the
 parameters its ops write in place (``ParametersBack``)."""
 
@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
 from remat._dispatch import Unguarded
+from remat._modules import own_attributes
+from remat.manual.reach import CONTAINER_LIMIT
 
 
 class Leaves:
@@ -47,8 +49,10 @@ class Leaves:
 def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Iterator[None]:
     """Inside, run ``modules`` at will; on the way out (an error included) their buffers get their
     values back (batch norm's statistics) and each buffer name its tensor (one the forward bound
-    anew), their parameters their ``.grad`` and the CPU generator its state (dropout's draws); so do
-    the ``.grad`` of the tensors ``leaves`` notes inside."""
+    anew), their parameters their ``.grad``, and the default generators of the CPU and every
+    initialized accelerator and the generators the modules hold as attributes (``self.g``, alone or
+    in a list, tuple or dict) their states (dropout's draws); so do the ``.grad`` of the tensors
+    ``leaves`` notes inside."""
     found = list(modules)
     buffers = [(b, b.detach().clone()) for m in found for b in m.buffers()]
     # which tensor each module's buffer names: a forward may bind a new one (``self.pe =
@@ -57,7 +61,7 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
     grads = [(p, p.grad) for m in found for p in m.parameters()]
     for p, _ in grads:  # backward inside adds into an existing ``.grad`` in place: start from none
         p.grad = None
-    rng = torch.random.get_rng_state()
+    rng = aten.capture_all(_held_generators(found))
     try:
         yield
     finally:
@@ -73,7 +77,20 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
                 m._buffers.update(names)
         for p, g in grads:
             p.grad = g
-        torch.random.set_rng_state(rng)
+        aten.restore(rng)
+
+
+def _held_generators(modules: list[nn.Module]) -> list[torch.Generator]:
+    """The generators ``modules`` and those below them hold as attributes, each once."""
+    found: dict[int, torch.Generator] = {}
+    for module in {id(m): m for top in modules for m in top.modules()}.values():
+        for _, value in own_attributes(module):
+            items = value.values() if isinstance(value, dict) else value
+            small = isinstance(value, (dict, list, tuple)) and len(value) <= CONTAINER_LIMIT
+            for item in items if small else [value]:
+                if type(item) is torch.Generator:
+                    found.setdefault(id(item), item)
+    return list(found.values())
 
 
 class ParametersBack(Unguarded):

@@ -4,6 +4,7 @@ and refuses clearly what it cannot do."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import re
@@ -684,3 +685,39 @@ def test_a_plans_errors_in_backward_name_remat_plan() -> None:
         model[0][0].weight.add_(0.5)  # x needs no gradient: plain autograd saved no copy of it
     with pytest.raises(RecomputationError, match=r"^remat\.plan: a tensor the region read was modified"):
         out.backward()
+
+
+class _OwnNoise(nn.Module):
+    """Blocks whose residual is masked by draws from a generator the model holds (``self.g``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3)
+        )
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x) * (torch.rand(x.shape, generator=self.g) > 0.2)
+        return x.square().mean()
+
+
+def test_planning_puts_back_a_generator_the_model_holds() -> None:
+    """Planning put back the default generator's state but advanced the model's own (three
+    forwards of draws): the first planned step drew other masks than the same step run plainly."""
+    torch.manual_seed(0)
+    model, x = _OwnNoise(), torch.randn(2, 16, 32)
+    twin = copy.deepcopy(model)
+    before = model.g.get_state()
+    plan = remat.plan(model, (x,), "min")
+    assert plan.regions and torch.equal(model.g.get_state(), before)
+    with plan.apply(model):
+        loss = model(x)
+    loss.backward()
+    expected = twin(x)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    )
