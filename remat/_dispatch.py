@@ -13,12 +13,16 @@ does on its first call.
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["Unguarded", "no_modes", "unguard"]
+__all__ = ["Unguarded", "no_modes", "saved_hooks", "skip_dynamo", "unguard"]
 
 
 def no_modes() -> contextlib.AbstractContextManager[object]:
@@ -61,3 +65,37 @@ class Unguarded(TorchDispatchMode):
     def __init__(self) -> None:
         unguard(type(self))
         super().__init__()
+
+
+_SKIPPED: set[types.CodeType] = set()
+
+
+def skip_dynamo(*functions: Callable[..., Any]) -> None:
+    """Have Dynamo skip the code of ``functions`` and all it calls, as ``unguard`` does: a
+    saved-tensor hook of remat's runs while a ``torch.compile``d module inside a region runs, and
+    Dynamo compiled it there as a frame of its own (the tape's ``pack``, recompiled for every
+    saved tensor until its recompile limit). Nothing while Dynamo is not loaded (no module was
+    compiled yet: ``torch.compile`` loads it), or where this torch lacks the API."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    for function in functions:
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if code is None or code in _SKIPPED:
+            continue
+        try:
+            from torch._C._dynamo.eval_frame import set_code_exec_strategy
+            from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        except Exception:  # a private API: a torch that moved or changed it compiles them
+            return
+        _SKIPPED.add(code)
+
+
+def saved_hooks(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+) -> contextlib.AbstractContextManager[None]:
+    """``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``, the hooks skipped by Dynamo
+    (``skip_dynamo``)."""
+    skip_dynamo(pack, unpack)
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

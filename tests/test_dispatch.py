@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -83,3 +84,50 @@ def test_no_modes_hides_remat_own_ops_from_a_mode_and_is_nothing_without_one() -
         torch.tan(x)
     assert counted.ops == ["aten.sin.default", "aten.tan.default"]
     assert isinstance(no_modes(), contextlib.nullcontext)
+
+
+def test_remats_saved_tensor_hooks_are_never_compiled_by_dynamo() -> None:
+    """A ``torch.compile``d child inside a plan's region, a scope or a checkpoint: its compiled code
+    runs while remat's saved-tensor hooks are set, and Dynamo compiled the tape's ``pack`` there as a
+    frame of its own, once per saved tensor (a guard on its counter) until its recompile limit.
+    Now the hooks' code is marked for Dynamo to skip; the child compiles once, the gradients are
+    the plain ones."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.testing import CompileCounter
+
+    from remat.manual.checkpoint import _Frame
+    from remat.manual.scope import TapedRegion
+    from remat.planner.taped_calls import Run
+
+    torch.manual_seed(0)
+    counter = CompileCounter()
+    nn = torch.nn
+    blocks = [nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Sigmoid(), nn.Linear(64, 32)) for _ in range(3)]
+    model = nn.Sequential(*blocks)
+    plain = copy.deepcopy(model)
+    model[1] = torch.compile(model[1], backend=counter)
+    x = torch.randn(2, 16, 32)
+
+    def step(run: Any) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        run().square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain(x).square().mean().backward()
+    expected = [p.grad for p in plain.parameters()]
+    plan = remat.plan(model, (x,), "min", loss_fn=lambda m, x: m(x).square().mean())
+    assert plan.regions
+
+    def planned() -> torch.Tensor:
+        with plan.apply(model):
+            return model(x)
+
+    def scoped() -> torch.Tensor:
+        with remat.scope():
+            return model(x)
+
+    for run in (planned, planned, planned, scoped, lambda: remat.checkpoint(model, x)):
+        assert all(map(torch.equal, step(run), expected))
+    for code in (Run.pack.__code__, TapedRegion.pack.__code__, _Frame.pack.__code__):
+        assert _debug_get_cache_entry_list(code) == []
+    assert counter.frame_count <= 2  # the child, and at most once more for the grad mode planning set

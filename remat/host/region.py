@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import aten
+from remat._dispatch import saved_hooks
 from remat._errors import RecomputationError, message
 from remat._reusable import reusable
 from remat.aten import describe, version_witness
@@ -249,7 +250,7 @@ def offload(
         return
     makers = Makers(policy)
     region = OffloadRegion(makers, offloader, demanded=policy is not None)
-    hooks: Any = torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
+    hooks: Any = saved_hooks(region.pack, region.unpack)
     try:
         with makers, hooks:
             yield offloader

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from remat import aten
-from remat._dispatch import no_modes
+from remat._dispatch import no_modes, saved_hooks
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, message
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
@@ -198,7 +198,7 @@ class _Frame:
                 self.buffers.shielded(),
                 self.parameters.restored("checkpoint"),
                 torch.enable_grad(),
-                torch.autograd.graph.saved_tensors_hooks(pack_again, unpack_again),
+                saved_hooks(pack_again, unpack_again),
                 joining() if self.joined else contextlib.nullcontext(),
                 refused("checkpoint"),  # NOTE [backward run again]
                 outside_transforms(),
@@ -272,7 +272,7 @@ def run(
         return fn(*args, **kwargs)
     try:
         with contextlib.ExitStack() as forward:
-            forward.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack))
+            forward.enter_context(saved_hooks(frame.pack, _unpack))
             forward.enter_context(frame.buffers.noting())
             if frame.provenance is not None:
                 forward.enter_context(frame.provenance.tracking(fn))

@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat import aten
-from remat._dispatch import Unguarded
+from remat._dispatch import Unguarded, saved_hooks
 from remat._errors import RecomputationError, RematTypeError, message
 from remat._reusable import reusable
 from remat.aten import describe
@@ -390,7 +390,7 @@ def scope(
     tape = Tape(RecomputeAll() if policy is None else policy, offloader)
     region = TapedRegion(tape, execute)
     try:
-        with Recorder(tape), torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+        with Recorder(tape), saved_hooks(region.pack, region.unpack):
             yield
     finally:
         region.finish()

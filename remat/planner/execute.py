@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from remat import aten
-from remat._dispatch import Unguarded
+from remat._dispatch import Unguarded, skip_dynamo
 from remat._errors import RecomputationError, RematError, RematTypeError, RematValueError, message
 from remat.manual.checkpoint import checkpointed
 from remat.manual.fused import ReplayMode, executor
@@ -127,6 +127,7 @@ class _Runner(Unguarded):
         self.tape.api = self.region.api = "plan"  # in errors
         self.region.note = self.note
         self.open = region
+        skip_dynamo(self.region.pack, self.region.unpack)
         torch._C._autograd._push_saved_tensors_default_hooks(self.region.pack, self.region.unpack)
 
     def stop(self) -> None:

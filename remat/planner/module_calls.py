@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
+from remat._dispatch import saved_hooks
 from remat._errors import RecomputationError, RematTypeError, message
 from remat._leaves import flat, leaves
 from remat._modules import below, buffers, parameters
@@ -343,7 +344,7 @@ def anchor(runner: Runner, region: Region, module: nn.Module) -> tuple[nn.Module
         template = bare.template(region, module, args, kwargs)
         if isinstance(template, Template):
             run = Run(template, module, leaves(args, kwargs), region.anchor)
-            with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            with saved_hooks(run.pack, run.unpack):
                 out = forward(*args, **kwargs)
             run.end()
             return out
@@ -377,7 +378,7 @@ def _learning(
     learner = Learner(lambda: runner.learned is not None)
     runner.note, runner.learned = learner.note, None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(learner.pack, learner.unpack):
+        with saved_hooks(learner.pack, learner.unpack):
             out = forward(*args, **kwargs)
         learned = runner.learned
     finally:

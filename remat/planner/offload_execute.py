@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from remat import aten
+from remat._dispatch import saved_hooks
 from remat.host.link import Link
 from remat.host.offloader import Offloader
 from remat.host.parcel import unmovable
@@ -116,7 +117,7 @@ def apply_offload(
     hooks = _Hooks(OffloadRegion(makers, offloader, demanded=True))
     make = functools.partial(_OffloadRunner, positions=positions, makers=makers, hooks=hooks)
     with (
-        torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack),
+        saved_hooks(hooks.pack, hooks.unpack),
         apply(regions, ops, modules, model, replay, make, shapes),
     ):
         yield

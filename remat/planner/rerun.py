@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat import aten
+from remat._dispatch import saved_hooks
 from remat._errors import RecomputationError, RematTypeError, message
 from remat._modules import below
 from remat.manual import autocast
@@ -158,7 +159,7 @@ class _Frame:
                 _attention(self.attention),
                 torch.enable_grad(),
                 self.buffers.shielded(),
-                torch.autograd.graph.saved_tensors_hooks(pack, _never),
+                saved_hooks(pack, _never),
                 refused("plan"),  # NOTE [backward run again] in remat.manual.inner_backward
                 outside_transforms(),
             ):
@@ -232,7 +233,7 @@ def run_again(
     try:
         with (
             frame.buffers.noting(),
-            torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack),
+            saved_hooks(frame.pack, _unpack),
             check if check is not None else contextlib.nullcontext(),
         ):
             out = forward(*args, **kwargs)

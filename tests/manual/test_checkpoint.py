@@ -449,7 +449,7 @@ def test_bad_policies_sequences_and_flags_are_clear_errors() -> None:
     with pytest.raises(remat.RematValueError, match=said), remat.offload(policy=Stringly()):
         x @ x
     with pytest.raises(
-        remat.RematTypeError, match=r"remat\.checkpoint_sequential: modules .* \(got a Linear\)"
+        remat.RematTypeError, match=r"remat\.checkpoint_sequential: functions .* \(got a Linear\)"
     ):
         remat.checkpoint_sequential(nn.Linear(2, 2), 1, x)  # type: ignore[arg-type]
     refused = pytest.raises(
