@@ -71,13 +71,25 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
             for b, value in buffers:
                 b.copy_(value)
         for m, names in bound:
-            now = m._buffers
-            if len(now) != len(names) or any(now.get(k) is not t for k, t in names.items()):
+            now, built = m._buffers, _built(m, names)
+            if len(now) != len(names) or any(now.get(k) is not t for k, t in {**names, **built}.items()):
                 m._buffers.clear()
-                m._buffers.update(names)
+                m._buffers.update({**names, **built})
         for p, g in grads:
             p.grad = g
         aten.restore(rng)
+
+
+def _built(module: nn.Module, names: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """NOTE [built at first call] A module may build a table at its first call and keep it for the
+    next ones (``if self.pe is None: self.pe = ...``, a rotary or positional cache): the first call
+    runs other ops than the later ones. Put back unbuilt, it made planning trace the building call
+    while training runs the others (a plan refused the second step; a plain attribute, which is not
+    put back, the first). So a buffer of ``module`` that was None, is not saved in its state dict
+    (``persistent=False``) and holds a tensor now is left holding it."""
+    kept = module._non_persistent_buffers_set
+    now = module._buffers
+    return {k: t for k, t in now.items() if k in kept and names.get(k, 0) is None and t is not None}
 
 
 def _held_generators(modules: list[nn.Module]) -> list[torch.Generator]:

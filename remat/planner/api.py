@@ -71,7 +71,10 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
     of every other leaf the backward reaches (an input's, a loss head's) and the buffers of the modules
     ``loss_fn`` holds or is given. On CUDA an untimed step runs first: a kernel's first launch loads its
     module and the allocator is cold, which made the ops that run once in the capture (batch norm,
-    in-place ReLU, dropout) cost 0.5 ms each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``).
+    in-place ReLU, dropout) cost 0.5 ms each instead of 0.1 (NOTE [CUDA op time] in ``remat.trace.op_time``);
+    elsewhere an untimed forward. Either builds what a module builds at its first call and keeps for
+    the next (NOTE [built at first call] in ``remat._state``), so that the step traced is the one
+    that repeats.
     The forward then runs once more, saving nothing, for when the program lets go of what autograd saved
     (``let_go``, NOTE [let go] in ``remat.trace.let_go``). On CPU the whole step also runs once under the
     allocator's account, for the memory no op made (``unseen_bytes``, NOTE [unseen bytes] in
@@ -108,6 +111,9 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
             with untouched(modules, leaves):
                 model.zero_grad(set_to_none=True)
                 first()
+        else:  # what a module builds at its first call is built before the step is traced
+            with untouched(modules), back:
+                step_loss(model, inputs, loss_fn)
         with untouched(modules, leaves):
             model.zero_grad(set_to_none=True)
             trace = capture(first, name=type(model).__name__, repeats=repeats)
