@@ -114,6 +114,7 @@ def trace_step(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, 
         else:  # what a module builds at its first call is built before the step is traced
             with untouched(modules), back:
                 step_loss(model, inputs, loss_fn)
+        torch.clear_autocast_cache()  # the traced step casts the weights again, as each step does
         with untouched(modules, leaves):
             model.zero_grad(set_to_none=True)
             trace = capture(first, name=type(model).__name__, repeats=repeats)

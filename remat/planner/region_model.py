@@ -200,7 +200,8 @@ def region_targets(
     for t, p in trace.saved_at:
         r = facts.root[t]
         g = window.get(p, -1)
-        if g >= 0 and p > written[g].get(t, len(trace.ops)):  # after op p - 1, the write's or later
+        # after op p - 1, the write's or later; a view of it saved too (a linear layer's 2-d view)
+        if g >= 0 and p > written[g].get(r, len(trace.ops)):
             packed[g].add(r)
             rewritten[g].add(r)
             continue
@@ -312,9 +313,10 @@ def replay_ops(
             ops_needed.add(i)
             for t in op.inputs:
                 r = root[t]
-                if t in written[g]:  # after the region's first write of it, the writer's value (a
-                    # buffer too: spectral norm's ``u``, which its power iteration writes in place)
-                    (wanted if written[g][t] < i else snaps).add(r)
+                if r in written[g]:  # after the region's first write of it, the writer's value (a
+                    # buffer too: spectral norm's ``u``, which its power iteration writes in place;
+                    # read through a view of it, as a linear layer reads a 3-d input, too)
+                    (wanted if written[g][r] < i else snaps).add(r)
                 elif trace.tensors[r].constant:
                     continue
                 elif facts.region_made(r) == g and r not in kept[g]:

@@ -238,7 +238,8 @@ def test_a_module_that_computes_other_shapes_when_run_again_is_refused() -> None
     torch.manual_seed(0)
     model, x = _Outer(_Growing()), torch.randn(4, 8)
     plan = _rerun_plan(model, x)
-    model.block.calls = 0  # the forward as traced (its first call is checked), the call again not
+    model.block.calls = 1  # the forward as traced (its second: planning's untimed forward, then the
+    # traced one; its first call is checked), the call again not
     with plan.apply(model):
         loss = model(x)
     with pytest.raises(RecomputationError, match="a tensor made again differs from the forward's"):

@@ -94,3 +94,54 @@ def test_each_solvers_smallest_plan_holds_its_budget(
     plan = plan_at(found, floor)
     assert plan.regions  # it recomputes something
     assert _measured(copy.deepcopy(model), x, plan) <= floor
+
+
+class _Scaled(nn.Module):
+    """A block writing its input in place first, by an op that saves nothing (``x.mul_(1.5)``), or
+    by one that saves its result (``x.relu_()``), then reading it through a linear layer, which
+    saves a 2-d view of a 3-d input."""
+
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.write, self.a, self.b = write, nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(1.5) if self.write == "mul_" else x.relu_()
+        h = self.a(x)
+        c = torch.tanh(h) * torch.sigmoid(h)
+        return x + self.b(nn.functional.gelu(torch.sin(c) + h) * c)
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.p = nn.Linear(32, 32)
+        self.layers = nn.ModuleList(_Scaled(write) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.p(x) * 1.0
+        for layer in self.layers:
+            x = layer(x) * 1.0
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("write", ["mul_", "relu_"])
+def test_a_write_read_and_saved_through_a_view_is_the_writers_value(write: str) -> None:
+    """The region model matched a save and a read of the written storage by the tensor written, not
+    by its storage: a view of it saved after the write (a linear layer's 2-d view of a 3-d input)
+    was not a target of the region, and the replay plan was held to read the storage itself. A
+    write that saves nothing (``mul_``) measured an activation (4 KiB) over its prediction and the
+    budget, one that saves its result (``relu_``) 4 KiB under. Every plan of the search, at the
+    floor and between it and the plain peak, now measures its prediction."""
+    torch.manual_seed(0)
+    model, x = _ScaledNet(write), torch.randn(2, 16, 32)
+    trace = fixed_costs(trace_step(model, (x,), repeats=1))
+    found = frontier(trace, "auto", block_key(model))
+    floor = min(c.pred.peak_bytes for c in found.candidates)
+    base = plan_trace(trace, 1.0).baseline_peak_bytes
+    recomputing = 0
+    for budget in (floor, (floor + base) // 2, (floor + 3 * base) // 4):
+        plan = plan_at(found, budget)
+        recomputing += bool(plan.regions)
+        assert _measured(copy.deepcopy(model), x, plan) == plan.predicted_peak_bytes <= budget
+    assert recomputing >= 2
