@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import re
 
 import pytest
 import torch
@@ -477,7 +478,7 @@ def test_a_recomputation_at_the_end_is_not_blamed_on_what_the_program_holds() ->
     from remat.core.pool import OutOfMemory
     from remat.dynamic.failures import explain
 
-    engine = SimpleNamespace(ops=224, current="")
+    engine = SimpleNamespace(ops=224, current="", runtime=SimpleNamespace(graph=SimpleNamespace(records=[])))
     region = SimpleNamespace(
         budget=104_384, reserve=5_219, arriving=0, capacity=99_165, least_budget=lambda n: n + 5_703
     )
@@ -593,3 +594,17 @@ def test_offloading_inside_a_dynamic_region_is_refused_and_the_step_then_runs_pl
     model.zero_grad()
     step()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_budget_too_small_names_the_generator_states_the_region_keeps() -> None:
+    """The bytes a budget needs count the generator state of each random op the region may run
+    again (5,056 bytes on CPU), which the program never made: ``remat memory --budget 1.0`` on a
+    model with dropout was refused for more than the plain step held, with no word of why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1)) for _ in range(6)])
+    x = torch.randn(32, 64)
+    said = r"cannot hold what op \d+ .* needs at once: .*, (\d+) bytes of them generator states"
+    with pytest.raises(RematValueError, match=said) as info, remat.dynamic(150_000, "dtr", keep=model):
+        model(x).square().mean().backward()
+    found = re.search(said, str(info.value))
+    assert found is not None and int(found.group(1)) > 0 and int(found.group(1)) % 5056 == 0
