@@ -99,14 +99,15 @@ def measure(
     if op_costs == "model":
         events = tuple(replace(e, cost=e.est_cost) if isinstance(e, Op) else e for e in trace.events)
         trace = replace(trace, events=events)
-    saved, out = _held(module, inputs, target, loss_fn, last)
+    saved, out, loss = _held(module, inputs, target, loss_fn, last)
     sizes = [t.numel() * t.element_size() for t in (inputs, out)]
     shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (inputs, out)]
     plain = plan_trace(trace, _UNLIMITED, block_key=block_key(module))
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     f, b = _seconds(trace, Phase.FORWARD), _seconds(trace, Phase.BACKWARD)
-    # a contiguous slice keeps its whole storage: so does the send that holds it (``transfer_bytes``)
-    held_out = out.untyped_storage().nbytes()
+    # a contiguous slice keeps its whole storage: so does the send that holds it (``transfer_bytes``);
+    # the last stage's loss too is kept to the end of the step (NOTE [the output counted once])
+    held_out = out.untyped_storage().nbytes() + loss
     peak = plain.predicted_peak_bytes
     later = _later(module, x, stage, step_loss, trace)
     outputs.clear()
@@ -153,16 +154,19 @@ def _held(
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     last: bool,
-) -> tuple[int, torch.Tensor]:
+) -> tuple[int, torch.Tensor, int]:
     """The bytes one micro-batch's step (the loss's included) saves for its backward beside the
-    stage's output, and the output (detached).
+    stage's output, the output (detached), and the bytes of the last stage's loss (0 elsewhere).
 
     NOTE [the output counted once] the pipeline model holds every micro-batch's output beside what
     it saves (torch's stage keeps the output until the backward), so a saved output (a stage ending
     in a ReLU, a loss that saves its input such as ``mse_loss``) is left out here; what only the
     loss saves (cross entropy's log-probabilities, the size of the logits) is in. The output counts
     its whole storage (a slice of a saved tensor keeps all of it). Parameters, buffers, the input
-    (the stage's receive buffer) and the target are held anyway."""
+    (the stage's receive buffer) and the target are held anyway. torch's schedule keeps each
+    micro-batch's loss to the end of the step too (its list of losses, a copy of its own size:
+    NOTE [compact losses] in ``remat.pipeline.execute``), so the last stage's output counts its
+    loss beside it (cross entropy's 4 bytes; three of them made a rank 12 bytes over a budget)."""
     held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), inputs, target)}
     seen: dict[int, int] = {}
 
@@ -172,12 +176,13 @@ def _held(
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
+    loss = 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(inputs).contiguous()  # as the stage sends it (``execute.sendable``)
         if last:
-            loss_fn(out, target)
+            loss = loss_fn(out, target).nbytes  # as the schedule keeps it (NOTE [compact losses])
     seen.pop(out.untyped_storage().data_ptr(), None)
-    return sum(seen.values()), out.detach()
+    return sum(seen.values()), out.detach(), loss
 
 
 def _loss(

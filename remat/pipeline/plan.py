@@ -189,6 +189,11 @@ class PipelinePlan:
                     "pass the list PipelinePlan.stages returned for this rank",
                 )
             )
+        if loss_fn is not None and not callable(loss_fn):  # else torch's schedule calls it mid-step
+            rule = "loss_fn must be callable (or None: no loss, as torch's schedules take it)"
+            todo = "pass loss_fn(output, target), the function given to remat.pipeline.plan"
+            given = f"got {loss_fn!r}"[:200]
+            raise RematTypeError(message("pipeline.PipelinePlan.schedule", rule, given, todo))
         return torch_schedule(self.order.name, stages, self.order.n_microbatches, loss_fn)
 
     # -- storing it ---------------------------------------------------------------------------

@@ -58,8 +58,9 @@ def test_two_plans_on_fresh_models_predict_the_same_bytes() -> None:
 def test_the_last_stage_holds_its_output_once_where_the_loss_saves_it() -> None:
     """After the last stage's forward and loss, the allocator holds what the model counts for a
     micro-batch in flight there: its saved bytes and its output, once (``mse_loss`` saves the
-    output; a product with the target saves only the target). The loss's graph is kept, the loss
-    itself dropped (torch's schedule keeps a copy)."""
+    output; a product with the target saves only the target). The loss's graph is kept, and the
+    loss as torch's schedule keeps it, a copy of its own size (``mse_loss`` returns its 4 bytes in
+    the storage of its elementwise losses): counted with the output."""
     torch.manual_seed(0)
     stage = mlp_chain(2, 32, 128)
     x, y = torch.randn(ROWS, 32), torch.randn(ROWS, 32)
@@ -68,10 +69,12 @@ def test_the_last_stage_holds_its_output_once_where_the_loss_saves_it() -> None:
         base, *_ = measure(order, 0, stage, x, y, loss_fn, "model")
         with track(allocator=True) as memory:
             out = stage(x)
-            graph = loss_fn(out, y).grad_fn
-        assert base.output_bytes == out.numel() * out.element_size()
+            loss = loss_fn(out, y)
+            graph, kept = loss.grad_fn, loss.clone()
+            del loss
+        assert base.output_bytes == out.numel() * out.element_size() + kept.nbytes
         assert memory.current_bytes == base.saved_bytes + base.output_bytes
-        del graph, out
+        del graph, out, kept
 
 
 class _Half(nn.Module):
@@ -96,9 +99,10 @@ def test_what_the_loss_or_the_stage_saves_is_counted_once() -> None:
         last = stage == order.n_stages - 1
         with track(allocator=True) as memory:
             out = sendable(module(x))
-            graph = nn.functional.cross_entropy(out, labels).grad_fn if last else None
+            loss = nn.functional.cross_entropy(out, labels) if last else None  # the schedule keeps it
+            graph = loss.grad_fn if loss is not None else None
         assert memory.current_bytes == base.saved_bytes + base.output_bytes
-        del graph, out
+        del graph, out, loss
 
 
 def test_a_micro_batchs_backward_holds_its_output() -> None:

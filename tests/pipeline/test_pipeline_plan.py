@@ -153,6 +153,14 @@ def test_a_schedule_given_another_count_of_stages_is_refused(plain) -> None:
         plain.schedule([], nn.functional.mse_loss)
 
 
+def test_a_schedule_given_a_loss_function_that_is_no_function_is_refused(plain) -> None:
+    """It failed inside torch's schedule at its first step, on the last rank only (the other ranks
+    then lost their connection)."""
+    for given in (3, "mse"):
+        with pytest.raises(RematTypeError, match=r"PipelinePlan\.schedule: loss_fn must be callable"):
+            plain.schedule([object()], given)
+
+
 def test_save_load_round_trip_and_stages_need_the_model(plain, example, tmp_path: Path) -> None:
     model, _, _ = example
     plain.save(tmp_path / "p.json")
