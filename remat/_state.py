@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from remat import aten
 from remat._dispatch import Unguarded
 from remat._modules import own_attributes
-from remat.manual.reach import CONTAINER_LIMIT
+from remat.manual.own_generators import generators_in
 
 
 class Leaves:
@@ -94,15 +94,8 @@ def _built(module: nn.Module, names: dict[str, torch.Tensor | None]) -> dict[str
 
 def _held_generators(modules: list[nn.Module]) -> list[torch.Generator]:
     """The generators ``modules`` and those below them hold as attributes, each once."""
-    found: dict[int, torch.Generator] = {}
-    for module in {id(m): m for top in modules for m in top.modules()}.values():
-        for _, value in own_attributes(module):
-            items = value.values() if isinstance(value, dict) else value
-            small = isinstance(value, (dict, list, tuple)) and len(value) <= CONTAINER_LIMIT
-            for item in items if small else [value]:
-                if type(item) is torch.Generator:
-                    found.setdefault(id(item), item)
-    return list(found.values())
+    below = {id(m): m for top in modules for m in top.modules()}.values()
+    return generators_in(v for module in below for _, v in own_attributes(module))
 
 
 class ParametersBack(Unguarded):

@@ -27,7 +27,7 @@ from torch import nn
 from remat._modules import own_attributes
 from remat.manual.reach import CONTAINER_LIMIT, held
 
-__all__ = ["own_generators"]
+__all__ = ["generators_in", "own_generators"]
 
 
 def own_generators(
@@ -39,7 +39,6 @@ def own_generators(
 ) -> list[torch.Generator]:
     """The generators ``fn(*args, **kwargs)`` can reach (NOTE [own generators]), each once;
     ``reach``: ``held(fn)`` where the caller has it."""
-    found: dict[int, torch.Generator] = {}
     values: list[Any] = [*args, *kwargs.values()]
     if isinstance(fn, functools.partial):  # what it holds is its function's, not its own
         values += [*fn.args, *fn.keywords.values(), *held(fn.func)]
@@ -47,6 +46,13 @@ def own_generators(
         values += held(fn) if reach is None else reach
     for module in modules:
         values += [v for _, v in own_attributes(module)]
+    return generators_in(values)
+
+
+def generators_in(values: Iterable[Any]) -> list[torch.Generator]:
+    """The generators among ``values`` and in those of them that are lists, tuples and dicts of at
+    most ``CONTAINER_LIMIT`` items, each once."""
+    found: dict[int, torch.Generator] = {}
     for value in values:
         items = value.values() if isinstance(value, dict) else value
         container = isinstance(value, (dict, list, tuple)) and len(value) <= CONTAINER_LIMIT

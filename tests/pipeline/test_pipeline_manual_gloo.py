@@ -110,14 +110,9 @@ def test_a_stage_sending_a_slice_of_a_larger_tensor_stays_within_its_budget_and_
     (it counted the slice's own bytes, and rank 0 measured 17% over its budget). The last stage's
     rank, which the model over-counts (7% here), is held to the bound only."""
     plan, results = spawned[1]
-    line = plan.timeline()
-    for result in results:
-        for measured, predicted in (
-            (result.first_peak_bytes, line.peak_bytes[result.rank]),
-            (result.peak_bytes, line.steady_peak_bytes[result.rank]),
-        ):
-            assert measured <= min(plan.budget_bytes, predicted)
-            assert result.rank == RANKS - 1 or measured >= 0.95 * predicted
+    for rank, measured, predicted in _peaks(plan, results):
+        assert measured <= min(plan.budget_bytes, predicted)
+        assert rank == RANKS - 1 or measured >= 0.95 * predicted
 
 
 def test_the_last_stage_holds_each_micro_batchs_loss_to_the_end_of_the_step(spawned) -> None:
@@ -125,14 +120,22 @@ def test_the_last_stage_holds_each_micro_batchs_loss_to_the_end_of_the_step(spaw
     under cross entropy (whose input the loss does not save) the last rank measured 12 bytes, three
     losses, over the prediction and over the budget the plan accepted."""
     plan, results = spawned[2]
+    for _, measured, predicted in _peaks(plan, results):
+        assert measured <= min(plan.budget_bytes, predicted)
+    assert results[-1].first_peak_bytes == plan.timeline().peak_bytes[-1] == plan.budget_bytes
+
+
+def _peaks(plan: pp.PipelinePlan, results: list[RankResult]) -> list[tuple[int, int, int]]:
+    """(rank, measured, predicted) of each rank's first step and of its later ones."""
     line = plan.timeline()
-    for result in results:
+    return [
+        (r.rank, measured, predicted)
+        for r in results
         for measured, predicted in (
-            (result.first_peak_bytes, line.peak_bytes[result.rank]),
-            (result.peak_bytes, line.steady_peak_bytes[result.rank]),
-        ):
-            assert measured <= min(plan.budget_bytes, predicted)
-    assert results[-1].first_peak_bytes == line.peak_bytes[-1] == plan.budget_bytes
+            (r.first_peak_bytes, line.peak_bytes[r.rank]),
+            (r.peak_bytes, line.steady_peak_bytes[r.rank]),
+        )
+    ]
 
 
 def _again(stage: nn.Module, form: str) -> int:

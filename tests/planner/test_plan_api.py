@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import io
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -76,9 +77,9 @@ class _Gelu(nn.Module):
         return 0.5 * h * (1.0 + torch.tanh(0.79788 * (h + 0.044715 * torch.pow(h, 3.0))))
 
 
-def test_the_floor_counts_the_numbers_autograd_keeps() -> None:
-    """NOTE [wrapped numbers] in ``remat.aten.schema``: 24 bytes a block that no dispatch mode
-    sees; the plan at the floor measured 24 bytes over it, the plain step 96 over its prediction."""
+def _gelu_blocks() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor], remat.trace.Trace, int]:
+    """Four blocks with a tanh GELU, their step's loss (after a warm-up step), its trace on fixed
+    costs, and the minimum a ``BudgetTooSmall`` names for it."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), _Gelu(), nn.Linear(64, 16)) for _ in range(4)])
     x = torch.randn(8, 16)
@@ -90,8 +91,15 @@ def test_the_floor_counts_the_numbers_autograd_keeps() -> None:
     trace = fixed_costs(trace_step(model, (), loss, repeats=1))
     with pytest.raises(BudgetTooSmall) as info:
         plan_trace(trace, 1000)
-    plan = plan_trace(trace, info.value.minimum_bytes)
-    assert step_peak(model, loss, plan) == plan.predicted_peak_bytes <= info.value.minimum_bytes
+    return model, loss, trace, info.value.minimum_bytes
+
+
+def test_the_floor_counts_the_numbers_autograd_keeps() -> None:
+    """NOTE [wrapped numbers] in ``remat.aten.schema``: 24 bytes a block that no dispatch mode
+    sees; the plan at the floor measured 24 bytes over it, the plain step 96 over its prediction."""
+    model, loss, trace, minimum = _gelu_blocks()
+    plan = plan_trace(trace, minimum)
+    assert step_peak(model, loss, plan) == plan.predicted_peak_bytes <= minimum
     assert step_peak(model, loss) == plan.baseline_peak_bytes
 
 
@@ -99,19 +107,9 @@ def test_budget_min_is_the_plan_of_the_minimum_a_refusal_names() -> None:
     """``budget="min"``: the lowest plan of the search, the one the minimum of a ``BudgetTooSmall``
     is the peak of, measured at its prediction; another solver's own lowest plan; and a budget
     that is none of bytes, a ratio or "min" names all three."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), _Gelu(), nn.Linear(64, 16)) for _ in range(4)])
-    x = torch.randn(8, 16)
-
-    def loss(m: nn.Module) -> torch.Tensor:
-        return m(x).square().mean()
-
-    step_peak(model, loss)  # a warm-up step
-    trace = fixed_costs(trace_step(model, (), loss, repeats=1))
-    with pytest.raises(BudgetTooSmall) as info:
-        plan_trace(trace, 1000)
+    model, loss, trace, minimum = _gelu_blocks()
     lowest = plan_trace(trace, " MIN ")
-    assert lowest.budget_bytes == lowest.predicted_peak_bytes == info.value.minimum_bytes
+    assert lowest.budget_bytes == lowest.predicted_peak_bytes == minimum
     assert lowest.predicted_peak_bytes < lowest.baseline_peak_bytes
     assert step_peak(model, loss, lowest) == lowest.predicted_peak_bytes
     sqrt = min(c.pred.peak_bytes for c in remat.planner.frontier.frontier(trace, "sqrt").candidates)
