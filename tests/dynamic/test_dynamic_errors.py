@@ -260,8 +260,11 @@ def test_the_copies_of_batch_norm_statistics_replay_in_the_simulator(policy: str
         nn.Linear(64, 1),
     )
     x = torch.randn(256, 8)
-    with remat.dynamic(None, cost="model") as free:
-        model(x).square().mean().backward()
+    free = remat.dynamic(None, cost="model")
+    for _ in range(2):  # the peak of the second step: the first learns the kernels' scratch bytes (a
+        # batch norm backward's 64 KiB), unless a step before in the process did (the test's order)
+        with free:
+            model(x).square().mean().backward()
     region = remat.dynamic(int(0.85 * free.stats.peak_bytes), policy, cost="model", reserve=0)
     with region:
         model(x).square().mean().backward()
