@@ -52,6 +52,7 @@ from remat.pipeline.split import (
     leaf_safe,
     loose,
     profile,
+    trainable_from,
     untied,
 )
 from remat.pipeline.stage_plan import StagePlan
@@ -108,12 +109,12 @@ def _cut(
         ]
         leaf_safe(named, writes)
     else:
-        costs = profile(children, example)
+        costs, first = profile(children, example), trainable_from(children, example)
         if by == "time":
-            cuts = balance([c.seconds for c in costs], [1] * p, barred=writes)
+            cuts = balance([c.seconds for c in costs], [1] * p, barred=writes, first=first)
         else:
             held = [order.in_flight(s) for s in range(p)]
-            cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes)
+            cuts = balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes, first)
     loose([s for s in range(p) if not dense[cuts[s + 1] - 1]])
     return [nn.Sequential(*children[cuts[s] : cuts[s + 1]]) for s in range(p)], tuple(cuts)
 

@@ -37,7 +37,7 @@ from remat._state import untouched
 from remat.pipeline.choose import choose
 from remat.pipeline.measure import measure
 from remat.pipeline.schedule import Schedule
-from remat.pipeline.split import balance, chained, children_of, loose, profile, untied
+from remat.pipeline.split import balance, chained, children_of, loose, profile, trainable_from, untied
 from remat.pipeline.stage_plan import StagePlan
 from remat.pipeline.timeline import ActionCost, _walk
 from remat.trace.types import Trace
@@ -221,12 +221,15 @@ def searched(
     dense, writes = chained(children, example, model)
     # as many children per stage as can be, as by hand (refusing more stages than children, or a
     # chain no cut of which avoids a module writing its input)
-    starts = [balance([1.0] * len(children), [1] * p, barred=writes)]
+    least = trainable_from(children, example)
+    starts = [balance([1.0] * len(children), [1] * p, barred=writes, first=least)]
     if not _exhaustive(len(children), p):  # a descent starts from the balanced cuts too
         costs = profile(children, example)
         held = [order.in_flight(s) for s in range(p)]
-        starts.append(balance([c.seconds for c in costs], [1] * p, barred=writes))
-        starts.append(balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes))
+        starts.append(balance([c.seconds for c in costs], [1] * p, barred=writes, first=least))
+        starts.append(
+            balance([c.saved_bytes for c in costs], held, [c.grad_bytes for c in costs], writes, least)
+        )
     # no stage starts with a child that writes its input, or that holds a parameter an earlier one does
     forbidden = {k for k, w in enumerate(writes) if w and k > 0}
     first: dict[int, int] = {}

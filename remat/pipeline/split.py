@@ -84,12 +84,15 @@ def balance(
     weights: Sequence[int],
     fixed: Sequence[float] | None = None,
     barred: Sequence[bool] = (),
+    first: int = 1,
 ) -> tuple[int, ...]:
     """The cut points (``len(weights) + 1`` of them, first 0, last ``len(costs)``) that minimize
     the largest ``weights[s] * sum(costs of stage s) + sum(fixed of stage s)``, every stage
     non-empty, no stage after the first starting at a child ``barred`` (NOTE [a stage's input is a
-    leaf])."""
+    leaf]), the first stage holding at least ``first`` children where some cut can
+    (``trainable_from``)."""
     n, parts = len(costs), len(weights)
+    first = first if first <= n - parts + 1 else 1  # else the stage's refusal names why
     if parts > n:
         raise RematValueError(
             message(
@@ -109,7 +112,7 @@ def balance(
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for s in range(1, parts + 1):
-        for i in range(s, n - (parts - s) + 1):
+        for i in range(max(s, first) if s == 1 else s, n - (parts - s) + 1):
             for j in range(s - 1, i):
                 if s > 1 and j < len(barred) and barred[j]:
                     continue
@@ -127,6 +130,19 @@ def balance(
     for s in range(parts, 0, -1):
         bounds.append(cut[s][bounds[-1]])
     return tuple(reversed(bounds))
+
+
+def trainable_from(children: Sequence[nn.Module], example: torch.Tensor) -> int:
+    """The fewest children the first stage holds so that it has something to differentiate (torch's
+    schedules run a backward on every stage): up to the first child with a parameter that requires
+    grad, unless the example requires grad. A cut balanced by time put an in-place ReLU alone in
+    the first stage when it happened to measure as long as the rest, and the plan was refused."""
+    if example.requires_grad:
+        return 1
+    for k, child in enumerate(children):
+        if any(p.requires_grad for p in child.parameters()):
+            return k + 1
+    return 1
 
 
 def _refused(rule: str, given: str, todo: str, kind: type[Exception] = RematValueError) -> Exception:

@@ -17,7 +17,7 @@ from torch import nn
 import remat.pipeline as pp
 from remat import RematTypeError, RematValueError
 from remat.pipeline.chain import mlp_chain
-from remat.pipeline.split import balance
+from remat.pipeline.split import balance, trainable_from
 
 ROWS, M = 256, 4
 
@@ -52,6 +52,18 @@ def test_balance_is_the_minimax_contiguous_cut() -> None:
     assert balance([1, 1, 1, 1, 1, 1], [2, 1]) == (0, 2, 6)
     with pytest.raises(RematValueError, match=r"more stages than children to cut \(3 stages, 2 children\)"):
         balance([1, 1], [1, 1, 1])
+
+
+def test_a_balanced_first_stage_holds_something_to_differentiate() -> None:
+    """A cut balanced by time put an in-place ReLU (no parameter, its input the example) alone in
+    the first stage whenever it measured as long as the rest, and the plan was refused: the first
+    stage now reaches the first child with a trainable parameter."""
+    chain = [nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)]
+    assert trainable_from(chain, torch.randn(4, 8)) == 2
+    assert trainable_from(chain, torch.randn(4, 8, requires_grad=True)) == 1
+    assert balance([10, 1, 1, 1], [1, 1]) == (0, 1, 4)
+    assert balance([10, 1, 1, 1], [1, 1], first=2) == (0, 2, 4)
+    assert balance([10, 1, 1, 1], [1, 1, 1], first=4) == (0, 1, 2, 4)  # no cut can: the refusal says why
 
 
 def test_a_large_budget_recomputes_nothing_and_leaves_the_model_as_it_was(example, plain) -> None:
