@@ -50,18 +50,19 @@ def untouched(modules: Iterable[nn.Module], leaves: Leaves | None = None) -> Ite
     """Inside, run ``modules`` at will; on the way out (an error included) their buffers get their
     values back (batch norm's statistics) and each buffer name its tensor (one the forward bound
     anew), their parameters their ``.grad``, and the default generators of the CPU and every
-    initialized accelerator and the generators the modules hold as attributes (``self.g``, alone or
-    in a list, tuple or dict) their states (dropout's draws); so do the ``.grad`` of the tensors
-    ``leaves`` notes inside."""
+    initialized accelerator and the generators the modules (and those below them) hold as
+    attributes (``self.g``, alone or in a list, tuple or dict) their states (dropout's draws); so
+    do the ``.grad`` of the tensors ``leaves`` notes inside."""
     found = list(modules)
     buffers = [(b, b.detach().clone()) for m in found for b in m.buffers()]
     # which tensor each module's buffer names: a forward may bind a new one (``self.pe =
     # self.pe.to(x.dtype)``, a running average ``self.ema = 0.9 * self.ema + ...``)
-    bound = [(m, dict(m._buffers)) for m in {id(m): m for f in found for m in f.modules()}.values()]
+    every = list({id(m): m for f in found for m in f.modules()}.values())  # each module below once
+    bound = [(m, dict(m._buffers)) for m in every]
     grads = [(p, p.grad) for m in found for p in m.parameters()]
     for p, _ in grads:  # backward inside adds into an existing ``.grad`` in place: start from none
         p.grad = None
-    rng = aten.capture_all(_held_generators(found))
+    rng = aten.capture_all(generators_in(v for m in every for _, v in own_attributes(m)))
     try:
         yield
     finally:
@@ -90,12 +91,6 @@ def _built(module: nn.Module, names: dict[str, torch.Tensor | None]) -> dict[str
     kept = module._non_persistent_buffers_set
     now = module._buffers
     return {k: t for k, t in now.items() if k in kept and names.get(k, 0) is None and t is not None}
-
-
-def _held_generators(modules: list[nn.Module]) -> list[torch.Generator]:
-    """The generators ``modules`` and those below them hold as attributes, each once."""
-    below = {id(m): m for top in modules for m in top.modules()}.values()
-    return generators_in(v for module in below for _, v in own_attributes(module))
 
 
 class ParametersBack(Unguarded):

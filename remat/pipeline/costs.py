@@ -44,19 +44,7 @@ class Cost:
     def bad(self) -> str | None:
         """The first figure that is no number (a bool is none), negative or not finite (seconds),
         or no whole number (bytes; the two optional ones may be None), as ``name=value``; else None."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in ("later_peak_bytes", "sent_bytes"):
-                continue
-            kinds = (int, float) if f.name.endswith("_s") else (int,)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, kinds)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                return f"{f.name}={value!r}"
-        return None
+        return _first_bad(self)
 
 
 @dataclass(frozen=True)
@@ -79,13 +67,7 @@ class ActionCost:
     def bad(self) -> str | None:
         """The first figure that is no number (a bool is none), negative or not finite, as
         ``name=value``, or None."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return f"{f.name}={value!r}"
-            if not math.isfinite(value) or value < 0:
-                return f"{f.name}={value!r}"
-        return None
+        return _first_bad(self)
 
     def __str__(self) -> str:
         return (
@@ -94,6 +76,20 @@ class ActionCost:
             f"link {self.latency_s * 1e3:.3f} ms + {self.byte_s * 1e9:.3f} ns/byte, "
             f"step {self.step_s * 1e3:.3f} ms)"
         )
+
+
+def _first_bad(figures: Cost | ActionCost) -> str | None:
+    """The first field of ``figures`` that is no number (a bool is none), negative or not finite,
+    or, unless its name ends in ``_s`` (seconds), no whole number, as ``name=value``; a field whose
+    default is None may be None. None where every one is sound."""
+    for f in fields(figures):
+        value = getattr(figures, f.name)
+        if value is None and f.default is None:
+            continue
+        kinds = (int, float) if f.name.endswith("_s") else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < 0:
+            return f"{f.name}={value!r}"
+    return None
 
 
 def check(schedule: object, costs: object, per_action: object) -> None:
