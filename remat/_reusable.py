@@ -38,6 +38,16 @@ class Reusable(contextlib.ContextDecorator, Generic[T]):
     def __exit__(self, *exc: Any) -> bool | None:
         return self._open.stack.pop().__exit__(*exc)
 
+    def __copy__(self) -> Reusable[T]:
+        """A copy enters the same context, with none open (a module holding the object is copied
+        by ``copy.deepcopy`` and an EMA's ``AveragedModel``): its settings are shared, as a
+        function's would be, and a copy of them could not be entered in its stead (an offloader
+        holds a lock)."""
+        return Reusable(self._make, self._args, self._kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Reusable[T]:
+        return self.__copy__()
+
 
 def reusable(function: Callable[P, Iterator[T]]) -> Callable[P, Reusable[T]]:
     """``contextlib.contextmanager(function)``, whose result may be entered again."""

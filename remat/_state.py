@@ -100,7 +100,8 @@ class ParametersBack(Unguarded):
     before the first such write; ``restore`` writes it back. The copy runs outside every dispatch
     mode (a capture's recorder below this one does not see it). Planning runs the step several
     times: without this, each run left the weight renormalized again, and the trained model was
-    not the one given; a batch the model adds to in place came back with three additions."""
+    not the one given; a batch the model adds to in place came back with three additions. So
+    each generator a random op is handed has its state taken before its first draw, and put back."""
 
     def __init__(self, modules: Iterable[nn.Module], tensors: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
@@ -109,10 +110,16 @@ class ParametersBack(Unguarded):
         found = {id(p): p for p in made if p.layout == torch.strided}
         self.params = {p.untyped_storage()._cdata: p for p in found.values()}
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the generators random ops are handed (``generator=self.config.g``, wherever the model keeps
+        # it), with their states before their first draw: ``untouched`` reaches only those a module
+        # holds as its own attributes
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         facts = aten.facts(func)
+        for g in (v for v in (*args, *kwargs.values()) if type(v) is torch.Generator) if facts.random else ():
+            self.generators.setdefault(id(g), (g, g.get_state()))
         places = facts.all_writes(args) if facts.hidden_writes else facts.writes
         for t in aten.written_tensors(places, args, kwargs) if places and self.params else ():
             key = t.untyped_storage()._cdata if t.layout == torch.strided else -1
@@ -126,3 +133,6 @@ class ParametersBack(Unguarded):
             for p, content in self.copies.values():
                 p.copy_(content)
         self.copies.clear()
+        for g, state in self.generators.values():
+            g.set_state(state)
+        self.generators.clear()

@@ -149,13 +149,17 @@ _SECONDS = {"s": 1.0, "": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 def parse_rate(value: object, api: str = "memory.parse_rate") -> float:
     """Return a positive rate in bytes per second from a number or a string such as ``"25GB/s"``
     or ``"12 GiB/s"`` (units as :func:`parse_bytes`)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not (value > 0 and math.isfinite(value)):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's numbers too
+        if not (float(value) > 0 and math.isfinite(value)):
             raise RematValueError(
                 message(api, "a rate must be positive and finite", f"got {value!r}", 'pass e.g. "25GB/s"')
             )
         return float(value)
     match = _RATE.match(value) if isinstance(value, str) else None
+    if match is not None and re.fullmatch(r"\s*[-+]?0*\.?0*\s*[A-Za-z]*\s*", match.group(1)):  # "0GB/s"
+        raise RematValueError(
+            message(api, "a rate must be positive and finite", f"got {value!r}", 'pass e.g. "25GB/s"')
+        )
     if match is None:
         raise RematValueError(
             message(api, "cannot parse this rate", f"got {value!r}", 'pass bytes per second such as "25GB/s"')
@@ -166,13 +170,17 @@ def parse_rate(value: object, api: str = "memory.parse_rate") -> float:
 def parse_seconds(value: object, api: str = "memory.parse_seconds") -> float:
     """Return a duration in seconds (at least 0) from a number of seconds or a string such as
     ``"10us"``, ``"1.5ms"`` or ``"0s"``."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not (value >= 0 and math.isfinite(value)):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's numbers too
+        if not (float(value) >= 0 and math.isfinite(value)):
             raise RematValueError(
                 message(api, "a duration must be at least 0 and finite", f"got {value!r}", 'pass e.g. "10us"')
             )
         return float(value)
     text = value.strip() if isinstance(value, str) else ""
+    if _DURATION.match(text.removeprefix("-")) is not None and text.startswith("-"):  # "-1us"
+        raise RematValueError(
+            message(api, "a duration must be at least 0 and finite", f"got {value!r}", 'pass e.g. "10us"')
+        )
     match = _DURATION.match(text)
     if match is None:
         raise RematValueError(

@@ -68,10 +68,22 @@ class _StorageCounter(TorchDispatchMode):
     def _release(self, key: int) -> None:
         self.tracker.current_bytes -= self.live.pop(key, 0)
 
+    @staticmethod
+    def _sizes(facts: aten.OpFacts, args: Any, kwargs: Any) -> list[tuple[torch.Tensor, int, int]]:
+        """The tensors the op writes, with their storages' bytes and keys before it runs."""
+        found = []
+        for t in aten.written_tensors(facts.writes, args, kwargs or {}):
+            storage = aten.storage_of(t)
+            if storage is not None and not t.is_meta:
+                found.append((t, storage.nbytes(), storage.data_ptr()))
+        return found
+
     def _count(self, out: torch.Tensor) -> None:
-        if out.device != self.tracker.device or out.is_meta:
+        if out.device != self.tracker.device or out.is_meta or out._is_zerotensor():  # no memory
             return
-        storage = out.untyped_storage()
+        storage = aten.storage_of(out)  # None: sparse and nested tensors, not counted
+        if storage is None:
+            return
         nbytes = storage.nbytes()
         key = storage.data_ptr()
         if nbytes == 0 or key in self.live:
@@ -81,14 +93,21 @@ class _StorageCounter(TorchDispatchMode):
         weakref.finalize(storage, self._release, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        facts = aten.facts(func)
+        sized = self._sizes(facts, args, kwargs) if facts.writes and not self.on_cuda else ()
         out = func(*args, **(kwargs or {}))
+        for t, nbytes, key in sized:  # a storage the op grew in place (``resize_``, ``out=``)
+            storage = aten.storage_of(t)
+            if storage is not None and storage.nbytes() > nbytes:
+                self.tracker.current_bytes -= self.live.pop(key, 0)
+                self._count(t)
         tracker = self.tracker
         tracker.ops += 1
         if self.on_cuda:
             tracker.current_bytes = torch.cuda.memory_allocated(tracker.device) - self.base
             tracker.peak_bytes = torch.cuda.max_memory_allocated(tracker.device) - self.base
         else:
-            fresh = aten.facts(func).fresh_returns
+            fresh = facts.fresh_returns
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for i, o in enumerate(outs):
                 if isinstance(o, torch.Tensor) and (i >= len(fresh) or fresh[i]):

@@ -30,7 +30,9 @@ class Decision(enum.Enum):
 @dataclass(frozen=True)
 class OpContext:
     """What a policy may look at: the ATen op (``aten.mm.default``), its packet (``aten.mm``),
-    the module path that issued it, the bytes of its outputs and whether it draws random numbers.
+    the bytes of its outputs and whether it draws random numbers. ``module`` is the module path
+    that issued it where a form fills it in; none does yet (the manual forms, the offload region
+    and the planner's executor pass ""), so a policy cannot choose by module today.
     Where the form has them, ``overload``, ``args`` and ``kwargs`` are the op and the arguments it
     was called with (what a ``torch.utils.checkpoint`` policy function reads); they take no part in
     equality or hashing."""

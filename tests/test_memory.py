@@ -224,3 +224,16 @@ def test_allocator_tracking_runs_compiled_code_as_compiled() -> None:
     assert m.ops == len(m.timeline) > 0
     assert m.peak_bytes == 800
     del y
+
+
+@pytest.mark.parametrize("grow", ["out=", "resize_"])
+def test_a_storage_grown_in_place_is_counted(grow: str) -> None:
+    """``out=`` into an empty tensor and ``resize_`` grow a storage the counter had seen at 0 bytes
+    (or not at all): it counted nothing where the allocator counts 4 MB."""
+    a = torch.randn(1000, 1000)
+    with remat.memory.track() as counted:
+        if grow == "out=":
+            torch.add(a, 1, out=torch.empty(0))
+        else:
+            torch.empty(0).resize_(1000, 1000)
+    assert counted.peak_bytes == 1000 * 1000 * 4

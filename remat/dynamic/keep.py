@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from remat._errors import RematTypeError, message
 from remat.trace.types import TensorInfo
@@ -53,13 +54,14 @@ def _visit(item: object, found: list[object], state: bool = False) -> None:
     itself: that would be a reference cycle on every region's entry). Numbers pass in an optimizer's
     ``state`` only (step counts); in what the caller gives they are a mistake."""
     if isinstance(item, torch.Tensor):
+        if is_lazy(item):  # a lazy module's parameter before its first forward: no memory yet
+            return
         found.append(item)
         if item.is_leaf and item.grad is not None:
             found.append(item.grad)
     elif isinstance(item, nn.Module):
         found.append(item)
-        found.extend(item.parameters())
-        found.extend(item.buffers())
+        found.extend(t for t in (*item.parameters(), *item.buffers()) if not is_lazy(t))
         found.extend(p.grad for p in item.parameters() if p.grad is not None)
     elif isinstance(item, torch.optim.Optimizer):
         found.append(item)

@@ -96,9 +96,10 @@ def scan(flat: Sequence[Any], managed: Callable[[torch.Tensor], bool]) -> Scan:
             continue
         if isinstance(x, torch.Tensor):
             tensors = True
-            leaves[i] = None
             if managed(x):
+                leaves[i] = None
                 positions.append(i)
+            # else (sparse, another device's): not the region's memory; the recipe holds it as is
         elif isinstance(x, torch.Generator):
             leaves[i] = None
             explicit.append((i, x))
@@ -126,7 +127,8 @@ class Slot(NamedTuple):
 
 
 class Recipe(NamedTuple):
-    """One op call, ready to run again. ``leaves`` are the flat arguments with tensors set to None;
+    """One op call, ready to run again. ``leaves`` are the flat arguments with the region's tensors
+    set to None (others, sparse or on another device, held as they are);
     ``outputs[i]`` is the index of the op's ``i``-th fresh output among its results
     (``engine.result_leaves``);
     ``generators`` holds the flat position, device and state before the run of each explicit

@@ -31,6 +31,7 @@ would on CUDA.
 from __future__ import annotations
 
 import bisect
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -96,7 +97,8 @@ class Offloader:
                     "offload", "link must be a remat.Link", f"got {link!r}", 'pass remat.Link(d2h="25GB/s")'
                 )
             )
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        whole = isinstance(prefetch, numbers.Integral) and not isinstance(prefetch, bool)  # numpy's too
+        if not whole or int(prefetch) < 0:
             raise RematValueError(
                 message(
                     "offload",
@@ -106,7 +108,7 @@ class Offloader:
                 )
             )
         self.link = Link() if link is None else link
-        self.prefetch = prefetch
+        self.prefetch = int(prefetch)
         bare_zero = min_bytes in (0, "0") and not isinstance(min_bytes, (bool, float))  # 0 == False == 0.0
         self.min_bytes = 0 if bare_zero else parse_bytes(min_bytes, "offload")
         self.pool = HostPool(None if host_budget is None else parse_bytes(host_budget, "offload"))
@@ -189,7 +191,9 @@ class Offloader:
             )
             weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
             self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
-        self._copy_out(cargo, storage)
+            # under the lock: another thread's prefetch or parcel of the same storage finds the
+            # cargo only once its bytes are on their way (on CUDA, behind the recorded event)
+            self._copy_out(cargo, storage)
         return Parcel(t, cargo, witness, follows)
 
     def refill(self, parcel: Parcel, t: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ def unmovable(t: torch.Tensor) -> str | None:
         return "a tensor with a lazy conjugate or negative bit"
     if t.is_quantized or t.is_nested:
         return "a quantized or nested tensor"
+    if t._is_zerotensor():  # forward-mode AD's implicit zeros: no memory at all
+        return "an implicit zero tensor"
     return None
 
 

@@ -46,6 +46,10 @@ class HostPool:
             list
         )
         self._lock = threading.Lock()
+        # who a refusal names, and what it suggests (a plan's executor sets its own)
+        self.api = "offload"
+        self.todo = "raise host_budget=, offload fewer tensors (min_bytes=, a policy), or pass "
+        self.todo += "host_budget=None"
 
     @property
     def held_bytes(self) -> int:
@@ -98,12 +102,11 @@ class HostPool:
         if self.used_bytes + nbytes > self.budget:
             raise RematRuntimeError(
                 message(
-                    "offload",
+                    self.api,
                     "the host budget is too small for the tensors offloaded",
                     f"{format_bytes(self.used_bytes)} held + {format_bytes(nbytes)} asked > "
                     f"host_budget {format_bytes(self.budget)}",
-                    "raise host_budget=, offload fewer tensors (min_bytes=, a policy), or pass "
-                    "host_budget=None",
+                    self.todo,
                 )
             )
 

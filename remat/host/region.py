@@ -158,6 +158,9 @@ class OffloadRegion:
             return Around(self.outer, self.outer.pack(t))
         if decision is not Decision.OFFLOAD or not self.offloader.takes(t, self.demanded):
             return Kept(t, t._version)
+        base = t if t._base is None else t._base
+        if base.is_leaf and base.requires_grad:  # a parameter made in the block (a lazy module's
+            return Kept(t, t._version)  # first forward), or a view of one (``weight.t()``): it stays
         self.offloader.check(t)
         self.later.append(later := Later(t))
         return later

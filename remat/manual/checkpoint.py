@@ -45,6 +45,7 @@ from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
 from remat.manual.checks import Check, Provenance, TensorMeta, compare_values
+from remat.manual.early_stop import LastOp
 from remat.manual.inner_backward import refused
 from remat.manual.inputs import Inputs, Unwritten, carried, failed_again
 from remat.manual.keywords import Settings
@@ -66,13 +67,13 @@ class _StopRecomputation(Exception):
 
 
 class _Handle:
-    """What autograd stores in place of a saved tensor."""
+    """What autograd stores in place of a saved tensor; it dies with its node (NOTE [dead handles]
+    in ``remat.manual.handles``), and a recomputation then keeps nothing for it."""
 
-    __slots__ = ("frame", "index")
+    __slots__ = ("frame", "index", "__weakref__")
 
     def __init__(self, frame: _Frame, index: int) -> None:
-        self.frame = frame
-        self.index = index
+        self.frame, self.index = frame, index
 
 
 class _Frame:
@@ -88,8 +89,7 @@ class _Frame:
         preserve_rng: bool,
         offloader: Offloader | None = None,
     ) -> None:
-        self.fn = fn
-        self.check = check
+        self.fn, self.check = fn, check
         self.given = Inputs(args, kwargs)  # every tensor, at any depth, held through autograd
         reach = held(fn)  # what its closure, defaults and globals hold
         modules = region_modules(fn, args, kwargs, reach)
@@ -106,6 +106,8 @@ class _Frame:
             None if policy is None or isinstance(policy, RecomputeAll) else SaveCache(policy, offloader)
         )
         self.metas: list[TensorMeta] = []
+        self.handles: list[weakref.ref[_Handle]] = []  # per saved tensor: what autograd holds
+        self.last_op, self.stops = LastOp(), False  # NOTE [early stop]: set as the forward ends
         # per saved tensor: it, its base if it is a view (the same version counter), its version
         self.written: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor] | None, int]] = []
         # NOTE [backward inside the forward]: a function may differentiate its own graph (a
@@ -113,7 +115,7 @@ class _Frame:
         # that. The recomputation keeps its own graph's tensors the same way.
         self.live: list[torch.Tensor] | None = []
         self.prints: list[torch.Tensor | None] = []
-        self.origins: list[str] = []
+        self.origins: list[str] = []  # with ``check="values"``: what made each saved tensor
         self.provenance = Provenance() if check == "values" else None
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
         self.again: dict[int, int] = {}  # per saved tensor, its version when the recomputation saved it
@@ -131,7 +133,9 @@ class _Frame:
             self.live.append(t)
         if self.provenance is not None:
             self.origins.append(self.provenance.describe(t))
-        return _Handle(self, len(self.metas) - 1)
+        self.handles.append(weakref.ref(handle := _Handle(self, len(self.metas) - 1)))
+        self.last_op.saved(t, handle.index)
+        return handle
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
         # NOTE [saved and then written]: autograd refuses a saved tensor written in place after it
@@ -173,14 +177,12 @@ class _Frame:
             counter[0] += 1
             if i >= total:
                 raise _StopRecomputation
-            # NOTE [early stop]: stop at the last save once the op saving it has run, as a result of
-            # it (its node the newest) says. An argument is saved before its op's kernel runs, which
-            # may still write what was saved (RReLU's noise): from there the function runs on.
-            ran = aten.made_last(t)
+            ran = aten.made_last(t) or self.stops  # NOTE [early stop] in ``remat.manual.early_stop``
             with no_modes():  # our own ops are not the program's
                 self.verify(i, t)
                 kept, self.again[i] = t.detach(), t._version
-                store[i] = kept
+                if self.handles[i]() is not None:  # else its node is gone: none will unpack it
+                    store[i] = kept
             if i == total - 1 and ran:
                 raise _StopRecomputation
             return kept
@@ -225,20 +227,18 @@ class _Frame:
     def verify(self, i: int, t: torch.Tensor) -> None:
         meta = TensorMeta.of(t)
         if self.check != "none" and meta != self.metas[i]:
+            rule, given = "a recomputed tensor differs from the forward's", f"forward {self.metas[i]}"
+            hint = "the checkpointed function must compute the same shapes in forward and backward "
+            hint += "(no state that changes between calls)"
             raise RecomputationError(
-                message(
-                    "checkpoint",
-                    "a recomputed tensor differs from the forward's",
-                    f"saved tensor #{i}: forward {self.metas[i]}, recomputed {meta}",
-                    "the checkpointed function must compute the same shapes in forward and backward "
-                    "(no state that changes between calls)",
-                )
+                message("checkpoint", rule, f"saved tensor #{i}: {given}, recomputed {meta}", hint)
             )
 
 
 def _written(what: str, given: str) -> RematRuntimeError:
     rule = f"a tensor saved for backward ({what}) was modified in place after it was saved"
-    todo = "clone it before modifying it, or modify it after backward (torch raises here too)"
+    todo = "clone it before modifying it, or modify it after backward (autograd raises here too, unless "
+    todo += "under allow_mutation_on_saved_tensors, which remat.checkpoint does not follow)"
     return RematRuntimeError(message("checkpoint", rule, given, todo))
 
 
@@ -285,6 +285,7 @@ def run(
         if frame.provenance is not None and frame.live is not None:  # the values the function left
             with no_modes():
                 frame.prints = [frame.provenance.checkable(t) for t in frame.live]
+        frame.stops = frame.live is not None and frame.last_op.stops(frame.live)
         frame.live = None  # NOTE [backward inside the forward]
 
 

@@ -43,13 +43,16 @@ class TensorMeta:
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two float64 scalars that change when the values change (kept on the tensor's device)."""
+    """Three float64 scalars that change when the values change or move (kept on the tensor's
+    device): their sum, their absolute sum, and a sum weighted by position (a permutation, a mask
+    redrawn with as many ones, leaves the first two as they were)."""
     with torch.no_grad():
         d = t.detach()
         if d.is_complex():
             d = torch.view_as_real(d)
-        d = d.to(torch.float64)
-        return torch.stack((d.sum(), d.abs().sum()))
+        d = d.to(torch.float64).flatten()
+        weights = torch.arange(1, d.numel() + 1, dtype=torch.float64, device=d.device).remainder_(9973)
+        return torch.stack((d.sum(), d.abs().sum(), torch.dot(d, weights)))
 
 
 def same_fingerprint(a: torch.Tensor, b: torch.Tensor) -> bool:

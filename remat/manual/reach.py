@@ -27,10 +27,14 @@ CONTAINER_LIMIT = 256  # items: a larger list, tuple or dict found (a loss histo
 
 
 def held(fn: Any) -> list[Any]:
-    """The values ``fn`` (a function or a bound method) holds in its closure or default arguments or
-    names as globals,
-    and those of the functions among them, to ``FOLLOW_DEPTH`` calls deep; for a method of an
-    object that is not a module, also the object's attributes."""
+    """The values ``fn`` (a function, a bound method, or an object's ``__call__``) holds in its
+    closure or default arguments or names as globals, and those of the functions among them, to
+    ``FOLLOW_DEPTH`` calls deep; for a method of an object that is not a module, also the object's
+    attributes."""
+    owners = type(fn).__mro__ if not isinstance(fn, (nn.Module, type)) else ()
+    call = next((k.__dict__["__call__"] for k in owners if "__call__" in k.__dict__), None)
+    if isinstance(call, types.FunctionType):  # a callable object of a class of the program's own
+        fn = types.MethodType(call, fn)  # its ``__call__``, bound: the object's attributes are reached
     found: list[Any] = []
     seen: set[int] = set()
     todo: collections.deque[tuple[Any, int]] = collections.deque([(fn, 0)])

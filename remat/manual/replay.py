@@ -107,7 +107,8 @@ def replay(
                     "clone it before modifying it, or modify it after backward",
                 )
             )
-        if t.numel() and t.untyped_storage().nbytes() == 0:
+        storage = aten.storage_of(t)  # None: a sparse or nested tensor, whose memory is not one storage
+        if t.numel() and storage is not None and storage.nbytes() == 0:
             raise RecomputationError(
                 message(
                     api,

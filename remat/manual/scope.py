@@ -33,7 +33,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -44,16 +44,17 @@ from remat._errors import RecomputationError, RematTypeError, message
 from remat._reusable import reusable
 from remat.aten import describe
 from remat.host.offloader import Offloader
-from remat.host.parcel import Parcel
+from remat.host.parcel import Parcel, unmovable
 from remat.manual.blank import blank_writes
 from remat.manual.fused import ReplayMode, executor
+from remat.manual.handles import Handle, Kept, Versions, Watch
 from remat.manual.plainly import plain
 from remat.manual.replay import Executor, eager_steps, replay
 from remat.manual.tape import EXTERNAL, Slice, Tape, stale_view_error, written_from
 from remat.manual.traced import transformed
 from remat.policy import Policy, RecomputeAll, checked
 
-__all__ = ["Handle", "Kept", "TapedRegion", "joining", "recording", "scope"]
+__all__ = ["TapedRegion", "joining", "recording", "scope"]
 
 
 # NOTE [kept detached] The tensors a region's replay reads are kept detached once it has recorded
@@ -61,27 +62,7 @@ __all__ = ["Handle", "Kept", "TapedRegion", "joining", "recording", "scope"]
 # through C++ (a kept tensor -> its node -> later nodes' saved tensors -> the region's hooks -> the
 # region -> the kept tensor) that Python's collector cannot see, and a step whose loss never reached
 # backward (a skipped step, an error before it) would stay in memory for good. So is an output a
-# node saves of itself (kept by a SAVE policy): its node -> its saved tensor -> the output -> it.
-class Kept(NamedTuple):
-    """A saved tensor the region keeps (detached where its own node saves it: NOTE [kept
-    detached]), and its version when autograd saved it."""
-
-    tensor: torch.Tensor
-    version: int
-
-
-class Handle(NamedTuple):
-    """A saved tensor the region recomputes: its value id, the in-place writer of its storage group
-    when it was saved (NOTE [aliasing] in ``remat.manual.tape``) and what it looked like."""
-
-    vid: int
-    group: int
-    writer: int | None
-    declared: int | None
-    shape: torch.Size
-    dtype: torch.dtype
-    place: aten.Geometry  # where it sits in its storage
-    after: int = -1  # the node the tape records next: the op saving it, if it saves an input
+# node saves of itself (kept by a SAVE policy, ``Kept``): its node -> its saved tensor -> the output.
 
 
 class TapedRegion:
@@ -97,6 +78,8 @@ class TapedRegion:
         self.declared: dict[int, int] = {}  # the tape's final declared writers, checked at unpack
         self.spans: dict[int, list[tuple[int, aten.Geometry]]] = {}  # and where each wrote
         self.handles: dict[int, int] = {}  # value id -> handles packed for it
+        self.watch: Watch | None = Watch()  # NOTE [dead handles] in ``remat.manual.handles``
+        self.versions = Versions()  # NOTE [written after the region] there
         self.packed: dict[tuple[int, int], int] = {}  # (value id, ``Handle.after``) -> handles
         self.own: dict[tuple[int, int], int] = {}  # NOTE [saved before its own write]
         self.results: set[tuple[int, int]] = set()  # (value id, ``after``) saved as a result
@@ -137,8 +120,9 @@ class TapedRegion:
             return parcel
         group = tape.group[vid]
         writer = tape.writers.get(group)
-        if writer is None and moving and tape.move(group) is not None and tape.offloader is not None:
-            return tape.offloader.out(t)  # a view of an offloaded tensor: its storage moves too
+        off = tape.offloader if moving and tape.move(group) is not None else None
+        if writer is None and off is not None and unmovable(t) is None:  # a view of an offloaded
+            return off.out(t)  # tensor: its storage moves too (one with a lazy bit is recomputed)
         if writer is None and (group in tape.kept or tape.producer[group] == EXTERNAL):
             # a view of a kept or outside tensor that nothing wrote since: its memory is kept anyway
             return Kept(t, t._version)
@@ -150,13 +134,20 @@ class TapedRegion:
         self.packed[vid, len(tape.nodes)] = self.packed.get((vid, len(tape.nodes)), 0) + 1
         if aten.made_last(t):  # saved after its op ran: a write by the next op comes after the save
             self.results.add((vid, len(tape.nodes)))
-        return Handle(
+        handle = Handle(
             vid, group, writer, tape.declared.get(group), t.shape, t.dtype, aten.geometry(t), len(tape.nodes)
         )
+        assert self.watch is not None, "a region that records watches its handles"
+        self.watch.add(handle)
+        self.versions.saw(vid, t)
+        return handle
 
     def finish(self) -> None:
         """Stop recording: keep only the plan (and the tensors it reads) if anything was packed."""
         tape, self.tape = self.tape, None
+        self.versions.ended()
+        if tape is not None and self.watch is not None:  # NOTE [dead handles]
+            self.handles = self.watch.pruned(self.handles, self.packed, self.results)
         if tape is not None and self.handles:
             self._own_writes(tape)
             plan = blank_writes(tape, tape.slice(self.handles, self.writers_needed), self.writers_needed)
@@ -204,6 +195,7 @@ class TapedRegion:
         kept tensors): for a call of the same code run without recording (NOTE [taped call run
         bare] in ``remat.planner.taped_calls``). What it shares is read only, once finished."""
         other = TapedRegion(None, self.execute)
+        other.watch = None  # its handles are the template's, for every call: counted once
         other.plan, other.declared, other.spans = plan, self.declared, self.spans
         other.handles, other.packed, other.own = self.handles, self.packed, self.own
         other.results, other.writers_needed = self.results, self.writers_needed
@@ -236,6 +228,10 @@ class TapedRegion:
         # the kernel updates them, a write the schema does not declare; the plain backward reads
         # them without a version check, and batch norm's backward in training does not use them.
         # Only a declared write after the save changes what backward may read.
+        if (now := self.versions.written(packed.vid)) is not None:
+            raise _written(
+                self.api, describe(packed.dtype, packed.shape), f" after the region, at version {now}"
+            )
         if self.declared.get(packed.group) != packed.declared and self._written_since(packed):
             raise RecomputationError(
                 message(
@@ -275,7 +271,8 @@ class TapedRegion:
         with self.lock:
             results = self.cache.get(graph_task) if graph_task >= 0 else None
             if results is None:
-                results = {v: (t, self.handles[v]) for v, t in replay(*again).items()}
+                held = self.handles if self.watch is None else self.watch.alive(self.own)
+                results = {v: (t, held[v]) for v, t in replay(*again).items() if held.get(v, 0) > 0}
                 if graph_task >= 0:
                     self.cache[graph_task] = results
                     # a weak reference: the callback runs when the whole backward ends, and holding

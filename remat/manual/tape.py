@@ -280,7 +280,11 @@ class Tape:
         draws_on = rng is not None and self._drawn_to == aten.standing(rng)
 
         out = func(*args, **kwargs)
-        if rng is not None:  # where this draw left the generators (a copy, let go at once)
+        # NOTE [where a draw left the generators]: after a draw, the tape notes where it left the
+        # generators, so that the next draw knows whether it continues from there (one state per
+        # run of draws); the note is bytes, but taking it makes a state tensor (5 KB on CPU) that
+        # lives beside the op's results for a moment: the planner's prediction counts it there
+        if rng is not None:
             self._drawn_to = aten.standing(aten.capture(rng.sources))
 
         writes = tuple([self._commit_write(*w, w[1] in _keys(info, args)) for w in written])

@@ -55,6 +55,7 @@ from remat.manual.fused import ReplayMode, executor
 from remat.manual.replay import Executor
 from remat.manual.scope import TapedRegion
 from remat.manual.tape import Tape
+from remat.manual.traced import transformed
 from remat.planner.applied import Applied, refuse_second
 from remat.planner.foreign import hooks_of_another, hooks_refused
 from remat.planner.module_calls import Bare, anchor, anchored, submodule, wrap
@@ -105,7 +106,7 @@ class _Runner(Unguarded):
         self.starts = {r.first: r for r in regions}
         self.position = 0
         self.active = False
-        self.aside = False  # this forward runs in inference mode, outside the plan
+        self.aside = False  # this forward runs outside the plan: inference mode, a transform
         self.open: Region | None = None
         self.tape: Tape | None = None
         self.region: TapedRegion | None = None
@@ -142,8 +143,10 @@ class _Runner(Unguarded):
     # -- the forward -------------------------------------------------------------------------------
 
     def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is
-        self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
+        # no autograd graph (inference mode, no_grad: a validation pass): nothing saved, runs as is;
+        # so does a forward under a ``torch.func`` transform or forward-mode AD, as the manual forms
+        # run theirs (``remat.manual.traced.transformed``)
+        self.aside = torch.is_inference_mode_enabled() or not torch.is_grad_enabled() or transformed()
         running = self.active or (self.bare is not None and self.bare.running)
         if not running and not self.aside:
             if (error := hooks_of_another()) is not None:
@@ -163,6 +166,8 @@ class _Runner(Unguarded):
         calls submodules itself (``model.body(x)``, ``model.forward(x)``), which the plan, counting
         the ops of the model's call, would let run unplanned, over the budget."""
         if self.began or self.active or torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            return
+        if transformed():  # runs as is, as the model's own call does (``begin``)
             return
         name = next((n for n, m in self.model.named_children() if m is module), type(module).__name__)
         raise RematValueError(

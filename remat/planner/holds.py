@@ -38,6 +38,9 @@ class Holds:
     unhold_after: dict[int, list[int]]
     snapshots: dict[int, int]
     unsnap_after: dict[int, int]
+    # NOTE [where a draw left the generators]: the copy the tape takes just after a recorded draw,
+    # let go at once (no kernel scratch is held by then)
+    after_draw: dict[int, int]
 
 
 def _released(trace: Trace, r: int, modules: set[str], otherwise: int) -> int:
@@ -63,7 +66,7 @@ def tape_holds(
     last_saved_read: dict[int, int] = {}
     for (r, _), i in trace.backward_reads.items():
         last_saved_read[r] = max(i, last_saved_read.get(r, -1))
-    holds = Holds({}, {}, {}, {})
+    holds = Holds({}, {}, {}, {}, {})
     end = len(trace.ops) - 1  # a save no backward op reads is freed with the graph
     for g, region in enumerate(regions):
         if not region.ops:
@@ -99,6 +102,8 @@ def tape_holds(
                 later = {root[t] for t, p in trace.saved_at if i < p <= last}  # the tape's handles
                 blank = [t for t in written_outside if _blank(op, t, i, readers, later, root)]
             drawn = rng_bytes if op.random and region.rerun is None else 0  # a re-run: one, below
+            if drawn:
+                holds.after_draw[i] = drawn
             replayed = i in plans.need[g]
             keeps_state = replayed and not follows  # NOTE [one state per run of draws] in ``remat.aten``
             follows = replayed if op.random else follows

@@ -114,6 +114,8 @@ def apply_offload(
     offloaded over ``link``, the host holding at most ``host_budget`` bytes (None: no limit)."""
     makers = _PlannedMakers(None)
     offloader = Offloader(link=link, prefetch=PREFETCH, host_budget=host_budget)
+    offloader.pool.api = "plan.apply"
+    offloader.pool.todo = "plan again with a larger host_budget=, or host_budget=None"
     hooks = _Hooks(OffloadRegion(makers, offloader, demanded=True))
     make = functools.partial(_OffloadRunner, positions=positions, makers=makers, hooks=hooks)
     with (

@@ -176,6 +176,10 @@ class Plan:
         OFFLOAD decisions run through ``remat.host``: the saved outputs of the planned ops wait in
         host memory and come back when backward needs them (``remat.planner.offload_execute``)."""
         now = trainable(model) if isinstance(model, nn.Module) else self.trainable
+        if self.trainable and len(now) != len(self.trainable):
+            rule = "the plan runs the model it was made for"
+            given = f"a model of {len(now)} parameters, planned with {len(self.trainable)}"
+            raise RematValueError(message("plan.apply", rule, given, "plan this model (remat.plan)"))
         if self.trainable and now != self.trainable:
             rule = "the model's parameters require grad otherwise than when the plan was made"
             given = f"{sum(now)} of {len(now)} require grad, {sum(self.trainable)} of {len(self.trainable)}"

@@ -312,7 +312,7 @@ class _Walk:
                     self.handles[r] += 1
                     self.holds[r] = self.holds.get(r, 0) + 1
             self.made += holds.snapshots.get(event.index, 0)
-            self.sample(event, self.made + event.scratch)
+            self.sample(event, self.made + max(event.scratch, holds.after_draw.get(event.index, 0)))
             for r in drop_after.get(event.index, ()):
                 if self.holds.get(r, 0) > 0:
                     self.pending.add(r)

@@ -7,8 +7,9 @@ runs bare under saved-tensor hooks that keep a handle per saved tensor (its shap
 version, not the tensor), and the count moves past the region. In backward, the first handle
 unpacked runs the module again on the call's inputs, under the forward's random-number state,
 autocast settings and allowed attention kernels, once every tensor the call read is checked
-unwritten, keeping each tensor autograd saves until the last one comes back (then it stops); each
-unpack takes its own::
+unwritten, keeping each tensor autograd saves (where autograd still holds its handle) until the
+last one comes back, then it stops (NOTE [early stop] in ``remat.manual.early_stop``); each unpack
+takes its own::
 
     forward:  runner (checks ops) | module(x) bare, pack: tensor -> handle i | runner ...
     backward: unpack(handle i) -> module(x') again, pack'(j) stores j ... stop after the last
@@ -39,6 +40,7 @@ from remat._modules import below
 from remat.manual import autocast
 from remat.manual.buffers import Buffers
 from remat.manual.checks import TensorMeta
+from remat.manual.early_stop import LastOp
 from remat.manual.inner_backward import refused
 from remat.manual.inputs import Inputs
 from remat.manual.traced import outside_transforms
@@ -48,6 +50,16 @@ __all__ = ["CallCheck", "run_again", "setting"]
 
 class _Stop(Exception):
     """Raised inside the re-run once every saved tensor has been made again."""
+
+
+class _Saved:
+    """What autograd holds for a tensor a module region saved: it dies with its node, and the
+    re-run then keeps nothing for it (NOTE [dead handles] in ``remat.manual.handles``)."""
+
+    __slots__ = ("frame", "index", "__weakref__")
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame, self.index = frame, index
 
 
 class _Frame:
@@ -83,14 +95,18 @@ class _Frame:
         self.attention = tuple(getattr(backends, f"{k}_sdp_enabled")() for k in _ATTENTION)
         self.metas: list[TensorMeta] = []
         self.versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self.handles: list[weakref.ref[_Saved]] = []
+        self.last_op = LastOp()  # NOTE [early stop] in ``remat.manual.early_stop``
         self.running = True
         self.made: dict[int, dict[int, torch.Tensor]] = {}  # graph task -> handle -> tensor
         self.lock = threading.Lock()
 
-    def pack(self, t: torch.Tensor) -> tuple[_Frame, int]:
+    def pack(self, t: torch.Tensor) -> _Saved:
         self.metas.append(TensorMeta.of(t))
         self.versions.append((weakref.ref(t), t._version))
-        return self, len(self.metas) - 1
+        self.last_op.saved(t, len(self.metas) - 1)
+        self.handles.append(weakref.ref(handle := _Saved(self, len(self.metas) - 1)))
+        return handle
 
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         for ref, version, meta in self.read:
@@ -134,10 +150,11 @@ class _Frame:
     def again(self) -> dict[int, torch.Tensor]:
         """Run the module again up to its last save; every saved tensor, by handle."""
         made: dict[int, torch.Tensor] = {}
-        total = len(self.metas)
+        total, count, stops = len(self.metas), [0], self.last_op.stops()
 
         def pack(t: torch.Tensor) -> None:
-            i = len(made)
+            i = count[0]
+            count[0] += 1
             if i >= total:
                 raise _Stop
             meta = TensorMeta.of(t)
@@ -147,8 +164,9 @@ class _Frame:
                     f"saved tensor #{i}: forward {self.metas[i]}, again {meta}",
                     "the module must compute the same shapes in forward and backward",
                 )
-            made[i] = t.detach()
-            if i == total - 1:
+            if self.handles[i]() is not None:  # else its node is gone: none will unpack it
+                made[i] = t.detach()
+            if i == total - 1 and (stops or aten.made_last(t)):
                 raise _Stop
 
         args, kwargs = self.inputs()
@@ -166,10 +184,10 @@ class _Frame:
                 self.forward(*args, **kwargs)
         except _Stop:
             pass
-        if len(made) < total:
+        if count[0] < total:
             raise _error(
                 "the module saved fewer tensors for backward when run again",
-                f"{len(made)} of {total}",
+                f"{count[0]} of {total}",
                 "make the module take the same path in forward and backward",
             )
         return made
@@ -203,9 +221,8 @@ def _never(packed: object) -> torch.Tensor:  # pragma: no cover - the re-run's g
     raise RuntimeError("remat internal: the re-run's own graph is never differentiated")
 
 
-def _unpack(packed: tuple[_Frame, int]) -> torch.Tensor:
-    frame, index = packed
-    return frame.unpack(index)
+def _unpack(packed: _Saved) -> torch.Tensor:
+    return packed.frame.unpack(packed.index)
 
 
 def _unwritten(ref: weakref.ref[torch.Tensor], version: int, what: str, rule: str, todo: str) -> None:

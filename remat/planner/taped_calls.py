@@ -53,8 +53,9 @@ from torch import nn
 from remat import aten
 from remat._errors import RecomputationError, message
 from remat.host.parcel import Parcel
+from remat.manual.handles import Handle, Kept
 from remat.manual.replay import eager_steps
-from remat.manual.scope import Handle, Kept, TapedRegion
+from remat.manual.scope import TapedRegion
 from remat.manual.tape import Slice, Step
 from remat.planner import samples
 
@@ -133,7 +134,8 @@ class Learner:
 
     def note(self, t: torch.Tensor, packed: Kept | Handle | Parcel, at: int) -> None:
         self.moved |= isinstance(packed, Parcel)
-        handle = packed if isinstance(packed, Handle) else None
+        # a copy: the one autograd holds may die with its node (NOTE [dead handles])
+        handle = dataclasses.replace(packed) if isinstance(packed, Handle) else None
         self.packs.append(Pack(t.shape, t.dtype, node_of(t), aten.made_last(t), handle, -1, at=at))
         self.kept.append((t, t._version) if isinstance(packed, Kept) else None)
 
@@ -326,6 +328,7 @@ class Run:
             values = None if written else samples.sample(t)  # it stands for what the write leaves
             if values is not None:
                 self.samples[id(want.handle)] = (k, values)
+            self.region.versions.saw(want.handle.vid, t)  # NOTE [written after the region]
             return want.handle
         own = aten.made_last(t)
         if own is not want.own:
@@ -339,6 +342,7 @@ class Run:
         packs = self.template.packs
         if self.k != len(packs):
             raise self._diverged(f"autograd saved {self.k} tensors, {len(packs)} when recorded")
+        self.region.versions.ended()
         plan = self.template.plan
         if plan is None:
             return

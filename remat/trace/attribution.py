@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from remat.trace.types import Phase
 
-__all__ = ["Attribution", "phases"]
+__all__ = ["Attribution", "hooked", "phases"]
 
 # Key under which a forward op's module path is stored on its autograd node, so that the backward
 # ops the node runs are attributed to the same module.
@@ -135,3 +135,22 @@ def phases(found: Sequence[Phase | None]) -> list[Phase]:
 def _metadata(node: Any) -> dict[str, Any]:
     # Node.metadata is a dict property at run time, typed as a method in torch's stubs.
     return cast(dict[str, Any], node.metadata)
+
+
+def hooked(module: nn.Module, ours: Any) -> bool:
+    """Whether the program hooks ``module``'s calls (besides ``ours``, the capture's own): a
+    pre-hook's ops or a backward hook's wrapping are part of its call in the trace but not of its
+    ``forward``, which a module run again calls alone (NOTE [module re-run] in
+    ``remat.planner.rerun_regions``), so such a call is not noted for it."""
+    module_hooks = nn.modules.module
+    others = [h for h in module._forward_hooks.values() if h != ours]
+    return bool(
+        module._forward_pre_hooks
+        or others
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or module_hooks._global_backward_pre_hooks
+        or len(module_hooks._global_forward_pre_hooks) > 1  # the capture's own is one
+        or len(module_hooks._global_forward_hooks) > 1
+    )

@@ -53,9 +53,9 @@ from torch.utils._pytree import tree_leaves
 
 from remat import aten
 from remat._allocator import measured, scratch_of
-from remat._errors import RematRuntimeError, message
+from remat._errors import RematRuntimeError, RematValueError, message
 from remat.aten.scratch import known, learn, signature
-from remat.trace.attribution import Attribution, phases
+from remat.trace.attribution import Attribution, hooked, phases
 from remat.trace.op_time import run_timed
 from remat.trace.types import Op, Phase, Release, TensorInfo, Trace
 
@@ -228,6 +228,9 @@ class Recorder(TorchDispatchMode):
             scratch = max(0, scratch - sum(n for _, n in numbers))  # a formula's: the saved one, handed back
         for t, h in written:  # in-place view ops (t_, squeeze_, as_strided_) change the geometry
             self._rebind(t, h)
+            grown = aten.storage_of(t)  # (a CUDA storage's count is rounded up: never less)
+            if grown is not None and grown.nbytes() > self.tensors[self.storages[grown._cdata].owner].nbytes:
+                raise _resized(grown.nbytes(), self.tensors[self.storages[grown._cdata].owner].nbytes)
         returns = tuple(
             (not fresh and not w and not lifted, w)
             for fresh, w in zip(facts.fresh_returns, facts.written_returns, strict=True)
@@ -303,7 +306,7 @@ class Recorder(TorchDispatchMode):
         name = self.attribution.names.get(module)
         if name is None or module in self.attribution.roots or name in self.call_inputs:
             return
-        if _hooked(module, self.called):  # its call runs more than its forward: not run again
+        if hooked(module, self.called):  # its call runs more than its forward: not run again
             return
         leaves = tree_leaves((args, kwargs))
         if not all(isinstance(x, CALL_VALUES) for x in leaves):  # an object may hold tensors unseen
@@ -362,6 +365,19 @@ class Recorder(TorchDispatchMode):
         )
 
 
+def _resized(now: int, counted: int) -> RematValueError:
+    """A storage an op grew in place (``resize_``, an ``out=`` tensor smaller than the result): the
+    trace gives each storage one size, from the op that made it."""
+    return RematValueError(
+        message(
+            "trace.capture",
+            "an op changed the size of a tensor's storage in place, which the trace cannot follow",
+            f"a storage of {counted} bytes taken to {now}",
+            "make the tensor at its final size (not resize_, nor an out= tensor of another size)",
+        )
+    )
+
+
 def _unpack(packed: Any) -> torch.Tensor:
     """A saved tensor back for backward, refused as autograd refuses it where an in-place op wrote
     it since it was saved (hooks take autograd's own check away): the step would fail unrecorded."""
@@ -379,22 +395,3 @@ def _unpack(packed: Any) -> torch.Tensor:
             )
         )
     return t
-
-
-def _hooked(module: nn.Module, ours: Any) -> bool:
-    """Whether the program hooks ``module``'s calls (besides ``ours``, the capture's own): a
-    pre-hook's ops or a backward hook's wrapping are part of its call in the trace but not of its
-    ``forward``, which a module run again calls alone (NOTE [module re-run] in
-    ``remat.planner.rerun_regions``), so such a call is not noted for it."""
-    module_hooks = nn.modules.module
-    others = [h for h in module._forward_hooks.values() if h != ours]
-    return bool(
-        module._forward_pre_hooks
-        or others
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or module_hooks._global_backward_hooks
-        or module_hooks._global_backward_pre_hooks
-        or len(module_hooks._global_forward_pre_hooks) > 1  # the capture's own is one
-        or len(module_hooks._global_forward_hooks) > 1
-    )

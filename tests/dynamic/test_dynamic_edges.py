@@ -200,3 +200,47 @@ def test_a_lazy_conjugate_or_negative_view_is_recomputed_with_its_bit(lazy: str)
         got, again = body()
     assert region.stats.recomputations > 0
     assert torch.equal(again, made) and torch.equal(got, expected)
+
+
+def test_a_lazy_module_in_keep_is_counted_once_it_has_parameters() -> None:
+    """``keep=(model,)`` with a lazy layer not yet run asked its uninitialized weight for its
+    storage (torch's ValueError as the region opened)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.Linear(16, 4)), torch.randn(8, 32)
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)  # the lazy layer draws its weights in its first forward
+    reference(x).sum().backward()
+    torch.manual_seed(1)
+    with remat.dynamic(None, keep=(model,)):
+        model(x).sum().backward()
+    assert all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )  # type: ignore[arg-type]
+
+
+def test_an_op_reading_a_sparse_tensor_is_recomputed_with_it() -> None:
+    """A graph convolution's ``sparse.mm(adj, h)`` evicted and run again got None where ``adj``
+    was (torch's "mat1 and mat2 must have the same dtype"): only the region's tensors are slots of
+    a recipe, and the others stay in it as they are."""
+    torch.manual_seed(0)
+    n, w = 256, 32
+    adj = torch.sparse_coo_tensor(torch.randint(0, n, (2, 600)), torch.rand(600), (n, n)).coalesce()
+    layers, x = nn.ModuleList([nn.Linear(w, w) for _ in range(4)]), torch.randn(n, w, requires_grad=True)
+
+    def step() -> list[torch.Tensor]:
+        layers.zero_grad(set_to_none=True)
+        x.grad = None
+        h = x
+        for layer in layers:
+            h = torch.sparse.mm(adj, layer(h)).tanh() + h
+        h.pow(2).sum().backward()
+        return [x.grad, *(p.grad for p in layers.parameters())]  # type: ignore[list-item]
+
+    expected = step()
+    with remat.memory.track(allocator=True) as plain:
+        step()
+    region = remat.dynamic(0.9, peak=plain.peak_bytes, keep=(layers,), cost="model")
+    with region:
+        got = step()
+    assert region.stats.recomputations > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

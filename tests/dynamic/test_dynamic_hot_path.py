@@ -80,7 +80,12 @@ def test_scan_skips_plain_leaves_as_isinstance_would(call: tuple) -> None:
         [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and managed(v)],
         [(i, v) for i, v in enumerate(flat) if isinstance(v, torch.Generator)],
         [v for v in flat if isinstance(v, torch.device)],
-        [None if isinstance(v, (torch.Tensor, torch.Generator)) else v for v in flat],
+        # the region's tensors and the generators leave the leaves; other tensors (sparse,
+        # another device's) stay, for the recipe to pass them as they are
+        [
+            None if isinstance(v, torch.Generator) or (isinstance(v, torch.Tensor) and managed(v)) else v
+            for v in flat
+        ],
         any(isinstance(v, torch.Tensor) for v in flat),
     )
     assert _same(list(scan(flat, managed)), list(expected))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 import remat
+from remat import RecomputationError
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
@@ -567,3 +568,54 @@ def test_arguments_of_every_plain_kind_reach_the_recomputation_as_given() -> Non
     seen.clear()
     torch.autograd.grad(remat.checkpoint(fn, x, 2, False, "b", y=x), x)
     assert seen[0] == seen[1] == (True, 2, False, "b", 1.0, True, 0, True)
+
+
+class _Dropping:
+    """A callable object, not a module, holding a layer and a generator of its own."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.lin, self.g = nn.Linear(8, 8), torch.Generator().manual_seed(3)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * (torch.rand(x.shape, generator=self.g) > 0.5)
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_a_callable_objects_own_generator_is_reached(check: str) -> None:
+    """``remat.checkpoint(obj, x)`` with ``obj.__call__`` drawing from ``obj.g``: the object's
+    attributes were reached through a bound method only, so the recomputation drew another mask
+    (a wrong gradient, no error) and left the generator advanced twice."""
+    x = torch.randn(4, 8)
+    plain = _Dropping()
+    plain(x).sum().backward()
+    block = _Dropping()
+    remat.checkpoint(block, x, check=check).sum().backward()
+    assert torch.equal(block.lin.weight.grad, plain.lin.weight.grad)  # type: ignore[arg-type]
+    assert torch.equal(block.g.get_state(), plain.g.get_state())
+
+
+class _Config:
+    """Settings held by a module, one attribute below it: remat does not reach a generator here."""
+
+    def __init__(self) -> None:
+        self.g = torch.Generator().manual_seed(3)
+
+
+class _Shuffle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.config = nn.Linear(8, 8), _Config()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))[:, torch.randperm(8, generator=self.config.g)] * x
+
+
+def test_the_value_check_sees_a_recomputation_that_moves_values() -> None:
+    """A permutation drawn again from a generator remat does not reach has the forward's sum and
+    absolute sum: ``check="values"`` passed it, with a wrong gradient. Its fingerprint weighs the
+    values by position now."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RecomputationError, match=r"remat.checkpoint: a recomputed tensor has other values"):
+        remat.checkpoint(_Shuffle(), x, check="values").pow(2).sum().backward()

@@ -24,6 +24,8 @@ def test_a_link_parses_rates_and_latency_and_charges_latency_plus_bytes_over_ban
         ({"latency": "soon"}, r"remat\.Link: cannot parse this duration"),
         ({"latency": -1.0}, r"remat\.Link: a duration must be at least 0"),
         ({"latency": "1e400"}, r"remat\.Link: a duration must be at least 0 and finite \(got '1e400'\)"),
+        ({"latency": "-1us"}, r"remat\.Link: a duration must be at least 0 and finite \(got '-1us'\)"),
+        ({"d2h": "0GB/s"}, r"remat\.Link: a rate must be positive and finite \(got '0GB/s'\)"),
     ],
 )
 def test_a_bad_link_gets_a_clear_error(kwargs: dict[str, object], match: str) -> None:
@@ -44,3 +46,12 @@ def test_measuring_a_link_without_a_gpu_says_what_to_do_instead() -> None:
 def test_a_measured_link_has_positive_rates() -> None:
     link = remat.Link.measure(nbytes="16MiB", repeats=3)
     assert link.d2h > 1e8 and link.h2d > 1e8 and link.latency >= 0
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    """A rate, a latency and a prefetch depth from numpy (a config read with it) were refused."""
+    import numpy as np
+
+    link = remat.Link(d2h=np.int64(5), h2d=np.float32(2.0), latency=np.float64(0.0))
+    assert (link.d2h, link.h2d, link.latency) == (5.0, 2.0, 0.0)
+    assert remat.Offloader(prefetch=np.int64(3)).prefetch == 3  # type: ignore[arg-type]

@@ -298,3 +298,47 @@ def test_a_tensor_handed_to_the_block_around_comes_back_through_it() -> None:
         return inp.grad.clone()
 
     assert torch.equal(step(True), step(False))
+
+
+def test_a_parameter_made_in_the_block_stays_on_the_device() -> None:
+    """A lazy module's first forward inside the block makes its weight there: it was moved to the
+    host (256 KiB out, and a ``host_budget`` of 100 KiB refused) though the program keeps it."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.LazyLinear(256), nn.Tanh(), nn.Linear(256, 1)), torch.randn(4, 256)
+    with remat.offload(host_budget="100KiB") as offloader:
+        model(x).sum().backward()
+    assert offloader.stats().bytes_out < 256 * 256 * 4
+
+
+def test_forward_mode_ad_runs_in_the_block_and_under_the_counting_tracker() -> None:
+    """Forward-mode AD makes implicit zero tensors with no memory; asked for their storage, the
+    block and the tracker raised torch's "invalid python storage"."""
+    import torch.autograd.forward_ad as forward_ad
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)), torch.randn(4, 8)
+    expected = torch.func.jvp(model, (x,), (torch.ones_like(x),))
+    for context in (remat.offload(), remat.memory.track()):
+        with context:
+            got = torch.func.jvp(model, (x,), (torch.ones_like(x),))
+            with forward_ad.dual_level():
+                forward_ad.unpack_dual(model(forward_ad.make_dual(x, torch.ones_like(x))))
+        assert all(map(torch.equal, got, expected))
+
+
+def test_a_lazy_conjugate_view_of_an_offloaded_tensor_is_recomputed_in_a_scope() -> None:
+    """``spec * spec.conj()`` saves a conjugate view of the offloaded spectrum: the scope handed it
+    to the offloader, which refuses lazy bits (naming ``remat.offload``); the other forms already
+    kept it. It is recomputed now, and the gradient is the plain one."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        spec = torch.fft.rfft(x * 2, dim=1)
+        return torch.fft.irfft(spec * spec.conj(), n=16, dim=1)
+
+    (expected,) = torch.autograd.grad(f(x).sum(), x)
+    with remat.scope(policy=remat.OffloadLarger(1)):
+        y = f(x)
+    (got,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(got, expected)

@@ -440,3 +440,50 @@ def test_a_parameter_and_a_buffer_read_through_unsafe_chunk_never_move(
 ) -> None:
     """``unsafe_chunk`` results on a parameter's storage, under a policy that offloads every op."""
     _never_moved("chunked", form, monkeypatch)
+
+
+def test_another_threads_prefetch_never_reads_a_cargo_still_being_copied_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One offloader shared by two threads: thread A's backward prefetched a cargo that thread B
+    had registered and not yet filled, and B's backward then read the unfilled copy (wrong
+    gradients, no error). B's copy out is held open here until A's step ends, or a second."""
+    import copy
+    import threading
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)), torch.randn(64, 32)
+
+    def grads(m: nn.Module, batch: torch.Tensor, offloader: Offloader) -> list[torch.Tensor]:
+        remat.checkpoint(m, batch, policy=remat.OffloadLarger(1), offloader=offloader).pow(2).sum().backward()
+        return [p.grad.clone() for p in m.parameters()]  # type: ignore[union-attr]
+
+    expected = grads(copy.deepcopy(model), x, Offloader())
+    shared, copying, a_done = Offloader(prefetch=4), threading.Event(), threading.Event()
+    copy_out, calls = Offloader._copy_out, []
+
+    def slow_copy_out(self: Offloader, cargo: Any, storage: torch.UntypedStorage) -> None:
+        calls.append(threading.current_thread().name)
+        if calls.count("B") == 2 and not copying.is_set():
+            copying.set()
+            a_done.wait(timeout=1.0)
+        copy_out(self, cargo, storage)
+
+    monkeypatch.setattr(Offloader, "_copy_out", slow_copy_out)
+    got: dict[str, list[torch.Tensor]] = {}
+
+    def a() -> None:
+        copying.wait(timeout=5.0)
+        grads(copy.deepcopy(model), x + 7.0, shared)
+        a_done.set()
+
+    threads = [
+        threading.Thread(target=lambda: got.update(B=grads(copy.deepcopy(model), x, shared)), name="B")
+    ]
+    threads.append(threading.Thread(target=a, name="A"))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert copying.is_set()
+    assert all(torch.equal(g, e) for g, e in zip(got["B"], expected, strict=True))

@@ -118,6 +118,18 @@ def test_the_host_budget_holds_and_a_too_small_one_is_named() -> None:
         plan_trace(trace, budget, link=FAST, solver="offload_greedy", host_budget=1024)
 
 
+def test_a_host_budget_too_small_while_the_plan_runs_names_the_plan() -> None:
+    """A plan whose host budget cannot hold what it moves (edited by hand here) ran into the host
+    pool's refusal, which named ``remat.offload`` and its arguments, not the plan's."""
+    _, _, low = _traced("gpt2")
+    plan = dataclasses.replace(_below("gpt2", low, FAST), host_budget=64)
+    model, batch, _ = build("gpt2")
+    with pytest.raises(
+        remat.RematRuntimeError, match=r"^remat\.plan\.apply: the host budget is too small .*plan again"
+    ):
+        train(model, batch, steps=1, region=lambda: plan.apply(model))
+
+
 def test_the_plan_records_offload_round_trips_and_explains_it(tmp_path: Path) -> None:
     _, _, low = _traced("gpt2")
     # at recomputation's floor the filled recompute-only plan (remat.planner.room) beats every

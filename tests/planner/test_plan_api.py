@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import io
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -508,6 +509,37 @@ def test_a_plan_steps_aside_in_inference_mode(rerun: bool, mode: Any) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap", "forward AD"])
+@pytest.mark.parametrize("rerun", [False, True], ids=["tape", "rerun"])
+def test_a_plan_steps_aside_under_a_torch_func_transform_or_forward_ad(rerun: bool, transform: str) -> None:
+    """Under ``torch.func.grad``, ``vmap`` or forward-mode AD the model runs as it is, as the manual
+    forms run (they carry their own derivatives, and refuse saved-tensor hooks): the plan raised
+    torch's errors from inside, or called the child's call a bypass of the model's."""
+    import torch.autograd.forward_ad as forward_ad
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(6)]
+    model, x = nn.Sequential(*blocks, nn.Linear(32, 1)), torch.randn(64, 32)
+    plan = remat.plan(model, (x,), 0.6, loss_fn=lambda m, x: m(x).square().mean(), rerun_modules=rerun)
+    assert plan.regions
+
+    def run() -> torch.Tensor:
+        if transform == "grad":
+            return torch.func.grad(lambda a: model(a).square().sum())(x)
+        if transform == "vmap":
+            return torch.func.vmap(model)(x.view(4, 16, 32))
+        with forward_ad.dual_level():
+            return forward_ad.unpack_dual(model(forward_ad.make_dual(x, torch.ones_like(x)))).tangent
+
+    expected = run()
+    with plan.apply(model):
+        got = run()
+    assert torch.equal(got, expected)
+    with plan.apply(model):
+        model(x).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_solver_options_files_and_keys_that_cannot_work_are_clear_errors(tmp_path: Any) -> None:
     trace, _, _ = _traced("gpt2")
     for solver, options, error, rule in [
@@ -686,30 +718,34 @@ def test_a_plans_errors_in_backward_name_remat_plan() -> None:
 
 
 class _OwnNoise(nn.Module):
-    """Blocks whose residual is masked by draws from a generator the model holds (``self.g``)."""
+    """Blocks whose residual is masked by draws from a generator the model holds (``self.g``), or
+    holds one attribute down (``self.config.g``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deep: bool) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3)
         )
-        self.g = torch.Generator().manual_seed(3)
+        self.config = types.SimpleNamespace(g=torch.Generator().manual_seed(3))
+        self.g = None if deep else self.config.g
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = x + block(x) * (torch.rand(x.shape, generator=self.g) > 0.2)
+            x = x + block(x) * (torch.rand(x.shape, generator=self.config.g) > 0.2)
         return x.square().mean()
 
 
-def test_planning_puts_back_a_generator_the_model_holds() -> None:
+@pytest.mark.parametrize("deep", [False, True], ids=["self.g", "self.config.g"])
+def test_planning_puts_back_a_generator_the_model_holds(deep: bool) -> None:
     """Planning put back the default generator's state but advanced the model's own (three
-    forwards of draws): the first planned step drew other masks than the same step run plainly."""
+    forwards of draws): the first planned step drew other masks than the same step run plainly.
+    One attribute down, past what ``untouched`` reaches, the capture's own mode puts it back."""
     torch.manual_seed(0)
-    model, x = _OwnNoise(), torch.randn(2, 16, 32)
+    model, x = _OwnNoise(deep), torch.randn(2, 16, 32)
     twin = copy.deepcopy(model)
-    before = model.g.get_state()
+    before = model.config.g.get_state()
     plan = remat.plan(model, (x,), "min")
-    assert plan.regions and torch.equal(model.g.get_state(), before)
+    assert plan.regions and torch.equal(model.config.g.get_state(), before)
     with plan.apply(model):
         loss = model(x)
     loss.backward()
@@ -763,3 +799,22 @@ def test_a_table_built_at_the_first_call_is_built_before_the_step_is_traced(as_b
             optimizer.step()
             optimizer.zero_grad()
     assert all(map(torch.equal, model.parameters(), twin.parameters()))
+
+
+def test_a_plan_applied_to_a_model_of_other_parameters_says_so() -> None:
+    """Applied to another model (two blocks where three were planned), the plan said its
+    parameters required grad otherwise, as if some were frozen."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+
+    def model(n: int) -> nn.Module:
+        return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n)), nn.Linear(8, 1))
+
+    plan = remat.plan(model(3), (x,), 1.0, loss_fn=lambda m, x: m(x).sum())
+    with (
+        pytest.raises(
+            RematValueError, match=r"remat.plan.apply: the plan runs the model it was made for \(a model "
+        ),
+        plan.apply(model(2)),
+    ):
+        pass

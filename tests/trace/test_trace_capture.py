@@ -318,3 +318,26 @@ def test_a_loss_fn_that_returns_no_loss_is_a_clear_error(
         match=rf"remat\.trace\.capture: loss_fn\(output\) returns the step's loss.*\(got {given}",
     ):
         remat.trace.capture(layer, (x,), loss_fn, repeats=1)
+
+
+@pytest.mark.parametrize("grow", ["out=", "resize_"])
+def test_a_storage_grown_in_place_is_a_clear_error(grow: str) -> None:
+    """A trace gives each storage the size the op that made it gave it: ``out=`` into an empty
+    tensor (or ``resize_``) grew it behind the trace's back, and a plan measured three such masks
+    over its prediction and its budget."""
+    w = nn.Parameter(torch.randn(32, 32))
+
+    def step() -> None:
+        x = torch.randn(16, 32) @ w
+        mask = torch.empty(0)
+        if grow == "out=":
+            torch.rand(x.shape, out=mask)
+        else:
+            mask.resize_(16, 32).uniform_()
+        (x * mask).sum().backward()
+
+    with pytest.raises(
+        remat.RematValueError,
+        match=r"remat\.trace\.capture: an op changed the size of a tensor's storage in place",
+    ):
+        capture(step, repeats=1)
