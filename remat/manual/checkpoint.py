@@ -12,17 +12,17 @@ Differences from torch's version, each a bug report there:
   (SAVE) or in host memory (OFFLOAD, see ``remat.manual.selective``);
 - ``check="values"`` compares each recomputed tensor with a fingerprint of the forward's and names the op
   and module that diverged; shapes and dtypes are always checked;
-- the recomputation stops early only after an op's kernel has run (RReLU as a last op).
+- the recomputation stops at the last save as torch's does (NOTE [early stop] in ``manual.early_stop``).
 
 Saved tensors stay at hand until the function returns, so that a backward inside it (a gradient penalty,
 MAML's inner step) uses them; the recomputation holds as many at its end, so the peak is unchanged (a
 ``.backward()`` run again is refused: NOTE [backward run again]). A
 saved tensor written in place after it was saved is refused, as autograd refuses it. The recomputation
-runs once per backward (graph task) and stops after the last saved tensor's op::
+runs once per backward (graph task) and stops at the last saved tensor::
 
     forward:   x ──fn (pack: tensor -> handle i)──> y          frame keeps: inputs, RNG, autocast
     backward:  node.unpack(handle i) ─> frame.recompute() ─> fn(x') under the same state,
-               pack'(tensor j) stores j ... stops after the last j ─> returns tensor i
+               pack'(tensor j) stores j ... stops at the last j ─> returns tensor i
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class _Frame:
         if self.provenance is not None:
             self.origins.append(self.provenance.describe(t))
         self.handles.append(weakref.ref(handle := _Handle(self, len(self.metas) - 1)))
-        self.last_op.saved(t, handle.index)
+        self.last_op.saved(t)
         return handle
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
@@ -285,7 +285,7 @@ def run(
         if frame.provenance is not None and frame.live is not None:  # the values the function left
             with no_modes():
                 frame.prints = [frame.provenance.checkable(t) for t in frame.live]
-        frame.stops = frame.live is not None and frame.last_op.stops(frame.live)
+        frame.stops = frame.last_op.stops()
         frame.live = None  # NOTE [backward inside the forward]
 
 

@@ -104,7 +104,7 @@ class _Frame:
     def pack(self, t: torch.Tensor) -> _Saved:
         self.metas.append(TensorMeta.of(t))
         self.versions.append((weakref.ref(t), t._version))
-        self.last_op.saved(t, len(self.metas) - 1)
+        self.last_op.saved(t)
         self.handles.append(weakref.ref(handle := _Saved(self, len(self.metas) - 1)))
         return handle
 

@@ -619,3 +619,22 @@ def test_the_value_check_sees_a_recomputation_that_moves_values() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RecomputationError, match=r"remat.checkpoint: a recomputed tensor has other values"):
         remat.checkpoint(_Shuffle(), x, check="values").pow(2).sum().backward()
+
+
+def test_a_last_kernel_filling_a_view_of_memory_saved_before_still_runs() -> None:
+    """``rrelu_with_noise`` fills the noise it saved, here a row of a buffer whose other row an
+    earlier op saved: a recomputation that stopped at a save outside the graph whose memory was
+    saved before skipped the kernel, and every slope of the gradient read 1.0 (NOTE [early stop])."""
+    n = 16
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.ones(2, n)
+        return torch.ops.aten.rrelu_with_noise(x * buf[0], buf[1], 0.1, 0.3, True)
+
+    grads = []
+    for run in (fn, lambda x: remat.checkpoint(fn, x)):
+        x = torch.linspace(-1, 1, n).requires_grad_()
+        torch.manual_seed(1)
+        run(x).sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])  # type: ignore[arg-type]

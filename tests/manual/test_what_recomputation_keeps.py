@@ -20,12 +20,12 @@ H = 64
 
 
 class _Gated(nn.Module):
-    """``x + tanh(a(x)) * gate`` with the gate cut from the graph: detached into a new tensor, in
-    place (its sigmoid's node, and the output it saved, die at once), or not at all."""
+    """``x + out(tanh(a(x)) * gate)`` with the gate cut from the graph: detached into a new tensor,
+    in place (its sigmoid's node, and the output it saved, die at once), or not at all."""
 
     def __init__(self, cut: str) -> None:
         super().__init__()
-        self.a, self.g, self.cut = nn.Linear(H, H), nn.Linear(H, H), cut
+        self.a, self.g, self.out, self.cut = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H), cut
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = torch.sigmoid(self.g(x))
@@ -33,7 +33,7 @@ class _Gated(nn.Module):
             gate.detach_()
         elif self.cut == "detach":
             gate = gate.detach()
-        return x + torch.tanh(self.a(x)) * gate
+        return x + self.out(torch.tanh(self.a(x)) * gate)
 
 
 class _Mlp(nn.Module):
