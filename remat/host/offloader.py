@@ -8,7 +8,8 @@ Every form of offload in remat (the ``remat.offload`` region, OFFLOAD decisions 
 
 ``out`` moves the whole storage of ``t`` (so any strided view comes back with its strides, offset
 and dtype) into a ``Cargo``, which every parcel of a view of that storage shares while the storage
-is unchanged: the bytes cross once however many views autograd saves. A parcel keeps a weak
+is unchanged: the bytes cross once however many views autograd saves (a view on a version counter
+of its own moves its own bytes: NOTE [a view on a counter of its own]). A parcel keeps a weak
 reference to ``t`` with its version, so a caller can refuse a tensor written in place after it was
 moved (``Parcel.written``), as autograd does. The host buffer goes back to the pool when the last
 parcel of its cargo dies (autograd frees saved tensors as backward runs).
@@ -175,6 +176,8 @@ class Offloader:
                     cargo.uses += 1
                     cargo.follows = cargo.follows and follows
                     return Parcel(t, cargo, witness, follows)
+                if same:  # another counter on a storage moved whole: this view's bytes alone
+                    return self._compact(t, witness)
             nbytes = storage.nbytes()
             on_cuda = t.device.type == "cuda"
             buffer = self.pool.take(nbytes, pinned=on_cuda)
@@ -195,6 +198,28 @@ class Offloader:
             # cargo only once its bytes are on their way (on CUDA, behind the recorded event)
             self._copy_out(cargo, storage)
         return Parcel(t, cargo, witness, follows)
+
+    def _compact(self, t: torch.Tensor, witness: torch.Tensor | None) -> Parcel:
+        """NOTE [a view on a counter of its own] The results of ``unsafe_chunk`` and
+        ``unsafe_split`` view one storage, each on a version counter of its own: a write through
+        one is not seen by the others', so a view cannot share the host copy of the whole storage
+        another moved. Copying the whole storage again for each (three times a fused projection's
+        output for a query, a key and a value) took more memory than keeping them on the device;
+        such a view moves its own bytes alone, and comes back contiguous. Called under the lock."""
+        alone = t.detach().clone(memory_format=torch.contiguous_format)
+        storage = alone.untyped_storage()
+        nbytes, on_cuda = storage.nbytes(), t.device.type == "cuda"
+        buffer = self.pool.take(nbytes, pinned=on_cuda)
+        cargo = Cargo(self._next, buffer, storage, False)
+        self._next += 1
+        self._live.append(cargo.index)
+        self._cargos[cargo.index] = weakref.ref(cargo)
+        weakref.finalize(cargo, self._forget, cargo.index, None, buffer, on_cuda, cargo.read)
+        self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
+        self._copy_out(cargo, storage)
+        parcel = Parcel(t, cargo, witness)
+        parcel.stride, parcel.offset = alone.stride(), 0  # where it sits in the copy
+        return parcel
 
     def refill(self, parcel: Parcel, t: torch.Tensor) -> None:
         """Copy ``t``'s storage to ``parcel``'s host bytes again: an op wrote it after it moved
@@ -318,7 +343,7 @@ class Offloader:
     def _forget(
         self,
         index: int,
-        key: tuple[Any, ...],
+        key: tuple[Any, ...] | None,  # None: a cargo of one view (NOTE [a view on a counter of its own])
         buffer: torch.Tensor,
         pinned: bool,
         read: list[torch.cuda.Event | None],
@@ -329,8 +354,8 @@ class Offloader:
             at = bisect.bisect_left(self._live, index)
             if at < len(self._live) and self._live[at] == index:
                 del self._live[at]
-            known = self._same.get(key)
-            if known is not None and known[1]() is None:
+            known = self._same.get(key) if key is not None else None
+            if key is not None and known is not None and known[1]() is None:
                 del self._same[key]
         self.pool.give(buffer, pinned, read[0])
 

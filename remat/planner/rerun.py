@@ -8,8 +8,8 @@ version, not the tensor), and the count moves past the region. In backward, the 
 unpacked runs the module again on the call's inputs, under the forward's random-number state,
 autocast settings and allowed attention kernels, once every tensor the call read is checked
 unwritten, keeping each tensor autograd saves (where autograd still holds its handle) until the
-last one comes back, then it stops (NOTE [early stop] in ``remat.manual.early_stop``); each unpack
-takes its own::
+last one comes back, then it stops (before the last op's kernel where the saves were its
+arguments: NOTE [early stop] in ``remat.manual.early_stop``); each unpack takes its own::
 
     forward:  runner (checks ops) | module(x) bare, pack: tensor -> handle i | runner ...
     backward: unpack(handle i) -> module(x') again, pack'(j) stores j ... stop after the last
@@ -40,7 +40,6 @@ from remat._modules import below
 from remat.manual import autocast
 from remat.manual.buffers import Buffers
 from remat.manual.checks import TensorMeta
-from remat.manual.early_stop import LastOp
 from remat.manual.inner_backward import refused
 from remat.manual.inputs import Inputs
 from remat.manual.traced import outside_transforms
@@ -96,7 +95,6 @@ class _Frame:
         self.metas: list[TensorMeta] = []
         self.versions: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self.handles: list[weakref.ref[_Saved]] = []
-        self.last_op = LastOp()  # NOTE [early stop] in ``remat.manual.early_stop``
         self.running = True
         self.made: dict[int, dict[int, torch.Tensor]] = {}  # graph task -> handle -> tensor
         self.lock = threading.Lock()
@@ -104,7 +102,6 @@ class _Frame:
     def pack(self, t: torch.Tensor) -> _Saved:
         self.metas.append(TensorMeta.of(t))
         self.versions.append((weakref.ref(t), t._version))
-        self.last_op.saved(t)
         self.handles.append(weakref.ref(handle := _Saved(self, len(self.metas) - 1)))
         return handle
 
@@ -150,7 +147,7 @@ class _Frame:
     def again(self) -> dict[int, torch.Tensor]:
         """Run the module again up to its last save; every saved tensor, by handle."""
         made: dict[int, torch.Tensor] = {}
-        total, count, stops = len(self.metas), [0], self.last_op.stops()
+        total, count = len(self.metas), [0]
 
         def pack(t: torch.Tensor) -> None:
             i = count[0]
@@ -166,7 +163,7 @@ class _Frame:
                 )
             if self.handles[i]() is not None:  # else its node is gone: none will unpack it
                 made[i] = t.detach()
-            if i == total - 1 and (stops or aten.made_last(t)):
+            if i == total - 1:  # the planner runs no module again whose last save's op may fill it
                 raise _Stop
 
         args, kwargs = self.inputs()

@@ -21,7 +21,10 @@ qualifies when
 - the step holds no memory that no op made (``Trace.unseen_bytes``: the random-number states of a
   ``torch.utils.checkpoint`` inside it, which a call run again would copy again, unseen);
 - no op of it writes a storage made before it (batch norm's running statistics, an in-place op
-  on its input), which the call run again would see written, or write twice.
+  on its input), which the call run again would see written, or write twice;
+- the op of its last save writes none of its arguments: the re-run stops at that save, before the
+  op's kernel, which may fill what it saved (``rrelu_with_noise`` fills its noise: NOTE [early
+  stop] in ``remat.manual.early_stop``); such a region stays on its tape.
 
 What it then does, for the prediction (``remat.planner.predict``): its handles are the tape's
 targets (what the region made and autograd saved while it ran) and what its last op saves of its
@@ -97,5 +100,7 @@ def rerun_of(trace: Trace, ops: Sequence[int], save: frozenset[int]) -> Rerun | 
         ),
         default=first,
     )
+    if stop <= last and writes(trace.ops[stop]):  # NOTE [early stop]: its kernel may fill a save
+        return None
     inputs = frozenset(root[t] for t in given if not tensors[root[t]].constant)
     return Rerun(module, stop, inputs)

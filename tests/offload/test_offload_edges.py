@@ -342,3 +342,35 @@ def test_a_lazy_conjugate_view_of_an_offloaded_tensor_is_recomputed_in_a_scope()
         y = f(x)
     (got,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_views_of_unsafe_chunk_move_their_own_bytes_and_lower_the_peak(prefetch: int) -> None:
+    """``unsafe_chunk`` gives each view a version counter of its own, so a view cannot share the
+    host copy of the storage another view moved; each moved the whole storage again, and the
+    block's peak was no lower than the plain one (a sweep's case rose 1% and, with prefetch, 11%
+    above it). Each such view now moves its own bytes (NOTE [a view on a counter of its own])."""
+    torch.manual_seed(0)
+    lin, out = nn.Linear(64, 192), nn.Linear(64, 64)
+    x = torch.randn(512, 64, requires_grad=True)
+
+    def step(offloaded: bool) -> tuple[int, list[torch.Tensor]]:
+        lin.zero_grad(set_to_none=True)
+        out.zero_grad(set_to_none=True)
+        x.grad = None
+        with remat.memory.track(allocator=True) as tracked:
+            with remat.offload(prefetch=prefetch) if offloaded else contextlib.nullcontext():
+                q, k, v = lin(x).unsafe_chunk(3, -1)
+                loss = out(q * k * v.sigmoid()).pow(2).sum()
+            del q, k, v
+            loss.backward()
+        return tracked.peak_bytes, [x.grad, *lin.parameters(), *out.parameters()]  # type: ignore[list-item]
+
+    step(False)  # the allocator's first step learns its kernels' scratch
+    plain, expected = step(False)
+    expected = [t.grad if isinstance(t, nn.Parameter) else t for t in expected]
+    step(True)
+    moved, got = step(True)
+    got = [t.grad if isinstance(t, nn.Parameter) else t for t in got]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))  # type: ignore[arg-type]
+    assert moved < plain

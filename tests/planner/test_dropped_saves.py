@@ -14,9 +14,11 @@ import remat
 from remat import RecomputationError
 from remat.planner import plan_trace, trace_step
 from remat.planner.api import block_key, plan_at
+from remat.planner.cost_model import ExecutorCost
 from remat.planner.frontier import frontier
 
 H = 32
+TAPES_COST = ExecutorCost(record=1e-3, replay=1e-3)  # a tape costs: where it may, a module runs again
 
 
 class _Gated(nn.Module):
@@ -77,15 +79,51 @@ class _Noisy(nn.Module):
         return self.noise(self.linear(x))
 
 
-def test_a_module_run_again_whose_last_kernel_fills_what_it_saved_runs_that_kernel() -> None:
+def test_a_module_whose_last_kernel_fills_what_it_saved_is_not_run_again() -> None:
     """RReLU saves the noise made for it, then its input, and only then fills the noise: a module
     run again stopped at its last save (as ``torch.utils.checkpoint`` does) and handed backward
-    unwritten memory, and every gradient differed from the plain model's."""
+    unwritten memory, and every gradient differed from the plain model's. Such a region stays on
+    its tape (NOTE [module re-run] in ``remat.planner.rerun_regions``)."""
     torch.manual_seed(0)
     model, x = _Net([_Noisy() for _ in range(4)]), torch.randn(64, 16)
     trace = fixed_costs(trace_step(model, (x,), repeats=1))
-    plan = plan_trace(trace, "min", block_key=block_key(model), rerun_modules=True)
+    plan = plan_trace(trace, "min", block_key=block_key(model), rerun_modules=True, executor_cost=TAPES_COST)
+    assert plan.regions and not any(region.rerun for region in plan.regions)
+    _trains_as_plain(model, x, plan)
+
+
+class _Dropped(nn.Module):
+    """A block ending in dropout: on CPU ``x * mask``, whose mask is outside the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.drop = nn.Linear(H, 16), nn.Linear(16, H), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.l2(torch.relu(self.l1(x))))
+
+
+def test_a_module_ending_in_dropout_runs_again_to_its_last_save_as_predicted() -> None:
+    """Its last save is the mask, an argument of the product outside the graph: a first rule ran
+    the module on to its end (the product and the residual sum), 13,312 bytes over the
+    prediction, where the product writes nothing it saved and the re-run may stop before it."""
+    torch.manual_seed(0)
+    model, x = _Net([_Dropped() for _ in range(3)]), torch.randn(64, H)
+    trace = fixed_costs(trace_step(model, (x,), repeats=1))
+    plan = plan_trace(trace, "min", block_key=block_key(model), rerun_modules=True, executor_cost=TAPES_COST)
     assert any(region.rerun for region in plan.regions)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with remat.memory.track(timeline=False, allocator=True) as tracked:
+            with plan.apply(model):
+                loss = model(x)
+            loss.backward()
+        assert tracked.peak_bytes <= plan.predicted_peak_bytes
+    _trains_as_plain(model, x, plan)
+
+
+def _trains_as_plain(model: nn.Module, x: torch.Tensor, plan: remat.Plan) -> None:
+    """Two steps with dropout's draws: every gradient equal to the plain model's, bit for bit."""
     for step in range(2):
         torch.manual_seed(5 + step)
         model.zero_grad(set_to_none=True)
@@ -131,7 +169,7 @@ def test_a_saved_tensor_the_program_writes_after_its_region_is_refused_in_every_
     torch.manual_seed(0)
     model, x = _ExposedNet(), torch.randn(64, H)
     trace = fixed_costs(trace_step(model, (x,), lambda m, x: m(x)[0], repeats=1))
-    plan = plan_trace(trace, "min", block_key=block_key(model))
+    plan = plan_trace(trace, "min", block_key=block_key(model), executor_cost=ExecutorCost())
     assert [r.anchor for r in plan.regions if not r.rerun] == ["layers.0"]  # a taped call, templated
     for write in (True, True, True, False):  # recorded, then run from its template
         with plan.apply(model):
