@@ -11,7 +11,9 @@ stops at the last save where its op has run (the tensor is a result of it: its n
 or where each argument that op saved is in the graph (it requires grad: a write to it bumps its
 version, which autograd checks; no kernel fills one unseen). Else the function runs on to its
 end, the last op's kernel with it (a product with a gate cut from the graph, ``h * gate.detach()``,
-as the last op: one op and what follows run again for nothing).
+as the last op: one op and what follows run again for nothing). A plan's module run again
+(``remat.planner.rerun``) always stops at its last save, as its prediction says: the planner runs
+no module again whose last saving op writes an argument (NOTE [module re-run]).
 """
 
 from __future__ import annotations
