@@ -178,13 +178,7 @@ class Offloader:
                     return Parcel(t, cargo, witness, follows)
                 if same:  # another counter on a storage moved whole: this view's bytes alone
                     return self._compact(t, witness)
-            nbytes = storage.nbytes()
-            on_cuda = t.device.type == "cuda"
-            buffer = self.pool.take(nbytes, pinned=on_cuda)
-            cargo = Cargo(self._next, buffer, storage, follows)
-            self._next += 1
-            self._live.append(cargo.index)
-            self._cargos[cargo.index] = weakref.ref(cargo)
+            cargo = self._moved(storage, follows, key)
             self._same[key] = (
                 weakref.ref(storage),
                 weakref.ref(cargo),
@@ -192,12 +186,23 @@ class Offloader:
                 version_witness(t),
                 weakref.ref(t),
             )
-            weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
-            self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
-            # under the lock: another thread's prefetch or parcel of the same storage finds the
-            # cargo only once its bytes are on their way (on CUDA, behind the recorded event)
-            self._copy_out(cargo, storage)
         return Parcel(t, cargo, witness, follows)
+
+    def _moved(self, storage: torch.UntypedStorage, follows: bool, key: tuple[Any, ...] | None) -> Cargo:
+        """A new cargo of ``storage``'s bytes, on its way to host memory; ``key``: where ``out``
+        finds it again (None: nowhere). Called under the lock: another thread's prefetch or parcel
+        of the same storage finds the cargo only once its bytes are on their way (on CUDA, behind
+        the recorded event)."""
+        nbytes, on_cuda = storage.nbytes(), storage.device.type == "cuda"
+        buffer = self.pool.take(nbytes, pinned=on_cuda)
+        cargo = Cargo(self._next, buffer, storage, follows)
+        self._next += 1
+        self._live.append(cargo.index)
+        self._cargos[cargo.index] = weakref.ref(cargo)
+        weakref.finalize(cargo, self._forget, cargo.index, key, buffer, on_cuda, cargo.read)
+        self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
+        self._copy_out(cargo, storage)
+        return cargo
 
     def _compact(self, t: torch.Tensor, witness: torch.Tensor | None) -> Parcel:
         """NOTE [a view on a counter of its own] The results of ``unsafe_chunk`` and
@@ -207,17 +212,7 @@ class Offloader:
         output for a query, a key and a value) took more memory than keeping them on the device;
         such a view moves its own bytes alone, and comes back contiguous. Called under the lock."""
         alone = t.detach().clone(memory_format=torch.contiguous_format)
-        storage = alone.untyped_storage()
-        nbytes, on_cuda = storage.nbytes(), t.device.type == "cuda"
-        buffer = self.pool.take(nbytes, pinned=on_cuda)
-        cargo = Cargo(self._next, buffer, storage, False)
-        self._next += 1
-        self._live.append(cargo.index)
-        self._cargos[cargo.index] = weakref.ref(cargo)
-        weakref.finalize(cargo, self._forget, cargo.index, None, buffer, on_cuda, cargo.read)
-        self._charge(moved=1, bytes_out=nbytes, d2h_seconds=self.link.d2h_seconds(nbytes))
-        self._copy_out(cargo, storage)
-        parcel = Parcel(t, cargo, witness)
+        parcel = Parcel(t, self._moved(alone.untyped_storage(), False, None), witness)
         parcel.stride, parcel.offset = alone.stride(), 0  # where it sits in the copy
         return parcel
 

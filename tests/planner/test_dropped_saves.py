@@ -5,8 +5,14 @@ handles] in ``remat.manual.handles``), and an RReLU fills the noise it saved aft
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from plans import fixed_costs
 from torch import nn
 
@@ -16,6 +22,8 @@ from remat.planner import plan_trace, trace_step
 from remat.planner.api import block_key, plan_at
 from remat.planner.cost_model import ExecutorCost
 from remat.planner.frontier import frontier
+from remat.planner.lowering import chain_from_trace
+from remat.planner.search import Step, simple
 
 H = 32
 TAPES_COST = ExecutorCost(record=1e-3, replay=1e-3)  # a tape costs: where it may, a module runs again
@@ -56,7 +64,7 @@ def test_every_plan_over_a_gate_cut_from_the_graph_measures_within_its_predictio
     torch.manual_seed(0)
     model, x = _Net([_Gated(cut) for _ in range(3)]), torch.randn(2, 16, H)
     trace = fixed_costs(trace_step(model, (x,), repeats=1))
-    found = frontier(trace, "auto", block_key(model))
+    found = frontier(trace, "auto", block_key(model), executor_cost=ExecutorCost())
     recomputing = 0
     for peak in sorted({c.pred.peak_bytes for c in found.candidates}):
         plan = plan_at(found, peak)
@@ -68,6 +76,34 @@ def test_every_plan_over_a_gate_cut_from_the_graph_measures_within_its_predictio
             loss.backward()
         assert tracked.peak_bytes <= plan.predicted_peak_bytes <= peak
     assert recomputing >= 2
+
+
+@pytest.mark.parametrize("cut", ["detach_", "detach"])
+def test_layers_run_again_over_a_gate_cut_from_the_graph_hold_what_torch_checkpoint_holds(cut: str) -> None:
+    """A module run again kept the sigmoid's output for a handle whose node had died, to the end
+    of the backward: 4 KB above ``torch.utils.checkpoint`` around each layer (NOTE [dead handles]
+    in ``remat.manual.handles``)."""
+    torch.manual_seed(0)
+    model, x = _Net([_Gated(cut) for _ in range(3)]), torch.randn(2, 16, H)
+    trace = fixed_costs(trace_step(model, (x,), repeats=1))
+    key = block_key(model)
+    candidates = simple(Step(trace, key, rerun_modules=True), chain_from_trace(trace, key=key))
+    every = next(c for c in candidates if c.notes == "every layer checkpointed")
+    assert all(region.rerun for region, _ in every.regions)
+    plan = dataclasses.replace(plan_trace(trace, 1.0), regions=tuple(r for r, _ in every.regions))
+    twin = copy.deepcopy(model)
+    for layer in twin.layers:
+        layer.forward = functools.partial(torch_checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    peaks = []
+    for ran, context in ((model, lambda: plan.apply(model)), (twin, contextlib.nullcontext)):
+        for _ in range(2):  # the second step: the allocator's scratch learned
+            ran.zero_grad(set_to_none=True)
+            with remat.memory.track(timeline=False, allocator=True) as tracked:
+                with context():
+                    loss = ran(x)
+                loss.backward()
+        peaks.append(tracked.peak_bytes)
+    assert peaks[0] <= peaks[1]
 
 
 class _Noisy(nn.Module):
