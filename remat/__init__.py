@@ -23,6 +23,7 @@ from remat.manual.sequential import checkpoint_sequential
 from remat.planner.api import plan
 from remat.planner.plan import Plan
 from remat.policy import (
+    ByModule,
     Decision,
     OffloadComputeIntensive,
     OffloadLarger,
@@ -37,6 +38,7 @@ from remat.policy import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ByModule",
     "Decision",
     "Link",
     "OffloadComputeIntensive",

@@ -9,9 +9,10 @@ so they are hashable, comparable and print as what they are.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import fnmatch
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -30,9 +31,10 @@ class Decision(enum.Enum):
 @dataclass(frozen=True)
 class OpContext:
     """What a policy may look at: the ATen op (``aten.mm.default``), its packet (``aten.mm``),
-    the bytes of its outputs and whether it draws random numbers. ``module`` is the module path
-    that issued it where a form fills it in; none does yet (the manual forms, the offload region
-    and the planner's executor pass ""), so a policy cannot choose by module today.
+    the bytes of its outputs and whether it draws random numbers. ``module`` is the path of the
+    module whose call issued it, below the region's root (NOTE [module paths] in
+    ``remat._module_path``): ``"attn.c_proj"``; the root's own ops, the root's class name; ops
+    outside any module call of the region, "".
     Where the form has them, ``overload``, ``args`` and ``kwargs`` are the op and the arguments it
     was called with (what a ``torch.utils.checkpoint`` policy function reads); they take no part in
     equality or hashing."""
@@ -231,6 +233,60 @@ class OffloadComputeIntensive:
 
     def decide(self, ctx: OpContext) -> Decision:
         return Decision.OFFLOAD if ctx.packet in COMPUTE_INTENSIVE_OPS else Decision.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class ByModule:
+    """Decide by the module that issued the op (``OpContext.module``, NOTE [module paths] in
+    ``remat._module_path``): ``decisions`` maps module paths to a ``Decision``. A path covers the
+    modules below it and may hold ``fnmatch`` wildcards (``"layers.*.mlp"``); where several match,
+    the one of most dotted parts wins (the first given, among those), and ``default`` where none
+    does. Megatron's selective recomputation of a GPT-2 block, for one: recompute the attention's
+    core and keep the rest, ``ByModule({"attn": RECOMPUTE, "attn.c_attn": SAVE, "attn.c_proj":
+    SAVE}, default=SAVE)``."""
+
+    decisions: Mapping[str, Decision] | tuple[tuple[str, Decision], ...] = ()
+    default: Decision = Decision.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        given = self.decisions
+        pairs = list(given.items()) if isinstance(given, Mapping) else given
+        if not isinstance(pairs, (list, tuple)) or not all(map(_path_decision, pairs)):
+            raise RematTypeError(
+                message(
+                    "ByModule",
+                    "decisions must map module paths (non-empty strings) to remat.Decision values",
+                    repr(given)[:200],
+                    'write ByModule({"attn": Decision.RECOMPUTE, "mlp": Decision.SAVE})',
+                )
+            )
+        if not isinstance(self.default, Decision):
+            raise RematTypeError(
+                message(
+                    "ByModule",
+                    "default must be a remat.Decision",
+                    repr(self.default)[:200],
+                    "pass default=Decision.SAVE, Decision.RECOMPUTE or Decision.OFFLOAD",
+                )
+            )
+        ranked = sorted(pairs, key=lambda p: -p[0].count("."))  # stable: the first given among equals
+        object.__setattr__(self, "decisions", tuple(ranked))
+
+    def decide(self, ctx: OpContext) -> Decision:
+        for path, decision in cast(tuple[tuple[str, Decision], ...], self.decisions):
+            if fnmatch.fnmatchcase(ctx.module, path) or fnmatch.fnmatchcase(ctx.module, path + ".*"):
+                return decision
+        return self.default
+
+
+def _path_decision(pair: object) -> bool:
+    return (
+        isinstance(pair, tuple)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and bool(pair[0])
+        and isinstance(pair[1], Decision)
+    )
 
 
 def describe(policy: Policy) -> str:

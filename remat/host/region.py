@@ -28,11 +28,11 @@ from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import aten
-from remat._dispatch import saved_hooks
+from remat._dispatch import Unguarded, saved_hooks
 from remat._errors import RecomputationError, message
+from remat._module_path import ModulePaths
 from remat._reusable import reusable
 from remat.aten import describe, version_witness
 from remat.host.link import Link
@@ -61,13 +61,13 @@ def _owner(t: torch.Tensor) -> tuple[Hashable, Any]:
     return id(t), t
 
 
-class Makers(TorchDispatchMode):
+class Makers(Unguarded):
     """Notes the memory the block's ops make, by storage (so a view counts as what it views), with
     the policy's decision for each op."""
 
-    def __init__(self, policy: Policy | None) -> None:
+    def __init__(self, policy: Policy | None, paths: ModulePaths | None = None) -> None:
         super().__init__()
-        self.policy = policy
+        self.policy, self.paths = policy, paths
         self.made: dict[Hashable, tuple[weakref.ref[Any], Decision]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -90,6 +90,7 @@ class Makers(TorchDispatchMode):
             ctx = OpContext(
                 op=info.name,
                 packet=info.packet,
+                module=self.paths.now() if self.paths is not None else "",
                 out_bytes=sum(o.nbytes for o in fresh if o.layout is torch.strided),
                 random=info.random,
                 overload=func,
@@ -251,7 +252,7 @@ def offload(
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain() or transformed():
         yield offloader
         return
-    makers = Makers(policy)
+    makers = Makers(policy, ModulePaths() if policy is not None else None)
     region = OffloadRegion(makers, offloader, demanded=policy is not None)
     hooks: Any = saved_hooks(region.pack, region.unpack)
     try:

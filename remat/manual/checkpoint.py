@@ -41,6 +41,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from remat import aten
 from remat._dispatch import no_modes, saved_hooks
 from remat._errors import RecomputationError, RematError, RematRuntimeError, RematTypeError, message
+from remat._module_path import ModulePaths
 from remat.host.offloader import Offloader
 from remat.manual import autocast, keywords
 from remat.manual.buffers import Buffers, region_modules
@@ -204,12 +205,9 @@ class _Frame:
                 joining() if self.joined else contextlib.nullcontext(),
                 refused("checkpoint"),  # NOTE [backward run again]
                 outside_transforms(),
+                replay if replay is not None else contextlib.nullcontext(),
             ):
-                if replay is not None:
-                    with replay:
-                        self.fn(*args, **kwargs)
-                else:
-                    self.fn(*args, **kwargs)
+                self.fn(*args, **kwargs)
         except _StopRecomputation:
             pass
         except RematError:
@@ -260,6 +258,7 @@ def run(
     check: Check,
     preserve_rng: bool = True,
     offloader: Offloader | None = None,
+    root: object = None,  # what names the modules a policy is told of (NOTE [module paths]): fn if None
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or transformed() or plain():
@@ -277,7 +276,7 @@ def run(
             if frame.provenance is not None:
                 forward.enter_context(frame.provenance.tracking(fn))
             if frame.cache is not None:
-                forward.enter_context(Recording(frame.cache))
+                forward.enter_context(Recording(frame.cache, ModulePaths(fn if root is None else root)))
             out = fn(*args, **kwargs)
         frame.parameters.again()
         return out

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from remat import aten
 from remat._dispatch import Unguarded, saved_hooks
 from remat._errors import RecomputationError, RematTypeError, message
+from remat._module_path import ModulePaths
 from remat._reusable import reusable
 from remat.aten import describe
 from remat.host.offloader import Offloader
@@ -385,6 +386,8 @@ def scope(
             )
         )
     tape = Tape(RecomputeAll() if policy is None else policy, offloader)
+    if policy is not None:
+        tape.paths = ModulePaths()
     region = TapedRegion(tape, execute)
     try:
         with Recorder(tape), saved_hooks(region.pack, region.unpack):

@@ -44,9 +44,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from remat import aten
+from remat._dispatch import Unguarded
+from remat._module_path import ModulePaths
 from remat.host.offloader import Offloader, movable_here
 from remat.host.parcel import Parcel
 from remat.policy import Decision, OpContext, Policy, decided
@@ -89,7 +91,9 @@ class SaveCache:
         self.aliases: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.autocast = False  # the forward ran under autocast (read outside the modes: ``Recording``)
 
-    def decision(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Decision:
+    def decision(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, paths: ModulePaths
+    ) -> Decision:
         if not _cacheable(func):
             return Decision.RECOMPUTE
         if aten.facts(func).packet in aten.UNSAID_VIEWS and any(  # new tensors on an argument's
@@ -100,6 +104,7 @@ class SaveCache:
         ctx = OpContext(
             op=str(func),
             packet=str(func.overloadpacket),
+            module=paths.now(),
             out_bytes=_out_bytes(out),
             random=torch.Tag.nondeterministic_seeded in func.tags,
             overload=func,
@@ -215,12 +220,12 @@ def _detached(out: Any) -> Any:
     return out
 
 
-class Recording(TorchDispatchMode):
+class Recording(Unguarded):
     """Forward side: run every op, keep the outputs the policy saves."""
 
-    def __init__(self, cache: SaveCache) -> None:
+    def __init__(self, cache: SaveCache, paths: ModulePaths) -> None:
         super().__init__()
-        self.cache = cache
+        self.cache, self.paths = cache, paths
         self.position = 0
         self.counts: dict[str, int] = {}
         cache.autocast = _AUTOCAST()  # below autocast's dispatch key it reads as off
@@ -232,7 +237,7 @@ class Recording(TorchDispatchMode):
             return out
         if self.cache.storages:
             self.cache.alias(out)
-        decision = self.cache.decision(func, args, kwargs, out)
+        decision = self.cache.decision(func, args, kwargs, out, self.paths)
         name = aten.facts(func).name
         n = self.counts[name] = self.counts.get(name, -1) + 1
         if decision is not Decision.RECOMPUTE:
@@ -246,7 +251,7 @@ class Recording(TorchDispatchMode):
         self.cache.seal()
 
 
-class Replaying(TorchDispatchMode):
+class Replaying(Unguarded):
     """Recomputation side: hand saved outputs back in order, run everything else."""
 
     def __init__(self, cache: SaveCache, api: str) -> None:

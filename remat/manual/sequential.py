@@ -121,6 +121,6 @@ def checkpoint_sequential(
     x = input
     for start, stop in bounds[:-1]:
         segment = functools.partial(_run_segment, layers[start:stop])  # its modules' buffers shielded
-        x = run(segment, (x,), {}, s.policy, s.check, s.preserve_rng, s.offloader)
+        x = run(segment, (x,), {}, s.policy, s.check, s.preserve_rng, s.offloader, functions)
     start, stop = bounds[-1]
     return _run_segment(layers[start:stop], x)

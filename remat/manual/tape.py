@@ -40,13 +40,13 @@ import torch
 
 from remat import aten
 from remat._errors import RecomputationError, message
+from remat._module_path import ModulePaths
 from remat.aten import OpFacts, RngState, describe
 from remat.host.offloader import Offloader
 from remat.host.parcel import Parcel
 from remat.policy import Decision, OpContext, Policy, RecomputeAll, decided
 
-EXTERNAL = -1
-"""The producer of a value that no recorded op produced."""
+EXTERNAL = -1  # the producer of a value that no recorded op produced
 
 
 class Ref(NamedTuple):
@@ -61,10 +61,9 @@ class Seq(tuple[Any, ...]):
 
 class Write(NamedTuple):
     """A tensor an op writes: where it sits in the arguments (``item`` >= 0 inside a tensor list)
-    and the value id the write makes.
-    ``clone``: the tensor is an external's snapshot, so replay writes into a clone of it.
-    ``blank``: replay writes into a new tensor of this shape, strides, dtype and device instead,
-    and no snapshot is kept (NOTE [blank writes] in ``remat.manual.blank``)."""
+    and the value id the write makes. ``clone``: the tensor is an external's snapshot, so replay
+    writes into a clone of it. ``blank``: replay writes into a new tensor of this shape, strides,
+    dtype and device instead, and no snapshot is kept (NOTE [blank writes] in ``remat.manual.blank``)."""
 
     key: int | str
     item: int
@@ -134,6 +133,7 @@ class Tape:
     """The ops of one region, in the order they ran, over value ids; ``api`` names it in errors."""
 
     api = "scope"
+    paths: ModulePaths | None = None  # where a policy is asked: the region's (NOTE [module paths])
 
     def __init__(self, policy: Policy, offloader: Offloader | None = None) -> None:
         self.policy = policy
@@ -203,10 +203,7 @@ class Tape:
                 root = self.group[vid]
                 if self.producer[root] == EXTERNAL and vid != root:  # a view of an external
                     self.kept[root] = (self.kept[root][0].clone(), 0)  # earlier reads replay on this
-                if self.producer[root] == EXTERNAL:
-                    found.append((t, key, index, t.clone()))
-                else:
-                    found.append((t, key, index, None))
+                found.append((t, key, index, t.clone() if self.producer[root] == EXTERNAL else None))
         return found
 
     def _commit_write(
@@ -318,6 +315,7 @@ class Tape:
         ctx = OpContext(
             op=info.name,
             packet=info.packet,
+            module=self.paths.now() if self.paths is not None else "",
             out_bytes=sum(t.nbytes for _, t in owned if t.layout is torch.strided),
             random=info.random,
             overload=func,
