@@ -261,11 +261,12 @@ def run(
     root: object = None,  # what names the modules a policy is told of (NOTE [module paths]): fn if None
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or transformed() or plain():
-        return fn(*args, **kwargs)
-    if torch.compiler.is_compiling():  # NOTE [under torch.compile]
-        again = functools.partial(run, fn, args, kwargs, policy, check, preserve_rng, offloader)
+    off = not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain()
+    if not off and torch.compiler.is_compiling():  # NOTE [under torch.compile] (``transformed`` reads on)
+        again = functools.partial(run, fn, args, kwargs, policy, check, preserve_rng, offloader, root)
         return under_compile(fn, args, kwargs, policy, preserve_rng, again)
+    if off or transformed():
+        return fn(*args, **kwargs)
     frame = _Frame(fn, args, kwargs, policy, check, preserve_rng, offloader)
     if frame.lazy:
         return fn(*args, **kwargs)

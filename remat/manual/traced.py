@@ -6,7 +6,9 @@ that eager run makes again, and matching them by position handed autograd the wr
 wrong gradients). A call met while compiling becomes instead what torch compiles itself:
 ``torch.utils.checkpoint`` (its higher-order op: the partitioner recomputes the region, saves its
 random ops' results, and updates buffers once) when nothing is to be kept, else the remat call run
-eagerly outside the graph (a graph break), exact but not compiled.
+eagerly outside the graph (a graph break), exact but not compiled. ``run`` asks this before it
+asks ``transformed``: while Dynamo traces, the functorch interpreter stack reads as not empty, and
+the call ran as a plain one, keeping everything it saved.
 
 Under ``torch.func``'s transforms (``vmap``, ``grad``, ``jvp``) and forward-mode AD, which carry
 their own derivatives, the call runs as it is (``transformed``), as under ``no_grad``: remat's

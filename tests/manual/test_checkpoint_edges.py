@@ -5,6 +5,7 @@ with the plain program."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable
@@ -269,6 +270,43 @@ def test_a_checkpoint_inside_a_compiled_function_gives_the_eager_gradients(
     )
     reference(x).pow(2).sum().backward()
     assert torch.equal(x.grad, expected)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_inside_a_compiled_function_keeps_less_than_a_plain_call() -> None:
+    """While Dynamo traces, ``transformed()`` reads as on (its functorch interpreter): the call ran
+    as a plain one (as under ``remat.plainly()``) and kept its insides. It now compiles as torch's
+    checkpoint, and a policy is asked, outside the graph."""
+    torch.manual_seed(0)
+    layers = (nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4))
+    blocks = nn.ModuleList(layers)
+    x = torch.randn(64, 256, requires_grad=True)
+    asked: list[str] = []
+
+    class Asked:
+        def decide(self, ctx: remat.OpContext) -> remat.Decision:
+            asked.append(ctx.module)
+            return remat.Decision.RECOMPUTE
+
+    def peak(policy: remat.Policy | None, plainly: bool = False) -> tuple[int, torch.Tensor]:
+        def step(h: torch.Tensor) -> torch.Tensor:
+            with remat.plainly() if plainly else contextlib.nullcontext():
+                for block in blocks:
+                    h = remat.checkpoint(block, h, policy=policy)
+            return h.pow(2).sum()
+
+        torch._dynamo.reset()
+        run = torch.compile(step, backend="aot_eager")
+        run(x).backward()
+        x.grad = None
+        with remat.memory.track(allocator=True) as m:
+            run(x).backward()
+        return m.peak_bytes, x.grad.clone()  # type: ignore[union-attr]
+
+    kept, expected = peak(None, plainly=True)
+    compiled, grad = peak(None)
+    assert compiled < kept and torch.equal(grad, expected)
+    _, grad = peak(Asked())
+    assert torch.equal(grad, expected) and {"0", "1", "2"} <= set(asked)
 
 
 class _OwnMask(nn.Module):
