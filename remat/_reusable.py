@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, NoReturn, ParamSpec, TypeVar
+
+from remat._errors import RematTypeError, message
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-__all__ = ["reusable"]
+__all__ = ["bare", "reusable"]
 
 
 class Reusable(contextlib.ContextDecorator, Generic[T]):
@@ -55,6 +58,22 @@ def reusable(function: Callable[P, Iterator[T]]) -> Callable[P, Reusable[T]]:
 
     @functools.wraps(function)
     def opened(*args: P.args, **kwargs: P.kwargs) -> Reusable[T]:
+        if len(args) == 1 and not kwargs and (inspect.isfunction(args[0]) or inspect.ismethod(args[0])):
+            bare(function.__qualname__, args[0], function.__module__)
         return Reusable(made, args, kwargs)
 
     return opened
+
+
+def bare(name: str, decorated: Callable[..., Any], module: str = "remat") -> NoReturn:
+    """The error for ``@remat.<name>`` written without its parentheses over ``decorated``: the
+    function would be taken as the first argument, and calling it would return a function."""
+    api = ("memory." if module == "remat.memory" else "") + name
+    raise RematTypeError(
+        message(
+            api,
+            "as a decorator it takes its parentheses",
+            f"@remat.{api} over the function {getattr(decorated, '__name__', '?')}",
+            f"write @remat.{api}() (or with its arguments)",
+        )
+    )

@@ -29,6 +29,7 @@ from remat import _allocator, aten
 from remat._allocator import AllocatorSample
 from remat._arguments import device_of
 from remat._errors import RematRuntimeError, RematTypeError, message
+from remat._reusable import reusable
 from remat._tracker import MemorySample, MemoryTracker
 from remat._units import format_bytes, parse_budget, parse_bytes
 from remat.viz.memory import plot
@@ -144,11 +145,11 @@ def _compiled_replay_note() -> Iterator[None]:
             "(counting tensors on CPU runs a dispatch mode, and torch.compile runs nothing under one); "
             "measure a replay='compiled' step with remat.memory.track(allocator=True)",
             RuntimeWarning,
-            stacklevel=5,  # the caller's with-statement, past two context managers' exits
+            stacklevel=6,  # the caller's with-statement, past two context managers' exits and the entry's
         )
 
 
-@contextlib.contextmanager
+@reusable
 def track(
     device: torch.device | str = "cpu", timeline: bool | None = None, allocator: bool = False
 ) -> Iterator[MemoryTracker]:

@@ -300,3 +300,30 @@ def test_a_plan_refuses_a_position_a_table_file_and_a_stage_device_that_are_not_
         torch.distributed.destroy_process_group()
     with pytest.raises(RematTypeError, match=r"remat\.pipeline\.explain: file is where the table goes"):
         pipe.explain(file=5)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["scope", "offload", "plainly", "set_checkpoint_early_stop", "memory.track"],
+)
+def test_a_context_used_as_a_decorator_without_its_parentheses_is_refused(name: str) -> None:
+    """``@remat.scope`` took the function as its policy, and calling it returned a function."""
+    context = remat.memory.track if name == "memory.track" else getattr(remat, name)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with pytest.raises(
+        RematTypeError,
+        match=rf"remat\.{name}: as a decorator it takes its parentheses "
+        rf"\(@remat\.{name} over the function f\); write @remat\.{name}\(\)",
+    ):
+        context(f)
+
+
+def test_a_memory_track_object_is_entered_again_as_a_new_measure() -> None:
+    track = remat.memory.track()
+    for n in (1, 2):
+        with track as m:
+            kept = torch.zeros(256 * n)
+        assert m.peak_bytes == kept.nbytes

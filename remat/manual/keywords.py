@@ -22,7 +22,6 @@ context_fn             ``partial(create_selective_checkpoint_contexts, ops_or_po
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 import torch.utils.checkpoint as torch_checkpoint
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._reusable import reusable
 from remat.host.offloader import Offloader
 from remat.manual.checks import Check
 from remat.policy import Decision, OpContext, Policy, SaveOps, checked
@@ -218,7 +218,7 @@ def settings(
     return Settings(policy, check, preserve, offloader)
 
 
-@contextlib.contextmanager
+@reusable
 def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
     """``torch.utils.checkpoint.set_checkpoint_early_stop``'s counterpart. remat's recomputation
     stops once the op making the last saved tensor again has run, which changes no result, so both

@@ -506,15 +506,21 @@ def test_a_resnets_step_failing_at_the_end_names_the_recomputation() -> None:
         model.zero_grad(set_to_none=True)
         with free:
             model(pixel_values=x, labels=y).loss.backward()
-    model.zero_grad(set_to_none=True)
-    with (
-        pytest.raises(
-            RematValueError, match=r"cannot hold a recomputation that restores what the program holds"
-        ),
-        remat.dynamic(int(0.7 * free.stats.peak_bytes), "dtr", keep=model, cost="model"),
-    ):
-        model(pixel_values=x, labels=y).loss.backward()
-    assert all(p.grad is None for p in model.parameters())
+    # the highest budget, in steps of 5 % of the peak, at which the step fails: the hand-over at its
+    # end needs more than any op. Where it lies moves with the CPU's convolution kernels (their
+    # scratch): 0.7 of the peak failed at the end on one machine and at a backward convolution on
+    # another, whose first failure (0.8) is at the end.
+    for ratio in (0.85, 0.8, 0.75, 0.7, 0.65, 0.6):
+        model.zero_grad(set_to_none=True)
+        try:
+            with remat.dynamic(int(ratio * free.stats.peak_bytes), "dtr", keep=model, cost="model"):
+                model(pixel_values=x, labels=y).loss.backward()
+        except RematValueError as error:
+            assert "cannot hold a recomputation that restores what the program holds" in str(error), ratio
+            assert all(p.grad is None for p in model.parameters())
+            break
+    else:
+        raise AssertionError("the step ran at 0.6 of its peak")
 
 
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, RuntimeError])
