@@ -67,3 +67,12 @@ def writable(file: object, api: str) -> None:
         raise RematTypeError(
             message(api, rule, f"got {type(file).__name__}", "pass an open file, or leave it out")
         )
+    if file is not None and getattr(file, "closed", False) is True:
+        raise RematValueError(
+            message(
+                api,
+                "file is a stream open for writing",
+                f"got a closed {type(file).__name__}",
+                "pass an open file",
+            )
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast, runtime_checkable
@@ -60,6 +61,8 @@ def checked(api: str, policy: object) -> Policy | None:
     """``policy`` if it is None or a policy object, else a clear error (a policy class where an
     instance was meant, an object with no ``decide``)."""
     if policy is None or (isinstance(policy, Policy) and not isinstance(policy, type)):
+        if policy is not None and type(policy) not in _TAKES_CTX:
+            _takes_ctx(api, policy)
         return policy
     if isinstance(policy, type):
         given, hint = (
@@ -74,6 +77,38 @@ def checked(api: str, policy: object) -> Policy | None:
     rule = "policy must be an object with a decide(ctx) -> Decision method"
     rule += ", not its class" if isinstance(policy, type) else ""
     raise RematTypeError(message(api, rule, given, f"{hint}, or None"))
+
+
+_TAKES_CTX: set[type] = set()  # policy classes whose ``decide`` takes one context
+
+
+def _takes_ctx(api: str, policy: object) -> None:
+    """Refuse a ``decide`` that is no method of one argument (``decide = 5``, ``def decide(self)``),
+    which failed at the first op with Python's own error."""
+    decide = policy.decide  # type: ignore[attr-defined]
+    try:
+        inspect.signature(decide).bind(None)
+    except TypeError:  # not callable, or not with one argument
+        raise RematTypeError(
+            message(
+                api,
+                "policy.decide must be a method taking one OpContext",
+                f"{type(policy).__name__}.decide is {_shown(decide)}",
+                "define def decide(self, ctx): return Decision.SAVE (or RECOMPUTE, OFFLOAD)",
+            )
+        ) from None
+    except ValueError:  # a builtin with no signature to read: taken as it is
+        pass
+    _TAKES_CTX.add(type(policy))
+
+
+def _shown(decide: object) -> str:
+    if not callable(decide):
+        return f"{decide!r}, not callable"
+    try:
+        return f"a function of {inspect.signature(decide)}"
+    except (TypeError, ValueError):
+        return "a callable"
 
 
 def decided(policy: Policy, ctx: OpContext) -> Decision:

@@ -327,3 +327,143 @@ def test_a_memory_track_object_is_entered_again_as_a_new_measure() -> None:
         with track as m:
             kept = torch.zeros(256 * n)
         assert m.peak_bytes == kept.nbytes
+
+
+class _NotCallable:
+    decide = 5
+
+
+class _NoContext:
+    def decide(self) -> remat.Decision:
+        return remat.Decision.SAVE
+
+
+_SEQ = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+MORE: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    (
+        "decide not callable",
+        lambda: remat.checkpoint(_lin(), X, policy=_NotCallable()),  # type: ignore[arg-type]
+        RematTypeError,
+        r"remat\.checkpoint: policy\.decide must be a method taking one OpContext \(_NotCallable\.decide "
+        r"is 5, not callable\)",
+    ),
+    (
+        "decide without a context",
+        lambda: remat.scope(_NoContext()).__enter__(),  # type: ignore[arg-type]
+        RematTypeError,
+        r"remat\.scope: policy\.decide must be a method taking one OpContext \(_NoContext\.decide is a "
+        r"function of \(\)",
+    ),
+    (
+        "zoo name list",
+        lambda: remat.zoo.build(["gpt2"]),
+        RematTypeError,
+        r"remat\.zoo\.build: unknown model name",
+    ),
+    (
+        "zoo seed range",
+        lambda: remat.zoo.build("gpt2", tiny=True, seed=2**70),
+        RematValueError,
+        r"remat\.zoo\.build: seed is a whole number of 64 bits at most",
+    ),
+    (
+        "capture a class",
+        lambda: tr.capture(nn.Linear, X, lambda o: o.sum()),  # type: ignore[arg-type]
+        RematTypeError,
+        r"remat\.trace\.capture: step is a model or a function, not a model's class",
+    ),
+    (
+        "capture inputs",
+        lambda: tr.capture(_SEQ, 5, lambda o: o.sum(), repeats=1),  # type: ignore[arg-type]
+        RematTypeError,
+        r"remat\.trace\.capture: inputs is a tensor, a sequence of the model's arguments or a mapping",
+    ),
+    (
+        "device profile",
+        lambda: tr.DeviceProfile("d", -1.0, 1.0),
+        RematValueError,
+        r"remat\.trace\.DeviceProfile: flops is a finite number above 0 \(got -1\.0\)",
+    ),
+    (
+        "device profile overhead",
+        lambda: tr.DeviceProfile("d", 1.0, 1.0, float("nan")),
+        RematValueError,
+        r"remat\.trace\.DeviceProfile: overhead is a finite number of seconds",
+    ),
+]
+if not torch.cuda.is_available():
+    MORE.append(
+        (
+            "zoo cuda here",
+            lambda: remat.zoo.build("gpt2", tiny=True, device="cuda"),
+            RematValueError,
+            r"remat\.zoo\.build: no CUDA device here",
+        )
+    )
+
+
+@pytest.mark.parametrize(("what", "call", "kind", "pattern"), MORE, ids=[c[0] for c in MORE])
+def test_more_bad_input_is_refused_in_remats_words(
+    what: str, call: Callable[[], Any], kind: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(kind, match=pattern):
+        call()
+
+
+def test_damaged_plan_files_and_a_closed_stream_are_refused() -> None:
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    plan = remat.plan(model, torch.randn(8, 16), "min", loss_fn=lambda m, a: m(a).pow(2).sum(), repeats=1)
+    closed = io.StringIO()
+    closed.close()
+    with pytest.raises(RematValueError, match=r"remat\.plan\.explain: file is a stream open for writing"):
+        plan.explain(file=closed)
+    body = plan.to_json()
+    for edit, said in (
+        (lambda b: b["tensors"][0].__setitem__("nbytes", "abc"), r"a tensor's entry is damaged"),
+        (lambda b: b["tensors"][0].__setitem__("op", True), r"a tensor's entry is damaged"),
+        (lambda b: b["tensors"][0].__setitem__("module", 5), r"a tensor's entry is damaged"),
+        (lambda b: b.__setitem__("gap", float("nan")), r"gap must be a finite number"),
+        (lambda b: b.__setitem__("predicted_overhead", float("inf")), r"predicted_overhead must be a finite"),
+        (lambda b: b.__setitem__("trainable", "abc"), r"trainable must list true or false"),
+    ):
+        damaged = copy.deepcopy(body)
+        edit(damaged)
+        with pytest.raises(RematValueError, match=rf"remat\.plan\.load: the plan file is .*damaged \({said}"):
+            remat.Plan.from_json(damaged)
+
+
+def test_damaged_pipeline_plan_files_and_stages_that_are_not_torchs_are_refused() -> None:
+    import copy
+
+    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    y = torch.randn(4, 8)
+    pipe = pp.plan(
+        chain,
+        y,
+        n_stages=2,
+        n_microbatches=2,
+        budget_per_rank="1MB",
+        loss_fn=lambda o, t: (o - t).pow(2).mean(),
+        target=y,
+    )
+    with pytest.raises(RematTypeError, match=r"remat\.pipeline\.PipelinePlan\.schedule: stages are torch"):
+        pipe.schedule([1], lambda o, t: o.sum())
+    body = pipe.to_json()
+    for edit, said in (
+        (lambda b: b["stage_plans"][0].__setitem__("rank", 99), r"stage 0 on rank 99 of 2"),
+        (lambda b: b["stage_plans"][0].__setitem__("rank", "0"), r"stage 0: rank '0'"),
+        (lambda b: b["stage_plans"][0].__setitem__("saved_bytes", -5), r"stage 0: saved_bytes -5"),
+        (lambda b: b["stage_plans"].__setitem__(1, b["stage_plans"][0]), r"stage plan 1 is for stage 0"),
+        (lambda b: b.__setitem__("boundaries", [0, 1.7, 4]), r"boundaries \[0, 1\.7, 4\]"),
+        (lambda b: b.__setitem__("budget_bytes", 1.9), r"budget_bytes 1\.9"),
+    ):
+        damaged = copy.deepcopy(body)
+        edit(damaged)
+        with pytest.raises(
+            RematValueError, match=rf"remat\.pipeline\.load: the plan file is .*damaged \(.*{said}"
+        ):
+            pp.PipelinePlan.from_json(damaged)

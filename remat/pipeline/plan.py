@@ -194,6 +194,18 @@ class PipelinePlan:
             todo = "pass loss_fn(output, target), the function given to remat.pipeline.plan"
             given = f"got {loss_fn!r}"[:200]
             raise RematTypeError(message("pipeline.PipelinePlan.schedule", rule, given, todo))
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        if not all(isinstance(stage, _PipelineStageBase) for stage in stages):
+            given = ", ".join(sorted({type(st).__name__ for st in stages}))
+            raise RematTypeError(
+                message(
+                    "pipeline.PipelinePlan.schedule",
+                    "stages are torch PipelineStage objects",
+                    f"got {given}",
+                    "pass the list PipelinePlan.stages returned for this rank",
+                )
+            )
         return torch_schedule(self.order.name, stages, self.order.n_microbatches, loss_fn)
 
     # -- storing it ---------------------------------------------------------------------------
@@ -264,13 +276,24 @@ class PipelinePlan:
             raise RematValueError(
                 message("pipeline.load", "the plan file is incomplete or damaged", err, "save the plan again")
             ) from None
-        cuts = plan.boundaries
+        cuts, stages, ranks = plan.boundaries, plan.stage_plans, plan.order.n_ranks
+        given_cuts, budget = body["boundaries"], body["budget_bytes"]
         wrong = [
-            f"{len(plan.stage_plans)} stage plans for {plan.order.n_stages} stages"
-            if len(plan.stage_plans) != plan.order.n_stages
+            f"{len(stages)} stage plans for {plan.order.n_stages} stages"
+            if len(stages) != plan.order.n_stages
             else "",
-            f"budget_bytes {plan.budget_bytes}" if plan.budget_bytes <= 0 else "",
+            f"budget_bytes {budget!r}" if type(budget) is not int or budget <= 0 else "",
             f"boundaries {list(cuts)} out of order" if cuts != tuple(sorted(cuts)) else "",
+            f"boundaries {given_cuts!r}"
+            if not isinstance(given_cuts, list) or not all(type(c) is int for c in given_cuts)
+            else "",
+            *(sp.bad() or "" for sp in stages),
+            *(f"stage plan {k} is for stage {sp.stage}" for k, sp in enumerate(stages) if sp.stage != k),
+            *(
+                f"stage {sp.stage} on rank {sp.rank} of {ranks}"
+                for sp in stages
+                if sp.rank not in range(ranks)
+            ),
         ]
         if given := ", ".join(w for w in wrong if w):
             raise RematValueError(

@@ -7,6 +7,7 @@ per-rank table read one stage, and need nothing of the whole plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from remat.pipeline.timeline import Cost
@@ -50,6 +51,29 @@ class StagePlan:
     later_peak_bytes: int = 0
     plain_later_peak_bytes: int = 0
     sent_bytes: int = 0
+
+    def bad(self) -> str | None:
+        """What of this stage's figures is not of its kind (a plan file edited by hand); None if all is."""
+        counts = [
+            *("stage", "rank", "in_flight", "saved_bytes", "peak_bytes", "plain_saved_bytes"),
+            *("plain_peak_bytes", "output_bytes", "grad_bytes", "transfer_bytes", "later_peak_bytes"),
+            *("plain_later_peak_bytes", "sent_bytes"),
+        ]
+        for name in counts:
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                return f"stage {self.stage!r}: {name} {value!r}"
+        for name in ("forward_s", "backward_s", "recompute_s"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                return f"stage {self.stage}: {name} {value!r}"
+        if type(self.except_last) is not bool:
+            return f"stage {self.stage}: except_last {self.except_last!r}"
+        for name in ("inputs", "outputs"):
+            shape, dtype = getattr(self, name)
+            if not all(type(d) is int and d >= 0 for d in shape) or not isinstance(dtype, str):
+                return f"stage {self.stage}: {name} {getattr(self, name)!r}"
+        return None
 
     def recomputes(self, microbatch: int, n_microbatches: int) -> bool:
         """Whether ``microbatch`` runs under the plan."""

@@ -249,7 +249,6 @@ class Plan:
             fields["ops"] = tuple(fields["ops"])
             fields["modules"] = tuple(fields["modules"])
             fields["shapes"] = tuple(str(x) for x in fields.get("shapes", ()))
-            fields["trainable"] = tuple(x is True for x in fields.get("trainable", ()))
             fields["device"] = str(fields.get("device", ""))
             if len(fields["shapes"]) not in (0, len(fields["ops"])) or len(fields["modules"]) != len(
                 fields["ops"]
@@ -267,6 +266,7 @@ class Plan:
                     f"a tensor's op must be a position among the {len(fields['ops'])} forward ops"
                 )
             _scalars(fields)
+            fields["trainable"] = tuple(fields.get("trainable", ()))
             fields["link"] = Link(**fields["link"]) if fields.get("link") else None
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as err:
@@ -312,14 +312,36 @@ def _scalars(fields: dict[str, Any]) -> None:
         value = fields.get(key)
         if key not in fields or (key == "gap" and value is None):
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{key} must be a number, at least 0: {value!r}"[:200])
+        if not _figure(value):
+            raise ValueError(f"{key} must be a finite number, at least 0: {value!r}"[:200])
     for key in _TEXTS:
         if key in fields and not isinstance(fields[key], str):
             raise ValueError(f"{key} must be text: {fields[key]!r}"[:200])
+    for t in fields["tensors"]:
+        named = all(isinstance(x, str) for x in (t.op_name, t.module, t.reason))
+        if (
+            type(t.op) is not int
+            or type(t.nbytes) is not int
+            or t.nbytes < 0
+            or not named
+            or not _figure(t.seconds)
+        ):
+            raise ValueError(f"a tensor's entry is damaged: {t!r}"[:200])
+    trainable = fields.get("trainable", [])
+    if not isinstance(trainable, (list, tuple)) or not all(isinstance(x, bool) for x in trainable):
+        raise ValueError(f"trainable must list true or false per parameter: {trainable!r}"[:200])
     host = fields.get("host_budget")
     if host is not None and (type(host) is not int or host <= 0):
         raise ValueError(f"host_budget must be a byte count or null: {host!r}"[:200])
+
+
+def _figure(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 def trainable(model: nn.Module) -> tuple[bool, ...]:

@@ -91,8 +91,16 @@ def capture(
                     "call capture(model, inputs, loss_fn) or capture(step) with a callable",
                 )
             )
+        if not isinstance(inputs, (torch.Tensor, Sequence, Mapping)) or isinstance(inputs, str):
+            raise _wrong(
+                "inputs is a tensor, a sequence of the model's arguments or a mapping of them",
+                inputs,
+                "pass capture(model, (x,), loss_fn)",
+            )
         run, forward, fake_mode = _model_step(step, inputs, loss_fn, optimizer)
         name, models = name or type(step).__name__, [step]
+    elif isinstance(step, type) and issubclass(step, nn.Module):  # made, not run
+        raise _wrong("step is a model or a function, not a model's class", step, "pass the model itself")
     elif callable(step):
         run, forward, fake_mode, models = step, None, None, []
     else:

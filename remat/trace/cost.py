@@ -45,6 +45,38 @@ class DeviceProfile:
     bandwidth: float
     overhead: float = 0.0
 
+    def __post_init__(self) -> None:
+        for what, value, least in (("flops", self.flops, 0), ("bandwidth", self.bandwidth, 0)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= least
+            ):
+                raise RematValueError(
+                    message(
+                        "trace.DeviceProfile",
+                        f"{what} is a finite number above 0",
+                        f"got {value!r}",
+                        f"pass the device's {what} per second",
+                    )
+                )
+        overhead = self.overhead
+        if (
+            isinstance(overhead, bool)
+            or not isinstance(overhead, (int, float))
+            or not math.isfinite(overhead)
+            or overhead < 0
+        ):
+            raise RematValueError(
+                message(
+                    "trace.DeviceProfile",
+                    "overhead is a finite number of seconds, 0 or more",
+                    f"got {overhead!r}",
+                    "pass e.g. overhead=5e-6",
+                )
+            )
+
     def __str__(self) -> str:
         return (
             f"DeviceProfile({self.name}: {self.flops / 1e12:.3g} TFLOP/s, "

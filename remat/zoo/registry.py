@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
+from remat._arguments import device_of
 from remat._errors import RematTypeError, RematValueError, message
 
 __all__ = ["Workload", "ZooModel", "build", "get", "names", "register"]
@@ -66,9 +67,11 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> ZooModel:
     """The registered model ``name``, or a ``remat.zoo.build:`` error listing the valid names."""
-    if name not in _REGISTRY:
-        raise RematValueError(
-            message("zoo.build", "unknown model name", f"got {name!r}", f"pass one of {', '.join(names())}")
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise (RematValueError if isinstance(name, str) else RematTypeError)(
+            message(
+                "zoo.build", "unknown model name", f"got {name!r}"[:200], f"pass one of {', '.join(names())}"
+            )
         )
     return _REGISTRY[name]
 
@@ -103,6 +106,12 @@ def build(
         raise RematTypeError(
             message("zoo.build", "seed is a whole number", f"got {seed!r}", "pass e.g. seed=0")
         )
+    if not -(2**63) <= seed < 2**64:
+        raise RematValueError(
+            message(
+                "zoo.build", "seed is a whole number of 64 bits at most", f"got {seed!r}", "pass e.g. seed=0"
+            )
+        )
     size = _check_sizes(spec, seq, image, tiny)
     n = _positive("batch", batch) if batch is not None else (2 if tiny else spec.batch)
     try:
@@ -111,12 +120,14 @@ def build(
         raise RematValueError(
             message("zoo.build", "device is a torch device", f"got {device!r}", "pass 'cpu' or 'cuda'")
         ) from None
+    if not fake:  # fake tensors may be on a device this torch cannot run
+        device_of(dev, "zoo.build")
     mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-    rng_devices = [dev] if dev.type == "cuda" else []
+    rng_devices = [dev] if dev.type == "cuda" and torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=rng_devices), mode, dev:
         torch.manual_seed(seed)
         workload = spec.make(n, size, tiny)
