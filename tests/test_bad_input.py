@@ -391,6 +391,23 @@ MORE: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"remat\.trace\.DeviceProfile: overhead is a finite number of seconds",
     ),
 ]
+MORE.append(
+    (
+        "pipeline target",
+        lambda: pp.plan(
+            _SEQ,
+            X,
+            n_stages=2,
+            n_microbatches=2,
+            budget_per_rank="1GB",
+            loss_fn=nn.functional.mse_loss,
+            target=X[:, :3],
+        ),
+        RematValueError,
+        r"remat\.pipeline\.plan: loss_fn\(output, target\) runs on the last stage's output and the "
+        r"micro-batch's target \(output float32\[2, 4\], target float32\[2, 3\]: The size of tensor",
+    )
+)
 if not torch.cuda.is_available():
     MORE.append(
         (

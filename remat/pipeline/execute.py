@@ -49,6 +49,7 @@ class PlannedStage(nn.Module):
         self.stage_plan = stage_plan
         self.n_microbatches = n_microbatches
         self.forwards = 0
+        self.trained = [m for m in body.modules() if m.training]  # the modules that train as planned
 
     def forward(self, *args: Any) -> Any:
         microbatch = self.forwards % self.n_microbatches
@@ -68,7 +69,11 @@ class PlannedStage(nn.Module):
                 )
             )
         plan = self.stage_plan.plan
-        if plan is None or not self.stage_plan.recomputes(microbatch, self.n_microbatches):
+        # a module put in eval mode since (validation, torch's ``schedule.eval``, which runs with
+        # grad enabled): no backward follows, and the plan's step, traced in training, is not what
+        # the stage runs
+        evaluating = not all(m.training for m in self.trained)
+        if plan is None or evaluating or not self.stage_plan.recomputes(microbatch, self.n_microbatches):
             return sendable(self.body(*args))
         with plan.apply(self.body):
             return sendable(self.body(*args))

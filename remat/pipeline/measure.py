@@ -18,6 +18,7 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
+from remat.aten import describe
 from remat.pipeline.schedule import Schedule
 from remat.pipeline.stage_plan import StagePlan
 from remat.planner.api import block_key, plan_trace, trace_step
@@ -117,6 +118,7 @@ def measure(
         saved, peak, saved, peak,
         held_out, grads, (0 if last else held_out) + (sizes[0] if stage > 0 else 0),
         shapes[0], shapes[1], later_peak, later_peak, sizes[1],
+        tuple(tuple(p.shape) for p in module.parameters()),
     )  # fmt: skip
     return base, trace, out, later
 
@@ -180,7 +182,7 @@ def _held(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(inputs).contiguous()  # as the stage sends it (``execute.sendable``)
         if last:
-            loss = loss_fn(out, target).nbytes  # as the schedule keeps it (NOTE [compact losses])
+            loss = _loss(loss_fn, out, target).nbytes  # as the schedule keeps it (NOTE [compact losses])
     seen.pop(out.untyped_storage().data_ptr(), None)
     return sum(seen.values()), out.detach(), loss
 
@@ -199,6 +201,20 @@ def _loss(
                 "loss_fn(output, target) takes the last stage's output and the micro-batch's target",
                 f"{type(error).__name__}: {error}",
                 "pass a function of two tensors, such as torch.nn.functional.mse_loss",
+            )
+        ) from error
+    except RuntimeError as error:  # a target that does not fit the output (its shape, its dtype)
+        aim = (
+            describe(target.dtype, target.shape)
+            if isinstance(target, torch.Tensor)
+            else type(target).__name__
+        )
+        raise RematValueError(
+            message(
+                "pipeline.plan",
+                "loss_fn(output, target) runs on the last stage's output and the micro-batch's target",
+                f"output {describe(out.dtype, out.shape)}, target {aim}: {str(error).splitlines()[0]}"[:300],
+                "pass the target of one micro-batch, as the loss takes it",
             )
         ) from error
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:

@@ -253,6 +253,7 @@ class PipelinePlan:
                         "plan": None if sp["plan"] is None else Plan.from_json(sp["plan"]),
                         "inputs": (tuple(sp["inputs"][0]), sp["inputs"][1]),
                         "outputs": (tuple(sp["outputs"][0]), sp["outputs"][1]),
+                        "parameters": tuple(tuple(shape) for shape in sp.get("parameters", ())),
                     }
                 )
                 for sp in body["stage_plans"]
@@ -335,7 +336,19 @@ class PipelinePlan:
                     "pass the model the plan was made for, or plan again",
                 )
             )
-        return replace(self, model=model if isinstance(model, nn.Module) else tuple(model))
+        held = replace(self, model=model if isinstance(model, nn.Module) else tuple(model))
+        for sp, module in zip(self.stage_plans, held.stage_modules(), strict=True):
+            shapes = tuple(tuple(p.shape) for p in module.parameters())
+            if sp.parameters and shapes != sp.parameters:
+                raise RematValueError(
+                    message(
+                        "pipeline.PipelinePlan",
+                        "the model is not the one planned",
+                        _unlike(sp.stage, shapes, sp.parameters),
+                        "pass the model the plan was made for, or plan again",
+                    )
+                )
+        return held
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON to ``path``."""
@@ -348,3 +361,11 @@ class PipelinePlan:
         """The plan ``save`` wrote to ``path``, holding ``model``."""
         body = read_json(path, "pipeline.load", "save")
         return cls.from_json(body, model)
+
+
+def _unlike(stage: int, shapes: tuple[tuple[int, ...], ...], planned: tuple[tuple[int, ...], ...]) -> str:
+    """How stage ``stage``'s parameters' ``shapes`` differ from those ``planned``."""
+    if len(shapes) != len(planned):
+        return f"stage {stage} has {len(shapes)} parameters, planned {len(planned)}"
+    k = next(k for k, (a, b) in enumerate(zip(shapes, planned, strict=True)) if a != b)
+    return f"stage {stage}'s parameter {k} is of shape {list(shapes[k])}, planned {list(planned[k])}"

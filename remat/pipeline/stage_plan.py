@@ -27,7 +27,8 @@ class StagePlan:
     ``output_bytes``), ``grad_bytes`` of its parameters' gradients, ``transfer_bytes`` held by the
     schedule's sends and receives (``remat.pipeline.timeline``); ``inputs`` and ``outputs``, the
     shape and dtype of what the stage receives and sends for one micro-batch (torch's stage then
-    needs no forward to learn them)."""
+    needs no forward to learn them); ``parameters``, the shapes of the stage module's parameters,
+    by which a plan loaded onto a model knows it for the one planned."""
 
     stage: int
     rank: int
@@ -51,6 +52,7 @@ class StagePlan:
     later_peak_bytes: int = 0
     plain_later_peak_bytes: int = 0
     sent_bytes: int = 0
+    parameters: tuple[tuple[int, ...], ...] = ()  # the stage module's parameters' shapes (): not noted
 
     def bad(self) -> str | None:
         """What of this stage's figures is not of its kind (a plan file edited by hand); None if all is."""
@@ -69,6 +71,10 @@ class StagePlan:
                 return f"stage {self.stage}: {name} {value!r}"
         if type(self.except_last) is not bool:
             return f"stage {self.stage}: except_last {self.except_last!r}"
+        if not all(
+            isinstance(p, tuple) and all(type(d) is int and d >= 0 for d in p) for p in self.parameters
+        ):
+            return f"stage {self.stage}: parameters {self.parameters!r}"[:200]
         for name in ("inputs", "outputs"):
             shape, dtype = getattr(self, name)
             if not all(type(d) is int and d >= 0 for d in shape) or not isinstance(dtype, str):

@@ -18,6 +18,7 @@ from torch import nn
 import remat
 import remat.pipeline as pp
 from remat import RematTypeError, RematValueError
+from remat.pipeline.chain import mlp_chain
 from remat.pipeline.execute import PlannedStage, sendable
 from remat.pipeline.timeline import walk
 
@@ -68,6 +69,15 @@ def test_a_saved_plan_fits_only_the_model_it_was_made_for(tmp_path: Path) -> Non
             RematTypeError, match=r"the model is an nn.Module, or a list of the stage modules \(got "
         ):
             pp.PipelinePlan.load(path, wrong)  # type: ignore[arg-type]
+    for other, said in (  # as many children: no batch norm in them, or another width
+        (mlp_chain(4, 32, 128), r"stage 0 has 8 parameters, planned 12"),
+        (
+            mlp_chain(4, 64, 128, batch_norm=True),
+            r"stage 0's parameter 0 is of shape \[128, 64\], planned \[128, 32\]",
+        ),
+    ):
+        with pytest.raises(RematValueError, match=rf"the model is not the one planned \({said}\)"):
+            pp.PipelinePlan.load(path, other)
     body = json.loads(path.read_text())
     body["stage_plans"] = body["stage_plans"][:1]
     path.write_text(json.dumps(body))
@@ -82,6 +92,20 @@ def test_a_micro_batch_of_another_shape_is_refused_before_it_is_sent() -> None:
     first(x)  # the micro-batch planned
     with pytest.raises(RematValueError, match=r"micro-batch has the shape and dtype the plan was made for"):
         first(x[:31])
+
+
+def test_a_stage_put_in_eval_mode_runs_plainly_with_grad_enabled() -> None:
+    """torch's ``schedule.eval`` runs the stages with grad enabled: the plan, traced in training
+    (batch norm updating its statistics), was applied to the eval forward and refused it."""
+    model, x, y = chain_example(64)
+    plan = _plan(model, x, y, boundaries=[2], checkpoint="always")
+    first = PlannedStage(plan.stage_modules()[0], plan.stage_plans[0], 2)
+    assert plan.stage_plans[0].plan is not None
+    model.eval()
+    expected = plan.stage_modules()[0](x)
+    assert torch.equal(first(x), expected)
+    model.train()
+    first(x).sum().backward()  # under the plan again
 
 
 def test_an_output_torch_cannot_send_as_it_is_is_made_contiguous() -> None:
