@@ -45,12 +45,11 @@ from remat.dynamic.failures import explain
 from remat.dynamic.interceptor import Interceptor
 from remat.dynamic.keep import API, arrived, members
 from remat.dynamic.op_bytes import warn_unmeasured, warn_unsized
-from remat.dynamic.stats import DynamicStats, Recorder
+from remat.dynamic.stats import UNLIMITED, DynamicStats, Recorder
 from remat.dynamic.undo import Snapshot, abandon, rewind, take, watch_steps, write_back
 from remat.dynamic.wanted import watch
 from remat.host.link import Link
 
-_UNLIMITED = 2**62
 _open: list[Dynamic] = []
 
 
@@ -84,15 +83,15 @@ class Dynamic:
         elif peak is not None:
             given = f"got budget={budget!r}, peak={peak!r}"
             raise RematValueError(message(API, "peak is for a ratio budget", given, "drop peak"))
-        self.budget = amount if isinstance(amount, int) else _UNLIMITED
-        self.reserve = 0 if self.budget == _UNLIMITED else _reserve(reserve, self.budget)
+        self.budget = amount if isinstance(amount, int) else UNLIMITED
+        self.reserve = 0 if self.budget == UNLIMITED else _reserve(reserve, self.budget)
         self._reserve_spec = reserve
         if not isinstance(layout, bool):
             hint = "pass layout=True (a pool with addresses) or False (bytes only)"
             raise RematTypeError(message(API, "layout must be True or False", f"got {layout!r}", hint))
         self.policy: EvictionPolicy = resolve(policy, layout, API)
         kind = backends.get(backend, API)
-        if kind.places and self.budget == _UNLIMITED:
+        if kind.places and self.budget == UNLIMITED:
             rule = f"the {backend} backend needs a budget in bytes before its first block"
             given = f"got budget={budget!r}" + (" with no peak" if self.ratio is not None else "")
             hint = 'pass e.g. budget="2GB", or a ratio with peak= the plain step\'s peak'
@@ -215,10 +214,10 @@ class Dynamic:
                         raise
                     raise explained from None
                 self._stats = self._make_stats(engine)
-                if self.budget != _UNLIMITED:
+                if self.budget != UNLIMITED:
                     warn_unsized(engine.unsized, self.reserve)
                 self.arriving = self._stats.arrived_bytes  # NOTE [arriving constants] in ``keep``
-                if self.ratio is not None and self.budget == _UNLIMITED:  # NOTE [ratio budgets]
+                if self.ratio is not None and self.budget == UNLIMITED:  # NOTE [ratio budgets]
                     budget = max(1, int(self.ratio * self._stats.peak_bytes))
                     self.reserve = _reserve(self._reserve_spec, budget)
                     self.budget = budget

@@ -53,6 +53,10 @@ class Recorder:
         return victims
 
 
+UNLIMITED = 2**62
+"""The budget of ``remat.dynamic(None)``: more than any memory."""
+
+
 @dataclass(frozen=True)
 class Comparison:
     """The simulator against the runtime on one recorded step."""
@@ -151,7 +155,8 @@ class DynamicStats:
     def __str__(self) -> str:
         copied = f", {len(self.copied_ops)} op kinds copied" if self.copied_ops else ""
         return (
-            f"{self.policy} ({self.backend}) in {format_bytes(self.budget)} "
+            f"{self.policy} ({self.backend}) "
+            f"{'without a budget' if self.budget >= UNLIMITED else 'in ' + format_bytes(self.budget)} "
             f"(reserve {format_bytes(self.reserve)}): {self.ops} ops, "
             f"{self.evictions} evictions, {self.recomputations} recomputations "
             f"({self.recompute_seconds * 1e3:.1f} ms, overhead {self.overhead:.3f}), "

@@ -223,6 +223,7 @@ def _read(path: Path) -> Trace:
                         f"header announces {header[key]} {key}, the file has {got}",
                     )
             checker.saved(frozenset(saved), tuple(saved_at), sum(isinstance(e, Op) for e in events))
+            where = "line 1"  # the header's fields read against the whole file
             calls = records.calls(header.get("calls", {}))
             call_inputs = records.call_inputs(header.get("call_inputs", {}), len(tensors))
             let_go = records.let_go(

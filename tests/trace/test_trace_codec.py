@@ -103,7 +103,7 @@ MALFORMED = {
     ),
     "negative unseen_bytes": (
         _replace(1, GOOD[0].replace('"events"', '"unseen_bytes":-1,"events"')),
-        None,
+        1,  # read once the file is, named at the header's line
         "unseen_bytes must be a whole number",
     ),
     "unseen_bytes in a version 2 header": (
@@ -115,7 +115,7 @@ MALFORMED = {
     ),
     "let_go out of range": (
         _replace(1, GOOD[0].replace('"events"', '"let_go":[[1,9]],"events"')),
-        None,  # checked once the ops are counted
+        1,  # checked once the ops are counted
         "let_go must list",
     ),
     "let_go in a version 1 header": (
