@@ -101,6 +101,16 @@ def parse_bytes(value: object, api: str = "memory.parse_bytes") -> int:
     return _within(size, value, api)
 
 
+def parse_size(value: object, api: str) -> int:
+    """``parse_bytes``, where 0 is a size too (a threshold: ``min_bytes``)."""
+    value = whole(value)
+    if value == "0" or type(value) is int and value == 0:
+        return 0
+    if type(value) is int and value < 0:
+        raise RematValueError(message(api, "a size is 0 bytes or more", f"got {value}", "pass 0 or a size"))
+    return parse_bytes(value, api)
+
+
 _MOST = 1 << 62  # 4 EiB: past every memory, and within the machine's 64-bit sizes
 
 
@@ -111,7 +121,7 @@ def _within(size: int, value: object, api: str) -> int:
                 api,
                 "a byte count is at most 4 EiB (no memory holds more)",
                 f"got {value!r}",
-                "pass the memory you have, or no budget (None) where the call takes one",
+                "pass the memory you have (remat.dynamic takes None for no budget)",
             )
         )
     return size
@@ -123,6 +133,8 @@ def parse_budget(value: object, api: str = "memory.parse_budget") -> int | float
     gives it). Returns an int for bytes and a float for a ratio."""
     if isinstance(value, str) and (_RATIO.match(value) or _FRACTION.match(value)):
         value = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, (numbers.Integral, float)):
+        value = float(value)  # NumPy's float32: a ratio as a Python float is
     if isinstance(value, float):
         if not (0.0 < value <= 1.0) or math.isnan(value):
             raise RematValueError(

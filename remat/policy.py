@@ -18,7 +18,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 
 from remat._errors import RematTypeError, RematValueError, message
-from remat._units import parse_bytes
+from remat._units import parse_size
 
 
 class Decision(enum.Enum):
@@ -251,9 +251,7 @@ class OffloadLarger:
         object.__setattr__(
             self,
             "min_bytes",
-            0
-            if type(self.min_bytes) is int and self.min_bytes == 0
-            else parse_bytes(self.min_bytes, "policy"),
+            parse_size(self.min_bytes, "policy"),
         )
 
     def decide(self, ctx: OpContext) -> Decision:

@@ -484,3 +484,28 @@ def test_damaged_pipeline_plan_files_and_stages_that_are_not_torchs_are_refused(
             RematValueError, match=rf"remat\.pipeline\.load: the plan file is .*damaged \(.*{said}"
         ):
             pp.PipelinePlan.from_json(damaged)
+
+
+def test_numpy_numbers_are_taken_where_python_ones_are() -> None:
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(4, 8)
+    plan = remat.plan(model, (x,), np.float32(1.0), loss_fn=lambda m, a: m(a).sum(), repeats=np.int64(1))
+    assert plan.region_of(np.int64(0)) == plan.region_of(0)
+    assert tr.capture(model, (x,), lambda o: o.sum(), repeats=np.int64(1)).ops
+    assert remat.dynamic(np.float32(0.5), thrash_limit=np.float32(3)).budget > 0
+    assert remat.dynamic("1MB", reserve=np.int64(0)).reserve == 0
+
+
+def test_a_reserve_is_checked_when_the_region_is_made_whatever_the_budget() -> None:
+    for budget in (None, 0.5):
+        with pytest.raises(
+            RematValueError, match=r"remat\.dynamic: cannot parse this byte size \(got 'abc'\)"
+        ):
+            remat.dynamic(budget, reserve="abc")
+    with pytest.raises(RematValueError, match=r"remat\.dynamic: the reserve is a part of the budget"):
+        remat.dynamic(0.5, reserve=1.0)
+    refused = pytest.raises(RematTypeError, match=r"remat\.scope: offloader must be a remat\.Offloader")
+    with refused, torch.no_grad(), remat.scope(offloader="x"):  # type: ignore[arg-type]
+        pass

@@ -164,10 +164,14 @@ class ArenaBackend(AccountingBackend):
         """``what`` is about to hold ``nbytes`` outside the arena: raise when they do not fit."""
         left = self.left()
         if nbytes > left:
-            given = f"{what} needs {format_bytes(nbytes)} beside the arena, the reserve leaves "
-            given += f"{format_bytes(max(left, 0))}"
+            given = f"{what} needs {format_bytes(nbytes)} beside the arena"
             if left < 0:  # tensors from before the region, first read mid-step, took it all
-                given += f", as tensors first read mid-step took {format_bytes(self.arrived[1])} of it"
+                given += (
+                    f", where tensors first read mid-step already hold {format_bytes(self.arrived[1])}, "
+                    f"{format_bytes(-left)} more than the reserve"
+                )
+            else:
+                given += f", the reserve leaves {format_bytes(left)}"
             raise RematValueError(
                 message(
                     "dynamic",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import numbers
 import sys
 from types import TracebackType
 
@@ -84,7 +85,8 @@ class Dynamic:
             given = f"got budget={budget!r}, peak={peak!r}"
             raise RematValueError(message(API, "peak is for a ratio budget", given, "drop peak"))
         self.budget = amount if isinstance(amount, int) else UNLIMITED
-        self.reserve = 0 if self.budget == UNLIMITED else _reserve(reserve, self.budget)
+        checked = _reserve(reserve, self.budget)  # its form checked whatever the budget (a ratio's: later)
+        self.reserve = 0 if self.budget == UNLIMITED else checked
         self._reserve_spec = reserve
         if not isinstance(layout, bool):
             hint = "pass layout=True (a pool with addresses) or False (bytes only)"
@@ -101,7 +103,7 @@ class Dynamic:
             raise RematValueError(message(API, rule, "got layout=False", "pass layout=True"))
         if not isinstance(fit, str) or fit not in {f.value for f in Fit}:
             raise RematValueError(message(API, "unknown fit", f"got {fit!r}", "use 'best' or 'first'"))
-        number = isinstance(thrash_limit, int | float) and not isinstance(thrash_limit, bool)
+        number = isinstance(thrash_limit, numbers.Real) and not isinstance(thrash_limit, bool)
         if not (number and 1.0 < thrash_limit < math.inf):
             rule = "thrash_limit is an overhead and must be a finite number above 1"
             raise RematValueError(message(API, rule, f"got {thrash_limit!r}", "pass e.g. 3.0"))
@@ -375,12 +377,10 @@ def dynamic(
 
 
 def _reserve(reserve: object, budget: int) -> int:
-    if isinstance(reserve, bool):
+    if isinstance(reserve, bool) or isinstance(reserve, float) and not 0.0 <= reserve < 1.0:
         amount = -1
-    elif isinstance(reserve, float):
-        amount = int(reserve * budget) if 0.0 <= reserve < 1.0 else -1
-    elif isinstance(reserve, int) and reserve == 0:
-        amount = 0
+    elif isinstance(reserve, float | numbers.Integral):
+        amount = int(reserve * budget) if isinstance(reserve, float) else int(reserve)
     else:
         amount = parse_bytes(reserve, API)  # type: ignore[arg-type]
     if not 0 <= amount < budget:

@@ -42,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat._errors import RematRuntimeError, RematTypeError, RematValueError, message
-from remat._units import format_bytes, parse_bytes
+from remat._units import format_bytes, parse_bytes, parse_size
 from remat.aten import describe, same_counter, version_witness
 from remat.host.link import Link
 from remat.host.parcel import Cargo, Parcel, rebuilt, unmovable
@@ -110,8 +110,7 @@ class Offloader:
             )
         self.link = Link() if link is None else link
         self.prefetch = int(prefetch)
-        bare_zero = min_bytes in (0, "0") and not isinstance(min_bytes, (bool, float))  # 0 == False == 0.0
-        self.min_bytes = 0 if bare_zero else parse_bytes(min_bytes, "offload")
+        self.min_bytes = parse_size(min_bytes, "offload")
         self.pool = HostPool(None if host_budget is None else parse_bytes(host_budget, "offload"))
         self._lock = threading.RLock()
         self._next = 0

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
+from remat._units import whole
 from remat.manual import keywords
 from remat.manual.checkpoint import run
 from remat.manual.checks import Check
@@ -163,6 +164,7 @@ def enable(
                 'pass form="scope"',
             )
         )
+    every_n_layers = whole(every_n_layers)
     if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
         raise RematValueError(
             message(

@@ -372,10 +372,6 @@ def scope(
     """
     execute = executor("scope", replay)
     policy = checked("scope", policy)
-    off = not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain() or transformed()
-    if off or recording():
-        yield
-        return
     if offloader is not None and not isinstance(offloader, Offloader):
         raise RematTypeError(
             message(
@@ -385,6 +381,10 @@ def scope(
                 "pass remat.Offloader(link=..., prefetch=...) or leave it out",
             )
         )
+    off = not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain() or transformed()
+    if off or recording():
+        yield
+        return
     tape = Tape(RecomputeAll() if policy is None else policy, offloader)
     if policy is not None:
         tape.paths = ModulePaths()

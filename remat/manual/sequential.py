@@ -111,8 +111,13 @@ def checkpoint_sequential(
                 "functions must be a non-empty sequence of callables (modules, not their classes)",
                 f"got the classes {', '.join(classes)}"
                 if classes
-                else f"got {len(layers)} items"
-                if iterable
+                else f"got {len(layers)} items, not callable: "
+                + ", ".join(sorted({type(m).__name__ for m in layers if not callable(m)}))
+                if layers and not isinstance(functions, (str, bytes))
+                else f"got an empty {type(functions).__name__}"
+                if iterable and not layers
+                else f"got {functions!r}"[:120]
+                if isinstance(functions, (int, float, str, bytes))
                 else f"got a {type(functions).__name__}",
                 "pass an nn.Sequential or a list of modules",
             )

@@ -24,7 +24,7 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._files import read_json, writable, write_text
-from remat._units import format_bytes
+from remat._units import format_bytes, whole
 from remat.pipeline.schedule import Schedule, build
 from remat.pipeline.split import check_modules, children_of
 from remat.pipeline.stage_plan import StagePlan
@@ -126,6 +126,7 @@ class PipelinePlan:
         from remat.pipeline.execute import pipeline_stages
 
         api = "pipeline.PipelinePlan.stages"
+        rank = whole(rank)
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise RematTypeError(
                 message(api, "rank is a whole number", f"got {rank!r}", "pass dist.get_rank()")

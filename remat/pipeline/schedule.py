@@ -258,8 +258,9 @@ def build(
         raise RematValueError(
             message(api, "unknown schedule", repr(name), f"use one of {', '.join(SCHEDULES)}")
         )
+    ranks = "n_stages" if api == "pipeline.plan" else "n_ranks"  # the caller's name for it
     for what, value in (
-        ("n_stages", n_ranks),
+        (ranks, n_ranks),
         ("n_microbatches", n_microbatches),
         ("stages_per_rank", stages_per_rank),
     ):
@@ -267,12 +268,12 @@ def build(
             raise RematTypeError(
                 message(api, f"{what} is a whole number", f"{what}={value!r}", f"pass e.g. {what}=2")
             )
-    if n_ranks < 1 or n_microbatches < 1:
+    if n_ranks < 1 or n_microbatches < 1 or stages_per_rank < 1:
         raise RematValueError(
             message(
                 api,
-                "stages and micro-batches must be positive",
-                f"n_stages={n_ranks}, n_microbatches={n_microbatches}",
+                "stages, micro-batches and stages per rank must be positive",
+                f"{ranks}={n_ranks}, n_microbatches={n_microbatches}, stages_per_rank={stages_per_rank}",
                 "pass at least one of each",
             )
         )
@@ -282,7 +283,7 @@ def build(
                 api,
                 f"a schedule holds at most {_MOST_ACTIONS} actions (each a stage's forward or backward "
                 "on one micro-batch)",
-                f"n_stages={n_ranks}, stages_per_rank={stages_per_rank}, n_microbatches={n_microbatches}",
+                f"{ranks}={n_ranks}, stages_per_rank={stages_per_rank}, n_microbatches={n_microbatches}",
                 "pass fewer micro-batches: a pipeline needs a few per stage",
             )
         )
@@ -295,7 +296,7 @@ def build(
                 "pass stages_per_rank=2",
             )
         )
-    if stages_per_rank < 1 or (stages_per_rank > 1 and name not in ("interleaved-1f1b", "zbv")):
+    if stages_per_rank > 1 and name not in ("interleaved-1f1b", "zbv"):
         raise RematValueError(
             message(
                 api,

@@ -16,6 +16,7 @@ from torch import nn
 
 from remat._errors import RematTypeError, RematValueError
 from remat._units import parse_budget
+from remat._units import whole as as_whole
 from remat.planner.search import fail
 
 MIN: Final = "min"
@@ -46,6 +47,7 @@ def check_step(model: object, loss_fn: object, repeats: object) -> None:
             "pass loss_fn(model, *inputs)",
             RematTypeError,
         )
+    repeats = as_whole(repeats)  # NumPy's integers as Python's
     whole = isinstance(repeats, int) and not isinstance(repeats, bool)
     if not whole or repeats < 1:  # type: ignore[operator]
         raise fail(

@@ -25,7 +25,7 @@ from torch import nn
 from remat._errors import RematTypeError, RematValueError, message
 from remat._files import read_json, writable, write_text
 from remat._modules import parameters
-from remat._units import format_bytes
+from remat._units import format_bytes, whole
 from remat.host.link import Link
 from remat.manual.fused import ReplayMode
 from remat.planner.execute import Check, apply
@@ -104,6 +104,7 @@ class Plan:
 
     def region_of(self, position: int) -> Region | None:
         """The region op ``position`` runs in, or None."""
+        position = whole(position)
         if isinstance(position, bool) or not isinstance(position, int):
             rule = "an op's position is a whole number (its index among the traced forward's ops)"
             raise RematTypeError(message("plan.region_of", rule, f"got {position!r}", "pass e.g. 0"))

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat._errors import RematTypeError, RematValueError, message
 from remat._state import untouched
+from remat._units import whole
 from remat.trace import cost
 from remat.trace.let_go import with_let_go
 from remat.trace.recorder import Recorder
@@ -128,6 +129,7 @@ def _check(
     repeats: object, loss_fn: object, optimizer: object, name: object, progress: object, scratch: object
 ) -> None:
     """The keywords' types and ranges, before anything runs."""
+    repeats = whole(repeats)
     if isinstance(repeats, bool) or not isinstance(repeats, int):
         raise _wrong("repeats is a whole number of at least 1", repeats, "pass 1 or more")
     if repeats < 1:

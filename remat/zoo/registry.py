@@ -18,6 +18,7 @@ from torch import nn
 
 from remat._arguments import device_of
 from remat._errors import RematTypeError, RematValueError, message
+from remat._units import whole
 
 __all__ = ["Workload", "ZooModel", "build", "get", "names", "register"]
 
@@ -102,6 +103,7 @@ def build(
             raise RematTypeError(
                 message("zoo.build", f"{what} is True or False", f"got {flag!r}", f"pass {what}=True")
             )
+    seed = whole(seed)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise RematTypeError(
             message("zoo.build", "seed is a whole number", f"got {seed!r}", "pass e.g. seed=0")
@@ -136,6 +138,7 @@ def build(
 
 
 def _positive(what: str, value: object) -> int:
+    value = whole(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise RematTypeError(
             message(

@@ -235,7 +235,7 @@ def test_more_refusals_say_what_to_do(example, plain, tmp_path: Path) -> None:
         RematValueError, match=r"unknown balance \('size'\); use one of auto, step, time, memory"
     ):
         _plan(example, "1GB", boundaries=None, balance_by="size")
-    with pytest.raises(RematValueError, match=r"stages and micro-batches must be positive"):
+    with pytest.raises(RematValueError, match=r"stages, micro-batches and stages per rank must be positive"):
         _plan(example, "1GB", schedule="gpipe", n_microbatches=0)
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(
