@@ -35,6 +35,14 @@ def _pipeline(model: object) -> Any:
     )  # type: ignore[arg-type]
 
 
+def _chain_pipeline() -> Any:
+    """A pipeline plan of two stages over a chain of two tanh layers."""
+    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    y = torch.randn(4, 8)
+    loss = lambda o, t: (o - t).pow(2).mean()  # noqa: E731
+    return pp.plan(chain, y, n_stages=2, n_microbatches=2, budget_per_rank="1MB", loss_fn=loss, target=y)
+
+
 CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     (
         "checkpoint a class",
@@ -264,17 +272,7 @@ def test_a_plan_refuses_a_position_a_table_file_and_a_stage_device_that_are_not_
             torch.randn(8).sum()
         remat.memory.plot({"a": tracked}, tmp_path)
     assert not os.path.exists(f"{tmp_path}.png")
-    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
-    y = torch.randn(4, 8)
-    pipe = pp.plan(
-        chain,
-        y,
-        n_stages=2,
-        n_microbatches=2,
-        budget_per_rank="1MB",
-        loss_fn=lambda o, t: (o - t).pow(2).mean(),
-        target=y,
-    )
+    pipe = _chain_pipeline()
     for rank, device, pattern in (
         ("0", "cpu", r"rank is a whole number \(got '0'\)"),
         (0, "xyz", r"device is a torch device \(got 'xyz'\)"),
@@ -456,17 +454,7 @@ def test_damaged_plan_files_and_a_closed_stream_are_refused() -> None:
 def test_damaged_pipeline_plan_files_and_stages_that_are_not_torchs_are_refused() -> None:
     import copy
 
-    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
-    y = torch.randn(4, 8)
-    pipe = pp.plan(
-        chain,
-        y,
-        n_stages=2,
-        n_microbatches=2,
-        budget_per_rank="1MB",
-        loss_fn=lambda o, t: (o - t).pow(2).mean(),
-        target=y,
-    )
+    pipe = _chain_pipeline()
     with pytest.raises(RematTypeError, match=r"remat\.pipeline\.PipelinePlan\.schedule: stages are torch"):
         pipe.schedule([1], lambda o, t: o.sum())
     body = pipe.to_json()
