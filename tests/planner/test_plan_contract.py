@@ -374,7 +374,7 @@ def test_a_plan_file_with_kept_positions_outside_their_region_is_refused(save: s
     [
         ("budget_bytes", "abc", "budget_bytes must be a byte count"),
         ("predicted_peak_bytes", -5, "predicted_peak_bytes must be a byte count"),
-        ("gap", "x", "gap must be a number"),
+        ("gap", "x", "gap must be a finite number"),
         ("notes", 3, "notes must be text"),
         ("modules", "ints", "modules must list names"),  # loaded, and explain() crashed on them
         ("regions", "named 7", "a region's name must be a string"),
