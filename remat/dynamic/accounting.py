@@ -376,7 +376,9 @@ class AccountingBackend:
         expected = self.runtime.graph.nbytes[storage]
         if aligned(content.nbytes()) not in (expected, self.made_less.get(storage)):
             raise RecomputationError(
-                f"recomputing storage {storage} gave {content.nbytes()} bytes instead of {expected}"
+                f"remat.dynamic: an op run again made another size than its first run (storage "
+                f"{storage}: {content.nbytes()} bytes, {expected} the first time); it reads state "
+                "its arguments do not carry: run it under remat.plainly(), and please report the op"
             )
         # Only the current version of a storage the program still holds goes back under the
         # program's storage; a dead or handed-over one (NOTE [hand-over]) stays private.

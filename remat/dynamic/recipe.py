@@ -132,7 +132,12 @@ class Recipe(NamedTuple):
     ``outputs[i]`` is the index of the op's ``i``-th fresh output among its results
     (``engine.result_leaves``);
     ``generators`` holds the flat position, device and state before the run of each explicit
-    generator."""
+    generator.
+
+    NOTE [ops as they ran] The runtime meets an op below autocast, which has already cast its
+    arguments: it runs (and sizes) the op again with autocast off, else an op run again inside the
+    program's autocast (while another op is being dispatched) would be cast once more, to another
+    dtype and size than the first run's."""
 
     func: Any
     returns: tuple[bool, ...]  # per return of the schema: a new tensor
@@ -160,7 +165,8 @@ class Recipe(NamedTuple):
         args, kwargs = self.arguments(
             lambda s: torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta")
         )
-        return self.func(*args, **kwargs)
+        with torch._C._DisableAutocast():  # NOTE [ops as they ran]
+            return self.func(*args, **kwargs)
 
     def run(
         self,
@@ -187,7 +193,7 @@ class Recipe(NamedTuple):
                     args[i] = args[i].clone()
         func = self.func if overload is None else overload
         rng = aten.replayed(self.rng) if self.rng is not None else contextlib.nullcontext()
-        with rng, torch.set_grad_enabled(self.grad):
+        with rng, torch.set_grad_enabled(self.grad), torch._C._DisableAutocast():
             start = time.perf_counter()
             out = func(*args, **kwargs, **(outs or {}))
             return out, time.perf_counter() - start

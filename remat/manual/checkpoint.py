@@ -55,7 +55,7 @@ from remat.manual.plainly import plain
 from remat.manual.reach import held
 from remat.manual.scope import joining, recording
 from remat.manual.selective import Recording, Replaying, SaveCache
-from remat.manual.traced import outside_transforms, transformed, under_compile
+from remat.manual.traced import compiled_frames, eagerly, outside_transforms, transformed, under_compile
 from remat.policy import Policy, RecomputeAll
 
 __all__ = ["checkpoint", "checkpointed", "run"]
@@ -207,7 +207,7 @@ class _Frame:
                 outside_transforms(),
                 replay if replay is not None else contextlib.nullcontext(),
             ):
-                self.fn(*args, **kwargs)
+                eagerly(self.fn, args, kwargs)
         except _StopRecomputation:
             pass
         except RematError:
@@ -262,7 +262,7 @@ def run(
 ) -> Any:
     """Run one checkpointed call (no argument checks; the forms of ``checkpoint`` end here)."""
     off = not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or plain()
-    if not off and torch.compiler.is_compiling():  # NOTE [under torch.compile] (``transformed`` reads on)
+    if not off and (torch.compiler.is_compiling() or compiled_frames()):  # NOTE [under torch.compile]
         again = functools.partial(run, fn, args, kwargs, policy, check, preserve_rng, offloader, root)
         return under_compile(fn, args, kwargs, policy, preserve_rng, again)
     if off or transformed():

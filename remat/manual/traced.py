@@ -10,6 +10,17 @@ eagerly outside the graph (a graph break), exact but not compiled. ``run`` asks 
 asks ``transformed``: while Dynamo traces, the functorch interpreter stack reads as not empty, and
 the call ran as a plain one, keeping everything it saved.
 
+Dynamo may also run a frame eagerly while it still compiles the frames that frame calls: the code
+after a graph break once it has passed ``torch._dynamo.config.recompile_limit`` (``run`` breaks the
+graph, and every checkpointed call of every model shares its code, so a model whose blocks are
+called with differing arguments reaches the limit), or a function it skips. ``is_compiling`` reads
+off there, but the checkpointed function's own frame would be compiled in forward, saving the
+compiled graph's tensors, and run again in backward some other way: an error where their shapes
+differ, wrong gradients where they agree. Where Dynamo's frame callback is set (``compiled_frames``)
+the call is remat's eager one with Dynamo off for every frame below it (``torch.compiler.disable``),
+and the run again in backward, met where the callback is set (a ``backward`` called inside a
+compiled function), runs with Dynamo off too (``eagerly``).
+
 Under ``torch.func``'s transforms (``vmap``, ``grad``, ``jvp``) and forward-mode AD, which carry
 their own derivatives, the call runs as it is (``transformed``), as under ``no_grad``: remat's
 anchor of the inputs is an ``autograd.Function`` those transforms refuse (torch's error, deep inside).
@@ -39,6 +50,8 @@ def under_compile(
 ) -> Any:
     """The call ``fn(*args, **kwargs)`` checkpointed while Dynamo traces it; ``eager()`` runs remat's
     own form of it."""
+    if not torch.compiler.is_compiling():  # a frame Dynamo runs eagerly: NOTE [under torch.compile]
+        return _outside_the_graph(eager)
     if policy is None or isinstance(policy, RecomputeAll):
         return torch.utils.checkpoint.checkpoint(
             fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **kwargs
@@ -49,6 +62,19 @@ def under_compile(
 @torch.compiler.disable
 def _outside_the_graph(eager: Callable[[], Any]) -> Any:
     return eager()
+
+
+def compiled_frames() -> bool:
+    """Whether Dynamo would compile the frames called from here (NOTE [under torch.compile])."""
+    return _callback() not in (None, False)
+
+
+_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def eagerly(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` with no frame below it compiled, where Dynamo would compile them."""
+    return torch.compiler.disable(fn)(*args, **kwargs) if compiled_frames() else fn(*args, **kwargs)
 
 
 def transformed() -> bool:

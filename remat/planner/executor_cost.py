@@ -118,8 +118,9 @@ def _rounds(
 
 def calibrate(device: torch.device | str = "cpu") -> ExecutorCost:
     """Measure the executor's per-op figures on ``device`` (see the module doc); about a second on
-    a CPU. The model's parameters and batch-norm statistics are its own, and the global RNG is not
-    drawn from."""
+    a CPU. The model's parameters and batch-norm statistics are its own, the global RNG is not
+    drawn from, and the caller's autocast does not apply (its cast cache would hand the capture's
+    casts to the runs measured after it, which would then not run the ops the capture traced)."""
     dev = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
@@ -129,7 +130,8 @@ def calibrate(device: torch.device | str = "cpu") -> ExecutorCost:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _calibrate(model, x)
+        with torch.autocast(dev.type, enabled=False):
+            return _calibrate(model, x)
     finally:
         torch.set_num_threads(threads)
 

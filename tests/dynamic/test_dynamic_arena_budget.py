@@ -117,8 +117,9 @@ def test_tensors_read_mid_step_that_take_the_reserve_are_named() -> None:
     with (
         pytest.raises(
             RematValueError,
-            match=BESIDE + r".*, where tensors first read mid-step already hold .*, .* more than the reserve\); "
-            r"raise the reserve by \d+ bytes or more, name the tensors read mid-step in keep",
+            match=BESIDE + r".*, where tensors first read mid-step already hold .*, "
+            r".* more than the reserve\); raise the reserve by \d+ bytes or more, "
+            r"name the tensors read mid-step in keep",
         ),
         region,
     ):

@@ -19,6 +19,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import remat
 from remat import RecomputationError
+from remat.manual import checkpoint as checkpoint_module
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
@@ -307,6 +308,30 @@ def test_a_checkpoint_inside_a_compiled_function_keeps_less_than_a_plain_call() 
     assert compiled < kept and torch.equal(grad, expected)
     _, grad = peak(Asked())
     assert torch.equal(grad, expected) and {"0", "1", "2"} <= set(asked)
+
+
+def test_a_checkpoint_dynamo_runs_eagerly_while_it_compiles_what_it_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its recompile limit Dynamo runs the code after ``run``'s graph break eagerly but still
+    compiles the frames it calls (a T5's blocks, each called with other arguments, reached the
+    limit): the function's compiled forward saved other tensors than its eager run again made. Run
+    here as ``run`` made a frame Dynamo skips and does not recurse from: the call is remat's eager
+    one with Dynamo off below it."""
+    skipped = torch.compiler.disable(checkpoint_module.run, recursive=False)
+    monkeypatch.setattr(checkpoint_module, "run", skipped)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    block(x).pow(2).sum().backward()
+    tensors = [*block.parameters(), x]
+    expected = [t.grad.clone() for t in tensors]  # type: ignore[union-attr]
+    for t in tensors:
+        t.grad = None
+    torch._dynamo.reset()
+    torch.compile(lambda h: remat.checkpoint(block, h).pow(2).sum(), backend="aot_eager")(x).backward()
+    assert all(torch.equal(t.grad, e) for t, e in zip(tensors, expected, strict=True))  # type: ignore[arg-type]
+    torch._dynamo.reset()
 
 
 class _OwnMask(nn.Module):

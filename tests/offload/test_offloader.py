@@ -284,9 +284,7 @@ def test_a_host_budget_too_small_for_a_checkpoint_and_a_bad_threshold_are_clear_
     offloader = Offloader(host_budget="4KiB")
     with pytest.raises(remat.RematRuntimeError, match=r"remat\.offload: the host budget is too small"):
         remat.checkpoint(net, torch.randn(32, 64), policy=remat.OffloadLarger(1), offloader=offloader)
-    with pytest.raises(
-        remat.RematValueError, match=r"remat\.policy: a size is 0 bytes or more \(got -1\)"
-    ):
+    with pytest.raises(remat.RematValueError, match=r"remat\.policy: a size is 0 bytes or more \(got -1\)"):
         remat.OffloadLarger(-1)
 
 

@@ -8,6 +8,7 @@ import io
 import math
 
 import pytest
+import torch
 from plans import _traced
 
 import remat
@@ -31,6 +32,17 @@ def test_calibration_gives_positive_finite_figures_once_per_device() -> None:
     for value in (figures.record, figures.replay, figures.offload):
         assert math.isfinite(value) and value >= 0
     assert measured("cpu") is measured("cpu")
+
+
+def test_calibration_inside_the_callers_autocast() -> None:
+    """``remat.plan`` inside ``torch.autocast`` calibrates there on its first plan of a process:
+    autocast's cast cache handed the capture's weight casts to the runs after it, which then did not
+    run the ops the capture traced ("the model's forward diverged"). The caller's autocast does not
+    apply to the calibration now."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        figures = calibrate("cpu")
+        assert torch.is_autocast_enabled("cpu")
+    assert math.isfinite(figures.check) and figures.check > 0
 
 
 def test_a_figure_must_be_finite_and_not_negative() -> None:
