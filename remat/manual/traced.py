@@ -10,16 +10,17 @@ eagerly outside the graph (a graph break), exact but not compiled. ``run`` asks 
 asks ``transformed``: while Dynamo traces, the functorch interpreter stack reads as not empty, and
 the call ran as a plain one, keeping everything it saved.
 
-Dynamo may also run a frame eagerly while it still compiles the frames that frame calls: the code
+Dynamo may also run a frame eagerly while the frames it calls still run compiled code: the code
 after a graph break once it has passed ``torch._dynamo.config.recompile_limit`` (``run`` breaks the
 graph, and every checkpointed call of every model shares its code, so a model whose blocks are
-called with differing arguments reaches the limit), or a function it skips. ``is_compiling`` reads
-off there, but the checkpointed function's own frame would be compiled in forward, saving the
-compiled graph's tensors, and run again in backward some other way: an error where their shapes
-differ, wrong gradients where they agree. Where Dynamo's frame callback is set (``compiled_frames``)
-the call is remat's eager one with Dynamo off for every frame below it (``torch.compiler.disable``),
-and the run again in backward, met where the callback is set (a ``backward`` called inside a
-compiled function), runs with Dynamo off too (``eagerly``).
+called with differing arguments reaches the limit), or a function it skips. Its frame callback is
+then set: to compile the frames below, or (False) to run the code compiled for them before, where
+their guards pass. ``is_compiling`` reads off there, but the checkpointed function could run
+compiled in forward, saving the compiled graph's tensors, and run again otherwise in backward: an
+error where their shapes differ, wrong gradients where they agree. Where the callback is set
+(``compiled_frames``) the call is remat's eager one with Dynamo off for every frame below it
+(``torch.compiler.disable``), and the run again in backward, met where the callback is set (a
+``backward`` called inside a compiled function), runs with Dynamo off too (``eagerly``).
 
 Under ``torch.func``'s transforms (``vmap``, ``grad``, ``jvp``) and forward-mode AD, which carry
 their own derivatives, the call runs as it is (``transformed``), as under ``no_grad``: remat's
@@ -65,8 +66,10 @@ def _outside_the_graph(eager: Callable[[], Any]) -> Any:
 
 
 def compiled_frames() -> bool:
-    """Whether Dynamo would compile the frames called from here (NOTE [under torch.compile])."""
-    return _callback() not in (None, False)
+    """Whether the frames called from here may run compiled code: Dynamo's frame callback is set, to
+    compile them, or (False) to run the code it compiled for them before (NOTE [under
+    torch.compile])."""
+    return _callback() is not None
 
 
 _callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
