@@ -182,9 +182,10 @@ class Buffers:
 
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
-        """Within the block, buffer updates by any module's forward, and by the roots, go to
-        throwaway copies, which start from the values the region's forward read; of a module whose
-        writes the forward noted, only the buffers it wrote are copied. The hook is the process's,
+        """Within the block, buffer updates by any module's forward, by the roots, and to the
+        buffers the forward wrote go to throwaway copies, which start from the values the region's
+        forward read; of a module whose writes the forward noted, only the buffers it wrote are
+        copied. The hook is the process's,
         but only this thread's module calls are the recomputation's: another thread's forward
         running meanwhile (a model trained beside this one) updates its buffers as usual."""
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -206,8 +207,11 @@ class Buffers:
 
         handle = nn.modules.module.register_module_forward_pre_hook(swap)
         try:
-            for root in self.roots:
-                swap(root, ())
+            # the roots, and every module whose buffers the forward wrote, at once: code may write
+            # a module's buffers without calling its forward (a closure's ``self.ema.mul_(...)``)
+            wrote = {key[0] for key in self.written}
+            for module in (*self.roots, *(m for m in self.modules if id(m) in wrote)):
+                swap(module, ())
             yield
         finally:
             handle.remove()

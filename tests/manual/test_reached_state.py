@@ -209,3 +209,41 @@ def test_a_gone_parameter_of_a_module_not_run_is_put_back_in_its_place() -> None
     plain = x.detach().requires_grad_()
     model["body"](plain).tanh().sum().backward()
     assert torch.equal(x.grad, plain.grad)
+
+
+class _Tracked(nn.Module):
+    """A module whose forward checkpoints a function closing over it, which writes the module's
+    buffers in place without calling a module's forward (a step count, a moving average it then
+    reads)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("average", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor, form: str, policy: remat.Policy | None) -> torch.Tensor:
+        def inner(x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.lin(x))
+            self.count += 1
+            self.average.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+            return h * (1 + self.average)
+
+        return remat.checkpoint(inner, x, policy=policy) if form == "checkpoint" else inner(x)
+
+
+@pytest.mark.parametrize("policy", [None, remat.SaveComputeIntensive()])
+def test_buffers_a_closure_writes_without_a_forward_are_shielded(policy: remat.Policy | None) -> None:
+    """The recomputation wrote them again (a count of 2) and read the average the forward left
+    (other gradients): only a module's forward pre-hook swapped a closure's modules' buffers."""
+    models = []
+    for form in ("plain", "checkpoint"):
+        torch.manual_seed(0)
+        model, x = _Tracked(16), torch.randn(8, 16)
+        model(x, form, policy).square().sum().backward()
+        models.append(model)
+    plain, ours = models
+    assert ours.count.item() == plain.count.item() == 1
+    assert torch.equal(ours.average, plain.average)
+    pairs = zip(ours.parameters(), plain.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)  # type: ignore[arg-type]
