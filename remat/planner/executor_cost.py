@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from remat._errors import RematValueError, message
 from remat.host.link import Link
 from remat.planner.cost_model import ExecutorCost
 from remat.planner.execute import UNCOUNTED, apply
@@ -180,5 +181,17 @@ def _measured(device: str) -> ExecutorCost:
 
 def measured(device: torch.device | str = "cpu") -> ExecutorCost:
     """The executor's per-op figures on ``device``'s kind, calibrated the first time a process asks
-    (``calibrate``) and the same figures after."""
-    return _measured(torch.device(device).type)
+    (``calibrate``) and the same figures after. A kind this machine lacks (a trace captured on a
+    GPU, planned on a CPU) is refused: the figures are measured, not assumed."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    module = getattr(torch, kind, None) if kind not in (None, "cpu") else None
+    if kind is None or (kind != "cpu" and not (module is not None and module.is_available())):
+        rule = "the executor's per-op cost is measured on the step's device, which this machine lacks"
+        hint = "pass executor_cost=remat.planner.ExecutorCost(...) with that device's figures"
+        raise RematValueError(
+            message("plan", rule, f"got {str(device)!r}", hint + " (ExecutorCost() for none)")
+        )
+    return _measured(kind)

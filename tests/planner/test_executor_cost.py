@@ -86,3 +86,22 @@ def test_the_offload_model_charges_each_move_its_host_seconds() -> None:
     charged = evaluate(dataclasses.replace(problem, per_move=0.25), schedule)
     assert charged.total_cost == pytest.approx(free.total_cost + 0.5, rel=1e-12)
     assert (charged.peak_bytes, charged.stall) == (free.peak_bytes, free.stall) == (charged.peak_bytes, 0.0)
+
+
+@pytest.mark.parametrize("device", ["tpu9", "cuda"])
+def test_a_trace_of_a_device_this_machine_lacks_asks_for_the_figures(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace captured on a GPU and planned on a CPU: its device's figures cannot be measured here
+    (torch's "Torch not compiled with CUDA enabled" or "Invalid device string" came out instead).
+    The tests' plans leave the executor out (``conftest``); this one asks for the measured figures."""
+    monkeypatch.setattr(remat.planner.frontier, "measured", measured)
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has the device")
+    with pytest.raises(RematValueError, match=r"remat\.plan: the executor's per-op cost is measured"):
+        measured(device)
+    trace, base, low = _traced("gpt2")
+    trace, budget = dataclasses.replace(trace, device=device), (low + base) // 2
+    with pytest.raises(RematValueError, match=rf"this machine lacks \(got '{device}'\); pass executor_cost="):
+        plan_trace(trace, budget)
+    assert plan_trace(trace, budget, executor_cost=FIXED).predicted_peak_bytes <= budget
