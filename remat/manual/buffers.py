@@ -185,9 +185,9 @@ class Buffers:
         """Within the block, buffer updates by any module's forward, by the roots, and to the
         buffers the forward wrote go to throwaway copies, which start from the values the region's
         forward read; of a module whose writes the forward noted, only the buffers it wrote are
-        copied. The hook is the process's,
-        but only this thread's module calls are the recomputation's: another thread's forward
-        running meanwhile (a model trained beside this one) updates its buffers as usual."""
+        copied. The hook is the process's, but only this thread's module calls are the
+        recomputation's: another thread's forward running meanwhile (a model trained beside this
+        one) updates its buffers as usual."""
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
         done: set[int] = set()
         owner = threading.get_ident()
