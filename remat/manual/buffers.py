@@ -161,6 +161,7 @@ class Buffers:
         self.modules, self.roots = modules, roots
         self.before: dict[tuple[int, str], torch.Tensor] = {}  # (id(module), name) -> value before
         self.written: set[tuple[int, str]] = set()  # what the forward wrote: the buffers to shield
+        self.moved: set[int] = set()  # modules with a buffer the forward was seen to write
         self.seen = {id(m) for m in modules if m._buffers}  # modules whose writes are known
 
     @contextlib.contextmanager
@@ -175,8 +176,11 @@ class Buffers:
             ]
         yield
         for module, name, buf, version, copy in noted:
-            if module._buffers.get(name) is not buf or buf._version != version or _hidden(module, name):
+            seen = module._buffers.get(name) is not buf or buf._version != version
+            if seen or _hidden(module, name):  # batch norm's statistics: hidden, maybe not run
                 self.written.add((id(module), name))
+                if seen:
+                    self.moved.add(id(module))
                 if copy is not None:
                     self.before[(id(module), name)] = copy
 
@@ -207,10 +211,9 @@ class Buffers:
 
         handle = nn.modules.module.register_module_forward_pre_hook(swap)
         try:
-            # the roots, and every module whose buffers the forward wrote, at once: code may write
-            # a module's buffers without calling its forward (a closure's ``self.ema.mul_(...)``)
-            wrote = {key[0] for key in self.written}
-            for module in (*self.roots, *(m for m in self.modules if id(m) in wrote)):
+            # the roots, and every module the forward was seen to write a buffer of, at once: code
+            # may write a module's buffers without calling its forward (``self.ema.mul_(...)``)
+            for module in (*self.roots, *(m for m in self.modules if id(m) in self.moved)):
                 swap(module, ())
             yield
         finally:
